@@ -1,0 +1,39 @@
+"""The `kvtier` command group for the cache itself (the ops commands are added in ops.cli)."""
+
+from __future__ import annotations
+
+import click
+
+from kvtier import __version__
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(__version__, prog_name="kvtier")
+def cli() -> None:
+    """kvtier: keep every agent session's KV cache in the right tier (GPU, host RAM, SSD).
+
+    \b
+    Main job:   kvtier serve            OpenAI-compatible server with the tiered cache
+    Load:       kvtier loadgen          a fleet of agent sessions against a server
+    Planning:   kvtier plan             how many sessions fit in each tier
+    Storage:    kvtier l3 ...           inspect, check and maintain the SSD tier
+    Host:       kvtier doctor           check this host against the recommended tuning
+    Metrics:    kvtier exporter         standalone Prometheus exporter
+    """
+
+
+def register(group: click.Group) -> None:
+    """Attach the cache's subcommands. Each lives in its own module to keep modules small."""
+    import importlib
+
+    for name in ("l3", "plan", "loadgen", "smoke"):
+        try:
+            module = importlib.import_module(f"kvtier.cli.{name}")
+        except ModuleNotFoundError as exc:  # a command whose module does not exist yet
+            if exc.name == f"kvtier.cli.{name}":
+                continue
+            raise
+        group.add_command(module.command)
+
+
+register(cli)

@@ -1,0 +1,35 @@
+"""The `kvtier` console script: the cache's commands plus the operations commands.
+
+The entry point lives in ops because it composes both packages: kvtier must never import ops,
+so the wiring that needs both (serve with host metrics, doctor, exporter) sits here.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import click
+
+from kvtier.cli import cli
+
+
+def _register_ops(group: click.Group) -> None:
+    for name in ("doctor", "exporter", "serve"):
+        try:
+            module = importlib.import_module(f"ops.commands.{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name == f"ops.commands.{name}":
+                continue
+            raise
+        group.add_command(module.command)
+
+
+_register_ops(cli)
+
+
+def main() -> None:
+    cli(prog_name="kvtier")
+
+
+if __name__ == "__main__":
+    main()

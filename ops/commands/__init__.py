@@ -1,0 +1,1 @@
+"""Click commands of the ops side of the `kvtier` CLI (one module per command)."""

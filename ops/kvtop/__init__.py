@@ -1,0 +1,1 @@
+"""kvtop: the live terminal view of every tier, session and host signal."""
