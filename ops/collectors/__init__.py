@@ -1,0 +1,1 @@
+"""Host collectors: thin readers of /proc, /sys and NVML around the pure parsers."""
