@@ -1,0 +1,157 @@
+"""Cache-side collector: one `CacheSnapshot` in, fresh Prometheus metric families out.
+
+The snapshot function is called once per scrape and nothing is kept between scrapes, so two
+Prometheus servers scraping the same process see the same numbers (client_python's
+gc_collector pattern). Metric names and labels follow DESIGN.md section 7 and docs/metrics.md.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+
+from kvtier.snapshot import RESTORE_BUCKETS, CacheSnapshot
+from kvtier.types import RestoreSource, SessionState
+
+SnapshotFn = Callable[[], CacheSnapshot]
+
+# Label values that always appear (as 0 when the snapshot omits them), so that a panel or rule
+# on e.g. `kvtier_sessions{state="hibernated"}` has a series from the first scrape.
+_STATES = tuple(s.value for s in SessionState if s is not SessionState.CLOSED)
+_SOURCES = tuple(s.value for s in RestoreSource)
+
+
+class CacheCollector(Collector):
+    """Exports a `CacheSnapshot` (from `TieredCache.stats()` or a read-only L3 view)."""
+
+    def __init__(self, snapshot_fn: SnapshotFn) -> None:
+        self._snapshot_fn = snapshot_fn
+
+    def collect(self) -> Iterator[Metric]:
+        yield from families(self._snapshot_fn())
+
+    def describe(self) -> Iterator[Metric]:
+        # Registering must not take a snapshot (the cache may not be built yet), so the
+        # registry learns no names from us; duplicates are impossible inside one family set.
+        return iter(())
+
+
+def families(snap: CacheSnapshot) -> Iterator[Metric]:
+    """Every cache family for one snapshot; always the same names, even for an idle cache."""
+    tier_capacity = GaugeMetricFamily(
+        "kvtier_tier_capacity_bytes", "Byte budget of the tier.", labels=["tier"]
+    )
+    tier_used = GaugeMetricFamily(
+        "kvtier_tier_used_bytes", "Bytes of KV held in the tier.", labels=["tier"]
+    )
+    tier_chunks = GaugeMetricFamily(
+        "kvtier_tier_chunks", "Chunks held in the tier.", labels=["tier"]
+    )
+    tier_hits = CounterMetricFamily(
+        "kvtier_tier_hits", "Chunks served from the tier on restore.", labels=["tier"]
+    )
+    tier_misses = CounterMetricFamily(
+        "kvtier_tier_misses", "Chunks looked up in the tier and not found.", labels=["tier"]
+    )
+    tier_evictions = CounterMetricFamily(
+        "kvtier_tier_evictions", "Chunks evicted from the tier.", labels=["tier"]
+    )
+    for t in snap.tiers:
+        tier_capacity.add_metric([t.tier], t.capacity_bytes)
+        tier_used.add_metric([t.tier], t.used_bytes)
+        tier_chunks.add_metric([t.tier], t.chunks)
+        tier_hits.add_metric([t.tier], t.hits)
+        tier_misses.add_metric([t.tier], t.misses)
+        tier_evictions.add_metric([t.tier], t.evictions)
+    yield from (tier_capacity, tier_used, tier_chunks, tier_hits, tier_misses, tier_evictions)
+
+    sessions = GaugeMetricFamily(
+        "kvtier_sessions", "Sessions by state (active, idle, hibernated).", labels=["state"]
+    )
+    for state, count in _with_zeros(snap.sessions_by_state, _STATES):
+        sessions.add_metric([state], count)
+    yield sessions
+
+    moved = CounterMetricFamily(
+        "kvtier_transfer_bytes", "Bytes copied between tiers.", labels=["src", "dst"]
+    )
+    spent = CounterMetricFamily(
+        "kvtier_transfer_seconds", "Seconds spent copying between tiers.", labels=["src", "dst"]
+    )
+    ops = CounterMetricFamily(
+        "kvtier_transfer_operations", "Copies between tiers.", labels=["src", "dst"]
+    )
+    for x in snap.transfers:
+        moved.add_metric([x.src, x.dst], x.bytes)
+        spent.add_metric([x.src, x.dst], x.seconds)
+        ops.add_metric([x.src, x.dst], x.ops)
+    yield from (moved, spent, ops)
+
+    queues = GaugeMetricFamily(
+        "kvtier_queue_depth", "Jobs waiting in a transfer queue.", labels=["queue"]
+    )
+    for name, depth in snap.queue_depths:
+        queues.add_metric([name], depth)
+    yield queues
+
+    decisions = CounterMetricFamily(
+        "kvtier_restore_decisions",
+        "Restores by chosen source (a tier, or recompute when loading would be slower).",
+        labels=["src"],
+    )
+    for src, count in _with_zeros(snap.restore_decisions, _SOURCES):
+        decisions.add_metric([src], count)
+    yield decisions
+
+    tokens = CounterMetricFamily(
+        "kvtier_restored_tokens", "Tokens restored, by source.", labels=["src"]
+    )
+    for src, count in _with_zeros(snap.restored_tokens, _SOURCES):
+        tokens.add_metric([src], count)
+    yield tokens
+
+    latency = HistogramMetricFamily(
+        "kvtier_restore_duration_seconds",
+        "Time to restore a session's KV, by source.",
+        labels=["src"],
+    )
+    for h in snap.restore_latency:
+        buckets = [(_le(b), float(n)) for b, n in zip(RESTORE_BUCKETS, h.buckets, strict=True)]
+        buckets.append(("+Inf", float(h.count)))
+        latency.add_metric([h.src], buckets, h.sum_seconds)
+    yield latency
+
+    for name, value, doc in (
+        ("kvtier_checksum_failures", snap.checksum_failures, "Chunks whose checksum failed."),
+        ("kvtier_shed_writes", snap.shed_writes, "Write-through copies dropped by a full queue."),
+        ("kvtier_io_errors", snap.io_errors, "I/O errors returned by the L3 device."),
+        ("kvtier_oom_retries", snap.oom_retries, "GPU allocations retried after an OOM."),
+    ):
+        yield CounterMetricFamily(name, doc, value=value)
+
+    yield GaugeMetricFamily(
+        "kvtier_snapshot_timestamp_seconds",
+        "Unix time the cache snapshot was taken.",
+        value=snap.taken_at,
+    )
+
+
+def _with_zeros(
+    pairs: tuple[tuple[str, int], ...], always: tuple[str, ...]
+) -> list[tuple[str, int]]:
+    """`pairs` plus a 0 for each label value in `always` that it lacks, in a stable order."""
+    given = dict(pairs)
+    return [(k, given.get(k, 0)) for k in always] + [(k, v) for k, v in pairs if k not in always]
+
+
+def _le(bound: float) -> str:
+    """Bucket bound as Prometheus prints it (`0.005`, `1.0`, `+Inf`)."""
+    return "+Inf" if math.isinf(bound) else repr(float(bound))
