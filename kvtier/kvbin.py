@@ -1,0 +1,306 @@
+"""The .kvbin v1 chunk format (DESIGN.md section 5): a pure codec of the 4096-byte header.
+
+A file is this header followed by the payload, padded with zeros to a multiple of 4096 so that
+the payload can be read with O_DIRECT straight into an aligned buffer. docs/kvbin-format.md
+describes every byte. This module does no I/O: the store in kvtier.tiers.l3 does.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+import zlib
+from dataclasses import dataclass
+from typing import Any
+
+from kvtier.errors import ChecksumMismatch, KvbinFormatError, UnsupportedVersion
+
+_crc32c: Any
+try:  # hardware-accelerated CRC-32C (SSE4.2 / ARMv8 CRC); optional, see CHECKSUMS below
+    import crc32c as _crc32c
+except ImportError:  # pragma: no cover - exercised on machines without the package
+    _crc32c = None
+
+MAGIC = b"\x89KVBIN\r\n"  # 0x89 catches 7-bit transfers, CR LF catches newline translation
+FORMAT_VERSION = 1
+HEADER_SIZE = 4096
+ALIGN = 4096
+KEY_SIZE = 16
+TENANT_MAX = 64
+CODEC_PARAMS_MAX = 256
+
+DTYPES: tuple[str, ...] = ("bfloat16", "float16", "float32")  # code = index + 1
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+CODECS: tuple[str, ...] = ("native", "int8", "fp8")  # code = index
+COMPRESSIONS: tuple[str, ...] = ("none",)  # code = index; lossless codecs come later
+CHECKSUMS: tuple[str, ...] = ("crc32c", "crc32")  # code = index; crc32 is zlib's (fallback)
+
+# Fixed part of the header, little-endian. Offsets are documented in docs/kvbin-format.md.
+_FIXED = struct.Struct("<8sHHI16s16s16sIIIIBBHIdQII")
+_TENANT_OFF = _FIXED.size  # 112
+_PARAMS_OFF = _TENANT_OFF + TENANT_MAX  # 176
+_USED_END = _PARAMS_OFF + CODEC_PARAMS_MAX  # 432
+_HCRC_OFF = HEADER_SIZE - 4  # 4092: header checksum over bytes [0, 4092)
+_ZERO = bytes(HEADER_SIZE)
+
+# Flag bits (u32 at offset 12).
+_CODEC_SHIFT, _COMPRESSION_SHIFT, _ENCRYPTION_SHIFT, _CHECKSUM_SHIFT = 0, 4, 8, 12
+_NIBBLE = 0xF
+_KNOWN_FLAGS = 0xFFFF  # bits 16..31 are reserved and must be zero in v1
+
+
+def available_checksums() -> tuple[str, ...]:
+    """Checksum algorithms this process can compute, best first."""
+    return CHECKSUMS if _crc32c is not None else ("crc32",)
+
+
+def default_checksum() -> str:
+    """CRC-32C where the accelerated package is importable, else zlib's CRC-32 (also GB/s)."""
+    return available_checksums()[0]
+
+
+def checksum(algo: str, data: Any) -> int:
+    """CRC of any buffer (bytes, memoryview, numpy array) with the named algorithm."""
+    if algo == "crc32c":
+        if _crc32c is None:
+            raise KvbinFormatError(
+                "chunk checksummed with crc32c but the `crc32c` package is not installed; "
+                "install it (pip install crc32c) to read this store"
+            )
+        return int(_crc32c.crc32c(data))
+    if algo == "crc32":
+        return zlib.crc32(data) & 0xFFFFFFFF
+    raise ValueError(f"unknown checksum algorithm {algo!r}; use one of {CHECKSUMS}")
+
+
+def padded(n: int) -> int:
+    """`n` rounded up to the 4096-byte alignment unit."""
+    return -(-n // ALIGN) * ALIGN
+
+
+def file_size(payload_len: int) -> int:
+    """Size of a .kvbin file holding `payload_len` payload bytes."""
+    return HEADER_SIZE + padded(payload_len)
+
+
+@dataclass(frozen=True)
+class ChunkHeader:
+    """Everything the header of a .kvbin file says about its chunk.
+
+    `payload_crc` and `checksum` are filled by `decode` (and by the store after `put`); a header
+    handed to `encode` may leave them at their defaults: encode computes both.
+    """
+
+    key: bytes  # 16 bytes
+    parent: bytes  # 16 bytes, all zero for the first chunk of a sequence
+    fingerprint: bytes  # 16 bytes, the model fingerprint
+    tenant: str  # <= 64 bytes UTF-8
+    tokens: int
+    layers: int
+    kv_heads: int
+    head_dim: int
+    dtype: str  # "bfloat16" | "float16" | "float32"
+    codec: str  # "native" | "int8" | "fp8"
+    codec_params: bytes  # opaque, <= 256 bytes
+    payload_len: int
+    created: float  # unix seconds
+    compression: str = "none"
+    checksum: str = ""  # payload/header checksum algorithm; "" = best available at encode
+    payload_crc: int = 0  # set by decode
+
+    def validate(self) -> None:
+        """Raise KvbinFormatError naming the first field that cannot be stored in v1."""
+        for name in ("key", "parent", "fingerprint"):
+            value = getattr(self, name)
+            if not isinstance(value, (bytes, bytearray)) or len(value) != KEY_SIZE:
+                raise KvbinFormatError(f"{name} must be {KEY_SIZE} bytes, got {value!r:.60}")
+        if not isinstance(self.tenant, str) or len(self.tenant.encode("utf-8")) > TENANT_MAX:
+            raise KvbinFormatError(
+                f"tenant must be a str of at most {TENANT_MAX} UTF-8 bytes; "
+                "hash longer tenant names before storing them"
+            )
+        if "\x00" in self.tenant:
+            raise KvbinFormatError("tenant must not contain NUL characters")
+        for name in ("tokens", "layers", "kv_heads", "head_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or not 0 <= value < 2**32:
+                raise KvbinFormatError(f"{name} must be an int in [0, 2**32), got {value!r}")
+        if self.dtype not in DTYPES:
+            raise KvbinFormatError(f"dtype {self.dtype!r} unknown; use one of {DTYPES}")
+        if self.codec not in CODECS:
+            raise KvbinFormatError(f"codec {self.codec!r} unknown; use one of {CODECS}")
+        if self.compression not in COMPRESSIONS:
+            raise KvbinFormatError(
+                f"compression {self.compression!r} unknown; use one of {COMPRESSIONS}"
+            )
+        if self.checksum and self.checksum not in CHECKSUMS:
+            raise KvbinFormatError(f"checksum {self.checksum!r} unknown; use one of {CHECKSUMS}")
+        if not isinstance(self.codec_params, (bytes, bytearray)) or (
+            len(self.codec_params) > CODEC_PARAMS_MAX
+        ):
+            raise KvbinFormatError(f"codec_params must be bytes of at most {CODEC_PARAMS_MAX}")
+        if not isinstance(self.payload_len, int) or not 0 <= self.payload_len < 2**63:
+            raise KvbinFormatError(
+                f"payload_len must be a non-negative int, got {self.payload_len}"
+            )
+        if not isinstance(self.created, (int, float)) or not math.isfinite(self.created):
+            raise KvbinFormatError(f"created must be finite unix seconds, got {self.created!r}")
+
+
+def encode(header: ChunkHeader, payload_crc: int) -> bytes:
+    """The 4096 header bytes for `header`, whose payload has CRC `payload_crc`.
+
+    The checksum algorithm is `header.checksum`, or the best available when empty.
+    """
+    header.validate()
+    algo = header.checksum or default_checksum()
+    tenant = header.tenant.encode("utf-8")
+    flags = (
+        (CODECS.index(header.codec) << _CODEC_SHIFT)
+        | (COMPRESSIONS.index(header.compression) << _COMPRESSION_SHIFT)
+        | (CHECKSUMS.index(algo) << _CHECKSUM_SHIFT)
+    )
+    buf = bytearray(HEADER_SIZE)
+    _FIXED.pack_into(
+        buf,
+        0,
+        MAGIC,
+        FORMAT_VERSION,
+        HEADER_SIZE // ALIGN,  # header length in 4 KiB units
+        flags,
+        bytes(header.fingerprint),
+        bytes(header.key),
+        bytes(header.parent),
+        header.tokens,
+        header.layers,
+        header.kv_heads,
+        header.head_dim,
+        DTYPES.index(header.dtype) + 1,
+        len(tenant),
+        len(header.codec_params),
+        0,  # reserved
+        float(header.created),
+        header.payload_len,
+        payload_crc & 0xFFFFFFFF,
+        0,  # reserved
+    )
+    buf[_TENANT_OFF : _TENANT_OFF + len(tenant)] = tenant
+    buf[_PARAMS_OFF : _PARAMS_OFF + len(header.codec_params)] = header.codec_params
+    struct.pack_into("<I", buf, _HCRC_OFF, checksum(algo, memoryview(buf)[:_HCRC_OFF]))
+    return bytes(buf)
+
+
+def decode(data: Any) -> ChunkHeader:
+    """Parse and verify the first 4096 bytes of a .kvbin file.
+
+    Raises only KvbinFormatError or its subclasses UnsupportedVersion and ChecksumMismatch,
+    whatever the bytes are. The payload checksum is returned in `payload_crc` for the caller
+    to verify against the payload (see `verify_payload`).
+    """
+    view = memoryview(data).cast("B")
+    if len(view) < HEADER_SIZE:
+        raise KvbinFormatError(
+            f"truncated header: {len(view)} of {HEADER_SIZE} bytes; the file is incomplete"
+        )
+    view = view[:HEADER_SIZE]
+    if bytes(view[:8]) != MAGIC:
+        raise KvbinFormatError(f"bad magic {bytes(view[:8])!r}: not a .kvbin file")
+    (version,) = struct.unpack_from("<H", view, 8)
+    if version != FORMAT_VERSION:
+        raise UnsupportedVersion(
+            f".kvbin format version {version}; this kvtier reads version {FORMAT_VERSION} "
+            "only: upgrade kvtier to read it, or delete the chunk"
+        )
+    (flags,) = struct.unpack_from("<I", view, 12)
+    algo_code = (flags >> _CHECKSUM_SHIFT) & _NIBBLE
+    if algo_code >= len(CHECKSUMS):
+        raise KvbinFormatError(f"unknown checksum algorithm code {algo_code} in flags")
+    algo = CHECKSUMS[algo_code]
+    (stored,) = struct.unpack_from("<I", view, _HCRC_OFF)
+    actual = checksum(algo, view[:_HCRC_OFF])
+    if stored != actual:
+        raise ChecksumMismatch(
+            f"header checksum mismatch ({algo} stored {stored:08x}, computed {actual:08x})"
+        )
+    return _fields(view, flags, algo)
+
+
+def _fields(view: memoryview, flags: int, algo: str) -> ChunkHeader:
+    """Field validation of a header whose checksum is already verified."""
+    (
+        _magic,
+        _version,
+        units,
+        _flags,
+        fingerprint,
+        key,
+        parent,
+        tokens,
+        layers,
+        kv_heads,
+        head_dim,
+        dtype_code,
+        tenant_len,
+        params_len,
+        reserved1,
+        created,
+        payload_len,
+        payload_crc,
+        reserved2,
+    ) = _FIXED.unpack_from(view, 0)
+    if units != HEADER_SIZE // ALIGN:
+        raise KvbinFormatError(f"header length {units} x 4096 unsupported in v1")
+    if flags & ~_KNOWN_FLAGS or reserved1 or reserved2:
+        raise KvbinFormatError(f"reserved flag bits or fields set (flags {flags:08x})")
+    codec_code = (flags >> _CODEC_SHIFT) & _NIBBLE
+    comp_code = (flags >> _COMPRESSION_SHIFT) & _NIBBLE
+    enc_code = (flags >> _ENCRYPTION_SHIFT) & _NIBBLE
+    if codec_code >= len(CODECS):
+        raise KvbinFormatError(f"unknown codec code {codec_code}")
+    if comp_code >= len(COMPRESSIONS):
+        raise KvbinFormatError(f"unknown compression code {comp_code}")
+    if enc_code != 0:
+        raise KvbinFormatError(f"encryption code {enc_code} is not supported by this reader")
+    if not 1 <= dtype_code <= len(DTYPES):
+        raise KvbinFormatError(f"unknown element type code {dtype_code}")
+    if tenant_len > TENANT_MAX or params_len > CODEC_PARAMS_MAX:
+        raise KvbinFormatError(f"tenant length {tenant_len} or codec params {params_len} too long")
+    if payload_len >= 2**63 or not math.isfinite(created):
+        raise KvbinFormatError("impossible payload length or created time")
+    tenant_bytes = bytes(view[_TENANT_OFF : _TENANT_OFF + tenant_len])
+    if any(view[_TENANT_OFF + tenant_len : _PARAMS_OFF]) or any(
+        view[_PARAMS_OFF + params_len : _HCRC_OFF]
+    ):
+        raise KvbinFormatError("non-zero bytes in the header's padding")
+    try:
+        tenant = tenant_bytes.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise KvbinFormatError(f"tenant is not valid UTF-8: {exc}") from None
+    return ChunkHeader(
+        key=key,
+        parent=parent,
+        fingerprint=fingerprint,
+        tenant=tenant,
+        tokens=tokens,
+        layers=layers,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        dtype=DTYPES[dtype_code - 1],
+        codec=CODECS[codec_code],
+        codec_params=bytes(view[_PARAMS_OFF : _PARAMS_OFF + params_len]),
+        payload_len=payload_len,
+        created=created,
+        compression=COMPRESSIONS[comp_code],
+        checksum=algo,
+        payload_crc=payload_crc,
+    )
+
+
+def verify_payload(header: ChunkHeader, payload: Any) -> None:
+    """Raise ChecksumMismatch unless `payload` (exactly payload_len bytes) matches the header."""
+    actual = checksum(header.checksum, payload)
+    if actual != header.payload_crc:
+        raise ChecksumMismatch(
+            f"payload checksum mismatch ({header.checksum} stored {header.payload_crc:08x}, "
+            f"computed {actual:08x})"
+        )

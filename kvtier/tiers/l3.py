@@ -1,0 +1,632 @@
+"""L3: the SSD tier. One checksummed .kvbin file per chunk plus an SQLite index (DESIGN.md §4-5).
+
+Layout: `<root>/{hot,cold}/<2 hex>/<key>.kvbin`, `<root>/index.sqlite`, `<root>/quarantine/`.
+Writes are temp file + fdatasync + rename + directory fsync, so a `put` that returned survives
+kill -9 and power loss. Reads verify the header checksum, the fingerprint and the payload checksum
+before returning; anything corrupt is a typed error, a counter and a quarantined file, never data.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import itertools
+import logging
+import os
+import shutil
+import sqlite3
+import stat
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from kvtier import kvbin
+from kvtier.errors import (
+    ChecksumMismatch,
+    ChunkNotFound,
+    FingerprintMismatch,
+    KvbinFormatError,
+    StoreError,
+    StoreFullError,
+    StoreIOError,
+    UnsafeRootError,
+)
+from kvtier.kvbin import HEADER_SIZE, ChunkHeader
+from kvtier.tiers import l3_io
+from kvtier.tiers.l3_index import ChunkRow, Index, SessionRecord
+
+__all__ = ["L3Stats", "L3Store", "SessionRecord"]
+
+log = logging.getLogger(__name__)
+TIERS = ("hot", "cold")
+_TOUCH_BATCH = 256
+_tmp_seq = itertools.count()
+
+
+@dataclass(frozen=True)
+class L3Stats:
+    """Occupancy and counters of one store (counters are totals since this process opened it)."""
+
+    capacity_bytes: int
+    used_bytes: int
+    chunks: int
+    sessions: int
+    reads: int = 0
+    reads_direct: int = 0  # served with O_DIRECT from the device
+    reads_cached: int = 0  # served through the page cache because the pages were resident
+    reads_buffered: int = 0  # buffered because the filesystem or buffer refused O_DIRECT
+    misses: int = 0
+    writes: int = 0
+    checksum_failures: int = 0
+    format_errors: int = 0
+    fingerprint_mismatches: int = 0
+    quarantined: int = 0
+    full_errors: int = 0  # ENOSPC or size cap
+    io_errors: int = 0
+    evictions: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+    read_seconds: float = 0.0
+    write_seconds: float = 0.0
+
+
+_COUNTERS = tuple(
+    f
+    for f in L3Stats.__dataclass_fields__
+    if f
+    not in ("capacity_bytes", "used_bytes", "chunks", "sessions", "read_seconds", "write_seconds")
+)
+
+
+class L3Store:
+    """A directory of .kvbin chunk files with an SQLite index; see the module docstring."""
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        keep_page_cache: bool = False,
+        max_bytes: int | None = None,
+        read_only: bool = False,
+        direct_io: bool = True,
+        cold_dir: str | os.PathLike[str] | None = None,
+        checksum: str | None = None,
+    ) -> None:
+        self.root = Path(root)
+        self.keep_page_cache = keep_page_cache
+        self.max_bytes = max_bytes
+        self.read_only = read_only
+        self.direct_io = direct_io
+        self.checksum = checksum or kvbin.default_checksum()
+        if self.checksum not in kvbin.available_checksums():
+            raise StoreError(
+                f"checksum {self.checksum!r} is not available here; use one of "
+                f"{kvbin.available_checksums()}"
+            )
+        if max_bytes is not None and max_bytes <= 0:
+            raise StoreError(f"max_bytes must be positive or None, got {max_bytes}")
+        self._dirs = {"hot": self.root / "hot", "cold": Path(cold_dir or self.root / "cold")}
+        self._quarantine = self.root / "quarantine"
+        self._counts = dict.fromkeys(_COUNTERS, 0)
+        self._seconds = {"read_seconds": 0.0, "write_seconds": 0.0}
+        self._lock = threading.Lock()
+        self._local = threading.local()
+        self._touched: dict[bytes, float] = {}
+        self._lockfd: int | None = None
+        self._closed = False
+        self._prepare_root()
+        self.index = Index(self.root, read_only=read_only)
+        if not read_only:
+            self._sweep_temp_files()
+
+    # ---- setup -------------------------------------------------------------------------------
+
+    def _prepare_root(self) -> None:
+        if not self.read_only:
+            self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        _check_safe(self.root, writable=not self.read_only)
+        if self.read_only:
+            return
+        for d in (*self._dirs.values(), self._quarantine):
+            d.mkdir(mode=0o700, parents=True, exist_ok=True)
+            _check_safe(d, writable=True)
+        self._lockfd = os.open(self.root / ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(self._lockfd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._lockfd)
+            self._lockfd = None
+            raise StoreError(
+                f"another process (or another L3Store in this one) has {self.root} open for "
+                "writing; close it first, or open this one with read_only=True"
+            ) from None
+
+    def _sweep_temp_files(self) -> None:
+        """Remove temp files a crashed writer left (we hold the writer lock, so none is live)."""
+        for d in self._dirs.values():
+            for sub in _subdirs(d):
+                for name in os.listdir(sub):
+                    if name.endswith(".tmp"):
+                        with contextlib.suppress(FileNotFoundError):
+                            os.unlink(sub / name)
+
+    def close(self) -> None:
+        """Flush access times and release the index and the writer lock; safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        with contextlib.suppress(sqlite3.Error, StoreError):
+            self._flush_touches()
+        self.index.close()
+        if self._lockfd is not None:
+            os.close(self._lockfd)
+            self._lockfd = None
+
+    def __enter__(self) -> L3Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- paths -------------------------------------------------------------------------------
+
+    def path(self, key: bytes, tier: str = "hot") -> Path:
+        """Where the chunk `key` lives in `tier` (only the key names files)."""
+        h = _hex(key)
+        return self._dirs[tier] / h[:2] / f"{h}.kvbin"
+
+    def dir(self, tier: str) -> Path:
+        return self._dirs[tier]
+
+    @staticmethod
+    def aligned_buffer(nbytes: int) -> memoryview:
+        """A page-aligned buffer (anonymous mmap) that O_DIRECT reads can target."""
+        return l3_io.aligned_buffer(nbytes)
+
+    # ---- writes ------------------------------------------------------------------------------
+
+    def put(self, header: ChunkHeader, payload: Any) -> ChunkHeader:
+        """Store one chunk durably; returns the header as written (with its checksums)."""
+        return self.put_many([(header, payload)])[0]
+
+    def put_many(self, items: Sequence[tuple[ChunkHeader, Any]]) -> list[ChunkHeader]:
+        """Store chunks durably with one fsync per directory and one index commit for all."""
+        self._check_writable()
+        prepared = [self._prepare(h, p) for h, p in items]
+        need = sum(kvbin.file_size(h.payload_len) for h, _ in prepared)
+        self._make_room(need, {h.key for h, _ in prepared})
+        t0 = time.perf_counter()
+        temps: list[tuple[Path, Path]] = []
+        try:
+            for h, view in prepared:
+                temps.append(self._write_temp(h, view))
+            dirs = set()
+            for tmp, final in temps:
+                os.rename(tmp, final)
+                dirs.add(final.parent)
+            for d in dirs:
+                l3_io.fsync_dir(d)
+        except OSError as exc:
+            for tmp, _ in temps:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+            raise self._write_error(exc, prepared[len(temps) - 1][0] if temps else None) from exc
+        now = time.time()
+        rows = [
+            ChunkRow(header=h, tier="hot", size=kvbin.file_size(h.payload_len), last_access=now)
+            for h, _ in prepared
+        ]
+        try:
+            self.index.put_chunks(rows)
+        except sqlite3.Error as exc:
+            # The files are durable but unindexed; remove them so a failed put leaves nothing.
+            for _, final in temps:
+                with contextlib.suppress(OSError):
+                    os.unlink(final)
+            for d in {final.parent for _, final in temps}:
+                with contextlib.suppress(OSError):
+                    l3_io.fsync_dir(d)
+            full = "full" in str(exc).lower()
+            self._count("full_errors" if full else "io_errors")
+            cls = StoreFullError if full else StoreIOError
+            raise cls(
+                f"L3 index update failed ({exc}); the put was undone. "
+                + ("Free space on the L3 filesystem or lower max_bytes." if full else "")
+            ) from exc
+        elapsed = time.perf_counter() - t0
+        with self._lock:
+            self._counts["writes"] += len(rows)
+            self._counts["bytes_written"] += sum(r.size for r in rows)
+            self._seconds["write_seconds"] += elapsed
+        return [h for h, _ in prepared]
+
+    def _prepare(self, header: ChunkHeader, payload: Any) -> tuple[ChunkHeader, memoryview]:
+        view = memoryview(payload)
+        if not view.c_contiguous:
+            raise ValueError("payload must be a C-contiguous buffer")
+        view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
+        if header.payload_len != len(view):
+            raise KvbinFormatError(
+                f"chunk {_hex(header.key)}: header says payload_len={header.payload_len} but the "
+                f"payload has {len(view)} bytes; set payload_len=len(payload)"
+            )
+        algo = header.checksum or self.checksum
+        header = replace(header, checksum=algo, payload_crc=kvbin.checksum(algo, view))
+        header.validate()
+        return header, view
+
+    def _write_temp(self, header: ChunkHeader, view: memoryview) -> tuple[Path, Path]:
+        final = self.path(header.key, "hot")
+        final.parent.mkdir(mode=0o700, exist_ok=True)
+        tmp = final.parent / f".{final.stem}.{os.getpid()}.{next(_tmp_seq)}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            pad = kvbin.padded(len(view)) - len(view)
+            l3_io.write_all(fd, [kvbin.encode(header, header.payload_crc), view, bytes(pad)])
+            os.fdatasync(fd)
+            if not self.keep_page_cache:
+                l3_io.drop_cache(fd)
+        except BaseException:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+        os.close(fd)
+        return tmp, final
+
+    def _write_error(self, exc: OSError, header: ChunkHeader | None) -> StoreError:
+        what = f"chunk {_hex(header.key)}" if header else "put"
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            self._count("full_errors")
+            return StoreFullError(
+                f"{what}: L3 filesystem under {self.root} is full; nothing was stored. Free "
+                "space (kvtier l3 gc --max-bytes ...) or move the store to a larger device"
+            )
+        self._count("io_errors")
+        return StoreIOError(f"{what}: write failed ({exc}); nothing was stored")
+
+    def _make_room(self, need: int, keep: set[bytes]) -> None:
+        """Under a size cap, evict unreferenced chunks (LRU) until `need` more bytes fit."""
+        if self.max_bytes is None:
+            return
+        _, used = self.index.totals()
+        if used + need <= self.max_bytes:
+            return
+        victims = []
+        for row in self.index.unreferenced_lru():
+            if used + need <= self.max_bytes:
+                break
+            if row.header.key in keep:
+                continue
+            victims.append(row)
+            used -= row.size
+        if used + need > self.max_bytes:
+            self._count("full_errors")
+            raise StoreFullError(
+                f"L3 size cap {self.max_bytes} bytes reached and the remaining chunks are "
+                "referenced by sessions; raise max_bytes or delete sessions"
+            )
+        self._delete_rows(victims)
+        self._count("evictions", len(victims))
+
+    def _check_writable(self) -> None:
+        if self.read_only:
+            raise StoreError(f"L3 store at {self.root} was opened read_only; open it writable")
+        if self._closed:
+            raise StoreError("L3 store is closed")
+
+    # ---- reads -------------------------------------------------------------------------------
+
+    def contains(self, key: bytes) -> bool:
+        return self.index.get_chunk(key) is not None
+
+    def header(self, key: bytes) -> ChunkHeader | None:
+        """The chunk's header as indexed (no file I/O), or None."""
+        row = self.index.get_chunk(key)
+        return row.header if row else None
+
+    def get(self, key: bytes, out: Any, *, fingerprint: bytes) -> ChunkHeader:
+        """Read chunk `key` into `out` (writable, >= padded payload length; 4096-aligned for
+        O_DIRECT) after verifying both checksums and the fingerprint."""
+        return self._read(key, out, fingerprint=fingerprint, verify=True)
+
+    def get_bytes(self, key: bytes, *, fingerprint: bytes) -> tuple[ChunkHeader, bytes]:
+        """Like `get`, allocating the buffer; returns (header, payload bytes)."""
+        row = self.index.get_chunk(key)
+        size = row.size if row else self._probe_size(key)
+        buf = self.aligned_buffer(size - HEADER_SIZE)
+        header = self.get(key, buf, fingerprint=fingerprint)
+        return header, bytes(buf[: header.payload_len])
+
+    def _probe_size(self, key: bytes) -> int:
+        for tier in TIERS:
+            with contextlib.suppress(FileNotFoundError):
+                return max(HEADER_SIZE, os.stat(self.path(key, tier)).st_size)
+        self._count("misses")
+        raise ChunkNotFound(f"chunk {_hex(key)} is not in L3")
+
+    def _locate(self, key: bytes) -> tuple[int, Path, bool]:
+        """Open the chunk's file: (fd, path, indexed). Falls back to the files when unindexed."""
+        row = self.index.get_chunk(key)
+        tiers = [row.tier] if row else list(TIERS)
+        for tier in tiers:
+            path = self.path(key, tier)
+            try:
+                return os.open(path, os.O_RDONLY | os.O_CLOEXEC), path, row is not None
+            except FileNotFoundError:
+                continue
+        if row and not self.read_only:
+            self.index.delete_chunks([key])  # the file is gone: the files are the truth
+        self._count("misses")
+        raise ChunkNotFound(f"chunk {_hex(key)} is not in L3")
+
+    def _read(self, key: bytes, out: Any, *, fingerprint: bytes, verify: bool) -> ChunkHeader:
+        self._check_open()
+        t0 = time.perf_counter()
+        fd, path, indexed = self._locate(key)
+        try:
+            size = os.fstat(fd).st_size
+            if size < HEADER_SIZE or (size - HEADER_SIZE) % kvbin.ALIGN:
+                raise KvbinFormatError(f"file size {size} is not header + 4096-aligned payload")
+            view = memoryview(out).cast("B") if memoryview(out).format != "B" else memoryview(out)
+            body = size - HEADER_SIZE
+            if len(view) < body:
+                self._too_small(fd, size, len(view))
+            hdr = self._header_buffer()
+            route = self._choose_route(fd, size, view)
+            try:
+                n = l3_io.read_into(fd, [hdr, view[:body]], 0)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL or route != "reads_direct":
+                    raise
+                l3_io.set_direct(fd, False)  # the device refused this alignment: go buffered
+                route = "reads_buffered"
+                n = l3_io.read_into(fd, [hdr, view[:body]], 0)
+            if n != size:
+                raise KvbinFormatError(f"short read: {n} of {size} bytes (file truncated?)")
+            header = kvbin.decode(hdr)
+            if header.key != bytes(key):
+                raise KvbinFormatError(f"file holds chunk {_hex(header.key)}, not this one")
+            if kvbin.file_size(header.payload_len) != size:
+                raise KvbinFormatError(
+                    f"payload_len {header.payload_len} does not match file size {size}"
+                )
+            if header.fingerprint != bytes(fingerprint):
+                self._count("fingerprint_mismatches")
+                raise FingerprintMismatch(
+                    f"chunk {_hex(key)} was written for model fingerprint "
+                    f"{header.fingerprint.hex()}, not {bytes(fingerprint).hex()}; it is never "
+                    "used for this model (recompute instead)"
+                )
+            if verify:
+                kvbin.verify_payload(header, view[: header.payload_len])
+        except KvbinFormatError as exc:
+            raise self._corrupt(key, path, exc) from None
+        except OSError as exc:
+            self._count("io_errors")
+            raise StoreIOError(
+                f"chunk {_hex(key)}: read failed ({exc}); treat as a miss and check the device "
+                "(dmesg, smartctl)"
+            ) from exc
+        finally:
+            os.close(fd)
+        elapsed = time.perf_counter() - t0
+        with self._lock:
+            self._counts["reads"] += 1
+            self._counts[route] += 1
+            self._counts["bytes_read"] += size
+            self._seconds["read_seconds"] += elapsed
+            if not self.read_only:
+                self._touched[header.key] = time.time()
+                flush = len(self._touched) >= _TOUCH_BATCH
+            else:
+                flush = False
+        if not indexed and not self.read_only:
+            self.index.put_chunks([ChunkRow(header, _tier_of(path), size, time.time())])
+        if flush:
+            self._flush_touches()
+        return header
+
+    def _choose_route(self, fd: int, size: int, view: memoryview) -> str:
+        """Resident pages are read through the page cache; anything else with O_DIRECT."""
+        if not self.direct_io:
+            return "reads_buffered"
+        pages = l3_io.cached_pages(fd, size)
+        if pages is not None and pages * l3_io.PAGE >= size:
+            return "reads_cached"
+        addr = l3_io.address(view)
+        if addr is None or addr % kvbin.ALIGN:
+            return "reads_buffered"  # caller's buffer is not aligned: O_DIRECT would EINVAL
+        return "reads_direct" if l3_io.set_direct(fd, True) else "reads_buffered"
+
+    def _too_small(self, fd: int, size: int, have: int) -> None:
+        hdr = self._header_buffer()
+        l3_io.read_into(fd, [hdr], 0)
+        header = kvbin.decode(hdr)
+        if kvbin.file_size(header.payload_len) != size:
+            raise KvbinFormatError(f"payload_len {header.payload_len} does not match size {size}")
+        raise ValueError(
+            f"chunk {_hex(header.key)}: output buffer has {have} bytes, needs "
+            f"{size - HEADER_SIZE} (payload padded to 4096); size it with kvbin.padded()"
+        )
+
+    def _header_buffer(self) -> memoryview:
+        buf = getattr(self._local, "hdr", None)
+        if buf is None:
+            buf = self._local.hdr = l3_io.aligned_buffer(HEADER_SIZE)
+        return buf
+
+    def _corrupt(self, key: bytes, path: Path, exc: KvbinFormatError) -> KvbinFormatError:
+        """Count a corrupt chunk, move its file to quarantine and return the error to raise."""
+        self._count("checksum_failures" if isinstance(exc, ChecksumMismatch) else "format_errors")
+        where = self.quarantine(key, path)
+        suffix = f"; file quarantined to {where}" if where else "; store is read-only, file left"
+        return type(exc)(f"chunk {_hex(key)}: {exc}{suffix}")
+
+    def quarantine(self, key: bytes, path: Path) -> Path | None:
+        """Move a bad file into <root>/quarantine/ and drop its index row (not in read-only)."""
+        if self.read_only:
+            return None
+        dest = self._quarantine / f"{path.stem}.{time.time_ns()}.kvbin"
+        try:
+            try:
+                os.rename(path, dest)
+            except OSError as exc:
+                if exc.errno != errno.EXDEV:
+                    raise
+                shutil.copyfile(path, dest)
+                _fsync_file(dest)
+                os.unlink(path)
+            l3_io.fsync_dir(self._quarantine)
+            l3_io.fsync_dir(path.parent)
+        except FileNotFoundError:
+            dest = None  # type: ignore[assignment]
+        self.index.delete_chunks([key])
+        self._count("quarantined")
+        log.warning("L3 chunk %s quarantined to %s", _hex(key), dest)
+        return dest
+
+    # ---- delete / maintenance helpers --------------------------------------------------------
+
+    def delete(self, key: bytes) -> bool:
+        """Remove a chunk (file and index row); True if it existed."""
+        self._check_writable()
+        row = self.index.get_chunk(key)
+        existed = False
+        for tier in TIERS:
+            path = self.path(key, tier)
+            try:
+                os.unlink(path)
+                existed = True
+                l3_io.fsync_dir(path.parent)
+            except FileNotFoundError:
+                pass
+        self.index.delete_chunks([key])
+        with self._lock:
+            self._touched.pop(bytes(key), None)
+        return existed or row is not None
+
+    def _delete_rows(self, rows: Iterable[ChunkRow]) -> None:
+        dirs = set()
+        keys = []
+        for row in rows:
+            path = self.path(row.header.key, row.tier)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+            dirs.add(path.parent)
+            keys.append(row.header.key)
+        for d in dirs:
+            l3_io.fsync_dir(d)
+        self.index.delete_chunks(keys)
+
+    def _flush_touches(self) -> None:
+        with self._lock:
+            stamps, self._touched = self._touched, {}
+        if stamps:
+            try:
+                self.index.touch(stamps)
+            except sqlite3.Error as exc:  # e.g. disk full: access times are best effort
+                log.warning("L3 access times not recorded: %s", exc)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreError("L3 store is closed")
+
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self._counts[name] += n
+
+    # ---- sessions ----------------------------------------------------------------------------
+
+    def save_session(self, record: SessionRecord) -> None:
+        """Persist a session (replacing any with the same id and tenant) in one commit."""
+        self._check_writable()
+        self.index.save_session(record)
+
+    def load_session(self, session_id: str, tenant: str) -> SessionRecord | None:
+        return self.index.load_session(session_id, tenant)
+
+    def list_sessions(self) -> list[SessionRecord]:
+        return self.index.list_sessions()
+
+    def delete_session(self, session_id: str, tenant: str) -> bool:
+        self._check_writable()
+        return self.index.delete_session(session_id, tenant)
+
+    # ---- stats -------------------------------------------------------------------------------
+
+    def stats(self) -> L3Stats:
+        chunks, used = self.index.totals()
+        if self.max_bytes is not None:
+            capacity = self.max_bytes
+        else:
+            st = os.statvfs(self._dirs["hot"] if self._dirs["hot"].exists() else self.root)
+            capacity = st.f_blocks * st.f_frsize
+        with self._lock:
+            counts = dict(self._counts)
+            seconds = dict(self._seconds)
+        return L3Stats(
+            capacity_bytes=capacity,
+            used_bytes=used,
+            chunks=chunks,
+            sessions=self.index.session_count(),
+            read_seconds=seconds["read_seconds"],
+            write_seconds=seconds["write_seconds"],
+            **counts,
+        )
+
+
+# ---- helpers ---------------------------------------------------------------------------------
+
+
+def _hex(key: bytes) -> str:
+    if len(key) != kvbin.KEY_SIZE:
+        raise ValueError(f"chunk key must be {kvbin.KEY_SIZE} bytes, got {len(key)}")
+    return bytes(key).hex()
+
+
+def _tier_of(path: Path) -> str:
+    return "cold" if path.parent.parent.name == "cold" else "hot"
+
+
+def _subdirs(base: Path) -> list[Path]:
+    try:
+        names = os.listdir(base)
+    except FileNotFoundError:
+        return []
+    return [base / n for n in sorted(names) if len(n) == 2 and (base / n).is_dir()]
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _check_safe(path: Path, *, writable: bool) -> None:
+    """Refuse a directory that another user owns or that anyone may write to."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise StoreError(
+            f"L3 root {path} does not exist; create it or open the store writable"
+        ) from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise UnsafeRootError(f"L3 root {path} is not a directory; point the store at a directory")
+    euid = os.geteuid()
+    if st.st_uid != euid and (writable or euid != 0):
+        raise UnsafeRootError(
+            f"L3 directory {path} is owned by uid {st.st_uid}, not by this user (uid {euid}); "
+            f"run as its owner or `chown -R {euid} {path}`"
+        )
+    if st.st_mode & stat.S_IWOTH:
+        raise UnsafeRootError(
+            f"L3 directory {path} is world-writable (mode {stat.S_IMODE(st.st_mode):o}): anyone "
+            f"could plant chunks; run `chmod 700 {path}`"
+        )

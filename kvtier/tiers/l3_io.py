@@ -1,0 +1,163 @@
+"""Low-level file I/O of the L3 store: aligned buffers, full writes, directory fsync, O_DIRECT
+switching and page-cache residency (cachestat on Linux >= 6.5, else mincore)."""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import fcntl
+import mmap
+import os
+import platform
+from collections.abc import Sequence
+from typing import Any
+
+PAGE = mmap.PAGESIZE
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
+_CACHESTAT_NR = {"x86_64": 451, "aarch64": 451}.get(platform.machine())  # asm-generic table
+_libc: Any = None
+_cachestat_ok = _CACHESTAT_NR is not None
+
+
+def _lib() -> Any:
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+        _libc.mmap.restype = ctypes.c_void_p
+        _libc.mmap.argtypes = [
+            ctypes.c_void_p,
+            ctypes.c_size_t,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_long,
+        ]
+        _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        _libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+        _libc.syscall.restype = ctypes.c_long
+    return _libc
+
+
+class _CachestatRange(ctypes.Structure):
+    _fields_ = (("off", ctypes.c_uint64), ("len", ctypes.c_uint64))
+
+
+class _Cachestat(ctypes.Structure):
+    _fields_ = (
+        ("nr_cache", ctypes.c_uint64),
+        ("nr_dirty", ctypes.c_uint64),
+        ("nr_writeback", ctypes.c_uint64),
+        ("nr_evicted", ctypes.c_uint64),
+        ("nr_recently_evicted", ctypes.c_uint64),
+    )
+
+
+def aligned_buffer(nbytes: int) -> memoryview:
+    """A zeroed, page-aligned, writable buffer of at least `nbytes` (anonymous mmap)."""
+    size = max(PAGE, -(-nbytes // PAGE) * PAGE)
+    return memoryview(mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS))
+
+
+def address(buf: memoryview) -> int | None:
+    """Start address of a writable buffer, or None when it cannot be taken."""
+    try:
+        return ctypes.addressof(ctypes.c_char.from_buffer(buf))
+    except (TypeError, ValueError):
+        return None
+
+
+def cached_pages(fd: int, size: int) -> int | None:
+    """Pages of the open file resident in the page cache, or None when the kernel cannot say."""
+    global _cachestat_ok
+    if _cachestat_ok:
+        rng, stat = _CachestatRange(0, 0), _Cachestat()
+        res = _lib().syscall(_CACHESTAT_NR, fd, ctypes.byref(rng), ctypes.byref(stat), 0)
+        if res == 0:
+            return int(stat.nr_cache)
+        if ctypes.get_errno() in (errno.ENOSYS, errno.EPERM):  # kernel < 6.5 or seccomp
+            _cachestat_ok = False
+    return _mincore_pages(fd, size)
+
+
+def _mincore_pages(fd: int, size: int) -> int | None:
+    if size <= 0:
+        return 0
+    libc = _lib()
+    addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+    if addr in (None, ctypes.c_void_p(-1).value):
+        return None
+    try:
+        pages = -(-size // PAGE)
+        vec = (ctypes.c_ubyte * pages)()
+        if libc.mincore(addr, size, vec) != 0:
+            return None
+        return sum(b & 1 for b in vec)
+    finally:
+        libc.munmap(addr, size)
+
+
+def set_direct(fd: int, on: bool) -> bool:
+    """Switch O_DIRECT on an open file; False where the filesystem refuses it (tmpfs: EINVAL)."""
+    if not _O_DIRECT:
+        return False
+    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+    want = flags | _O_DIRECT if on else flags & ~_O_DIRECT
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETFL, want)
+    except OSError as exc:
+        if exc.errno == errno.EINVAL:
+            return False
+        raise
+    return True
+
+
+def write_all(fd: int, parts: Sequence[Any]) -> int:
+    """Write every buffer in order with writev, resuming after short writes."""
+    views = [memoryview(p).cast("B") for p in parts]
+    views = [v for v in views if len(v)]
+    total = 0
+    while views:
+        n = os.writev(fd, views[:1024])
+        total += n
+        while n and views:
+            if n >= len(views[0]):
+                n -= len(views[0])
+                views.pop(0)
+            else:
+                views[0] = views[0][n:]
+                n = 0
+    return total
+
+
+def read_into(fd: int, parts: Sequence[memoryview], offset: int) -> int:
+    """preadv into the buffers from `offset`, resuming after short reads; returns bytes read."""
+    views = [p for p in parts if len(p)]
+    total = 0
+    while views:
+        n = os.preadv(fd, views, offset + total)
+        if n == 0:
+            break  # end of file
+        total += n
+        while n and views:
+            if n >= len(views[0]):
+                n -= len(views[0])
+                views.pop(0)
+            else:
+                views[0] = views[0][n:]
+                n = 0
+    return total
+
+
+def fsync_dir(path: os.PathLike[str] | str) -> None:
+    """fsync a directory so that a rename or unlink inside it is durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def drop_cache(fd: int) -> None:
+    """Drop the (clean) pages of a file from the page cache."""
+    if hasattr(os, "posix_fadvise"):
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
