@@ -1,0 +1,505 @@
+"""The FastAPI application: OpenAI-compatible endpoints, health, metrics and session admin."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kvtier import __version__
+from kvtier.errors import InvalidRequest, KvtierError
+from kvtier.server.backend import make_backend
+from kvtier.server.config import ServerConfig
+from kvtier.server.engine import (
+    ContextExceeded,
+    Delta,
+    Draining,
+    Engine,
+    Finished,
+    Job,
+    Overloaded,
+    check_fits,
+)
+from kvtier.server.metrics import ServerMetrics
+from kvtier.server.model import ServedModel, build_default, load_local
+from kvtier.server.schema import ChatRequest, CompletionRequest
+from kvtier.snapshot import CacheSnapshot
+
+log = logging.getLogger("kvtier.server")
+
+_ID = re.compile(r"^[A-Za-z0-9._:@/+=-]+$")
+MAX_SESSION_ID = 128
+MAX_TENANT = 64
+LOOPBACK = {"127.0.0.1", "::1", "localhost"}
+SOURCE_HEADER = "X-Kvtier-Restore-Source"
+
+
+class ApiError(Exception):
+    """An error answered as OpenAI's `{"error": {...}}` body with an HTTP status."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        kind: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.kind = status, message, kind
+        self.param, self.code, self.headers = param, code, headers
+
+    def response(self) -> JSONResponse:
+        body = {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}
+        return JSONResponse({"error": body}, status_code=self.status, headers=self.headers)
+
+
+class State:
+    """What the routes share: config, the engine once the model is loaded, metrics."""
+
+    def __init__(self, config: ServerConfig, registry: CollectorRegistry) -> None:
+        self.config = config
+        self.registry = registry
+        self.metrics = ServerMetrics(registry)
+        self.engine: Engine | None = None
+        self.load_error: BaseException | None = None
+        self.started = time.time()
+
+    def snapshot(self) -> CacheSnapshot | None:
+        """The cache's snapshot for exporters (None before the model is loaded or with no cache)."""
+        return self.engine.backend.snapshot() if self.engine is not None else None
+
+    def ready_engine(self) -> Engine:
+        if self.engine is None:
+            if self.load_error is not None:
+                raise ApiError(503, f"the model failed to load: {self.load_error}", "server_error")
+            raise ApiError(
+                503,
+                "the model is still loading; retry shortly",
+                "server_error",
+                headers={"Retry-After": "1"},
+            )
+        if self.engine.draining:
+            raise ApiError(503, "the server is shutting down; retry later", "server_error")
+        return self.engine
+
+
+def _load(config: ServerConfig) -> ServedModel:
+    if config.model is None:
+        return build_default(config.device, seed=config.seed)
+    return load_local(config.model, config.device)
+
+
+def create_app(
+    config: ServerConfig,
+    registry: CollectorRegistry | None = None,
+    loader: Callable[[ServerConfig], ServedModel] = _load,
+) -> FastAPI:
+    """Build the app. `registry` receives the server's metrics; /metrics serves all of it."""
+    state = State(config, registry if registry is not None else CollectorRegistry())
+
+    async def load() -> None:
+        try:
+            served = await asyncio.to_thread(loader, config)
+            backend = await asyncio.to_thread(make_backend, served.model, config)
+            state.engine = Engine(served, backend, config, state.metrics)
+            log.info("ready: model %s, cache %s", served.name, config.cache)
+        except Exception as exc:  # readyz reports it; the process stays up for diagnosis
+            log.exception("model or cache failed to load")
+            state.load_error = exc
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        task = asyncio.create_task(load())
+        yield
+        await task
+        if state.engine is not None:
+            await state.engine.drain()  # in-flight requests are done; hibernate every session
+            log.info("drained: every session hibernated")
+
+    app = FastAPI(
+        title="kvtier",
+        version=__version__,
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+    )
+    app.state.kvtier = state
+    _install_errors(app, state)
+    _routes(app, state)
+    return app
+
+
+def _install_errors(app: FastAPI, state: State) -> None:
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, exc: ApiError) -> JSONResponse:
+        if request.url.path.startswith("/v1/c"):
+            state.metrics.count("errors")
+        return exc.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return ApiError(exc.status_code, str(exc.detail), kind).response()
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return ApiError(400, f"invalid request: {exc.errors()[:1]}").response()
+
+    @app.exception_handler(Exception)
+    async def internal(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s", request.url.path)
+        return ApiError(500, f"internal error: {type(exc).__name__}", "server_error").response()
+
+
+async def _body(request: Request, model: type[BaseModel], limit: int) -> Any:
+    """Read, decode and validate a JSON body, turning each failure into a 4xx that says why."""
+    raw = bytearray()
+    async for chunk in request.stream():
+        raw += chunk
+        if len(raw) > limit:
+            raise ApiError(413, f"request body is larger than {limit} bytes; send less text")
+    try:
+        text = bytes(raw).decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ApiError(
+            400, f"request body is not valid UTF-8 (byte {exc.start}); encode the JSON as UTF-8"
+        ) from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ApiError(400, f"request body is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, "request body must be a JSON object")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        where = ".".join(str(p) for p in err["loc"])
+        if err["type"] == "extra_forbidden":
+            known = ", ".join(sorted(model.model_fields))
+            msg = f"unknown field {where!r}; this server accepts: {known}"
+        else:
+            msg = f"{where}: {err['msg']}"
+        raise ApiError(400, msg, param=where or None) from None
+
+
+def _check_id(value: str, what: str, limit: int) -> str:
+    if len(value) > limit:
+        raise ApiError(
+            400, f"{what} is {len(value)} characters long; use at most {limit}", param=what
+        )
+    if not _ID.match(value):
+        raise ApiError(
+            400,
+            f"{what} may hold only letters, digits and . _ : @ / + = -; got {value[:40]!r}",
+            param=what,
+        )
+    return value
+
+
+def _local_only(request: Request) -> None:
+    host = request.client.host if request.client else ""
+    if host not in LOOPBACK:
+        raise ApiError(403, "admin endpoints answer only on localhost", "permission_error")
+
+
+def _routes(app: FastAPI, state: State) -> None:
+    cfg = state.config
+
+    @app.get("/healthz")
+    async def healthz() -> dict[str, Any]:
+        return {"status": "ok", "uptime_seconds": round(time.time() - state.started, 3)}
+
+    @app.get("/readyz")
+    async def readyz() -> JSONResponse:
+        engine = state.engine
+        if engine is None or engine.draining:
+            why = "draining" if engine else ("failed" if state.load_error else "loading")
+            return JSONResponse({"status": why}, status_code=503)
+        return JSONResponse({"status": "ready", "model": cfg.served_model_name})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        data = await asyncio.to_thread(generate_latest, state.registry)
+        return Response(data, media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        card = {
+            "id": cfg.served_model_name,
+            "object": "model",
+            "created": int(state.started),
+            "owned_by": "kvtier",
+        }
+        return {"object": "list", "data": [card]}
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        body: ChatRequest = await _body(request, ChatRequest, cfg.max_body_bytes)
+        engine = _check_model(body.model)
+        tok = engine.served.tokenizer
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        try:
+            prompt = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except Exception as exc:
+            raise ApiError(
+                400, f"messages cannot be rendered by the chat template: {exc}"
+            ) from None
+        ids = tok.encode(prompt, add_special_tokens=False)
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        return await _complete(request, engine, body, ids, max_tokens, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        body: CompletionRequest = await _body(request, CompletionRequest, cfg.max_body_bytes)
+        engine = _check_model(body.model)
+        ids = engine.served.tokenizer.encode(body.prompt, add_special_tokens=True)
+        return await _complete(request, engine, body, ids, body.max_tokens, chat=False)
+
+    def _check_model(name: str) -> Engine:
+        if name != cfg.served_model_name:
+            raise ApiError(
+                404,
+                f"The model `{name}` does not exist.",
+                "invalid_request_error",
+                "model",
+                "model_not_found",
+            )
+        return state.ready_engine()
+
+    async def _complete(
+        request: Request,
+        engine: Engine,
+        body: Any,
+        ids: list[int],
+        max_tokens: int | None,
+        chat: bool,
+    ) -> Response:
+        sid = request.headers.get("x-session-id") or body.user
+        tenant = _check_id(request.headers.get("x-tenant") or "default", "X-Tenant", MAX_TENANT)
+        ephemeral = not sid
+        sid = _check_id(sid, "X-Session-ID", MAX_SESSION_ID) if sid else f"anon-{uuid.uuid4().hex}"
+        try:
+            max_tokens = check_fits(engine.served, cfg, len(ids), max_tokens)
+        except ContextExceeded as exc:
+            param = "messages" if chat else "prompt"
+            raise ApiError(400, str(exc), param=param, code="context_length_exceeded") from None
+        except InvalidRequest as exc:
+            raise ApiError(400, str(exc), param="max_tokens") from None
+        job = Job(
+            sid,
+            tenant,
+            ids,
+            max_tokens,
+            body.temperature,
+            body.top_p,
+            body.seed,
+            body.stops(),
+            ephemeral,
+        )
+        try:
+            stream = await engine.start(job)
+        except Overloaded as exc:
+            raise ApiError(
+                429,
+                str(exc),
+                "rate_limit_error",
+                code="overloaded",
+                headers={"Retry-After": str(exc.retry_after)},
+            ) from None
+        except Draining as exc:
+            raise ApiError(503, str(exc), "server_error") from None
+        except KvtierError as exc:
+            raise ApiError(500, f"{type(exc).__name__}: {exc}", "server_error") from None
+        state.metrics.count("requests")
+        started = stream.started
+        assert started is not None
+        headers = {
+            SOURCE_HEADER: started.source,
+            "X-Kvtier-Cached-Tokens": str(started.cached_tokens),
+            "X-Session-ID": sid,
+        }
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        created = int(time.time())
+        name = cfg.served_model_name
+
+        def usage(done: Finished) -> dict[str, Any]:
+            return {
+                "prompt_tokens": done.prompt_tokens,
+                "completion_tokens": done.completion_tokens,
+                "total_tokens": done.prompt_tokens + done.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": done.cached_tokens},
+                "kvtier": {"restore_source": done.source, "session_id": sid},
+            }
+
+        if not body.stream:
+            parts: list[str] = []
+            done: Finished | None = None
+            try:
+                async for event in stream.events():
+                    if isinstance(event, Delta):
+                        parts.append(event.text)
+                    else:
+                        done = event
+            finally:
+                if done is None:
+                    stream.cancel()
+            assert done is not None
+            text = "".join(parts)
+            if chat:
+                choice: dict[str, Any] = {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": text},
+                    "finish_reason": done.finish_reason,
+                    "logprobs": None,
+                }
+            else:
+                choice = {
+                    "index": 0,
+                    "text": text,
+                    "finish_reason": done.finish_reason,
+                    "logprobs": None,
+                }
+            obj = "chat.completion" if chat else "text_completion"
+            return JSONResponse(
+                {
+                    "id": rid,
+                    "object": obj,
+                    "created": created,
+                    "model": name,
+                    "choices": [choice],
+                    "usage": usage(done),
+                },
+                headers=headers,
+            )
+
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        obj = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(delta: str | None, finish: str | None, role: bool = False) -> str:
+            if chat:
+                d: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
+                if delta is not None:
+                    d["content"] = delta
+                c: dict[str, Any] = {
+                    "index": 0,
+                    "delta": d,
+                    "finish_reason": finish,
+                    "logprobs": None,
+                }
+            else:
+                c = {"index": 0, "text": delta or "", "finish_reason": finish, "logprobs": None}
+            return _sse(
+                {"id": rid, "object": obj, "created": created, "model": name, "choices": [c]}
+            )
+
+        async def sse() -> AsyncIterator[str]:
+            finished = False
+            try:
+                if chat:
+                    yield chunk(None, None, role=True)
+                async for event in stream.events():
+                    if isinstance(event, Delta):
+                        yield chunk(event.text, None)
+                    else:
+                        yield chunk(None if chat else "", event.finish_reason)
+                        if include_usage:
+                            yield _sse(
+                                {
+                                    "id": rid,
+                                    "object": obj,
+                                    "created": created,
+                                    "model": name,
+                                    "choices": [],
+                                    "usage": usage(event),
+                                }
+                            )
+                finished = True
+                yield "data: [DONE]\n\n"
+            except Exception as exc:  # headers are sent: report in-band, as OpenAI does
+                err = {
+                    "message": f"{type(exc).__name__}: {exc}",
+                    "type": "server_error",
+                    "param": None,
+                    "code": None,
+                }
+                yield _sse({"error": err})
+            finally:
+                if not finished:
+                    stream.cancel()  # the client went away: stop, keep what is committed
+
+        return StreamingResponse(
+            sse(), media_type="text/event-stream", headers={**headers, "Cache-Control": "no-cache"}
+        )
+
+    # ---- admin: localhost only ----------------------------------------------------------------
+
+    @app.get("/v1/sessions")
+    async def sessions(request: Request) -> dict[str, Any]:
+        _local_only(request)
+        snap = state.snapshot()
+        data = [dataclasses.asdict(s) for s in snap.sessions] if snap is not None else []
+        engine = state.engine
+        return {
+            "object": "list",
+            "data": data,
+            "running": engine.running if engine else 0,
+            "queued": engine.waiting if engine else 0,
+        }
+
+    async def _admin(request: Request, session_id: str, op: str) -> dict[str, Any]:
+        _local_only(request)
+        _check_id(session_id, "session id", MAX_SESSION_ID)
+        engine = state.ready_engine()
+        try:
+            lock = await engine.session_exclusive(session_id)
+        except Overloaded as exc:
+            raise ApiError(409, str(exc), headers={"Retry-After": str(exc.retry_after)}) from None
+        try:
+            fn = getattr(engine.backend, op)
+            found = await asyncio.to_thread(fn, session_id)
+        finally:
+            engine.release(session_id, lock)
+        if not found:
+            raise ApiError(
+                404,
+                f"no session {session_id!r} is known to this server",
+                "not_found_error",
+                "session_id",
+                "session_not_found",
+            )
+        return {"id": session_id, "object": "session", "status": op}
+
+    @app.post("/v1/sessions/{session_id}/hibernate")
+    async def hibernate(request: Request, session_id: str) -> dict[str, Any]:
+        return await _admin(request, session_id, "hibernate")
+
+    @app.post("/v1/sessions/{session_id}/prefetch")
+    async def prefetch(request: Request, session_id: str) -> dict[str, Any]:
+        return await _admin(request, session_id, "prefetch")
+
+    @app.delete("/v1/sessions/{session_id}")
+    async def forget(request: Request, session_id: str) -> dict[str, Any]:
+        out = await _admin(request, session_id, "forget")
+        return {"id": session_id, "object": "session", "deleted": True, "status": out["status"]}
+
+
+def _sse(obj: dict[str, Any]) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"

@@ -1,0 +1,167 @@
+"""Server settings from flags, `KVTIER_*` environment variables and a TOML file, in that order.
+
+Every setting has one name; the flag is `--name-with-dashes`, the variable `KVTIER_NAME` and the
+TOML key `name` in the `[serve]` table. docs/configuration.md lists them all.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from kvtier.errors import ConfigError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+ENV_PREFIX = "KVTIER_"
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+
+
+def parse_size(text: str | int, name: str = "size") -> int:
+    """Bytes from `123`, `64MiB`, `1.5GB`, `512k` (k/M/G/T decimal, KiB/MiB/GiB/TiB binary)."""
+    if isinstance(text, int):
+        value = text
+    else:
+        m = _SIZE.match(str(text))
+        if not m:
+            raise ConfigError(f"{name}: cannot read {text!r} as a size; write e.g. 64MiB or 2GB")
+        unit = (m.group(2) or "").lower()
+        base = 1024 ** ("kmgt".index(unit[0]) + 1) if "i" in unit else _UNITS[unit[:1]]
+        value = int(float(m.group(1)) * base)
+    if value < 0:
+        raise ConfigError(f"{name}: must not be negative, got {value}")
+    return value
+
+
+def default_l3_root() -> Path:
+    """A private directory under the user's data dir (never /tmp, which is cleared at boot)."""
+    import platformdirs
+
+    return Path(platformdirs.user_data_dir("kvtier", appauthor=False)) / "l3"
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Everything `kvtier serve` can be told. Sizes are bytes; times are seconds."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    l3_root: Path = field(default_factory=default_l3_root)
+    model: Path | None = None  # a local Hugging Face directory; None = the built-in random model
+    served_model_name: str = "default"
+    device: str | None = None  # "cpu", "cuda", "cuda:1"; None = cuda when available
+    seed: int = 0  # seed of the built-in model's random weights
+    cache: str = "tiered"  # "tiered" (L1/L2/L3) or "none" (recompute every prefix; a baseline)
+    l1_bytes: int = 256 * 2**20
+    l2_bytes: int = 1 * 2**30
+    chunk_tokens: int = 256
+    codec: str = "native"
+    write_policy: str = "write_through"
+    max_concurrency: int = 8  # sessions generating at once
+    max_queue: int = 256  # requests waiting for a slot; beyond it: 429 at once
+    queue_timeout: float = 30.0  # longest wait for a slot before 429 + Retry-After
+    max_tokens_limit: int = 4096  # largest max_tokens a request may ask for
+    prefill_step: int = 512  # prompt tokens per forward, so other sessions interleave
+    max_body_bytes: int = 4 * 2**20
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if not 0 < self.port < 65536:
+            raise ConfigError(f"port: {self.port} is not a TCP port; use 1..65535")
+        if self.cache not in ("tiered", "none"):
+            raise ConfigError(f"cache: {self.cache!r} is unknown; use 'tiered' or 'none'")
+        for name in ("max_concurrency", "chunk_tokens", "max_tokens_limit", "prefill_step"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}: must be at least 1, got {getattr(self, name)}")
+        if self.queue_timeout < 0 or self.max_queue < 0:
+            raise ConfigError("queue_timeout and max_queue must not be negative")
+        if not self.served_model_name:
+            raise ConfigError("served_model_name: must not be empty")
+
+    @classmethod
+    def load(
+        cls,
+        flags: Mapping[str, Any] | None = None,
+        env: Mapping[str, str] | None = None,
+        file: str | Path | None = None,
+    ) -> ServerConfig:
+        """Merge defaults < TOML file < environment < flags (None in `flags` = not given)."""
+        env = os.environ if env is None else env
+        values: dict[str, Any] = {}
+        file = file or env.get(ENV_PREFIX + "CONFIG")
+        if file:
+            values.update(_from_toml(Path(file)))
+        for f in fields(cls):
+            raw = env.get(ENV_PREFIX + f.name.upper())
+            if raw is not None and raw != "":
+                values[f.name] = raw
+        for key, value in (flags or {}).items():
+            if value is not None:
+                if key not in _FIELDS:
+                    raise ConfigError(f"unknown setting {key!r}")
+                values[key] = value
+        return cls(**{k: _coerce(k, v) for k, v in values.items()})
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            k: (str(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(self).items()
+        }
+
+
+_FIELDS = {f.name: f for f in fields(ServerConfig)}
+_SIZES = {"l1_bytes", "l2_bytes", "max_body_bytes"}
+
+
+def _from_toml(path: Path) -> dict[str, Any]:
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(
+            f"config file {path} does not exist; fix --config / KVTIER_CONFIG"
+        ) from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+    table = data.get("serve", {})
+    if not isinstance(table, dict):
+        raise ConfigError(f"config file {path}: [serve] must be a table")
+    unknown = sorted(set(table) - set(_FIELDS))
+    if unknown:
+        raise ConfigError(
+            f"config file {path}: unknown key(s) {', '.join(unknown)} in [serve]; "
+            f"known keys: {', '.join(sorted(_FIELDS))}"
+        )
+    return dict(table)
+
+
+def _coerce(name: str, value: Any) -> Any:
+    """Turn a flag, environment string or TOML value into the field's type, or say what's wrong."""
+    if name in _SIZES:
+        return parse_size(value, name)
+    default = _FIELDS[name].default
+    try:
+        if name in ("l3_root", "model"):
+            return Path(value).expanduser()
+        if name == "device":
+            return str(value)
+        if isinstance(default, bool):
+            return value if isinstance(value, bool) else str(value).lower() in ("1", "true", "yes")
+        if isinstance(default, int):
+            return int(value)
+        if isinstance(default, float):
+            return float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(
+            f"{name}: cannot read {value!r} as {type(default).__name__} "
+            f"(flag --{name.replace('_', '-')}, variable {ENV_PREFIX}{name.upper()})"
+        ) from None
+    return str(value)

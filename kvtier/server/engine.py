@@ -1,0 +1,389 @@
+"""The generation worker: admission, per-session ordering, and a token-interleaved decode loop.
+
+Requests for one session run one at a time, in arrival order (a FIFO lock per session). Up to
+`max_concurrency` sessions generate at once, each on a worker thread; every model forward takes
+one lock (one device stream), so concurrent sessions interleave token by token. A request that
+finds no slot waits at most `queue_timeout` seconds, and is refused with 429 + Retry-After when
+the wait would be longer or `max_queue` requests are already waiting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvtier.errors import InvalidRequest, KvtierError
+from kvtier.server.backend import Backend
+from kvtier.server.model import ServedModel, cache_kwarg
+
+log = logging.getLogger("kvtier.server")
+
+
+class Overloaded(KvtierError):
+    """No generation slot is free within the queue timeout; retry after `retry_after` seconds."""
+
+    def __init__(self, message: str, retry_after: int) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class ContextExceeded(InvalidRequest):
+    """The prompt alone does not fit in the model's context."""
+
+
+class Draining(KvtierError):
+    """The server is shutting down (or not ready yet) and takes no new requests."""
+
+
+@dataclass
+class Job:
+    """One generation request, already tokenized and validated."""
+
+    session_id: str
+    tenant: str
+    prompt_ids: list[int]
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ephemeral: bool = False  # no session id given: forget the session after the request
+
+
+@dataclass
+class Started:
+    source: str
+    cached_tokens: int
+    prompt_tokens: int
+
+
+@dataclass
+class Delta:
+    text: str
+
+
+@dataclass
+class Finished:
+    finish_reason: str  # "stop" | "length" | "cancelled"
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    source: str
+
+
+@dataclass
+class Failed:
+    error: BaseException
+
+
+@dataclass
+class Stream:
+    """Events of one running job, handed from the worker thread to the event loop."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[Any] = field(default_factory=asyncio.Queue)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    started: Started | None = None
+
+    def put(self, event: Any) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+
+    def cancel(self) -> None:
+        """The client went away: stop generating, keep what is committed, free L1."""
+        self.cancelled.set()
+
+    async def events(self) -> AsyncIterator[Delta | Finished]:
+        while True:
+            event = await self.queue.get()
+            if isinstance(event, Failed):
+                raise event.error
+            yield event
+            if isinstance(event, Finished):
+                return
+
+
+class Engine:
+    """Owns the model, the cache backend, the worker threads and the admission queue."""
+
+    def __init__(self, served: ServedModel, backend: Backend, config: Any, metrics: Any = None):
+        self.served = served
+        self.backend = backend
+        self.config = config
+        self.metrics = metrics
+        self.model_lock = threading.Lock()
+        self._kwarg = cache_kwarg(served.model)
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=config.max_concurrency, thread_name_prefix="kvtier-gen"
+        )
+        self._slots = asyncio.Semaphore(config.max_concurrency)
+        self._session_locks: dict[str, tuple[asyncio.Lock, int]] = {}
+        self.waiting = 0
+        self.running = 0
+        self.draining = False
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    # ---- admission ------------------------------------------------------------------------
+
+    def _lock_for(self, session_id: str) -> asyncio.Lock:
+        lock, refs = self._session_locks.get(session_id, (None, 0))
+        if lock is None:
+            lock = asyncio.Lock()
+        self._session_locks[session_id] = (lock, refs + 1)
+        return lock
+
+    def _unref(self, session_id: str) -> None:
+        lock, refs = self._session_locks[session_id]
+        if refs <= 1:
+            del self._session_locks[session_id]
+        else:
+            self._session_locks[session_id] = (lock, refs - 1)
+
+    def _retry_after(self) -> int:
+        return max(1, int(self.config.queue_timeout / 4) or 1)
+
+    async def session_exclusive(self, session_id: str) -> asyncio.Lock:
+        """Take a session's lock (for admin operations); the caller releases it via release()."""
+        lock = self._lock_for(session_id)
+        try:
+            await asyncio.wait_for(lock.acquire(), self.config.queue_timeout)
+        except (TimeoutError, asyncio.TimeoutError):
+            self._unref(session_id)
+            raise Overloaded(
+                f"session {session_id!r} is busy; retry later", self._retry_after()
+            ) from None
+        return lock
+
+    def release(self, session_id: str, lock: asyncio.Lock) -> None:
+        lock.release()
+        self._unref(session_id)
+
+    async def start(self, job: Job) -> Stream:
+        """Admit a job and run it; returns once the prompt is restored (or raises)."""
+        if self.draining:
+            raise Draining("the server is shutting down; retry on another replica or later")
+        if self.waiting >= self.config.max_queue:
+            self._count("rejected")
+            raise Overloaded(
+                f"{self.waiting} requests are already queued (max_queue); retry later",
+                self._retry_after(),
+            )
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.queue_timeout
+        lock = self._lock_for(job.session_id)
+        self.waiting += 1
+        self._gauge()
+        try:
+            try:
+                await asyncio.wait_for(lock.acquire(), max(0.0, deadline - loop.time()))
+            except (TimeoutError, asyncio.TimeoutError):
+                self._unref(job.session_id)
+                self._count("rejected")
+                raise Overloaded(
+                    f"session {job.session_id!r} still has a request running after "
+                    f"{self.config.queue_timeout:g}s; retry later",
+                    self._retry_after(),
+                ) from None
+            try:
+                await asyncio.wait_for(self._slots.acquire(), max(0.0, deadline - loop.time()))
+            except (TimeoutError, asyncio.TimeoutError):
+                self.release(job.session_id, lock)
+                self._count("rejected")
+                raise Overloaded(
+                    f"all {self.config.max_concurrency} generation slots stayed busy for "
+                    f"{self.config.queue_timeout:g}s; retry later",
+                    self._retry_after(),
+                ) from None
+            except BaseException:
+                self.release(job.session_id, lock)
+                raise
+        finally:
+            self.waiting -= 1
+        self.running += 1
+        self._idle.clear()
+        self._gauge()
+        stream = Stream(loop)
+        admitted = time.perf_counter()
+        future = loop.run_in_executor(self._pool, self._run, job, stream, admitted)
+
+        def done(_: Any) -> None:
+            self._slots.release()
+            self.release(job.session_id, lock)
+            self.running -= 1
+            if self.running == 0:
+                self._idle.set()
+            self._gauge()
+
+        future.add_done_callback(done)
+        first = await stream.queue.get()
+        if isinstance(first, Failed):
+            raise first.error
+        stream.started = first
+        return stream
+
+    async def drain(self) -> None:
+        """Stop admitting, wait for running jobs, then hibernate every session (cache close)."""
+        self.draining = True
+        await self._idle.wait()
+        await asyncio.to_thread(self._pool.shutdown, True)
+        await asyncio.to_thread(self.backend.close)
+
+    # ---- the worker ---------------------------------------------------------------------------
+
+    def _forward(self, ids: torch.Tensor, kv: Any) -> torch.Tensor:
+        with self.model_lock, torch.inference_mode():
+            out = self.served.model(
+                input_ids=ids, use_cache=True, logits_to_keep=1, **{self._kwarg: kv}
+            )
+        return out.logits[0, -1].float()
+
+    def _sample(self, logits: torch.Tensor, job: Job, gen: torch.Generator | None) -> int:
+        if self.served.allowed is not None:
+            logits = logits.masked_fill(~self.served.allowed, float("-inf"))
+        if job.temperature <= 0:
+            return int(torch.argmax(logits))
+        probs = torch.softmax(logits / job.temperature, dim=-1)
+        if job.top_p < 1.0:
+            sorted_p, order = torch.sort(probs, descending=True)
+            keep = torch.cumsum(sorted_p, dim=-1) - sorted_p < job.top_p
+            probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_p[keep])
+        return int(torch.multinomial(probs.cpu(), 1, generator=gen))
+
+    def _run(self, job: Job, stream: Stream, admitted: float) -> None:
+        try:
+            self._generate(job, stream, admitted)
+        except BaseException as exc:  # surfaced to the client; the server keeps serving
+            if not isinstance(exc, KvtierError):
+                log.exception("generation failed for session %s", job.session_id)
+            stream.put(Failed(exc))
+
+    def _generate(self, job: Job, stream: Stream, admitted: float) -> None:
+        served, backend = self.served, self.backend
+        device = served.device
+        ids = torch.tensor([job.prompt_ids], dtype=torch.long, device=device)
+        total = ids.shape[1]
+        # Restore at most T-1 tokens: the last prompt token must be fed to get the next logits.
+        restored = backend.restore(job.session_id, job.tenant, ids[:, : total - 1])
+        kv, pos = restored.kv, restored.covered
+        fed = list(job.prompt_ids[:pos])
+        stream.put(Started(restored.source, pos, total))
+        finished = "cancelled"
+        gen_ids: list[int] = []
+        try:
+            logits = None
+            while pos < total and not stream.cancelled.is_set():
+                end = min(total, pos + self.config.prefill_step)
+                logits = self._forward(ids[:, pos:end], kv)
+                fed.extend(job.prompt_ids[pos:end])
+                pos = end
+            if logits is not None and not stream.cancelled.is_set():
+                self._observe_ttft(restored.source, time.perf_counter() - admitted)
+                finished = self._decode(job, stream, kv, logits, fed, gen_ids)
+        finally:
+            # Commit what the KV now covers, also after a disconnect or an error mid-way.
+            if len(fed) > restored.covered or finished == "cancelled":
+                try:
+                    backend.commit(job.session_id, job.tenant, torch.tensor(fed, dtype=torch.long))
+                    if finished == "cancelled" or job.ephemeral:
+                        (backend.forget if job.ephemeral else backend.hibernate)(job.session_id)
+                except Exception:
+                    log.exception("commit failed for session %s", job.session_id)
+            elif job.ephemeral:
+                backend.forget(job.session_id)
+        self._count("completion_tokens", len(gen_ids))
+        self._count("prompt_tokens", total)
+        stream.put(Finished(finished, total, len(gen_ids), restored.covered, restored.source))
+
+    def _decode(
+        self,
+        job: Job,
+        stream: Stream,
+        kv: Any,
+        logits: torch.Tensor,
+        fed: list[int],
+        gen_ids: list[int],
+    ) -> str:
+        tok = self.served.tokenizer
+        gen = None
+        if job.temperature > 0:
+            gen = torch.Generator()
+            gen.manual_seed(job.seed if job.seed is not None else int(time.time_ns() % 2**62))
+        sent = 0  # characters of the reply already streamed
+        hold = max((len(s) for s in job.stop), default=1) - 1
+        device = self.served.device
+        for step in range(job.max_tokens):
+            token = self._sample(logits, job, gen)
+            if token in self.served.eos_ids:
+                gen_ids.append(token)
+                break
+            gen_ids.append(token)
+            text = tok.decode(
+                [t for t in gen_ids if t not in self.served.eos_ids], skip_special_tokens=True
+            )
+            cut = min((i for i in (text.find(s) for s in job.stop) if i >= 0), default=-1)
+            if cut >= 0:
+                if cut > sent:
+                    stream.put(Delta(text[sent:cut]))
+                return "stop"
+            ready = len(text) - hold
+            if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for its rest
+                ready = min(ready, len(text) - 1)
+            if ready > sent:
+                stream.put(Delta(text[sent:ready]))
+                sent = ready
+            if step == job.max_tokens - 1 or stream.cancelled.is_set():
+                break
+            logits = self._forward(torch.tensor([[token]], device=device), kv)
+            fed.append(token)
+        if stream.cancelled.is_set():
+            return "cancelled"
+        text = tok.decode(
+            [t for t in gen_ids if t not in self.served.eos_ids], skip_special_tokens=True
+        )
+        if len(text) > sent:
+            stream.put(Delta(text[sent:]))
+        return "stop" if gen_ids and gen_ids[-1] in self.served.eos_ids else "length"
+
+    # ---- metrics (optional) ---------------------------------------------------------------
+
+    def _count(self, name: str, n: int = 1) -> None:
+        if self.metrics is not None:
+            self.metrics.count(name, n)
+
+    def _observe_ttft(self, source: str, seconds: float) -> None:
+        if self.metrics is not None:
+            self.metrics.ttft(source, seconds)
+
+    def _gauge(self) -> None:
+        if self.metrics is not None:
+            self.metrics.load(self.running, self.waiting)
+
+
+def check_fits(served: ServedModel, config: Any, prompt_tokens: int, max_tokens: int | None) -> int:
+    """The max_tokens to use, or InvalidRequest that says by how much the request is too long."""
+    context = served.context_tokens
+    if prompt_tokens < 1:
+        raise InvalidRequest("the prompt is empty; send at least one token of text")
+    if prompt_tokens >= context:
+        raise ContextExceeded(
+            f"the prompt has {prompt_tokens} tokens but the model's context is {context}; "
+            "shorten the conversation (drop or summarise old turns)"
+        )
+    room = context - prompt_tokens
+    limit = min(room, config.max_tokens_limit)
+    if max_tokens is None:
+        return limit
+    if max_tokens > limit:
+        raise InvalidRequest(
+            f"max_tokens={max_tokens} is too large: at most {limit} here (context {context}, "
+            f"prompt {prompt_tokens} tokens, server limit {config.max_tokens_limit})"
+        )
+    return max_tokens

@@ -1,0 +1,63 @@
+"""The server's own Prometheus metrics (requests, tokens, TTFT by restore source, queue depth).
+
+They are registered in the registry the caller passes in, so `ops` can serve them next to the
+cache and host metrics on one `/metrics` without kvtier importing ops.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class ServerMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.requests = Counter(
+            "kvtier_server_requests_total", "Completion requests answered.", registry=registry
+        )
+        self.errors = Counter(
+            "kvtier_server_request_errors_total",
+            "Completion requests answered with a 4xx or 5xx.",
+            registry=registry,
+        )
+        self.rejected = Counter(
+            "kvtier_server_rejected_total",
+            "Requests refused with 429 because no generation slot freed in time.",
+            registry=registry,
+        )
+        self.prompt_tokens = Counter(
+            "kvtier_server_prompt_tokens_total", "Prompt tokens processed.", registry=registry
+        )
+        self.completion_tokens = Counter(
+            "kvtier_server_completion_tokens_total", "Tokens generated.", registry=registry
+        )
+        self.ttft_seconds = Histogram(
+            "kvtier_server_ttft_seconds",
+            "Admission to first token, by where the prompt's KV came from.",
+            ["src"],
+            buckets=TTFT_BUCKETS,
+            registry=registry,
+        )
+        self.running = Gauge(
+            "kvtier_server_running_requests", "Requests generating now.", registry=registry
+        )
+        self.queued = Gauge(
+            "kvtier_server_queued_requests", "Requests waiting for a slot.", registry=registry
+        )
+
+    def count(self, name: str, n: int = 1) -> None:
+        {
+            "rejected": self.rejected,
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "requests": self.requests,
+            "errors": self.errors,
+        }[name].inc(n)
+
+    def ttft(self, source: str, seconds: float) -> None:
+        self.ttft_seconds.labels(src=source).observe(seconds)
+
+    def load(self, running: int, waiting: int) -> None:
+        self.running.set(running)
+        self.queued.set(waiting)

@@ -1,0 +1,89 @@
+"""Run the server under uvicorn, and the click options that `kvtier serve` shares.
+
+The `kvtier serve` command itself lives in ops (it adds host metrics to /metrics);
+`python -m kvtier.server` runs the same server with the cache's metrics only.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import click
+
+from kvtier.server.config import ServerConfig
+
+
+def options(f: Callable[..., Any]) -> Callable[..., Any]:
+    """Every setting as a flag; None means 'not given' so the environment and TOML can fill it."""
+    opts = [
+        click.option(
+            "--config",
+            "config_file",
+            type=click.Path(dir_okay=False, path_type=Path),
+            help="TOML file with a [serve] table (also KVTIER_CONFIG).",
+        ),
+        click.option("--host", help="Address to bind (default 127.0.0.1)."),
+        click.option("--port", type=int, help="TCP port (default 8000)."),
+        click.option(
+            "--l3-root",
+            type=click.Path(file_okay=False, path_type=Path),
+            help="Directory of the SSD tier (default: a private dir under the user's data dir).",
+        ),
+        click.option(
+            "--model",
+            type=click.Path(file_okay=False, path_type=Path),
+            help="Local Hugging Face model directory (default: built-in random Llama).",
+        ),
+        click.option("--served-model-name", help="Model name clients send (default 'default')."),
+        click.option("--device", help="cpu, cuda or cuda:N (default: cuda when available)."),
+        click.option("--seed", type=int, help="Seed of the built-in model's weights."),
+        click.option(
+            "--cache",
+            type=click.Choice(["tiered", "none"]),
+            help="'none' recomputes every prompt (a baseline).",
+        ),
+        click.option("--l1-bytes", help="GPU (L1) budget, e.g. 8GiB."),
+        click.option("--l2-bytes", help="Pinned host RAM (L2) budget, e.g. 32GiB."),
+        click.option("--chunk-tokens", type=int, help="Tokens per chunk (default 256)."),
+        click.option("--codec", help="L2/L3 codec: native, int8, fp8."),
+        click.option("--write-policy", help="write_through, write_through_selective, write_back."),
+        click.option("--max-concurrency", type=int, help="Sessions generating at once."),
+        click.option("--max-queue", type=int, help="Requests that may wait for a slot."),
+        click.option("--queue-timeout", type=float, help="Seconds a request waits before 429."),
+        click.option("--max-tokens-limit", type=int, help="Largest max_tokens accepted."),
+        click.option("--prefill-step", type=int, help="Prompt tokens per forward."),
+        click.option("--max-body-bytes", help="Largest request body."),
+        click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"])),
+    ]
+    for opt in reversed(opts):
+        f = opt(f)
+    return f
+
+
+def load_config(flags: dict[str, Any]) -> ServerConfig:
+    file = flags.pop("config_file", None)
+    return ServerConfig.load(flags=flags, file=file)
+
+
+def serve(config: ServerConfig, registry: Any = None) -> None:
+    """Serve until SIGINT/SIGTERM; then drain (finish requests, hibernate sessions) and return."""
+    import uvicorn
+
+    from kvtier.server.app import create_app
+
+    logging.basicConfig(
+        level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    app = create_app(config, registry=registry)
+    uvicorn.run(
+        app,
+        host=config.host,
+        port=config.port,
+        log_level=config.log_level,
+        access_log=False,
+        timeout_graceful_shutdown=60,
+        h11_max_incomplete_event_size=64 * 1024,
+    )
