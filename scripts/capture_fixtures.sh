@@ -114,12 +114,15 @@ for link in block_links + nvme_links:
     copy_attrs(target, BLOCK_ATTRS + NVME_ATTRS)
     for d in pci_ancestors(target):
         copy_attrs(d, PCI_ATTRS)
-    # The disk's `device` link, and a multipath subsystem's per-controller links (nvme0, ...).
-    for sub in [os.path.join(target, "device")] + glob.glob(os.path.join(target, "nvme*")):
+    # The disk's `device` link, a multipath subsystem's per-controller links (nvme0, ...),
+    # and the member drives (`slaves`) of device-mapper and md devices.
+    subs = [os.path.join(target, "device")] + glob.glob(os.path.join(target, "slaves", "*"))
+    subs += glob.glob(os.path.join(os.path.dirname(target), "nvme[0-9]*"))
+    for sub in subs:
         if os.path.islink(sub):
             sub_target = mirror_link(sub)
             if sub_target:
-                copy_attrs(sub_target, NVME_ATTRS)
+                copy_attrs(sub_target, BLOCK_ATTRS + NVME_ATTRS)
                 for d in pci_ancestors(sub_target):
                     copy_attrs(d, PCI_ATTRS)
     # Partitions: record the whole disk's directory too (the parent of a partition).
