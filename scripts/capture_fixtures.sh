@@ -12,6 +12,7 @@
 #                       (give the L3 root here), the st_dev a collector resolves
 # DESTDIR/nvml.json  every NVML reading per GPU (when pynvml and a driver are present)
 # DESTDIR/uname.txt  kernel release and machine
+# DESTDIR/debugfs/extfrag/*  the kernel's unusable and fragmentation indices, when readable
 #
 # Needs only bash and python3 (pynvml optional). Reads, never writes, /proc and /sys.
 set -euo pipefail
@@ -35,6 +36,30 @@ for f in memory io cpu irq; do
         cat "/proc/pressure/$f" >"$DEST/proc/pressure/$f" 2>/dev/null || rm -f "$DEST/proc/pressure/$f"
     fi
 done
+# The kernel's own fragmentation indices (debugfs, root only, when debugfs is mounted), with a
+# buddyinfo read that matches them: retried until buddyinfo is the same before and after.
+python3 - "$DEST" <<'PY'
+import os, sys
+dest = sys.argv[1]
+base = "/sys/kernel/debug/extfrag"
+def read(path):
+    with open(path) as f:
+        return f.read()
+try:
+    for _ in range(50):
+        before = read("/proc/buddyinfo")
+        files = {name: read(os.path.join(base, name)) for name in ("unusable_index", "extfrag_index")}
+        if read("/proc/buddyinfo") == before:
+            os.makedirs(os.path.join(dest, "debugfs", "extfrag"), exist_ok=True)
+            for name, text in files.items():
+                with open(os.path.join(dest, "debugfs", "extfrag", name), "w") as f:
+                    f.write(text)
+            with open(os.path.join(dest, "proc", "buddyinfo"), "w") as f:
+                f.write(before)
+            break
+except OSError:
+    pass
+PY
 # Only mounts of real block devices (major != 0): pseudo and tmpfs mounts carry nothing the
 # collectors use and would leak host-private mount points into the fixture.
 awk '$3 !~ /^0:/' /proc/self/mountinfo >"$DEST/proc/self/mountinfo"
