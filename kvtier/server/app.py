@@ -116,7 +116,7 @@ def create_app(
     async def load() -> None:
         try:
             served = await asyncio.to_thread(loader, config)
-            backend = await asyncio.to_thread(make_backend, served.model, config)
+            backend = await asyncio.to_thread(make_backend, served, config)
             state.engine = Engine(served, backend, config, state.metrics)
             log.info("ready: model %s, cache %s", served.name, config.cache)
         except Exception as exc:  # readyz reports it; the process stays up for diagnosis

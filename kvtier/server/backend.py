@@ -8,19 +8,20 @@ them); calls for different sessions may run on different threads.
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 
-from kvtier.snapshot import CacheSnapshot, SessionInfo
+from kvtier.snapshot import CacheSnapshot
 from kvtier.types import RestoreSource
 
 
 @dataclass
 class Restored:
-    """What a restore gave back: a transformers Cache covering `covered` tokens, and from where."""
+    """A transformers Cache covering the first `covered` tokens (never the last one), and from
+    where they came."""
 
     kv: Any
     covered: int
@@ -30,6 +31,7 @@ class Restored:
 class Backend(Protocol):
     def restore(self, session_id: str, tenant: str, ids: torch.Tensor) -> Restored: ...
     def commit(self, session_id: str, tenant: str, ids: torch.Tensor) -> None: ...
+    def abort(self, session_id: str, tenant: str) -> None: ...
     def hibernate(self, session_id: str) -> bool: ...
     def prefetch(self, session_id: str) -> bool: ...
     def forget(self, session_id: str) -> bool: ...
@@ -51,6 +53,9 @@ class RecomputeBackend:
     def commit(self, session_id: str, tenant: str, ids: torch.Tensor) -> None:
         return None
 
+    def abort(self, session_id: str, tenant: str) -> None:
+        return None
+
     def hibernate(self, session_id: str) -> bool:
         return False
 
@@ -67,27 +72,14 @@ class RecomputeBackend:
         return None
 
 
-def _source_of(session: Any, kv: Any, covered: int) -> str:
-    """The restore source the cache recorded for this restore (falls back to what is known)."""
-    for attr in ("last_restore_source", "restore_source", "last_source"):
-        for obj in (session, kv):
-            value = getattr(obj, attr, None)
-            if value is not None:
-                return str(getattr(value, "value", value))
-    last = getattr(session, "last_restore", None)
-    if last is not None:
-        src = getattr(last, "source", None)
-        if src is not None:
-            return str(getattr(src, "value", src))
-    return RestoreSource.RECOMPUTE.value if covered == 0 else RestoreSource.L1.value
-
-
 class TieredBackend:
     """kvtier.TieredCache behind the Backend protocol."""
 
-    def __init__(self, model: Any, config: Any) -> None:
+    def __init__(self, model: Any, config: Any, model_id: str) -> None:
         from kvtier import CacheConfig, TieredCache
 
+        # Private: the KV of every conversation is as sensitive as the conversation itself.
+        Path(config.l3_root).mkdir(parents=True, exist_ok=True, mode=0o700)
         self.cache = TieredCache(
             CacheConfig(
                 l3_root=config.l3_root,
@@ -96,64 +88,39 @@ class TieredBackend:
                 chunk_tokens=config.chunk_tokens,
                 codec=config.codec,
                 write_policy=config.write_policy,
+                model_id=config.model_id or model_id,
             ),
             model=model,
         )
-        self._lock = threading.Lock()  # guards the name -> Session map, not the sessions
-        self._sessions: dict[str, Any] = {}
 
-    def _session(self, session_id: str, tenant: str) -> Any:
-        with self._lock:
-            s = self._sessions.get(session_id)
-            if s is None:
-                s = self.cache.session(session_id, tenant=tenant)
-                self._sessions[session_id] = s
-            return s
-
-    def _known(self, session_id: str) -> Any | None:
-        with self._lock:
-            s = self._sessions.get(session_id)
-        if s is not None:
-            return s
-        if any(i.session_id == session_id for i in self.sessions()):
-            info = next(i for i in self.sessions() if i.session_id == session_id)
-            return self._session(session_id, info.tenant)
-        return None
+    def _find(self, session_id: str) -> list[Any]:
+        return [s for s in self.cache.sessions() if s.session_id == session_id]
 
     def restore(self, session_id: str, tenant: str, ids: torch.Tensor) -> Restored:
-        s = self._session(session_id, tenant)
+        s = self.cache.session(session_id, tenant=tenant)
         kv = s.restore(ids)
-        covered = int(kv.get_seq_length())
-        return Restored(kv, covered, _source_of(s, kv, covered))
+        return Restored(kv, int(kv.get_seq_length()), str(s.restore_source))
 
     def commit(self, session_id: str, tenant: str, ids: torch.Tensor) -> None:
-        self._session(session_id, tenant).commit(ids)
+        self.cache.session(session_id, tenant=tenant).commit(ids)
+
+    def abort(self, session_id: str, tenant: str) -> None:
+        self.cache.session(session_id, tenant=tenant).abort()
+
+    def _each(self, session_id: str, op: str) -> bool:
+        found = self._find(session_id)
+        for s in found:
+            getattr(s, op)()
+        return bool(found)
 
     def hibernate(self, session_id: str) -> bool:
-        s = self._known(session_id)
-        if s is None:
-            return False
-        s.hibernate()
-        return True
+        return self._each(session_id, "hibernate")
 
     def prefetch(self, session_id: str) -> bool:
-        s = self._known(session_id)
-        if s is None:
-            return False
-        s.prefetch()
-        return True
+        return self._each(session_id, "prefetch")
 
     def forget(self, session_id: str) -> bool:
-        s = self._known(session_id)
-        if s is None:
-            return False
-        s.close()
-        with self._lock:
-            self._sessions.pop(session_id, None)
-        return True
-
-    def sessions(self) -> tuple[SessionInfo, ...]:
-        return self.cache.stats().sessions
+        return self._each(session_id, "close")
 
     def snapshot(self) -> CacheSnapshot | None:
         snap: CacheSnapshot = self.cache.stats()
@@ -163,7 +130,8 @@ class TieredBackend:
         self.cache.close()
 
 
-def make_backend(model: Any, config: Any) -> Backend:
+def make_backend(served: Any, config: Any) -> Backend:
+    """The cache the config asks for; `served.name` identifies the model in chunk fingerprints."""
     if config.cache == "none":
-        return RecomputeBackend(model)
-    return TieredBackend(model, config)
+        return RecomputeBackend(served.model)
+    return TieredBackend(served.model, config, served.name)

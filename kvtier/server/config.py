@@ -58,6 +58,7 @@ class ServerConfig:
     port: int = 8000
     l3_root: Path = field(default_factory=default_l3_root)
     model: Path | None = None  # a local Hugging Face directory; None = the built-in random model
+    model_id: str | None = None  # identity in the cache fingerprint; None = the directory name
     served_model_name: str = "default"
     device: str | None = None  # "cpu", "cuda", "cuda:1"; None = cuda when available
     seed: int = 0  # seed of the built-in model's random weights

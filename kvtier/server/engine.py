@@ -267,17 +267,15 @@ class Engine:
 
     def _generate(self, job: Job, stream: Stream, admitted: float) -> None:
         served, backend = self.served, self.backend
-        device = served.device
-        ids = torch.tensor([job.prompt_ids], dtype=torch.long, device=device)
+        ids = torch.tensor([job.prompt_ids], dtype=torch.long, device=served.device)
         total = ids.shape[1]
-        # Restore at most T-1 tokens: the last prompt token must be fed to get the next logits.
-        restored = backend.restore(job.session_id, job.tenant, ids[:, : total - 1])
+        restored = backend.restore(job.session_id, job.tenant, ids)
         kv, pos = restored.kv, restored.covered
         fed = list(job.prompt_ids[:pos])
         stream.put(Started(restored.source, pos, total))
-        finished = "cancelled"
         gen_ids: list[int] = []
         try:
+            finished = "cancelled"
             logits = None
             while pos < total and not stream.cancelled.is_set():
                 end = min(total, pos + self.config.prefill_step)
@@ -287,17 +285,17 @@ class Engine:
             if logits is not None and not stream.cancelled.is_set():
                 self._observe_ttft(restored.source, time.perf_counter() - admitted)
                 finished = self._decode(job, stream, kv, logits, fed, gen_ids)
-        finally:
-            # Commit what the KV now covers, also after a disconnect or an error mid-way.
-            if len(fed) > restored.covered or finished == "cancelled":
-                try:
-                    backend.commit(job.session_id, job.tenant, torch.tensor(fed, dtype=torch.long))
-                    if finished == "cancelled" or job.ephemeral:
-                        (backend.forget if job.ephemeral else backend.hibernate)(job.session_id)
-                except Exception:
-                    log.exception("commit failed for session %s", job.session_id)
-            elif job.ephemeral:
+        except BaseException:
+            backend.abort(job.session_id, job.tenant)  # forget the half-written step
+            if job.ephemeral:
                 backend.forget(job.session_id)
+            raise
+        # Commit what the KV now covers, also after a disconnect: a returning client finds it.
+        backend.commit(job.session_id, job.tenant, torch.tensor(fed, dtype=torch.long))
+        if job.ephemeral:
+            backend.forget(job.session_id)
+        elif finished == "cancelled":
+            backend.hibernate(job.session_id)  # the client went away: free its L1
         self._count("completion_tokens", len(gen_ids))
         self._count("prompt_tokens", total)
         stream.put(Finished(finished, total, len(gen_ids), restored.covered, restored.source))

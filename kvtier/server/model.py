@@ -105,7 +105,7 @@ def build_default(device: str | None = None, seed: int = 0) -> ServedModel:
         torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))
         model: Any = LlamaForCausalLM(config)
     model = model.to(device=dev, dtype=default_dtype(dev)).eval()
-    return _wrap(model, tok, name="kvtier-random-llama")
+    return _wrap(model, tok, name=f"kvtier-random-llama-seed{seed}")
 
 
 def load_local(path: str | Path, device: str | None = None) -> ServedModel:
@@ -125,7 +125,7 @@ def load_local(path: str | Path, device: str | None = None) -> ServedModel:
     model: Any = AutoModelForCausalLM.from_pretrained(
         root, local_files_only=True, dtype=default_dtype(dev)
     )
-    return _wrap(model.to(dev).eval(), tok, name=root.name)
+    return _wrap(model.to(dev).eval(), tok, name=str(root.resolve()))
 
 
 def _wrap(model: Any, tok: Any, name: str) -> ServedModel:

@@ -70,14 +70,18 @@ def load_config(flags: dict[str, Any]) -> ServerConfig:
 
 def serve(config: ServerConfig, registry: Any = None) -> None:
     """Serve until SIGINT/SIGTERM; then drain (finish requests, hibernate sessions) and return."""
-    import uvicorn
-
     from kvtier.server.app import create_app
+
+    run_app(create_app(config, registry=registry), config)
+
+
+def run_app(app: Any, config: ServerConfig) -> None:
+    """Run a built app under uvicorn on the configured address (graceful drain on SIGTERM)."""
+    import uvicorn
 
     logging.basicConfig(
         level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    app = create_app(config, registry=registry)
     uvicorn.run(
         app,
         host=config.host,

@@ -1,0 +1,60 @@
+"""`kvtier serve`: the OpenAI-compatible server, with the cache's metrics on its /metrics.
+
+This command lives in ops because it wires ops.exporter's collectors into the server's registry;
+kvtier.server takes the registry as an argument and never imports ops.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import click
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import Metric
+from prometheus_client.registry import Collector
+
+from kvtier.errors import ConfigError
+from kvtier.server.run import load_config, options, run_app
+from ops.exporter.cache import families
+
+
+class _LiveCache(Collector):
+    """The running server's cache snapshot at every scrape (nothing before the model loads)."""
+
+    def __init__(self, state: Any) -> None:
+        self._state = state
+
+    def collect(self) -> Iterator[Metric]:
+        snap = self._state.snapshot()
+        if snap is not None:
+            yield from families(snap)
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())
+
+
+@click.command("serve", context_settings={"help_option_names": ["-h", "--help"]})
+@options
+def command(**flags: Any) -> None:
+    """OpenAI-compatible server with the tiered KV cache (chat + completions, streaming).
+
+    \b
+    kvtier serve --host 127.0.0.1 --port 8000 --l3-root DIR [--model PATH]
+    Settings: flags > KVTIER_* environment > TOML ([serve] table); see docs/configuration.md.
+    """
+    from kvtier.server.app import create_app
+
+    try:
+        config = load_config(flags)
+    except ConfigError as exc:
+        raise click.UsageError(str(exc)) from None
+    registry = CollectorRegistry()
+    app = create_app(config, registry=registry)
+    registry.register(_LiveCache(app.state.kvtier))
+    click.echo(
+        f"kvtier serve: http://{config.host}:{config.port}  model={config.served_model_name}  "
+        f"l3_root={config.l3_root}",
+        err=True,
+    )
+    run_app(app, config)
