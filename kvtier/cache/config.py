@@ -1,0 +1,64 @@
+"""CacheConfig: every knob of a TieredCache, validated at construction (fail fast)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvtier.errors import ConfigError
+
+WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
+CODECS = ("native", "int8", "fp8")
+
+
+@dataclass
+class CacheConfig:
+    """Configuration of a `TieredCache`. Sizes are bytes.
+
+    l1_bytes None means half of the device's free memory at start (CUDA) or 1 GiB (CPU).
+    """
+
+    l3_root: str | Path
+    l1_bytes: int | None = None
+    l2_bytes: int = 1 << 30
+    chunk_tokens: int = 256
+    codec: str = "native"
+    write_policy: str = "write_through"
+    selective_min_hits: int = 2  # write_through_selective: write a chunk once seen this often
+    l2_policy: str = "lru"
+    l3_max_bytes: int | None = None
+    l3_read_bytes_per_s: float | None = None  # throttle L3 reads (shared disks, tests)
+    keep_page_cache: bool = False
+    model_id: str | None = None
+    pin_memory: bool | None = None  # None: pin L2 iff CUDA is available
+    l3_write_queue: int = 64
+    l3_threads: int = 4
+    session_ttl_s: float | None = None
+    cost_model: bool = True  # False: always load the longest cached prefix
+    load_margin: float = 1.0  # load a prefix only if load_time * margin < recompute_time
+    # Initial guesses for the cost model, replaced by measurements as they come in.
+    initial_bandwidth: dict[str, float] = field(
+        default_factory=lambda: {"l1": 200e9, "l2": 10e9, "l3": 1e9}
+    )
+    initial_prefill_s_per_token: float = 1e-3
+
+    def __post_init__(self) -> None:
+        if self.chunk_tokens <= 0 or self.chunk_tokens % 16:
+            raise ConfigError(
+                f"chunk_tokens must be a positive multiple of 16, got {self.chunk_tokens}"
+            )
+        if self.codec not in CODECS:
+            raise ConfigError(f"codec {self.codec!r} is not one of {CODECS}")
+        if self.write_policy not in WRITE_POLICIES:
+            raise ConfigError(f"write_policy {self.write_policy!r} is not one of {WRITE_POLICIES}")
+        if self.l1_bytes is not None and self.l1_bytes <= 0:
+            raise ConfigError(f"l1_bytes must be positive, got {self.l1_bytes}")
+        if self.l2_bytes <= 0:
+            raise ConfigError(f"l2_bytes must be positive, got {self.l2_bytes}")
+        if self.selective_min_hits < 1:
+            raise ConfigError("selective_min_hits must be >= 1")
+        if self.l3_read_bytes_per_s is not None and self.l3_read_bytes_per_s <= 0:
+            raise ConfigError("l3_read_bytes_per_s must be positive (or None for no limit)")
+        if self.load_margin <= 0:
+            raise ConfigError("load_margin must be positive")
+        self.l3_root = Path(self.l3_root)

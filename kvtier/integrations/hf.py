@@ -1,0 +1,139 @@
+"""transformers integration: a `Cache` whose layers are kvtier's L1 buffers, and `generate()`.
+
+`KvtierCache` is what `Session.restore()` returns. Attention reads the session's L1 buffers
+directly (exact attention, no copy): each layer's `update` writes the new tokens into spare
+room of the preallocated buffer and returns views of the filled part. When a forward needs more
+room than the buffer has, the owner grows every layer by whole chunks (see `kvtier.tiers.l1`).
+
+This module imports no other part of kvtier at import time except the L1 types, so that
+`kvtier.cache` can build on it; `generate()` takes the `TieredCache` duck-typed.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from kvtier.tiers.l1 import SessionBuffers
+
+
+class L1Owner(Protocol):
+    """What a layer needs from the session that owns the buffers."""
+
+    bufs: SessionBuffers
+    lengths: list[int]
+
+    def ensure_capacity(self, tokens: int) -> None: ...
+    def on_forward(self, layer_idx: int, new_tokens: int) -> None: ...
+
+
+class KvtierLayer(CacheLayerMixin):
+    """One attention layer's KV, stored in the owner's L1 buffers."""
+
+    is_compileable = False
+    is_croppable = True
+    is_sliding = False
+
+    def __init__(self, owner: L1Owner, layer_idx: int) -> None:
+        super().__init__()
+        self.owner = owner
+        self.layer_idx = layer_idx
+        self.is_initialized = True
+        self._refresh_views()
+
+    def _refresh_views(self) -> None:
+        n = self.owner.lengths[self.layer_idx]
+        if self.owner.bufs.released:
+            self.keys = self.values = None
+            return
+        k, v = self.owner.bufs.layers[self.layer_idx]
+        self.keys, self.values = k[:, :, :n], v[:, :, :n]
+        self.device = k.device
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        return None  # buffers exist before the first forward
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if key_states.shape[0] != 1:
+            raise ValueError(
+                f"kvtier sessions hold one sequence; got batch size {key_states.shape[0]}. "
+                "Run one session per call."
+            )
+        owner, i = self.owner, self.layer_idx
+        start = owner.lengths[i]
+        end = start + key_states.shape[-2]
+        owner.on_forward(i, key_states.shape[-2])
+        if end > owner.bufs.capacity:
+            owner.ensure_capacity(end)
+        k, v = owner.bufs.layers[i]
+        k[:, :, start:end].copy_(key_states)
+        v[:, :, start:end].copy_(value_states)
+        owner.lengths[i] = end
+        self.keys, self.values = k[:, :, :end], v[:, :, :end]
+        return self.keys, self.values
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.get_seq_length() + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.owner.lengths[self.layer_idx]
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def crop(self, tokens_to_remove: int) -> None:
+        n = self.get_seq_length()
+        keep = n + tokens_to_remove if tokens_to_remove < 0 else min(n, tokens_to_remove)
+        self.owner.lengths[self.layer_idx] = max(0, keep)
+        self._refresh_views()
+
+    def reset(self) -> None:
+        self.owner.lengths[self.layer_idx] = 0
+        self._refresh_views()
+
+    def offload(self) -> None:  # tiering is kvtier's job, not transformers' offloading
+        return None
+
+    def prefetch(self) -> None:
+        return None
+
+
+class KvtierCache(Cache):
+    """A transformers `Cache` over one kvtier session's L1 buffers."""
+
+    def __init__(self, owner: L1Owner) -> None:
+        layers = [KvtierLayer(owner, i) for i in range(len(owner.bufs.layers))]
+        super().__init__(layers=layers)  # type: ignore[arg-type]
+        self.owner = owner
+
+
+def generate(
+    model: Any,
+    cache: Any,
+    session_id: str,
+    input_ids: torch.Tensor,
+    *,
+    tenant: str = "default",
+    **generate_kwargs: Any,
+) -> torch.Tensor:
+    """One call: restore the session's longest cached prefix, generate, commit.
+
+    Returns the output ids of `model.generate` (prompt + new tokens).
+    """
+    if input_ids.dim() == 1:
+        input_ids = input_ids.unsqueeze(0)
+    session = cache.session(session_id, tenant=tenant)
+    pkv = session.restore(input_ids)
+    try:
+        out = model.generate(
+            input_ids.to(model.device), past_key_values=pkv, use_cache=True, **generate_kwargs
+        )
+    except BaseException:
+        session.abort()
+        raise
+    session.commit(out)
+    return out

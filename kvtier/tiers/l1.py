@@ -1,0 +1,165 @@
+"""L1: per-session, per-layer attention buffers on the model's device, under one byte budget.
+
+Each session owns, per layer, a K and a V tensor of shape ``[1, kv_heads, capacity, head_dim]``
+(transformers' layout), so attention reads them directly. Capacity grows in whole chunks: a
+decode step writes one token into spare room, and only every ``chunk_tokens`` tokens does the
+buffer move to a larger allocation (never a ``torch.cat`` per token).
+
+On CUDA, kvtier's buffers come from a dedicated ``torch.cuda.MemPool`` so that session churn
+fragments kvtier's own segments, never the blocks the model's activations use. On the CPU the
+same code uses ordinary tensors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from kvtier.errors import L1BudgetExceeded
+from kvtier.geometry import KVGeometry
+
+
+@dataclass(eq=False)
+class SessionBuffers:
+    """One session's L1 KV: ``layers[i] == (K, V)``, each ``[1, H, capacity, D]``."""
+
+    layers: list[tuple[torch.Tensor, torch.Tensor]]
+    capacity: int
+    nbytes: int
+    released: bool = field(default=False)
+
+
+class L1Pool:
+    """Allocates session buffers within ``budget_bytes``; raises `L1BudgetExceeded` beyond it.
+
+    The pool only accounts and allocates; choosing which idle session to evict when the budget
+    is reached is the cache's job (it catches `L1BudgetExceeded`, evicts, and retries).
+    """
+
+    def __init__(
+        self,
+        geometry: KVGeometry,
+        budget_bytes: int,
+        device: torch.device | str,
+        chunk_tokens: int,
+    ) -> None:
+        if geometry.attention == "mla":
+            raise ValueError(
+                "L1 buffers hold separate K and V per kv head; MLA latent caches are not "
+                "supported by kvtier's L1 yet (use a GQA/MHA/MQA model)"
+            )
+        if budget_bytes <= 0:
+            raise ValueError(f"L1 budget must be positive, got {budget_bytes} bytes")
+        self.geometry = geometry
+        self.budget_bytes = int(budget_bytes)
+        self.device = torch.device(device)
+        self.chunk_tokens = int(chunk_tokens)
+        self.dtype = geometry.torch_dtype()
+        self.used_bytes = 0
+        self._lock = threading.Lock()
+        self._pool = None
+        if self.device.type == "cuda" and hasattr(torch.cuda, "MemPool"):
+            self._pool = torch.cuda.MemPool()
+
+    # -- sizes ---------------------------------------------------------------------------------
+
+    def round_up(self, tokens: int) -> int:
+        """Capacity for `tokens`: whole chunks, at least one."""
+        c = self.chunk_tokens
+        return max(c, -(-tokens // c) * c)
+
+    def bytes_for(self, capacity: int) -> int:
+        return self.geometry.bytes_per_token * capacity
+
+    @property
+    def free_bytes(self) -> int:
+        return self.budget_bytes - self.used_bytes
+
+    def reserved_bytes(self) -> int:
+        """Bytes the allocator holds for kvtier's pool (CUDA), or the accounted bytes (CPU)."""
+        if self._pool is not None:
+            return sum(seg["total_size"] for seg in self._pool.snapshot())
+        return self.used_bytes
+
+    # -- allocation ----------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _in_pool(self) -> Iterator[None]:
+        if self._pool is None:
+            yield
+            return
+        with torch.cuda.use_mem_pool(self._pool, device=self.device):
+            yield
+
+    def _charge(self, nbytes: int) -> None:
+        with self._lock:
+            if self.used_bytes + nbytes > self.budget_bytes:
+                raise L1BudgetExceeded(
+                    f"L1 needs {nbytes} more bytes but only {self.free_bytes} of "
+                    f"{self.budget_bytes} are free; evict idle sessions or raise l1_bytes"
+                )
+            self.used_bytes += nbytes
+
+    def _uncharge(self, nbytes: int) -> None:
+        with self._lock:
+            self.used_bytes -= nbytes
+
+    def _new_layers(self, capacity: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        g = self.geometry
+        shape_k = (1, g.num_kv_heads, capacity, g.head_dim)
+        shape_v = (1, g.num_kv_heads, capacity, g.v_head_dim or g.head_dim)
+        with self._in_pool():
+            return [
+                (
+                    torch.empty(shape_k, dtype=self.dtype, device=self.device),
+                    torch.empty(shape_v, dtype=self.dtype, device=self.device),
+                )
+                for _ in range(g.num_layers)
+            ]
+
+    def allocate(self, tokens: int) -> SessionBuffers:
+        """Buffers with room for at least `tokens` tokens (rounded up to whole chunks)."""
+        capacity = self.round_up(tokens)
+        nbytes = self.bytes_for(capacity)
+        self._charge(nbytes)
+        try:
+            layers = self._new_layers(capacity)
+        except BaseException:
+            self._uncharge(nbytes)
+            raise
+        return SessionBuffers(layers=layers, capacity=capacity, nbytes=nbytes)
+
+    def grow(self, bufs: SessionBuffers, tokens: int, keep: int) -> None:
+        """Make room for `tokens`, keeping the first `keep` tokens; in place on `bufs`.
+
+        Growth is by whole chunks. The old and new buffers coexist for the copy, so the budget
+        must cover both for that moment.
+        """
+        if tokens <= bufs.capacity:
+            return
+        capacity = self.round_up(tokens)
+        nbytes = self.bytes_for(capacity)
+        self._charge(nbytes)
+        try:
+            layers = self._new_layers(capacity)
+        except BaseException:
+            self._uncharge(nbytes)
+            raise
+        for (k_new, v_new), (k_old, v_old) in zip(layers, bufs.layers, strict=True):
+            k_new[:, :, :keep].copy_(k_old[:, :, :keep])
+            v_new[:, :, :keep].copy_(v_old[:, :, :keep])
+        old_bytes = bufs.nbytes
+        bufs.layers, bufs.capacity, bufs.nbytes = layers, capacity, nbytes
+        self._uncharge(old_bytes)
+
+    def release(self, bufs: SessionBuffers) -> None:
+        """Return a session's buffers. Safe to call twice."""
+        if bufs.released:
+            return
+        bufs.released = True
+        bufs.layers = []
+        self._uncharge(bufs.nbytes)
