@@ -1,0 +1,58 @@
+"""`kvtier loadgen`: drive a server with a fleet of agent sessions and report latency."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+
+@click.command("loadgen", context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--url", default="http://127.0.0.1:8000", show_default=True)
+@click.option("--sessions", default=100, show_default=True, help="Concurrent agent sessions.")
+@click.option("--turns", default=10, show_default=True, help="Turns per session.")
+@click.option("--think-ms", default=2000.0, show_default=True, help="Mean tool-call pause.")
+@click.option("--max-tokens", default=32, show_default=True, help="Reply length per turn.")
+@click.option("--system-chars", default=3000, show_default=True, help="Shared system prompt.")
+@click.option("--user-chars", default=200, show_default=True)
+@click.option("--tool-chars", default=400, show_default=True, help="Each tool result's size.")
+@click.option("--duration", type=float, help="Stop starting turns after this many seconds.")
+@click.option("--ramp", type=float, help="Spread session starts over seconds (default think).")
+@click.option("--model", default="default", show_default=True)
+@click.option("--tenant", default="loadgen", show_default=True)
+@click.option("--seed", default=0, show_default=True)
+@click.option("--hibernate-during-tools", is_flag=True, help="POST hibernate at each pause.")
+@click.option("--compare", default=8, show_default=True, help="Restore vs recompute probes.")
+@click.option(
+    "--out",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default="loadgen.json",
+    show_default=True,
+    help="JSON result.",
+)
+@click.option(
+    "--png",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default="loadgen.png",
+    show_default=True,
+    help="Plot of TTFT by restore source.",
+)
+def command(out: Path, png: Path, **opts: object) -> None:
+    """A fleet of agent sessions: growing conversations, tool-call pauses, shared system prompt.
+
+    Reports TTFT and inter-token latency P50/P95/P99 overall and by restore source, errors and
+    throughput; writes a JSON result and a PNG plot.
+    """
+    from kvtier.loadgen import LoadConfig, format_report, plot, run
+
+    config = LoadConfig(**opts)  # type: ignore[arg-type]
+    if config.sessions < 1 or config.turns < 1:
+        raise click.BadParameter("--sessions and --turns must be at least 1")
+    result = run(config)
+    out.write_text(json.dumps(result, indent=1))
+    plot(result, png)
+    click.echo(format_report(result))
+    click.echo(f"\nresult: {out}  plot: {png}")
+    if result["ok"] == 0:
+        raise SystemExit(1)
