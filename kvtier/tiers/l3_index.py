@@ -127,6 +127,7 @@ class Index:
         self.read_only = read_only
         self._lock = threading.RLock()
         self._immutable = False
+        self._closed = False
         if read_only:
             if not self.path.exists():
                 raise StoreError(
@@ -163,6 +164,8 @@ class Index:
 
     @property
     def db(self) -> sqlite3.Connection:
+        if self._closed:
+            raise StoreError("L3 store is closed; open a new L3Store")
         if self._immutable and self.path.with_name(self.path.name + "-wal").exists():
             with self._lock:
                 if self._immutable:
@@ -191,6 +194,7 @@ class Index:
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True
             self._conn.close()
 
     # ---- chunks ------------------------------------------------------------------------------
