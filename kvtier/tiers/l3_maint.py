@@ -49,7 +49,7 @@ class FsckReport:
 
 
 def _files(store: L3Store) -> list[tuple[str, Path]]:
-    out = []
+    out: list[tuple[str, Path]] = []
     for tier in TIERS:
         for sub in _subdirs(store.dir(tier)):
             out.extend((tier, sub / name) for name in sorted(os.listdir(sub)))

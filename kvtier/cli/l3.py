@@ -1,0 +1,257 @@
+"""`kvtier l3 ...`: inspect, check and maintain the SSD tier (ls, stat, fsck, migrate, gc)."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict
+from typing import Any
+
+import click
+
+from kvtier.errors import StoreError
+from kvtier.tiers.l3 import L3Store
+from kvtier.tiers.l3_maint import Progress
+
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+_SIZES = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_duration(text: str) -> float:
+    """'90s', '30m', '12h', '7d', '2w' -> seconds."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*", text.lower())
+    if not m:
+        raise click.BadParameter(f"{text!r} is not a duration; write e.g. 30m, 12h, 7d or 2w")
+    return float(m.group(1)) * _UNITS[m.group(2) or "s"]
+
+
+def parse_size(text: str) -> int:
+    """'500M', '2G', '1.5T', '4096' -> bytes (binary units)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?\s*", text.lower())
+    if not m:
+        raise click.BadParameter(f"{text!r} is not a size; write e.g. 500M, 2G or 1T")
+    return int(float(m.group(1)) * _SIZES[m.group(2)])
+
+
+root_option = click.option(
+    "--root",
+    required=True,
+    type=click.Path(file_okay=False, path_type=str),
+    envvar="KVTIER_L3_ROOT",
+    help="L3 store directory (env KVTIER_L3_ROOT).",
+)
+json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
+cold_option = click.option(
+    "--cold-dir", type=click.Path(file_okay=False), default=None, help="Cold tier directory."
+)
+
+
+def _open(root: str, *, read_only: bool, cold_dir: str | None = None) -> L3Store:
+    try:
+        return L3Store(root, read_only=read_only, cold_dir=cold_dir)
+    except StoreError as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+@contextmanager
+def _progress(label: str, enabled: bool) -> Iterator[Progress | None]:
+    """A rich progress bar on stderr when it is a terminal and JSON is not requested."""
+    if not enabled or not sys.stderr.isatty():
+        yield None
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
+
+    with Progress(
+        "[progress.description]{task.description}",
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeRemainingColumn(),
+        console=Console(stderr=True),
+        transient=True,
+    ) as bar:
+        task = bar.add_task(label, total=None)
+
+        def update(done: int, total: int) -> None:
+            bar.update(task, completed=done, total=total)
+
+        yield update
+
+
+def _emit(data: Any, as_json: bool, text: str) -> None:
+    click.echo(json.dumps(data, indent=2, sort_keys=True) if as_json else text)
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"  # pragma: no cover
+
+
+@click.group("l3", context_settings={"help_option_names": ["-h", "--help"]})
+def command() -> None:
+    """Inspect, check and maintain the SSD tier (.kvbin files + SQLite index)."""
+
+
+@command.command("ls")
+@root_option
+@json_option
+@click.option("--limit", type=int, default=None, help="Show at most this many chunks.")
+def ls_command(root: str, as_json: bool, limit: int | None) -> None:
+    """List chunks, least recently used first (tenants are shown, never used as paths)."""
+    with _open(root, read_only=True) as store:
+        rows = list(store.index.iter_chunks(order_lru=True))[:limit]
+    if as_json:
+        _emit(
+            [
+                {
+                    "key": r.header.key.hex(),
+                    "tier": r.tier,
+                    "bytes": r.size,
+                    "tokens": r.header.tokens,
+                    "tenant": r.header.tenant,
+                    "fingerprint": r.header.fingerprint.hex(),
+                    "codec": r.header.codec,
+                    "created": r.header.created,
+                    "last_access": r.last_access,
+                }
+                for r in rows
+            ],
+            True,
+            "",
+        )
+        return
+    click.echo(f"{'key':32}  {'tier':4}  {'size':>10}  {'tokens':>6}  {'codec':6}  last used")
+    for r in rows:
+        used = time.strftime("%Y-%m-%d %H:%M", time.localtime(r.last_access))
+        click.echo(
+            f"{r.header.key.hex()}  {r.tier:4}  {_human(r.size):>10}  {r.header.tokens:>6}  "
+            f"{r.header.codec:6}  {used}"
+        )
+
+
+@command.command("stat")
+@root_option
+@json_option
+def stat_command(root: str, as_json: bool) -> None:
+    """Occupancy of the store: chunks and bytes per tier, sessions, capacity."""
+    with _open(root, read_only=True) as store:
+        stats = store.stats()
+        tiers: dict[str, dict[str, int]] = {}
+        for r in store.index.iter_chunks():
+            t = tiers.setdefault(r.tier, {"chunks": 0, "bytes": 0})
+            t["chunks"] += 1
+            t["bytes"] += r.size
+    data = {
+        "root": root,
+        "chunks": stats.chunks,
+        "used_bytes": stats.used_bytes,
+        "capacity_bytes": stats.capacity_bytes,
+        "sessions": stats.sessions,
+        "tiers": tiers,
+    }
+    lines = [
+        f"root       {root}",
+        f"chunks     {stats.chunks}",
+        f"used       {_human(stats.used_bytes)} of {_human(stats.capacity_bytes)}",
+        f"sessions   {stats.sessions}",
+    ]
+    lines += [f"{name:10} {t['chunks']} chunks, {_human(t['bytes'])}" for name, t in tiers.items()]
+    _emit(data, as_json, "\n".join(lines))
+
+
+@command.command("fsck")
+@root_option
+@json_option
+@click.option("--rebuild", is_flag=True, help="Rebuild the chunk index from file headers alone.")
+@click.option("--check", "check_only", is_flag=True, help="Report problems; repair nothing.")
+@cold_option
+def fsck_command(
+    root: str, as_json: bool, rebuild: bool, check_only: bool, cold_dir: str | None
+) -> None:
+    """Verify every chunk (header, checksums, size) and reconcile the index with the files.
+
+    Exit status: 0 clean, 1 problems found and all repaired or quarantined, 2 problems left.
+    """
+    from kvtier.tiers.l3_maint import fsck
+
+    with (
+        _open(root, read_only=check_only, cold_dir=cold_dir) as store,
+        _progress("fsck", not as_json) as progress,
+    ):
+        try:
+            report = fsck(store, rebuild=rebuild, repair=not check_only, progress=progress)
+        except StoreError as exc:
+            raise click.ClickException(str(exc)) from None
+    data = {**asdict(report), "repaired": report.repaired, "exit_code": report.exit_code}
+    lines = [
+        f"files checked   {report.files} ({report.ok} ok)",
+        f"quarantined     {len(report.quarantined)}",
+        f"index repaired  {report.indexed} added, {report.stale_rows} stale rows removed"
+        + (" (index rebuilt from headers)" if rebuild else ""),
+        f"temp removed    {report.temp_removed}",
+    ]
+    lines += [f"  quarantined: {q}" for q in report.quarantined]
+    lines += [f"  LEFT: {p}" for p in report.left]
+    lines.append(["clean", "problems found and repaired", "problems left"][report.exit_code])
+    _emit(data, as_json, "\n".join(lines))
+    sys.exit(report.exit_code)
+
+
+@command.command("migrate")
+@root_option
+@json_option
+@click.option("--older-than", default="7d", show_default=True, help="Idle time, e.g. 12h, 7d.")
+@cold_option
+def migrate_command(root: str, as_json: bool, older_than: str, cold_dir: str | None) -> None:
+    """Move chunks idle longer than --older-than from hot to cold (copy, fsync, then unlink)."""
+    from kvtier.tiers.l3_maint import migrate
+
+    seconds = parse_duration(older_than)
+    with (
+        _open(root, read_only=False, cold_dir=cold_dir) as store,
+        _progress("migrate", not as_json) as progress,
+    ):
+        report = migrate(store, seconds, progress=progress)
+    _emit(asdict(report), as_json, f"moved {report.chunks} chunks ({_human(report.bytes)}) to cold")
+
+
+@command.command("gc")
+@root_option
+@json_option
+@click.option(
+    "--older-than",
+    default="30d",
+    show_default=True,
+    help="Delete unreferenced chunks idle this long.",
+)
+@click.option(
+    "--max-bytes", default=None, help="Then evict unreferenced LRU chunks to this size (e.g. 500G)."
+)
+@cold_option
+def gc_command(
+    root: str, as_json: bool, older_than: str, max_bytes: str | None, cold_dir: str | None
+) -> None:
+    """Delete chunks no session references: idle past --older-than, then LRU down to --max-bytes.
+    Expired unpinned sessions (past their TTL) are dropped first."""
+    from kvtier.tiers.l3_maint import gc
+
+    seconds = parse_duration(older_than)
+    cap = parse_size(max_bytes) if max_bytes else None
+    with (
+        _open(root, read_only=False, cold_dir=cold_dir) as store,
+        _progress("gc", not as_json) as progress,
+    ):
+        report = gc(store, older_than_s=seconds, max_bytes=cap, progress=progress)
+    _emit(
+        asdict(report),
+        as_json,
+        f"deleted {report.chunks} chunks ({_human(report.bytes)}); "
+        f"{report.sessions_expired} expired sessions dropped",
+    )
