@@ -214,14 +214,14 @@ ROWS: list[tuple[str, list[tuple[str, str, str, list[tuple[str, str]]]]]] = [
                 "Fragmentation index (2 MiB)",
                 "short",
                 "Near 1: a 2 MiB allocation fails for fragmentation; -1: it succeeds.",
-                [(f"kvtier_fragmentation_index_ratio{{{SEL}}}", "node {{node}} {{zone}}")],
+                [(f"kvtier_buddyinfo_fragmentation_index{{{SEL}}}", "node {{node}} {{zone}}")],
             ),
             (
                 "Hugepage pool",
                 "short",
                 "",
                 [
-                    (f"kvtier_hugepages_total{{{SEL}}}", "total"),
+                    (f"kvtier_hugepages_pool{{{SEL}}}", "total"),
                     (f"kvtier_hugepages_free{{{SEL}}}", "free"),
                     (f"kvtier_hugepages_reserved{{{SEL}}}", "reserved"),
                 ],

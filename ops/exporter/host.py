@@ -13,11 +13,12 @@ from collections.abc import Iterable, Iterator
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from ops.collectors.host import HostSnapshot
 from ops.collectors.torch_alloc import TorchAllocState
 from ops.parsers.buddyinfo import BuddyInfo
 from ops.parsers.diskstats import DiskStat
 from ops.parsers.meminfo import Meminfo
-from ops.parsers.nvml import GpuReading
+from ops.parsers.nvml import GpuReading, normalize_bus_id
 from ops.parsers.pressure import Pressure
 from ops.parsers.vmstat import Vmstat
 
@@ -69,7 +70,7 @@ def memory_families(m: Meminfo | None, v: Vmstat | None, page_size: int) -> Iter
             "kvtier_memory_hugetlb_bytes", "Memory held by hugetlb pools (Hugetlb).", hugetlb
         )
         yield from _gauge(
-            "kvtier_hugepages_total", "Pages in the default hugepage pool.", m.hugepages_total
+            "kvtier_hugepages_pool", "Pages in the default hugepage pool.", m.hugepages_total
         )
         yield from _gauge("kvtier_hugepages_free", "Free pages of the pool.", m.hugepages_free)
         yield from _gauge(
@@ -122,7 +123,7 @@ def buddy_families(b: BuddyInfo | None) -> Iterator[Metric]:
         labels=["node", "zone"],
     )
     frag = GaugeMetricFamily(
-        "kvtier_fragmentation_index_ratio",
+        "kvtier_buddyinfo_fragmentation_index",
         "Kernel fragmentation index for a 2 MiB block: near 1 fails for fragmentation, near 0"
         " for lack of memory, -1 succeeds.",
         labels=["node", "zone"],
@@ -331,3 +332,26 @@ def torch_families(states: Iterable[TorchAllocState]) -> Iterator[Metric]:
         for s in states:
             counter.add_metric([str(s.device)], getattr(s, attr))
         yield counter
+
+
+def snapshot_families(
+    host: HostSnapshot, page_size: int, filesystem: tuple[int, int] | None = None
+) -> Iterator[Metric]:
+    """Every host family of one `HostSnapshot`; `filesystem` is the L3 (size, avail) bytes."""
+    yield from pressure_families(host.pressure.get("memory"), host.pressure.get("io"))
+    yield from memory_families(host.meminfo, host.vmstat, page_size)
+    yield from buddy_families(host.buddyinfo)
+    if host.pagecache is not None and host.pagecache.files:
+        yield from pagecache_families(
+            host.pagecache.resident_ratio, host.pagecache.hit_ratio, host.pagecache.bytes
+        )
+    if host.disk is not None:
+        yield from disk_families([host.disk.stat])
+    yield from gpu_families(host.gpus)
+    index = {normalize_bus_id(g.bus_id): str(g.index) for g in host.gpus if g.bus_id}
+    yield from topology_families(
+        (index.get(normalize_bus_id(f.gpu), f.gpu), f.device, f.level) for f in host.topology
+    )
+    yield from torch_families(host.torch_alloc or ())
+    if filesystem is not None:
+        yield from filesystem_families(*filesystem)

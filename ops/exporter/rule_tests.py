@@ -116,7 +116,7 @@ CASES: tuple[Case, ...] = (
         th.HUGEPAGE_POOL.alert,
         "firing: every free page is reserved",
         {
-            _s("kvtier_hugepages_total"): "1024x20",
+            _s("kvtier_hugepages_pool"): "1024x20",
             _s("kvtier_hugepages_free"): "10x20",
             _s("kvtier_hugepages_reserved"): "10x20",
         },
@@ -127,7 +127,7 @@ CASES: tuple[Case, ...] = (
         th.HUGEPAGE_POOL.alert,
         "quiet: no pool configured",
         {
-            _s("kvtier_hugepages_total"): "0x20",
+            _s("kvtier_hugepages_pool"): "0x20",
             _s("kvtier_hugepages_free"): "0x20",
             _s("kvtier_hugepages_reserved"): "0x20",
         },

@@ -28,7 +28,7 @@ EXPRESSIONS: dict[str, str] = {
         " < {value}"
     ),
     th.HUGEPAGE_POOL.alert: (
-        "(kvtier_hugepages_free - kvtier_hugepages_reserved) < {value}\nand\nkvtier_hugepages_total > 0"
+        "(kvtier_hugepages_free - kvtier_hugepages_reserved) < {value}\nand\nkvtier_hugepages_pool > 0"
     ),
     th.GPU_HEADROOM.alert: "kvtier:gpu_memory_free:ratio < {value}",
     th.L1_EVICTION_STORM.alert: (

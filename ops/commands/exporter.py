@@ -1,0 +1,51 @@
+"""`kvtier exporter`: the standalone Prometheus exporter (L3 index read-only + host signals)."""
+
+from __future__ import annotations
+
+import signal
+import threading
+
+import click
+
+from kvtier.errors import KvtierError
+
+
+@click.command("exporter", context_settings={"help_option_names": ["-h", "--help"]})
+@click.option(
+    "--l3-root",
+    required=True,
+    type=click.Path(file_okay=False, path_type=str),
+    help="Root directory of the L3 store (opened read-only).",
+)
+@click.option(
+    "--listen",
+    default="127.0.0.1:9481",
+    show_default=True,
+    help="HOST:PORT to serve /metrics on. Loopback by default; widen it deliberately.",
+)
+@click.option("--no-gpu", is_flag=True, help="Skip NVML queries (GPU metrics).")
+def command(l3_root: str, listen: str, no_gpu: bool) -> None:
+    """Standalone Prometheus exporter for a host whose cache runs elsewhere.
+
+    Serves the L3 store's occupancy and sessions (from its index, read-only) and the host's
+    memory, fragmentation, page cache, disk and GPU signals. Metrics: docs/metrics.md.
+    """
+    from ops.exporter.standalone import build, serve
+
+    try:
+        registry, store = build(l3_root, nvml=not no_gpu)
+        server = serve(registry, listen)
+    except KvtierError as exc:
+        raise click.UsageError(str(exc)) from None
+    except OSError as exc:
+        raise click.UsageError(
+            f"cannot listen on {listen}: {exc.strerror}; pick a free port"
+        ) from None
+    host, port = server.server_address[:2]
+    click.echo(f"kvtier exporter: http://{host}:{port}/metrics  l3_root={l3_root}", err=True)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    server.shutdown()
+    store.close()
