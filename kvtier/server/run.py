@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import click
@@ -79,15 +80,27 @@ def run_app(app: Any, config: ServerConfig) -> None:
     """Run a built app under uvicorn on the configured address (graceful drain on SIGTERM)."""
     import uvicorn
 
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            # uvicorn re-raises the signal after its shutdown, so the process would die "by
+            # SIGTERM". A completed drain is a clean exit: status 0, as supervisors expect.
+            super().handle_exit(sig, frame)
+            captured = getattr(self, "_captured_signals", None)
+            if isinstance(captured, list) and sig in captured:
+                captured.remove(sig)
+
     logging.basicConfig(
         level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    uvicorn.run(
-        app,
-        host=config.host,
-        port=config.port,
-        log_level=config.log_level,
-        access_log=False,
-        timeout_graceful_shutdown=60,
-        h11_max_incomplete_event_size=64 * 1024,
+    server = Server(
+        uvicorn.Config(
+            app,
+            host=config.host,
+            port=config.port,
+            log_level=config.log_level,
+            access_log=False,
+            timeout_graceful_shutdown=60,
+            h11_max_incomplete_event_size=64 * 1024,
+        )
     )
+    server.run()

@@ -1,0 +1,77 @@
+"""A real `kvtier serve` in a subprocess on a free loopback port (plain module for test_server*)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Server:
+    """Start with `Server(tmp_path, "--cache", "none").start()`; stop with `.stop()` (SIGTERM)."""
+
+    def __init__(self, l3_root: Path, *args: str, module: str = "kvtier.server") -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.l3_root = l3_root
+        self.args = args
+        self.module = module
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.log = l3_root.parent / f"server-{self.port}.log"
+
+    def start(self, timeout: float = 90.0) -> Server:
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+        env = {k: v for k, v in env.items() if not k.startswith("KVTIER_")}
+        cmd = [sys.executable, "-m", self.module, "--port", str(self.port)]
+        cmd += ["--l3-root", str(self.l3_root), "--log-level", "warning", *self.args]
+        self._logf = open(self.log, "wb")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self._logf, stderr=self._logf)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited {self.proc.returncode}:\n{self.output()}")
+            try:
+                if httpx.get(self.url + "/readyz", timeout=1).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        self.kill()
+        raise RuntimeError(f"server not ready in {timeout}s:\n{self.output()}")
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+    def stop(self, timeout: float = 60.0) -> int:
+        """SIGTERM (graceful drain) and the exit status."""
+        assert self.proc is not None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            rc = self.proc.wait(timeout)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+            self._logf.close()
+        return rc
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        if hasattr(self, "_logf"):
+            self._logf.close()
