@@ -156,7 +156,7 @@ for link in block_links + nvme_links:
 PY
 
 if python3 -c 'import pynvml' 2>/dev/null; then
-    if ! PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" python3 -m ops.collectors.nvml >"$DEST/nvml.json" 2>"$DEST/nvml.err"; then
+    if ! PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" python3 -c 'from ops.collectors.nvml import main; main()' >"$DEST/nvml.json" 2>"$DEST/nvml.err"; then
         echo "NVML dump failed; see $DEST/nvml.err" >&2
     fi
     [[ -s $DEST/nvml.err ]] || rm -f "$DEST/nvml.err"

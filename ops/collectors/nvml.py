@@ -4,7 +4,7 @@ Every NVML call goes through `nvml_query`, which returns a sentinel (`NA`) when 
 driver or the function is missing, and logs each missing function once (STYLE.md rule 4).
 `read_raw()` returns one JSON-able dict per GPU, keyed as in `FIELDS`; the pure
 `ops.parsers.nvml.parse_device` turns such a dict into a `GpuReading`. The capture script dumps
-the same dicts (`python3 -m ops.collectors.nvml`), so the parser is tested on real readings.
+the same dicts (`ops.collectors.nvml.main`), so the parser is tested on real readings.
 """
 
 from __future__ import annotations
@@ -184,6 +184,8 @@ def read_raw(*, timings: bool = False) -> list[dict[str, Any]]:
             args = _memory_args(lib, handle) if key == "memory" else (handle, *extra)
             start = time.perf_counter()
             value, error = _call(fn_name, *args)
+            if error is not None and key == "memory" and len(args) == 2:
+                value, error = _call(fn_name, handle)  # a driver without the v2 struct
             call_us[key] = round((time.perf_counter() - start) * 1e6, 1)
             raw[key] = None if error is not None else _jsonable(value)
             if error is not None:
@@ -210,6 +212,11 @@ def dump() -> dict[str, Any]:
     }
 
 
-if __name__ == "__main__":
+def main() -> None:
+    """Print `dump()` as JSON (the capture script's nvml.json)."""
     json.dump(dump(), sys.stdout, indent=1, sort_keys=True)
     sys.stdout.write("\n")
+
+
+if __name__ == "__main__":
+    main()
