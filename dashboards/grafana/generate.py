@@ -463,6 +463,9 @@ def render() -> str:
 
 
 if __name__ == "__main__":
-    out = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).with_name("kvtier.json")
-    out.write_text(render())
-    print(out)
+    if sys.argv[1:] == ["-"]:  # print instead of writing
+        sys.stdout.write(render())
+    else:
+        out = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).with_name("kvtier.json")
+        out.write_text(render())
+        print(out)
