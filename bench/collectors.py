@@ -11,6 +11,7 @@ chunk files in the `{hot,cold}/<2 hex>/` layout is made and removed afterwards.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import shutil
 import sys
@@ -71,7 +72,7 @@ def make_store(root: str, files: int) -> None:
 
 
 def chunk_paths(root: str, limit: int) -> list[str]:
-    out = []
+    out: list[str] = []
     for dirpath, _dirs, names in sorted(os.walk(root)):
         out.extend(os.path.join(dirpath, n) for n in sorted(names) if n.endswith(".kvbin"))
         if len(out) >= limit:
@@ -170,7 +171,7 @@ def main() -> int:
         print(f"{'call':<40}{'us/call':>10}")
         for key, (fn_name, extra, _unit) in nvml.FIELDS.items():
             call_args = nvml._memory_args(lib, handle) if key == "memory" else (handle, *extra)
-            us = wall_us(lambda f=fn_name, a=call_args: nvml.nvml_query(f, *a), 50)
+            us = wall_us(functools.partial(nvml.nvml_query, fn_name, *call_args), 50)
             print(f"{key + ' (' + fn_name + ')':<40}{us:>10.1f}")
         print(f"{'read() of all GPUs':<40}{wall_us(nvml.read, 20):>10.1f}")
         print(f"{'sample(nvml=True) CPU ms':<40}{cpu_ms(lambda: sample(l3), 20):>10.3f}")

@@ -107,7 +107,7 @@ def nvml_query(fn_name: str, *args: Any, default: Any = NA) -> Any:
     value, error = _call(fn_name, *args)
     if error is not None:
         return default
-    return _jsonable(value)
+    return value.decode(errors="replace") if isinstance(value, bytes) else value
 
 
 def _jsonable(value: Any) -> Any:
