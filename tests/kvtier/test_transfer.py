@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvtier.codecs import make_codec
-from kvtier.errors import ConfigError
+from kvtier.errors import ChecksumMismatch, ChunkNotFound, ConfigError, FingerprintMismatch
 from kvtier.geometry import KVGeometry
 from kvtier.tiers.l2 import HostArena
 from kvtier.transfer import TransferEngine
@@ -191,12 +191,12 @@ def test_corrupt_l3_chunk_is_an_error_never_data(tmp_path: Path) -> None:
         byte = f.read(1)
         f.seek(4096 + 100)
         f.write(bytes([byte[0] ^ 0xFF]))
-    with pytest.raises(Exception, match="(?i)checksum"):
+    with pytest.raises(ChecksumMismatch):
         eng.read_l3(b"c" * 16, slot, b"F" * 16).result()
-    with pytest.raises(Exception, match="not in L3"):  # quarantined: a miss from now on
+    with pytest.raises(ChunkNotFound):  # quarantined: a miss from now on
         eng.read_l3(b"c" * 16, slot, b"F" * 16).result()
     eng.write_l3(slot, _header(b"d" * 16, size)).result()  # type: ignore[union-attr]
-    with pytest.raises(Exception, match="(?i)fingerprint"):  # another model's chunk
+    with pytest.raises(FingerprintMismatch):  # another model's chunk
         eng.read_l3(b"d" * 16, slot, b"G" * 16).result()
     assert eng.stats().l3_read_errors == 3
     eng.close()
