@@ -39,8 +39,8 @@ class Link:
             except ValueError:
                 return None
 
-        narrow = self.width is not None and self.max_width is not None
-        narrow = narrow and self.width < self.max_width  # type: ignore[operator]
+        width, max_width = self.width, self.max_width
+        narrow = width is not None and max_width is not None and width < max_width
         cur, top = gts(self.speed), gts(self.max_speed)
         return bool(narrow or (cur is not None and top is not None and cur < top))
 
