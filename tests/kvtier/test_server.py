@@ -10,12 +10,13 @@ import openai
 import pytest
 from server_proc import Server
 
+SMALL = ("--l1-bytes", "32MiB", "--l2-bytes", "32MiB")  # start fast; evictions are not tested here
 SYSTEM = "You are a careful agent. " * 20
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory):
-    srv = Server(tmp_path_factory.mktemp("srv") / "l3", "--max-concurrency", "4").start()
+    srv = Server(tmp_path_factory.mktemp("srv") / "l3", "--max-concurrency", "4", *SMALL).start()
     yield srv
     assert srv.stop() == 0, srv.output()
 
@@ -25,13 +26,13 @@ def client(server: Server) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
 
 
-def chat(client: openai.OpenAI, sid: str, user: str, **kw):
+def chat(client: openai.OpenAI, sid: str, text: str, **kw):
     return client.chat.completions.create(
         model="default",
-        messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}],
+        messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": text}],
         temperature=0,
         max_tokens=kw.pop("max_tokens", 12),
-        extra_headers={"X-Session-ID": sid},
+        extra_headers={"X-Session-ID": sid, "X-Tenant": kw.pop("tenant", "default")},
         **kw,
     )
 
@@ -75,7 +76,8 @@ def test_stream_equals_non_stream_greedy(client: openai.OpenAI) -> None:
 def test_session_id_from_user_field_and_second_turn_restores(
     server: Server, client: openai.OpenAI
 ) -> None:
-    first = chat(client, "", "turn one", user="via-user-field")
+    # A tenant of its own: other tests' sessions share the system prompt's chunks per tenant.
+    first = chat(client, "", "turn one", user="via-user-field", tenant="solo")
     assert first.usage.prompt_tokens_details.cached_tokens == 0
     again = client.chat.completions.with_raw_response.create(
         model="default",
@@ -88,6 +90,7 @@ def test_session_id_from_user_field_and_second_turn_restores(
         temperature=0,
         max_tokens=4,
         user="via-user-field",
+        extra_headers={"X-Tenant": "solo"},
     )
     assert again.headers["x-kvtier-restore-source"] in ("l1", "l2", "l3")
     usage = again.parse().usage
