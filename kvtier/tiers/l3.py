@@ -265,10 +265,23 @@ class L3Store:
         tmp = final.parent / f".{final.stem}.{os.getpid()}.{next(_tmp_seq)}.tmp"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         try:
-            pad = kvbin.padded(len(view)) - len(view)
-            l3_io.write_all(fd, [kvbin.encode(header, header.payload_crc), view, bytes(pad)])
+            encoded = kvbin.encode(header, header.payload_crc)
+            direct = self.direct_io and not self.keep_page_cache and l3_io.set_direct(fd, True)
+            if direct:
+                try:
+                    l3_io.write_all(fd, self._direct_segments(encoded, view))
+                except OSError as exc:
+                    if exc.errno != errno.EINVAL:
+                        raise
+                    direct = False  # the device wants another alignment: write buffered
+                    l3_io.set_direct(fd, False)
+                    os.ftruncate(fd, 0)
+                    os.lseek(fd, 0, os.SEEK_SET)
+            if not direct:
+                pad = kvbin.padded(len(view)) - len(view)
+                l3_io.write_all(fd, [encoded, view, bytes(pad)])
             os.fdatasync(fd)
-            if not self.keep_page_cache:
+            if not direct and not self.keep_page_cache:
                 l3_io.drop_cache(fd)
         except BaseException:
             os.close(fd)
@@ -277,6 +290,36 @@ class L3Store:
             raise
         os.close(fd)
         return tmp, final
+
+    def _direct_segments(self, encoded: bytes, view: memoryview) -> list[memoryview]:
+        """4096-aligned buffers for an O_DIRECT writev: the caller's payload itself when it is
+        aligned (pinned slots are), else a copy in a per-thread staging buffer."""
+        hdr = self._buffer("whdr", HEADER_SIZE)
+        hdr[:HEADER_SIZE] = encoded
+        body = len(view) - len(view) % kvbin.ALIGN
+        addr = l3_io.address(view) if body else None
+        if addr is not None and addr % kvbin.ALIGN == 0:
+            segments = [hdr[:HEADER_SIZE], view[:body]]
+            if body < len(view):
+                tail = self._buffer("wtail", kvbin.ALIGN)
+                rest = len(view) - body
+                tail[:rest] = view[body:]
+                tail[rest : kvbin.ALIGN] = bytes(kvbin.ALIGN - rest)
+                segments.append(tail[: kvbin.ALIGN])
+            return segments
+        size = kvbin.padded(len(view))
+        stage = self._buffer("wstage", size)
+        stage[: len(view)] = view
+        stage[len(view) : size] = bytes(size - len(view))
+        return [hdr[:HEADER_SIZE], stage[:size]]
+
+    def _buffer(self, name: str, size: int) -> memoryview:
+        """A per-thread aligned buffer of at least `size` bytes, grown on demand."""
+        buf = getattr(self._local, name, None)
+        if buf is None or len(buf) < size:
+            buf = l3_io.aligned_buffer(size)
+            setattr(self._local, name, buf)
+        return buf
 
     def _write_error(self, exc: OSError, header: ChunkHeader | None) -> StoreError:
         what = f"chunk {_hex(header.key)}" if header else "put"
@@ -455,10 +498,7 @@ class L3Store:
         )
 
     def _header_buffer(self) -> memoryview:
-        buf = getattr(self._local, "hdr", None)
-        if buf is None:
-            buf = self._local.hdr = l3_io.aligned_buffer(HEADER_SIZE)
-        return buf
+        return self._buffer("hdr", HEADER_SIZE)[:HEADER_SIZE]
 
     def _corrupt(self, key: bytes, path: Path, exc: KvbinFormatError) -> KvbinFormatError:
         """Count a corrupt chunk, move its file to quarantine and return the error to raise."""
