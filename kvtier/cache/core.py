@@ -155,7 +155,7 @@ class Session:
         """Time the first multi-token forward after a restore: that is the prefill."""
         if new_tokens <= 1:
             return
-        if layer_idx == 0 and self._prefill is None:
+        if layer_idx == 0 and self._prefill is None and self.bufs is not None:
             self._prefill = _PrefillTimer(new_tokens, self.bufs.layers[0][0].is_cuda)
         elif layer_idx == len(self.lengths) - 1 and self._prefill is not None:
             self._prefill.stop()
@@ -361,7 +361,7 @@ class TieredCache:
             s.restore_source = source
             self._n.decisions[source] += 1
             self._record_latency(source, time.perf_counter() - t0)
-            return KvtierCache(s)
+            return KvtierCache(s)  # type: ignore[arg-type]  # resident: bufs is set
 
     def _assemble(self, s: Session, want: list[int]) -> str:
         """Fill the session's L1 with the longest worthwhile cached prefix of `want`."""
@@ -384,10 +384,14 @@ class TieredCache:
             if len(toks) == C:
                 key = self._key_for(parent, toks, s)
                 entry, src = self._locate(key)
-            if entry is None and tail and len(toks) >= tail:
+            if (
+                entry is None
+                and tail
+                and len(toks) >= tail
+                and chunk_key(parent, toks[:tail], s.ns) == s.tail_key
+            ):
                 # the session's own hibernated partial tail, at the end of its stored prefix
-                if chunk_key(parent, toks[:tail], s.ns) == s.tail_key:
-                    entry, src = self._locate(s.tail_key)
+                entry, src = self._locate(s.tail_key)
             if entry is None:
                 self._n.misses["l3"] += 1
                 break
@@ -403,14 +407,10 @@ class TieredCache:
         loaded_tokens = sum(e.tokens for _, e in segments)
         self._alloc_l1(s, max(len(want) + 1, loaded_tokens))
         s.tokens, s.chunk_keys, s.flushed, s.tail_key = [], [], 0, None
+        segments = self._load_segments(s, segments)
         pos = 0
         deepest = RestoreSource.RECOMPUTE.value
         for src, entry in segments:
-            try:
-                self._load_chunk(s, entry, src, pos)
-            except (KvbinFormatError, FingerprintMismatch, StoreError) as exc:
-                log.warning("chunk %s unusable (%s); recomputing from there", entry.key.hex(), exc)
-                break
             if entry.tokens == C:
                 s.chunk_keys.append(entry.key)
             pos += entry.tokens
@@ -458,34 +458,81 @@ class TieredCache:
         entry.in_l3 = True
         return entry, "l3"
 
-    def _load_chunk(self, s: Session, entry: _Chunk, src: str, pos: int) -> None:
+    def _load_segments(
+        self, s: Session, segments: list[tuple[str, _Chunk]]
+    ) -> list[tuple[str, _Chunk]]:
+        """Copy the planned chunks into L1; returns the prefix of `segments` that loaded.
+
+        L3 chunks are first read into L2 slots, all reads in flight at once; a chunk that fails
+        its checksum or fingerprint ends the prefix there (the rest is recomputed). Then one
+        ranged L2 -> L1 copy moves the whole prefix.
+        """
         assert s.bufs is not None
         t0 = time.perf_counter()
-        if src == "l3":
+        reads: list[tuple[_Chunk, int, Future]] = []
+        for src, entry in segments:
+            if src != "l3":
+                continue
             slot = self._alloc_l2()
             if slot is None:
-                raise StoreError("L2 has no free slot to stage an L3 read")
+                break
+            reads.append((entry, slot, self.engine.read_l3(entry.key, slot, self.fingerprint)))
+        l3_bytes = 0
+        ok_l3 = 0
+        failed = False
+        for entry, slot, fut in reads:
             try:
-                self.engine.read_l3(entry.key, slot, self.fingerprint).result()
-            except (KvbinFormatError, FingerprintMismatch):
-                self.l2.free(slot)
+                if failed:
+                    raise StoreError("an earlier chunk of this prefix failed")
+                fut.result()
+            except (KvbinFormatError, FingerprintMismatch) as exc:
+                log.warning("chunk %s unusable (%s); recomputing from there", entry.key.hex(), exc)
+                self._n.checksum_failures += isinstance(exc, KvbinFormatError)
                 entry.in_l3 = False
                 self._chunks.pop(entry.key, None)
-                self._n.checksum_failures += 1
-                raise
-            except BaseException:
-                self.l2.free(slot)
-                raise
+                self._free_slot(slot)
+                failed = True
+                continue
+            except StoreError as exc:
+                if not failed:
+                    log.warning("L3 read of %s failed: %s", entry.key.hex(), exc)
+                self._free_slot(slot)
+                failed = True
+                continue
             entry.l2_slot = slot
             self._l2_policy.touch(entry.key)
-            nbytes = self.codec.payload_bytes(entry.tokens)
-            self._throttle_l3(nbytes, time.perf_counter() - t0)
-        assert entry.l2_slot is not None
-        self.engine.restore(entry.l2_slot, entry.tokens, s.bufs.layers, pos).wait()
-        self._l2_policy.touch(entry.key)
-        self._cost.observe_load(
-            src, self.codec.payload_bytes(entry.tokens), time.perf_counter() - t0
-        )
+            l3_bytes += self.codec.payload_bytes(entry.tokens)
+            ok_l3 += 1
+        t_l3 = time.perf_counter() - t0
+        if l3_bytes:
+            self._throttle_l3(l3_bytes, t_l3)
+            t_l3 = time.perf_counter() - t0
+        # keep the leading run of segments whose data is now in L2
+        usable: list[tuple[str, _Chunk]] = []
+        for src, entry in segments:
+            if entry.l2_slot is None:
+                break
+            usable.append((src, entry))
+        if not usable:
+            return usable
+        t1 = time.perf_counter()
+        tokens = sum(e.tokens for _, e in usable)
+        slots = [e.l2_slot for _, e in usable]
+        self.engine.restore_range(slots, tokens, s.bufs.layers, 0).wait()  # type: ignore[arg-type]
+        t_l2 = time.perf_counter() - t1
+        for _, e in usable:
+            self._l2_policy.touch(e.key)
+        l2_bytes = sum(self.codec.payload_bytes(e.tokens) for _, e in usable)
+        if ok_l3:
+            self._cost.observe_load("l3", l3_bytes, t_l3 + t_l2 * l3_bytes / l2_bytes)
+        if ok_l3 < len(usable):
+            l2_only = l2_bytes - l3_bytes
+            self._cost.observe_load("l2", l2_only, t_l2 * l2_only / l2_bytes)
+        return usable
+
+    def _free_slot(self, slot: int) -> None:
+        self.engine.forget(slot)
+        self.l2.free(slot)
 
     def _throttle_l3(self, nbytes: int, elapsed: float) -> None:
         rate = self.config.l3_read_bytes_per_s
@@ -554,8 +601,6 @@ class TieredCache:
                 )
             ):
                 self._write_down(s, i * C, entry, tenant=s.tenant)
-            elif policy == "write_through_selective":
-                break  # keep order: later chunks wait until this one qualifies
         # Only chunks that were written (or already stored) count as flushed.
         while s.flushed < n_full:
             e = self._chunks.get(s.chunk_keys[s.flushed])
@@ -571,7 +616,7 @@ class TieredCache:
             # L2 is all in flight: write straight through a temporary staging buffer.
             log.debug("L2 full of in-flight chunks; chunk %s not cached", entry.key.hex())
             return
-        self.engine.offload(s.bufs.layers, pos, entry.tokens, slot).wait()
+        self.engine.offload(s.bufs.layers, pos, entry.tokens, slot)
         entry.l2_slot = slot
         self._l2_policy.touch(entry.key)
         self._queue_l3_write(entry, tenant)
@@ -736,7 +781,7 @@ class TieredCache:
             victim = self._l2_policy.victim(exclude=busy)
             if victim is None:
                 return None
-            entry = self._chunks.get(victim)  # type: ignore[arg-type]
+            entry = self._chunks.get(victim)  # type: ignore[call-overload]
             if entry is None or entry.l2_slot is None:
                 self._l2_policy.remove(victim)
                 continue
@@ -753,7 +798,7 @@ class TieredCache:
                         entry.in_l3 = True
                     except Exception as exc:
                         log.warning("write-back of %s failed: %s", entry.key.hex(), exc)
-            self.l2.free(entry.l2_slot)
+            self._free_slot(entry.l2_slot)
             entry.l2_slot = None
             self._l2_policy.remove(victim)
             self._n.evictions["l2"] += 1
@@ -793,7 +838,7 @@ class TieredCache:
         except Exception as exc:
             log.warning("prefetch of %s failed: %s", entry.key.hex(), exc)
             if entry.l2_slot is not None:
-                self.l2.free(entry.l2_slot)
+                self._free_slot(entry.l2_slot)
                 self._l2_policy.remove(entry.key)
             entry.l2_slot = None
             if isinstance(exc, (KvbinFormatError, FingerprintMismatch)):
@@ -846,7 +891,7 @@ class TieredCache:
             dropped = 0
             for entry in self._chunks.values():
                 if entry.l2_slot is not None and entry.in_l3 and entry.l3_read is None:
-                    self.l2.free(entry.l2_slot)
+                    self._free_slot(entry.l2_slot)
                     self._l2_policy.remove(entry.key)
                     entry.l2_slot = None
                     self._n.evictions["l2"] += 1
@@ -963,7 +1008,7 @@ class TieredCache:
                 tiers=tiers,
                 sessions_by_state=tuple(sorted(by_state.items())),
                 transfers=tuple(eng.transfers),
-                queue_depths=tuple(sorted(eng.queue_depths.items())),
+                queue_depths=(("l3_read", eng.l3_read_queue), ("l3_write", eng.l3_write_queue)),
                 restore_decisions=tuple(sorted(self._n.decisions.items())),
                 restored_tokens=tuple(sorted(self._n.restored_tokens.items())),
                 restore_latency=hist,

@@ -1,0 +1,317 @@
+"""The headline benchmark: an agent fleet on one GPU, kvtier vs the alternatives, in one run.
+
+100 agent sessions share a 1,500-token system prompt and hold about 3,000 tokens of context
+each; every turn appends 50-200 new tokens (the user or a tool result) and decodes a short
+answer. Between two turns of one session every other session takes its turn (the think time is
+the tool call). GPU memory is capped so that KV for only about 40 such sessions fits.
+
+Configurations, each run on the same workload (same seeds):
+  dynamic     all KV on the GPU (transformers DynamicCache kept per session)
+  offloaded   transformers' own offloading cache kept per session (KV in host RAM)
+  recompute   no cache kept between turns: every turn re-runs prefill of the whole context
+  kvtier      kvtier TieredCache, codec native (L1 budget = the KV cap, L2 pinned, L3 on disk)
+  kvtier-int8 the same with the int8 cold-tier codec
+
+    python3 bench/agent_fleet.py --out DIR            # on the GPU machine (< 10 minutes)
+    python3 bench/agent_fleet.py --shape qwen2-mini --device cpu --sessions 12 --turns 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from models import build, sync
+from transformers import DynamicCache
+
+from kvtier import CacheConfig, TieredCache
+from kvtier.geometry import KVGeometry
+
+
+@dataclass
+class Result:
+    name: str
+    turns: int = 0
+    ooms: int = 0
+    failed: int = 0
+    ttft_return: list[float] = field(default_factory=list)  # returning sessions only
+    ttft_first: list[float] = field(default_factory=list)
+    steps: list[float] = field(default_factory=list)
+    generated: int = 0
+    wall: float = 0.0
+    peak_bytes: int = 0
+    memory: list[tuple[float, int]] = field(default_factory=list)
+    decisions: dict[str, int] = field(default_factory=dict)
+
+
+def workload(n_sessions: int, turns: int, system_len: int, seed: int) -> list[list[list[int]]]:
+    """Per session, per turn: the token ids appended at that turn (turn 0 includes the prompt)."""
+    rng = random.Random(seed)
+    system = [rng.randrange(100, 30000) for _ in range(system_len)]
+    plan = []
+    for _ in range(n_sessions):
+        first = system + [rng.randrange(100, 30000) for _ in range(rng.randint(900, 1900))]
+        rest = [
+            [rng.randrange(100, 30000) for _ in range(rng.randint(50, 200))]
+            for _ in range(turns - 1)
+        ]
+        plan.append([first, *rest])
+    return plan
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    v = sorted(values)
+    return v[min(len(v) - 1, round(q * (len(v) - 1)))]
+
+
+class Runner:
+    """Runs the fleet with one way of keeping KV between turns."""
+
+    def __init__(self, name, model, device, decode_tokens, kv_budget, tmp, codec="native"):
+        self.name, self.model, self.device = name, model, device
+        self.decode_tokens = decode_tokens
+        self.kv_budget = kv_budget
+        self.caches: dict[int, object] = {}
+        self.cache = None
+        if name.startswith("kvtier"):
+            self.cache = TieredCache(
+                CacheConfig(
+                    l3_root=Path(tmp) / name,
+                    l1_bytes=kv_budget,
+                    l2_bytes=kv_budget * 3,
+                    chunk_tokens=256,
+                    codec=codec,
+                ),
+                model,
+            )
+
+    def turn(self, sid: int, ids: torch.Tensor, res: Result) -> None:
+        model, dev = self.model, self.device
+        sync(dev)
+        t0 = time.perf_counter()
+        if self.cache is not None:
+            s = self.cache.session(f"agent-{sid}", tenant="fleet")
+            pkv = s.restore(ids)
+            past = pkv.get_seq_length()
+        elif self.name == "recompute":
+            pkv, past = DynamicCache(), 0
+        else:
+            pkv = self.caches.get(sid)
+            if pkv is None:
+                pkv = DynamicCache(config=model.config, offloading=self.name == "offloaded")
+            past = pkv.get_seq_length()
+        try:
+            with torch.no_grad():
+                logits = model(ids[:, past:], past_key_values=pkv, logits_to_keep=1).logits
+                tok = logits[:, -1:].argmax(-1)
+                sync(dev)
+                ttft = time.perf_counter() - t0
+                out = [tok]
+                for _ in range(self.decode_tokens - 1):
+                    t1 = time.perf_counter()
+                    logits = model(tok, past_key_values=pkv, logits_to_keep=1).logits
+                    tok = logits[:, -1:].argmax(-1)
+                    sync(dev)
+                    res.steps.append(time.perf_counter() - t1)
+                    out.append(tok)
+        except torch.cuda.OutOfMemoryError:
+            res.ooms += 1
+            res.failed += 1
+            if self.cache is not None:
+                s.abort()
+            self.caches.pop(sid, None)  # the service must drop this conversation's KV
+            del pkv
+            gc.collect()
+            torch.cuda.empty_cache()
+            return
+        new = torch.cat([ids, *out], dim=1)
+        if self.cache is not None:
+            s.commit(new[0, :-1])  # the last token's KV is not computed yet
+        elif self.name != "recompute":
+            self.caches[sid] = pkv
+        (res.ttft_return if past or self._returning(sid) else res.ttft_first).append(ttft)
+        res.turns += 1
+        res.generated += len(out)
+        self.history[sid] = new
+
+    def _returning(self, sid: int) -> bool:
+        return sid in self.seen
+
+    def run(self, plan, res: Result, time_limit: float) -> None:
+        self.history: dict[int, torch.Tensor] = {}
+        self.seen: set[int] = set()
+        torch.cuda.reset_peak_memory_stats() if self.device.startswith("cuda") else None
+        t_start = time.perf_counter()
+        order_rng = random.Random(1)
+        for turn in range(len(plan[0])):
+            order = list(range(len(plan)))
+            order_rng.shuffle(order)
+            for sid in order:
+                if time.perf_counter() - t_start > time_limit:
+                    break
+                prev = self.history.get(sid)
+                add = torch.tensor([plan[sid][turn]], device=self.device)
+                if turn and prev is None:  # an earlier turn of this session failed
+                    res.failed += 1
+                    continue
+                ids = add if prev is None else torch.cat([prev, add], dim=1)
+                self.turn(sid, ids, res)
+                self.seen.add(sid)
+                if self.device.startswith("cuda"):
+                    res.memory.append(
+                        (time.perf_counter() - t_start, torch.cuda.memory_allocated())
+                    )
+        res.wall = time.perf_counter() - t_start
+        if self.device.startswith("cuda"):
+            res.peak_bytes = torch.cuda.max_memory_allocated()
+        if self.cache is not None:
+            res.decisions = dict(self.cache.stats().restore_decisions)
+
+    def close(self) -> None:
+        if self.cache is not None:
+            self.cache.close()
+        self.caches.clear()
+        gc.collect()
+        if self.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+
+
+def plot(results: list[Result], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(1, 2, figsize=(12, 4.5))
+    for r in results:
+        if r.ttft_return:
+            v = sorted(r.ttft_return)
+            ax[0].plot(
+                [x * 1e3 for x in v], [i / len(v) for i in range(1, len(v) + 1)], label=r.name
+            )
+        if r.memory:
+            ax[1].plot([t for t, _ in r.memory], [b / 2**30 for _, b in r.memory], label=r.name)
+    ax[0].set_xscale("log")
+    ax[0].set_xlabel("TTFT of a returning session (ms, log)")
+    ax[0].set_ylabel("fraction of turns")
+    ax[0].set_title("TTFT CDF by configuration")
+    ax[0].legend()
+    ax[1].set_xlabel("time (s)")
+    ax[1].set_ylabel("GPU memory allocated (GiB)")
+    ax[1].set_title("GPU memory over time")
+    ax[1].legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--shape", default=None)
+    ap.add_argument("--sessions", type=int, default=100)
+    ap.add_argument("--turns", type=int, default=3)
+    ap.add_argument("--system", type=int, default=1500)
+    ap.add_argument("--decode-tokens", type=int, default=6)
+    ap.add_argument(
+        "--fit-sessions", type=int, default=40, help="sessions of 3,000 tokens the KV cap holds"
+    )
+    ap.add_argument("--configs", default="dynamic,offloaded,recompute,kvtier,kvtier-int8")
+    ap.add_argument("--time-limit", type=float, default=75.0, help="seconds per configuration")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    dev = args.device
+    shape = args.shape or ("qwen2-7b" if dev.startswith("cuda") else "qwen2-mini")
+    dtype = torch.bfloat16 if dev.startswith("cuda") else torch.float32
+    model = build(shape, dev, dtype)
+    geo = KVGeometry.from_config(model.config, dtype=str(dtype).split(".")[-1])
+    kv_budget = args.fit_sessions * 3000 * geo.bytes_per_token
+    if dev.startswith("cuda"):
+        weights = torch.cuda.memory_allocated()
+        overhead = 3 << 30  # activations of a 3,000-token prefill with logits_to_keep=1
+        total = torch.cuda.get_device_properties(0).total_memory
+        cap = weights + overhead + kv_budget
+        torch.cuda.set_per_process_memory_fraction(cap / total)
+        print(
+            f"GPU cap {cap / 2**30:.1f} GiB = weights {weights / 2**30:.1f} + "
+            f"overhead {overhead / 2**30:.1f} + KV {kv_budget / 2**30:.1f}"
+        )
+    plan = workload(args.sessions, args.turns, args.system, seed=0)
+    tmp = tempfile.mkdtemp(prefix="kvtier-fleet-")
+    # warm-up: kernels and allocator, outside every measurement
+    with torch.no_grad():
+        model(torch.tensor([plan[0][0][:512]], device=dev), logits_to_keep=1)
+    results = []
+    for name in args.configs.split(","):
+        res = Result(name)
+        codec = "int8" if name.endswith("int8") else "native"
+        runner = Runner(name, model, dev, args.decode_tokens, kv_budget, tmp, codec=codec)
+        try:
+            runner.run(plan, res, args.time_limit)
+        finally:
+            runner.close()
+        results.append(res)
+        print(f"{name}: {res.turns} turns in {res.wall:.1f}s, {res.ooms} OOM", flush=True)
+
+    attempted = args.sessions * args.turns
+    print(
+        f"\nAgent fleet — {shape} {dtype}, {args.sessions} sessions x {args.turns} turns "
+        f"({attempted} turns), KV cap for {args.fit_sessions} sessions "
+        f"({kv_budget / 2**30:.1f} GiB), {torch.cuda.get_device_name() if dev.startswith('cuda') else 'CPU'}"
+    )
+    hdr = (
+        f"{'config':>12} {'turns':>6} {'OOM':>4} {'TTFT p50':>9} {'TTFT p99':>9} "
+        f"{'step p50':>9} {'step p99':>9} {'peak GiB':>9} {'tok/s':>7}  restores"
+    )
+    print(hdr)
+    for r in results:
+        dec = ",".join(f"{k}={v}" for k, v in sorted(r.decisions.items()) if v)
+        print(
+            f"{r.name:>12} {r.turns:>6} {r.ooms:>4} {pct(r.ttft_return, 0.5) * 1e3:9.1f} "
+            f"{pct(r.ttft_return, 0.99) * 1e3:9.1f} {pct(r.steps, 0.5) * 1e3:9.2f} "
+            f"{pct(r.steps, 0.99) * 1e3:9.2f} {r.peak_bytes / 2**30:9.2f} "
+            f"{r.generated / max(r.wall, 1e-9):7.1f}  {dec}"
+        )
+    by = {r.name: r for r in results}
+    if "recompute" in by and "kvtier" in by:
+        ratio = pct(by["recompute"].ttft_return, 0.99) / pct(by["kvtier"].ttft_return, 0.99)
+        print(f"TTFT p99 recompute / kvtier = {ratio:.2f} (target >= 3)")
+    if "dynamic" in by and "kvtier" in by:
+        ratio = pct(by["kvtier"].steps, 0.99) / pct(by["dynamic"].steps, 0.99)
+        print(f"step p99 kvtier / dynamic = {ratio:.3f} (target <= 1.1)")
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        plot(results, out / "agent_fleet.png")
+        (out / "agent_fleet.json").write_text(
+            json.dumps(
+                [
+                    {k: v for k, v in r.__dict__.items() if k not in ("memory",)}
+                    | {
+                        "ttft_return_p50": pct(r.ttft_return, 0.5),
+                        "ttft_return_p99": pct(r.ttft_return, 0.99),
+                        "step_p50": pct(r.steps, 0.5),
+                        "step_p99": pct(r.steps, 0.99),
+                    }
+                    for r in results
+                ],
+                default=str,
+            )
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,43 @@
+"""Model shapes the benchmarks build from a config with random weights (timing does not depend
+on the weight values; nothing is downloaded)."""
+
+from __future__ import annotations
+
+import torch
+
+SHAPES = {
+    # Qwen2-7B: 28 layers, 28 query heads, 4 KV heads of 128 -> 57,344 KV bytes/token in bf16.
+    "qwen2-7b": dict(
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        vocab_size=152064,
+    ),
+    # A small Qwen2 for CPU runs: same head layout ratio, 4 layers.
+    "qwen2-mini": dict(
+        hidden_size=512,
+        intermediate_size=1408,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        vocab_size=32000,
+    ),
+}
+
+
+def build(shape: str, device: str, dtype: torch.dtype, seed: int = 0):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(max_position_embeddings=32768, **SHAPES[shape])
+    cfg._name_or_path = f"random-{shape}"
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = Qwen2ForCausalLM(cfg).to(dtype)
+    return model.eval()
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()

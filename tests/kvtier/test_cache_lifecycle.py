@@ -1,0 +1,206 @@
+"""Session lifecycle, write policies, L1 admission and the cost model inside the cache."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import tiny_llama
+
+from kvtier import CacheConfig, TieredCache
+from kvtier.errors import ConfigError, L1BudgetExceeded, SessionError
+
+CHUNK = 16
+
+
+def cfg(root: Path, **kw) -> CacheConfig:
+    base = dict(
+        l3_root=root,
+        l1_bytes=8 << 20,
+        l2_bytes=4 << 20,
+        chunk_tokens=CHUNK,
+        cost_model=False,
+        pin_memory=False,
+    )
+    base.update(kw)
+    return CacheConfig(**base)
+
+
+def turn(model, cache, sid, ids, tenant="t"):
+    s = cache.session(sid, tenant=tenant)
+    pkv = s.restore(ids)
+    with torch.no_grad():
+        model(ids[:, pkv.get_seq_length() :], past_key_values=pkv)
+    s.commit(ids)
+    return s
+
+
+def ids_of(n: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(1, 250, (1, n), generator=g)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama()
+
+
+def test_bad_config_is_a_typed_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="write_policy"):
+        cfg(tmp_path, write_policy="sometimes")
+    with pytest.raises(ConfigError, match="chunk_tokens"):
+        cfg(tmp_path, chunk_tokens=10)
+    with pytest.raises(ConfigError, match="codec"):
+        cfg(tmp_path, codec="zip")
+
+
+@pytest.mark.parametrize(
+    ("policy", "written_at_commit"),
+    [("write_through", 4), ("write_back", 0), ("write_through_selective", 0)],
+)
+def test_write_policies(tmp_path: Path, model, policy: str, written_at_commit: int) -> None:
+    cache = TieredCache(cfg(tmp_path, write_policy=policy), model)
+    turn(model, cache, "a", ids_of(4 * CHUNK + 3))
+    cache.flush()
+    assert cache.stats().tier("l2").chunks == written_at_commit
+    cache.close()
+
+
+def test_selective_writes_chunks_seen_twice(tmp_path: Path, model) -> None:
+    cache = TieredCache(cfg(tmp_path, write_policy="write_through_selective"), model)
+    prompt = ids_of(2 * CHUNK + 1)
+    turn(model, cache, "a", prompt)
+    assert cache.stats().tier("l2").chunks == 0
+    turn(model, cache, "b", prompt)  # the same prefix seen a second time: now worth storing
+    assert cache.stats().tier("l2").chunks == 2
+    cache.close()
+
+
+def test_write_back_loses_nothing_on_eviction(tmp_path: Path, model) -> None:
+    cache = TieredCache(cfg(tmp_path, write_policy="write_back"), model)
+    ids = ids_of(3 * CHUNK + 5)
+    s = turn(model, cache, "a", ids)
+    s.hibernate()
+    snap = cache.stats()
+    assert snap.tier("l3").chunks == 4  # 3 full chunks + the 5-token tail
+    pkv = cache.session("a", tenant="t").restore(torch.cat([ids, ids_of(2, 9)], 1))
+    assert pkv.get_seq_length() == ids.shape[1]
+    cache.close()
+
+
+def test_l1_budget_evicts_idle_sessions_lru(tmp_path: Path, model) -> None:
+    # 512 bytes/token; 8 MiB would hold 16384 tokens -> budget for about 3 sessions of 2000
+    cache = TieredCache(cfg(tmp_path, l1_bytes=3 * 2048 * 512, l2_bytes=32 << 20), model)
+    for i in range(6):
+        turn(model, cache, f"s{i}", ids_of(2000, i))
+        assert cache.l1.used_bytes <= cache.l1.budget_bytes
+    snap = cache.stats()
+    states = dict(snap.sessions_by_state)
+    assert states["idle"] == 3 and states["hibernated"] == 3
+    assert snap.tier("l1").evictions == 3
+    resident = {s.session_id for s in cache.sessions() if s.resident}
+    assert resident == {"s3", "s4", "s5"}  # least recently used went first
+    cache.close()
+
+
+def test_pinned_sessions_are_evicted_last(tmp_path: Path, model) -> None:
+    cache = TieredCache(cfg(tmp_path, l1_bytes=2 * 2048 * 512, l2_bytes=32 << 20), model)
+    turn(model, cache, "pinned", ids_of(2000, 1)).pin()
+    turn(model, cache, "b", ids_of(2000, 2))
+    turn(model, cache, "c", ids_of(2000, 3))
+    assert cache.session("pinned", tenant="t").resident
+    assert not cache.session("b", tenant="t").resident
+    cache.close()
+
+
+def test_request_larger_than_l1_is_a_clear_error(tmp_path: Path, model) -> None:
+    cache = TieredCache(cfg(tmp_path, l1_bytes=CHUNK * 512 * 4), model)
+    s = cache.session("big", tenant="t")
+    with pytest.raises(L1BudgetExceeded, match="l1_bytes"):
+        s.restore(ids_of(10 * CHUNK))
+    # the cache keeps working for requests that fit
+    turn(model, cache, "small", ids_of(CHUNK))
+    cache.close()
+
+
+def test_session_misuse_is_typed(tmp_path: Path, model) -> None:
+    cache = TieredCache(cfg(tmp_path), model)
+    s = cache.session("x", tenant="t")
+    with pytest.raises(SessionError):
+        s.commit(ids_of(5))  # commit before restore
+    s.restore(ids_of(5))
+    with pytest.raises(SessionError):
+        s.restore(ids_of(5))  # a second request while the first runs
+    with pytest.raises(SessionError):
+        s.hibernate()
+    s.abort()
+    s.hibernate()
+    with pytest.raises(SessionError):
+        cache.session("", tenant="t")
+    cache.close()
+    cache.close()  # idempotent
+
+
+def test_prefetch_brings_l3_chunks_into_l2(tmp_path: Path, model) -> None:
+    cache = TieredCache(cfg(tmp_path), model)
+    ids = ids_of(4 * CHUNK + 2)
+    turn(model, cache, "p", ids).hibernate()
+    cache.evict_l2()
+    assert cache.stats().tier("l2").chunks == 0
+    s = cache.session("p", tenant="t")
+    s.prefetch()
+    pkv = s.restore(torch.cat([ids, ids_of(1, 3)], 1))
+    assert s.restore_source == "l2"
+    assert pkv.get_seq_length() == ids.shape[1]
+    cache.close()
+
+
+def test_ttl_closes_idle_sessions(tmp_path: Path, model) -> None:
+    cache = TieredCache(cfg(tmp_path), model)
+    s = turn(model, cache, "short-lived", ids_of(20))
+    s.ttl(0.0)
+    turn(model, cache, "other", ids_of(20, 1))  # any cache call reaps expired sessions
+    assert "short-lived" not in {x.session_id for x in cache.sessions()}
+    cache.close()
+
+
+def test_restart_finds_hibernated_sessions(tmp_path: Path, model) -> None:
+    cache = TieredCache(cfg(tmp_path), model)
+    for i in range(3):
+        turn(model, cache, f"h{i}", ids_of(40 + i, i)).hibernate()
+    cache.close()
+    again = TieredCache(cfg(tmp_path), model)
+    found = {s.session_id: s for s in again.sessions()}
+    assert set(found) == {"h0", "h1", "h2"}
+    assert all(s.state.value == "hibernated" for s in found.values())
+    assert [len(found[f"h{i}"].tokens) for i in range(3)] == [40, 41, 42]
+    again.close()
+
+
+def test_throttled_l3_makes_the_cost_model_recompute(tmp_path: Path, model) -> None:
+    """With L3 throttled to 50 KB/s, loading 8 KB chunks costs more than prefill: recompute."""
+    ids = ids_of(8 * CHUNK + 1)
+    for limit, expect in ((None, "l3"), (50_000.0, "recompute")):
+        root = tmp_path / str(limit)
+        cache = TieredCache(cfg(root, cost_model=True, l3_read_bytes_per_s=limit), model)
+        turn(model, cache, "w", ids).hibernate()
+        cache.evict_l2()
+        s = cache.session("w", tenant="t")
+        pkv = s.restore(torch.cat([ids, ids_of(1, 5)], 1))
+        with torch.no_grad():
+            model(torch.cat([ids, ids_of(1, 5)], 1)[:, pkv.get_seq_length() :], past_key_values=pkv)
+        s.commit(torch.cat([ids, ids_of(1, 5)], 1))
+        if limit is None:
+            assert s.restore_source == "l3"
+        else:
+            # the first restore measures the throttled disk; from then on the cache recomputes
+            s.hibernate()
+            cache.evict_l2()
+            s2 = cache.session("w", tenant="t")
+            s2.restore(torch.cat([ids, ids_of(2, 5)], 1))
+            assert s2.restore_source == expect
+            s2.abort()
+        decisions = dict(cache.stats().restore_decisions)
+        assert sum(decisions.values()) >= 2
+        cache.close()

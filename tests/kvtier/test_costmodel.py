@@ -1,0 +1,57 @@
+"""The restore cost model: load only what is faster to load than to recompute."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvtier.cache.costmodel import CostModel
+
+MB = 1_000_000
+
+
+def model(**bw: float) -> CostModel:
+    return CostModel({"l1": 100e9, "l2": 10e9, "l3": 1e9, **bw}, prefill_s_per_token=1e-4)
+
+
+def test_loads_everything_when_loading_is_cheap() -> None:
+    # 4 chunks of 256 tokens, 1 MB each from L2: 0.1 ms each vs 25.6 ms of prefill each
+    assert model().plan([("l2", MB, 256)] * 4) == 4
+
+
+def test_recomputes_when_the_disk_is_slow() -> None:
+    # 14.7 MB per chunk at 1 MB/s = 14.7 s, against 25.6 ms of prefill: recompute
+    m = model(l3=1 * MB)
+    assert m.plan([("l3", 14_700_000, 256)] * 4) == 0
+
+
+def test_stops_at_the_first_segment_that_does_not_pay() -> None:
+    # two cheap L2 chunks followed by two hopeless L3 chunks: load the L2 part only
+    m = model(l3=1 * MB)
+    assert m.plan([("l2", MB, 256)] * 2 + [("l3", 50 * MB, 256)] * 2) == 2
+
+
+def test_measurements_move_the_decision() -> None:
+    m = model()
+    seg = [("l3", 10 * MB, 256)]
+    assert m.plan(seg) == 1  # 10 ms of load vs 25.6 ms of prefill
+    m.observe_load("l3", 10 * MB, 1.0)  # the disk turned out to do 10 MB/s
+    assert m.bandwidth["l3"] == pytest.approx(10 * MB)
+    assert m.plan(seg) == 0
+    m.observe_prefill(256, 10.0)  # prefill turned out to be slow too: 39 ms/token
+    assert m.plan(seg) == 1
+
+
+def test_ema_and_ignores_nonsense() -> None:
+    m = model()
+    m.observe_load("l2", MB, 0.0)  # zero-duration samples say nothing
+    m.observe_load("l2", 0, 1.0)
+    assert m.bandwidth["l2"] == 10e9
+    m.observe_load("l2", 2 * MB, 1.0)
+    m.observe_load("l2", 4 * MB, 1.0)
+    assert m.bandwidth["l2"] == pytest.approx(0.7 * 2 * MB + 0.3 * 4 * MB)
+
+
+def test_margin_makes_loading_stricter() -> None:
+    m = CostModel({"l2": 1e9}, 1e-4, margin=10.0)
+    # 2.56 MB at 1 GB/s = 2.56 ms, x10 margin = 25.6 ms == prefill of 256 tokens: no gain
+    assert m.plan([("l2", 2_560_000, 256)]) == 0
