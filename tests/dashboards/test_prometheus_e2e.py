@@ -186,13 +186,8 @@ def test_dashboard_and_recording_rules_return_data(tmp_path: Path) -> None:
         assert scrapes >= 3, (tmp_path / "prometheus.log").read_text()[-3000:]
         time.sleep(2.5)  # let the recording rules evaluate over two scrapes
 
-        exported = set(
-            query(base, '{__name__=~"kvtier_.+", job="kvtier"}')
-            and [
-                r["metric"]["__name__"]
-                for r in query(base, '{__name__=~"kvtier_.+", job="kvtier"}')
-            ]
-        )
+        series = query(base, '{__name__=~"kvtier_.+", job="kvtier"}')
+        exported = {r["metric"]["__name__"] for r in series}
         exported = {re.sub(r"_(bucket|sum|count)$", "", n) for n in exported}
         sources = documented_sources()
         rules = recording_rules()
