@@ -14,8 +14,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from exporter_inputs import FIXTURE, GIB, fixture_host_snapshot, full_cache_snapshot, scrape
 from prometheus_client import CollectorRegistry
+from test_exporter_inputs import FIXTURE, GIB, fixture_host_snapshot, full_cache_snapshot, scrape
 
 from kvtier.errors import ConfigError
 from kvtier.kvbin import ChunkHeader

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from exporter_inputs import full_registry, scrape
+from test_exporter_inputs import full_registry, scrape
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "metrics.md"
 NAME = re.compile(r"^`(kvtier_[a-z0-9_]+)`$")

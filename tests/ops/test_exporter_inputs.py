@@ -1,6 +1,6 @@
-"""Inputs for the exporter tests: a cache snapshot with every field set, and a host snapshot read
-by the real collectors from the captured H200 fixture tree (plus the sources a capture cannot
-hold: this process's page-cache residency, the CUDA allocator, an L3 drive's PCIe placement)."""
+"""Inputs for the exporter tests (no tests here): a cache snapshot with every field set, and a
+host snapshot read by the real collectors from the captured H200 fixture tree (plus the sources
+a capture cannot hold: page-cache residency, the CUDA allocator, an L3 drive's PCIe placement)."""
 
 from __future__ import annotations
 
