@@ -1,0 +1,325 @@
+"""Transfer benchmark: kvtier's copies beside the raw copy ceilings measured in the same run.
+
+Qwen2-7B geometry (28 layers, 4 KV heads of 128, bf16, 256-token chunks), 2K and 8K-token
+sessions. Figures: offload (L1 -> L2), restore (L2 -> L1), both at once, and SSD -> L1 through
+the L3 store. Ceilings: a pinned 1 GiB copy each way, both ways at once on two streams, and a raw
+O_DIRECT read of the same bytes from the same directory. On a machine without CUDA the L1
+"device" is the CPU and the ceilings are memcpy (one thread; two threads for "both").
+
+    PYTHONPATH=. python3 bench/transfer.py --out DIR [--dir L3DIR] [--sessions 2048,8192]
+
+Needs only torch (numpy comes with it); writes DIR/transfer.txt and, with matplotlib, a PNG.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from kvtier.codecs import make_codec
+from kvtier.geometry import KVGeometry
+from kvtier.tiers.l2 import HostArena
+from kvtier.transfer import TransferEngine
+
+QWEN2_7B = KVGeometry(28, 4, 128, 128, "bfloat16", "gqa")
+CHUNK = 256
+GIB = 1 << 30
+
+
+def timed(fn: Callable[[], object], sync: Callable[[], None], reps: int) -> float:
+    """Best wall time of `reps` runs of fn (after one warm-up run)."""
+    fn()
+    sync()
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def both(a: Callable[[], object], b: Callable[[], object]) -> Callable[[], None]:
+    """Run a and b at once (b in a second thread) and return when both are done."""
+
+    def run() -> None:
+        t = threading.Thread(target=b)
+        t.start()
+        a()
+        t.join()
+
+    return run
+
+
+class Bench:
+    def __init__(self, device: torch.device, l3dir: Path, reps: int, max_tokens: int) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.reps = reps
+        self.l3dir = l3dir
+        self.codec = make_codec("native", QWEN2_7B)
+        slot = self.codec.payload_bytes(CHUNK)
+        self.chunks = -(-max_tokens // CHUNK)
+        # Two sessions' worth: one going down while the other comes up.
+        self.arena = HostArena(slot, 2 * self.chunks * slot)
+        self.engine = TransferEngine(QWEN2_7B, CHUNK, device, self.arena, None, self.codec)
+        self.rows: list[tuple[str, int, float, float, str]] = []
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+    def layers(self, tokens: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        shape = (1, QWEN2_7B.num_kv_heads, tokens, QWEN2_7B.head_dim)
+        return [
+            (
+                torch.randn(shape, device=self.device, dtype=torch.bfloat16),
+                torch.randn(shape, device=self.device, dtype=torch.bfloat16),
+            )
+            for _ in range(QWEN2_7B.num_layers)
+        ]
+
+    # ---- ceilings ----------------------------------------------------------------------------
+
+    def ceilings(self) -> dict[str, float]:
+        """1 GiB copies between pinned host buffers and the device, each way and both at once."""
+        n = GIB
+        host_a = torch.empty(n, dtype=torch.uint8, pin_memory=self.cuda)
+        host_b = torch.empty(n, dtype=torch.uint8, pin_memory=self.cuda)
+        dev_a = torch.ones(n, dtype=torch.uint8, device=self.device)
+        dev_b = torch.ones(n, dtype=torch.uint8, device=self.device)
+        host_a.fill_(1)
+        host_b.fill_(1)
+        if self.cuda:
+            s1, s2 = torch.cuda.Stream(self.device), torch.cuda.Stream(self.device)
+
+            def h2d() -> None:
+                with torch.cuda.stream(s1):
+                    dev_a.copy_(host_a, non_blocking=True)
+
+            def d2h() -> None:
+                with torch.cuda.stream(s2):
+                    host_b.copy_(dev_b, non_blocking=True)
+
+            def pair() -> None:
+                h2d()
+                d2h()
+
+        else:
+
+            def h2d() -> None:
+                dev_a.copy_(host_a)
+
+            def d2h() -> None:
+                host_b.copy_(dev_b)
+
+            pair = both(h2d, d2h)
+        up = n / timed(h2d, self.sync, self.reps)
+        down = n / timed(d2h, self.sync, self.reps)
+        duplex = 2 * n / timed(pair, self.sync, self.reps)
+        return {"h2d": up, "d2h": down, "both": duplex, "bytes": n}
+
+    def disk_ceiling(self, nbytes: int) -> float:
+        """Raw O_DIRECT read of nbytes from a file in the L3 directory into the arena."""
+        path = self.l3dir / "ceiling.bin"
+        slots = list(range(min(self.arena.n_slots, -(-nbytes // self.arena.slot_bytes))))
+        fd = os.open(path, os.O_CREAT | os.O_WRONLY | os.O_TRUNC | os.O_DIRECT, 0o600)
+        try:
+            for i, s in enumerate(slots):
+                os.pwritev(fd, [self.arena.buffer(s)], i * self.arena.slot_bytes)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+        def read() -> None:
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+            try:
+                threads = []
+                for part in range(4):
+                    mine = slots[part::4]
+
+                    def work(mine: list[int] = mine) -> None:
+                        for s in mine:
+                            os.preadv(fd, [self.arena.buffer(s)], s * self.arena.slot_bytes)
+
+                    threads.append(threading.Thread(target=work))
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join()
+            finally:
+                os.close(fd)
+
+        seconds = timed(read, lambda: None, self.reps)
+        path.unlink()
+        return len(slots) * self.arena.slot_bytes / seconds
+
+    # ---- kvtier's paths ----------------------------------------------------------------------
+
+    def session(self, tokens: int, ceil: dict[str, float]) -> None:
+        chunks = -(-tokens // CHUNK)
+        src, dst = self.layers(tokens), self.layers(tokens)
+        down = list(range(chunks))
+        up = list(range(self.chunks, self.chunks + chunks))
+        nbytes = QWEN2_7B.chunk_bytes(tokens)
+        eng = self.engine
+        eng.offload_range(src, 0, tokens, up).wait()  # the restore's source
+
+        def offload() -> None:
+            eng.offload_range(src, 0, tokens, down).wait()
+
+        def restore() -> None:
+            eng.restore_range(up, tokens, dst, 0).wait()
+
+        if self.cuda:
+
+            def duplex() -> None:
+                a = eng.offload_range(src, 0, tokens, down)
+                b = eng.restore_range(up, tokens, dst, 0)
+                a.wait()
+                b.wait()
+
+        else:
+            duplex = both(offload, restore)
+        label = f"{tokens // 1024}K"
+        off = nbytes / timed(offload, self.sync, self.reps)
+        res = nbytes / timed(restore, self.sync, self.reps)
+        dup = 2 * nbytes / timed(duplex, self.sync, self.reps)
+        for i in range(QWEN2_7B.num_layers):  # the restored bytes are the offloaded ones
+            assert torch.equal(src[i][0], dst[i][0]) and torch.equal(src[i][1], dst[i][1])
+        self.rows.append((f"offload L1->L2 {label}", nbytes, off, ceil["d2h"], "pinned D2H"))
+        self.rows.append((f"restore L2->L1 {label}", nbytes, res, ceil["h2d"], "pinned H2D"))
+        self.rows.append((f"both at once {label}", 2 * nbytes, dup, ceil["both"], "both copies"))
+        self.ssd(tokens, src, ceil)
+
+    def ssd(
+        self, tokens: int, src: list[tuple[torch.Tensor, torch.Tensor]], ceil: dict[str, float]
+    ) -> None:
+        """SSD -> L1: O_DIRECT reads of .kvbin files into slots (4 threads), then restore."""
+        try:
+            from kvtier import kvbin
+            from kvtier.tiers.l3 import L3Store
+        except ImportError as exc:
+            self.rows.append((f"SSD->L1 {tokens // 1024}K (skipped: {exc})", 0, 0.0, 1.0, ""))
+            return
+        label = f"{tokens // 1024}K"
+        chunks = -(-tokens // CHUNK)
+        root = Path(tempfile.mkdtemp(prefix="kvtier-bench-", dir=self.l3dir))
+        store = L3Store(root)
+        eng = TransferEngine(QWEN2_7B, CHUNK, self.device, self.arena, store, self.codec)
+        slots = list(range(chunks))
+        fingerprint = b"B" * 16
+        eng.offload_range(src, 0, tokens, slots).wait()
+        keys = []
+        for i, slot in enumerate(slots):
+            n = min(CHUNK, tokens - i * CHUNK)
+            key = (tokens * 1000 + i).to_bytes(16, "big")
+            header = kvbin.ChunkHeader(
+                key=key,
+                parent=bytes(16),
+                fingerprint=fingerprint,
+                tenant="bench",
+                tokens=n,
+                layers=QWEN2_7B.num_layers,
+                kv_heads=QWEN2_7B.num_kv_heads,
+                head_dim=QWEN2_7B.head_dim,
+                dtype=QWEN2_7B.dtype,
+                codec="native",
+                codec_params=self.codec.params(),
+                payload_len=self.codec.payload_bytes(n),
+                created=time.time(),
+            )
+            fut = eng.write_l3(slot, header)
+            assert fut is not None
+            keys.append(key)
+        eng.flush()
+        dst = self.layers(tokens)
+
+        def load() -> None:
+            futures = [eng.read_l3(k, s, fingerprint) for k, s in zip(keys, slots, strict=True)]
+            for f in futures:
+                f.result()
+            eng.restore_range(slots, tokens, dst, 0).wait()
+
+        nbytes = QWEN2_7B.chunk_bytes(tokens)
+        rate = nbytes / timed(load, self.sync, self.reps)
+        disk = self.disk_ceiling(nbytes)
+        assert torch.equal(src[0][0], dst[0][0])
+        self.rows.append((f"SSD->L1 {label}", nbytes, rate, disk, "O_DIRECT read"))
+        eng.close()
+        store.close()
+
+
+def machine(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"{torch.cuda.get_device_name(device)}, {os.cpu_count()} CPUs"
+    return f"CPU only ({platform.processor() or platform.machine()}, {os.cpu_count()} CPUs)"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True, help="directory for the table and PNG")
+    parser.add_argument("--dir", type=Path, default=None, help="L3 directory (default: --out)")
+    parser.add_argument("--sessions", default="2048,8192", help="session sizes in tokens")
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    l3dir = args.dir or args.out
+    l3dir.mkdir(parents=True, exist_ok=True)
+    sizes = [int(s) for s in args.sessions.split(",")]
+    device = torch.device(args.device)
+    bench = Bench(device, l3dir, args.reps, max(sizes))
+    ceil = bench.ceilings()
+    for tokens in sizes:
+        bench.session(tokens, ceil)
+    gb = 1e9
+    lines = [
+        f"kvtier transfer benchmark on {machine(device)}; torch {torch.__version__}",
+        f"geometry Qwen2-7B ({QWEN2_7B.bytes_per_token} B/token), chunks of {CHUNK} tokens "
+        f"({QWEN2_7B.chunk_bytes(CHUNK)} B), L2 pinned={bench.arena.pinned}, "
+        f"ceilings over {ceil['bytes'] / GIB:.2f} GiB, best of {args.reps}",
+        "",
+        f"{'figure':26} {'bytes':>11} {'GB/s':>8} {'ceiling GB/s':>13} {'ratio':>6}  ceiling",
+    ]
+    for name, nbytes, rate, ceiling, what in bench.rows:
+        lines.append(
+            f"{name:26} {nbytes:>11} {rate / gb:>8.2f} {ceiling / gb:>13.2f} "
+            f"{rate / ceiling:>6.2f}  {what}"
+        )
+    text = "\n".join(lines)
+    print(text)
+    (args.out / "transfer.txt").write_text(text + "\n")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("(matplotlib not installed: no PNG)")
+    else:
+        rows = [r for r in bench.rows if r[1]]
+        fig, ax = plt.subplots(figsize=(9, 4))
+        x = range(len(rows))
+        ax.bar([i - 0.2 for i in x], [r[2] / gb for r in rows], 0.4, label="kvtier")
+        ax.bar([i + 0.2 for i in x], [r[3] / gb for r in rows], 0.4, label="ceiling")
+        ax.set_xticks(list(x), [r[0] for r in rows], rotation=30, ha="right", fontsize=8)
+        ax.set_ylabel("GB/s")
+        ax.set_title(f"kvtier transfers, Qwen2-7B geometry ({machine(device)})", fontsize=9)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(args.out / "transfer.png", dpi=120)
+    bench.engine.close()
+    bench.arena.close()
+
+
+if __name__ == "__main__":
+    main()
