@@ -1,0 +1,85 @@
+"""The exactness and eviction paths on a CUDA device (run on a GPU machine; skipped elsewhere)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import tiny_llama
+from transformers import DynamicCache
+
+from kvtier import CacheConfig, TieredCache
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+TURNS = [[5, 9, 13] * 90, [7, 3] * 40, [11] * 70]
+
+
+def greedy(model, ids, pkv, steps=8):
+    out = model.generate(
+        ids,
+        past_key_values=pkv,
+        max_new_tokens=steps,
+        do_sample=False,
+        output_scores=True,
+        return_dict_in_generate=True,
+        pad_token_id=0,
+    )
+    return out.sequences, torch.stack(out.scores)
+
+
+@pytest.mark.parametrize("evict", ["none", "l2", "l3"])
+def test_cuda_turns_match_recompute(tmp_path: Path, evict: str) -> None:
+    model = tiny_llama().cuda()
+    cache = TieredCache(
+        CacheConfig(
+            l3_root=tmp_path,
+            l1_bytes=256 << 20,
+            l2_bytes=64 << 20,
+            chunk_tokens=64,
+            cost_model=False,
+        ),
+        model,
+    )
+    ids = torch.tensor([[1]], device="cuda")
+    for turn, new in enumerate(TURNS):
+        ids = torch.cat([ids, torch.tensor([new], device="cuda")], dim=1)
+        s = cache.session("g", tenant="t")
+        seq, scores = greedy(model, ids, s.restore(ids))
+        s.commit(seq)
+        if turn:
+            assert s.restore_source == {"none": "l1", "l2": "l2", "l3": "l3"}[evict]
+        ref_seq, ref_scores = greedy(model, ids, DynamicCache())
+        assert torch.equal(seq, ref_seq)
+        torch.testing.assert_close(scores, ref_scores, atol=1e-4, rtol=0)
+        ids = seq
+        if evict != "none":
+            s.hibernate()
+        if evict == "l3":
+            cache.evict_l2()
+    snap = cache.stats()
+    assert snap.checksum_failures == 0
+    assert cache.l1.reserved_bytes() >= cache.l1.used_bytes
+    cache.close()
+
+
+def test_cuda_l1_budget_and_oom_safety(tmp_path: Path) -> None:
+    model = tiny_llama().cuda()
+    per_session = 2048 * 512  # tokens x bytes/token of the tiny model (fp32)
+    cache = TieredCache(
+        CacheConfig(l3_root=tmp_path, l1_bytes=4 * per_session, l2_bytes=64 << 20, chunk_tokens=64),
+        model,
+    )
+    for i in range(12):
+        ids = torch.randint(1, 250, (1, 1900), device="cuda")
+        s = cache.session(f"s{i}", tenant="t")
+        pkv = s.restore(ids)
+        with torch.no_grad():
+            model(ids[:, pkv.get_seq_length() :], past_key_values=pkv)
+        s.commit(ids)
+        assert cache.l1.used_bytes <= cache.l1.budget_bytes
+    assert cache.stats().tier("l1").evictions >= 8
+    cache.close()
