@@ -65,8 +65,19 @@ def options(f: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def load_config(flags: dict[str, Any]) -> ServerConfig:
+    """Merge flags, environment and TOML; refuse a --model that is not a model directory now,
+    before the server starts, rather than leave a server up that can never become ready."""
+    from kvtier.errors import ConfigError
+
     file = flags.pop("config_file", None)
-    return ServerConfig.load(flags=flags, file=file)
+    config = ServerConfig.load(flags=flags, file=file)
+    if config.model is not None and not (config.model / "config.json").is_file():
+        raise ConfigError(
+            f"--model {config.model}: no config.json there; pass a local Hugging Face model "
+            "directory (one written by save_pretrained), or leave --model out for the "
+            "built-in model"
+        )
+    return config
 
 
 def serve(config: ServerConfig, registry: Any = None) -> None:
