@@ -284,3 +284,21 @@ def test_parse_size(text: str, expected: int) -> None:
 def test_parse_size_rejects_with_a_hint(text: str) -> None:
     with pytest.raises(ConfigError, match=r"512MiB|finite"):
         parse_size(text)
+
+
+def test_plan_command(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import json
+
+    from click.testing import CliRunner
+
+    from kvtier.cli.plan import command
+
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(QWEN2_7B))
+    args = ["--model-config", str(cfg), "--sessions", "100", "--avg-tokens", "3000"]
+    out = CliRunner().invoke(command, [*args, "--gpu-mem", "24GiB"])
+    assert out.exit_code == 0, out.output
+    assert "57344 bytes/token" in out.output
+    assert "L1       24.0 GiB           146" in out.output  # 12 chunks of 14 MiB per session
+    bad = CliRunner().invoke(command, [*args, "--gpu-mem", "lots"])
+    assert bad.exit_code != 0 and "512MiB" in bad.output
