@@ -1,0 +1,76 @@
+"""Server settings: flags > environment > TOML > defaults, and errors that name the setting."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvtier.errors import ConfigError
+from kvtier.server.config import ServerConfig, default_l3_root, parse_size
+from kvtier.server.model import build_default, byte_tokenizer
+
+
+def test_precedence_flags_over_env_over_toml(tmp_path: Path) -> None:
+    toml = tmp_path / "kvtier.toml"
+    toml.write_text('[serve]\nport = 7000\nmax_concurrency = 3\nl1_bytes = "1GiB"\n')
+    env = {"KVTIER_PORT": "7100", "KVTIER_L1_BYTES": "64MiB"}
+    cfg = ServerConfig.load(flags={"port": 7200, "host": None}, env=env, file=toml)
+    assert cfg.port == 7200  # flag
+    assert cfg.l1_bytes == 64 * 2**20  # env beats TOML
+    assert cfg.max_concurrency == 3  # TOML beats the default
+    assert cfg.host == "127.0.0.1"  # a flag left out (None) does not override
+    env_file = {"KVTIER_CONFIG": str(toml)}
+    assert ServerConfig.load(env=env_file).port == 7000
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("123", 123), ("64MiB", 64 * 2**20), ("2GB", 2 * 10**9), ("1.5KiB", 1536), ("512k", 512000)],
+)
+def test_sizes(text: str, expected: int) -> None:
+    assert parse_size(text) == expected
+
+
+def test_bad_values_name_the_setting(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="KVTIER_PORT"):
+        ServerConfig.load(env={"KVTIER_PORT": "eighty"})
+    with pytest.raises(ConfigError, match="l2_bytes"):
+        ServerConfig.load(env={"KVTIER_L2_BYTES": "lots"})
+    with pytest.raises(ConfigError, match="port"):
+        ServerConfig.load(flags={"port": 70000}, env={})
+    toml = tmp_path / "bad.toml"
+    toml.write_text("[serve]\nprot = 1\n")
+    with pytest.raises(ConfigError, match="unknown key.*prot"):
+        ServerConfig.load(env={}, file=toml)
+    with pytest.raises(ConfigError, match="does not exist"):
+        ServerConfig.load(env={}, file=tmp_path / "missing.toml")
+
+
+def test_default_l3_root_is_private_under_user_data_dir() -> None:
+    root = default_l3_root()
+    assert not str(root).startswith("/tmp")
+    assert "kvtier" in root.parts
+    assert ServerConfig.load(env={}).l3_root == root
+
+
+def test_byte_tokenizer_round_trips_every_byte_and_keeps_prefixes() -> None:
+    tok = byte_tokenizer()
+    text = "héllo wörld\n\t<tag> ✓"
+    ids = tok.encode(text, add_special_tokens=False)
+    assert ids == list(text.encode("utf-8"))  # id == byte value
+    assert tok.decode(ids) == text
+    a = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
+    b = tok.apply_chat_template(
+        [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}],
+        tokenize=False,
+    )
+    assert b.startswith(a)  # a growing conversation re-renders to an extension
+
+
+def test_default_model_is_seeded() -> None:
+    a, b, c = build_default("cpu", seed=1), build_default("cpu", seed=1), build_default("cpu", 2)
+    wa = next(a.model.parameters())
+    assert wa.equal(next(b.model.parameters()))
+    assert not wa.equal(next(c.model.parameters()))
+    assert a.model.config.num_key_value_heads < a.model.config.num_attention_heads  # GQA
