@@ -1,0 +1,53 @@
+"""kvtier loadgen: exact percentiles, and a small fleet against a live server via the CLI."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from server_proc import ROOT, Server
+
+from kvtier.loadgen import percentile, summarize
+
+
+def test_percentile_nearest_rank() -> None:
+    values = [float(v) for v in range(1, 101)]
+    assert percentile(values, 50) == 50.0
+    assert percentile(values, 95) == 95.0
+    assert percentile(values, 99) == 99.0
+    assert percentile([3.0, 1.0, 2.0], 50) == 2.0
+    assert percentile([], 50) is None
+    assert summarize([0.001, 0.002]) == {"n": 2, "p50": 1.0, "p95": 2.0, "p99": 2.0, "mean": 1.5}
+
+
+def test_fleet_against_live_server_writes_json_and_png(tmp_path: Path) -> None:
+    srv = Server(tmp_path / "l3", "--l1-bytes", "32MiB", "--l2-bytes", "32MiB").start()
+    try:
+        out, png = tmp_path / "r.json", tmp_path / "r.png"
+        cmd = [sys.executable, "-m", "ops.cli", "loadgen", "--url", srv.url, "--sessions", "4"]
+        cmd += ["--turns", "3", "--think-ms", "200", "--max-tokens", "8", "--system-chars", "800"]
+        cmd += ["--compare", "2", "--out", str(out), "--png", str(png)]
+        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert "TTFT overall" in done.stdout and "restore is" in done.stdout
+        result = json.loads(out.read_text())
+        assert result["requests"] == 12 and result["ok"] == 12 and result["errors"] == {}
+        by_source = result["ttft_ms"]["by_source"]
+        assert sum(s["n"] for s in by_source.values()) == 12
+        # Turns 2 and 3 of every session find their own conversation in the cache.
+        assert by_source.get("l1", {"n": 0})["n"] >= 8
+        assert result["itl_ms"]["overall"]["n"] == 12 * 7
+        assert result["compare"]["n"] == 2
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    finally:
+        assert srv.stop() == 0
+
+
+@pytest.mark.parametrize("bad", [["--sessions", "0"], ["--turns", "0"]])
+def test_bad_arguments(bad: list[str]) -> None:
+    cmd = [sys.executable, "-m", "ops.cli", "loadgen", *bad]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "at least 1" in done.stderr
