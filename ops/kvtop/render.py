@@ -1,0 +1,422 @@
+"""The rendering layer: pure functions from a `Model` to rich renderables.
+
+Nothing here fetches or computes figures; panel sizes are decided from the terminal size so
+that 80x24 and 200x60 both lay out cleanly, and only the session rows that fit are drawn
+(a 1,000-session list costs a sort, not 1,000 table rows).
+"""
+
+from __future__ import annotations
+
+import time
+
+from rich.console import Group, RenderableType
+from rich.layout import Layout
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+
+from ops.kvtop import fmt
+from ops.kvtop.model import QUANTILES, Model, SessionsView, TierView
+
+WIDE = 160  # columns from which panels sit side by side in two columns
+TITLES = {1: "Tiers", 2: "Sessions", 3: "Restore", 4: "Host"}
+SORT_HEADERS = {"bytes": "bytes", "tokens": "tokens", "last": "last", "l1": "L1/L2/L3"}
+KEYS = (
+    ("q", "quit"),
+    ("p", "pause / resume refreshing"),
+    ("s", "cycle the sessions sort: bytes, tokens, last activity, L1 chunks, tenant"),
+    ("t", "filter sessions by tenant (empty: all)"),
+    ("1-4", "focus Tiers, Sessions, Restore or Host (again, or 0: all panels)"),
+    ("?", "this help (any key closes it)"),
+)
+
+
+def screen(model: Model, width: int, height: int, now: float | None = None) -> RenderableType:
+    """The whole screen for a terminal of `width` x `height`."""
+    now = time.time() if now is None else now
+    top = [header(model, now), alerts_line(model)]
+    if model.error:
+        top.append(Text(f"! {model.error}", style="bold red", overflow="ellipsis", no_wrap=True))
+    body_h = max(3, height - len(top))
+    layout = Layout()
+    layout.split_column(Layout(Group(*top), size=len(top)), Layout(name="body"))
+    layout["body"].update(_body(model, width, body_h, now))
+    return layout
+
+
+def _body(model: Model, width: int, height: int, now: float) -> RenderableType:
+    if model.options.help:
+        return help_panel()
+    if model.scrapes == 0:
+        msg = model.error or f"waiting for the first scrape of {model.source}"
+        return Panel(Text(msg, justify="center"), title="kvtop", border_style="red")
+    focus = model.options.focus
+    if focus:
+        return _panel(model, focus, width, height, now)
+    if width >= WIDE and height >= 30:
+        t_h = min(len(model.tiers) + 4, height // 3)
+        r_h = min(len(model.restore) + 4, height // 3)
+        left, right = Layout(), Layout()
+        left.split_column(
+            Layout(tiers_panel(model, width // 2), size=t_h),
+            Layout(sessions_panel(model, width // 2, height - t_h, now)),
+        )
+        right.split_column(
+            Layout(restore_panel(model, width - width // 2), size=r_h),
+            Layout(host_panel(model, width - width // 2, height - r_h)),
+        )
+        body = Layout()
+        body.split_row(left, right)
+        return body
+    t_h = len(model.tiers) + 3 + (1 if model.counters else 0) - (1 if not model.tiers else 0)
+    low_h = max(len(model.restore) + 3, 7) if height >= 20 else 0
+    s_h = max(4, height - t_h - low_h)
+    body = Layout()
+    parts = [
+        Layout(tiers_panel(model, width), size=t_h),
+        Layout(sessions_panel(model, width, s_h, now), size=s_h),
+    ]
+    if low_h:
+        low = Layout(size=low_h)
+        low.split_row(
+            Layout(restore_panel(model, width // 2, compact=True)),
+            Layout(host_panel(model, width - width // 2, low_h, compact=True)),
+        )
+        parts.append(low)
+    body.split_column(*parts)
+    return body
+
+
+def _panel(model: Model, n: int, width: int, height: int, now: float) -> RenderableType:
+    if n == 1:
+        return tiers_panel(model, width)
+    if n == 2:
+        return sessions_panel(model, width, height, now)
+    if n == 3:
+        return restore_panel(model, width)
+    return host_panel(model, width, height)
+
+
+def header(model: Model, now: float) -> Text:
+    o = model.options
+    t = Text()
+    t.append("kvtop ", style="bold")
+    t.append(model.source, style="cyan")
+    t.append(f"  every {model.interval:g}s")
+    t.append(f"  sort {o.sort}")
+    t.append(f"  tenant {o.tenant or 'all'}")
+    if o.prompt is not None:
+        t.append("  tenant filter (Enter applies, Esc cancels): ", style="bold")
+        t.append(o.prompt + "_", style="reverse")
+    if o.paused:
+        t.append("  PAUSED", style="bold reverse yellow")
+    t.append("  " + time.strftime("%H:%M:%S", time.localtime(now)))
+    t.append("  ? help", style="dim")
+    t.no_wrap, t.overflow = True, "ellipsis"
+    return t
+
+
+def alerts_line(model: Model) -> Text:
+    t = Text(no_wrap=True, overflow="ellipsis")
+    if not model.alerts:
+        t.append("alerts: ", style="bold")
+        t.append(
+            "none would fire now" if model.scrapes else "not judged yet",
+            style="green" if model.scrapes else "dim",
+        )
+        return t
+    t.append(f"alerts ({len(model.alerts)}): ", style="bold red")
+    for i, a in enumerate(model.alerts):
+        if i:
+            t.append("  ")
+        t.append(
+            a.alert.removeprefix("Kvtier"),
+            style="bold red" if a.severity == "critical" else "yellow",
+        )
+        t.append(f" {a.detail}")
+    return t
+
+
+def _title(n: int, model: Model) -> str:
+    mark = " (focused: 0 for all)" if model.options.focus == n else ""
+    return f"[{n}] {TITLES[n]}{mark}"
+
+
+def tiers_panel(model: Model, width: int) -> Panel:
+    inner = width - 4
+    fixed = 56  # every column but the bar and the two sparklines, with the gaps
+    spark_w = max(0, min(30, (inner - fixed) // 4))
+    bar_w = max(6, min(30, inner - fixed - 2 * spark_w))
+    table = Table.grid(padding=(0, 1))
+    for col in ("tier", "bar", "used", "chunks", "hit", "in", "out", "q"):
+        table.add_column(col, justify="left" if col in ("tier", "bar") else "right", no_wrap=True)
+    table.add_row(
+        *(
+            Text(h, style="bold")
+            for h in ("", "used", "used/cap", "chunks", "hit", "in", "out", "q w/r")
+        )
+    )
+    for t in model.tiers:
+        table.add_row(*_tier_row(t, bar_w, spark_w))
+    parts: list[RenderableType] = [table]
+    if not model.tiers:
+        parts = [Text("no cache metrics at this endpoint (host signals only)", style="dim")]
+    if model.counters:
+        line = Text(no_wrap=True, overflow="ellipsis")
+        for i, c in enumerate(model.counters):
+            bad = (bool(c.total) and c.name != "OOM retries") or bool(c.rate)
+            line.append(("  " if i else "") + f"{c.name} ")
+            line.append(fmt.count(c.total), style="bold red" if bad else "green")
+            if c.rate:
+                line.append(f" (+{fmt.per_s(c.rate)}/s)", style="red")
+        parts.append(line)
+    return Panel(Group(*parts), title=_title(1, model), title_align="left")
+
+
+def _tier_row(t: TierView, bar_w: int, spark_w: int) -> list[Text | str]:
+    ratio = t.used / t.capacity if t.used is not None and t.capacity else None
+    hit = fmt.pct(t.hit_ratio_recent if t.hit_ratio_recent is not None else t.hit_ratio)
+    return [
+        Text(t.name.upper(), style="bold"),
+        fmt.bar(ratio, bar_w),
+        f"{fmt.size(t.used)}/{fmt.size(t.capacity)}",
+        fmt.count(t.chunks),
+        hit,
+        Text(fmt.spark(t.in_spark, spark_w), style="cyan") + Text(f" {fmt.rate(t.in_rate)}"),
+        Text(fmt.spark(t.out_spark, spark_w), style="magenta") + Text(f" {fmt.rate(t.out_rate)}"),
+        Text(_queues(t.queue, t.read_queue), style="yellow" if t.queue or t.read_queue else ""),
+    ]
+
+
+def _queues(write: float | None, read: float | None) -> str:
+    if read is None:
+        return fmt.count(write)
+    return f"{fmt.count(write)}/{fmt.count(read)}"
+
+
+def sessions_line(s: SessionsView) -> Text:
+    t = Text(no_wrap=True, overflow="ellipsis")
+    for i, (state, n) in enumerate(s.by_state):
+        t.append(("  " if i else "") + f"{state} ")
+        t.append(str(n), style="bold")
+    if not any(state == "pinned" for state, _ in s.by_state):
+        t.append("  pinned ")
+        t.append("-" if s.pinned is None else str(s.pinned), style="bold")
+    if s.running is not None:
+        t.append(f"  running {s.running} queued {s.queued or 0}")
+    return t
+
+
+def sessions_panel(model: Model, width: int, height: int, now: float) -> Panel:
+    s = model.sessions
+    parts: list[RenderableType] = [sessions_line(s)]
+    room = height - 4  # borders, the counts line, the table header
+    if s.detail is not None or s.pinned is None:
+        parts.append(Text(s.detail or "no per-session list from this source", style="dim"))
+    else:
+        rows = s.rows[: max(0, room)]
+        parts.append(_sessions_table(model, rows, width - 4, now))
+    title = _title(2, model)
+    if s.pinned is not None:
+        shown = min(len(s.rows), max(0, room))
+        where = f" tenant {model.options.tenant}" if model.options.tenant else ""
+        title += f" top {shown} of {s.total}{where} by {model.options.sort}"
+    return Panel(Group(*parts), title=title, title_align="left", height=height)
+
+
+def _sessions_table(model: Model, rows: tuple, width: int, now: float) -> Table:
+    wide = width >= 100
+    sort = model.options.sort
+    table = Table(box=None, padding=(0, 1), show_edge=False, expand=False, header_style="bold")
+    id_w = max(8, min(36, width - (70 if wide else 52)))
+
+    def head(name: str, key: str | None) -> str:
+        if key == sort:
+            return name + (" ▲" if key == "tenant" else " ▼")
+        return name
+
+    table.add_column(head("session", None), no_wrap=True, max_width=id_w, overflow="ellipsis")
+    table.add_column(head("tenant", "tenant"), no_wrap=True, max_width=12, overflow="ellipsis")
+    table.add_column("state", no_wrap=True)
+    table.add_column(head("tokens", "tokens"), justify="right", no_wrap=True)
+    table.add_column(head("bytes", "bytes"), justify="right", no_wrap=True)
+    table.add_column(head("L1/L2/L3", "l1"), justify="right", no_wrap=True)
+    if wide:
+        table.add_column("split", no_wrap=True)
+    table.add_column(head("last", "last"), justify="right", no_wrap=True)
+    styles = {"active": "bold green", "idle": "", "hibernated": "blue"}
+    for r in rows:
+        cells: list[Text | str] = [
+            r.session_id,
+            r.tenant,
+            Text(r.state + ("*" if r.pinned else ""), style=styles.get(r.state, "")),
+            fmt.count(r.tokens),
+            fmt.size(r.bytes),
+            f"{r.chunks_l1}/{r.chunks_l2}/{r.chunks_l3}",
+        ]
+        if wide:
+            cells.append(_split(r.chunks_l1, r.chunks_l2, r.chunks_l3, 12))
+        cells.append(fmt.age(now - r.last_active))
+        table.add_row(*cells)
+    return table
+
+
+def _split(l1: int, l2: int, l3: int, width: int) -> Text:
+    """Where a session's chunks are: green L1, yellow L2, blue L3, as shares of `width` cells."""
+    total = l1 + l2 + l3
+    if total <= 0:
+        return Text("·" * width, style="dim")
+    t = Text()
+    used = 0
+    for n, style, ch in ((l1, "green", "1"), (l2, "yellow", "2"), (l3, "blue", "3")):
+        cells = round(n / total * width)
+        cells = min(cells, width - used)
+        t.append(ch * cells, style=f"reverse {style}")
+        used += cells
+    t.append(" " * (width - used))
+    return t
+
+
+def restore_panel(model: Model, width: int, compact: bool = False) -> Panel:
+    metric = model.restore_metric
+    table = Table(box=None, padding=(0, 1), pad_edge=False, show_edge=False, header_style="bold")
+    table.add_column("src", no_wrap=True)
+    table.add_column("n" if compact else "restores", justify="right", no_wrap=True)
+    if not compact:
+        table.add_column("/s", justify="right", no_wrap=True)
+    table.add_column("share", justify="right", no_wrap=True)
+    if not compact:
+        table.add_column("tokens", justify="right", no_wrap=True)
+    shown = (0, 2) if compact else tuple(range(len(QUANTILES)))
+    for i in shown:
+        table.add_column(f"p{QUANTILES[i] * 100:g}", justify="right", no_wrap=True)
+    if not compact:
+        table.add_column("n", justify="right", no_wrap=True)
+    for r in model.restore:
+        cells: list[Text | str] = [
+            Text(r.src, style="bold yellow" if r.src == "recompute" else "bold"),
+            fmt.count(r.decisions),
+        ]
+        if not compact:
+            cells.append(fmt.per_s(r.rate))
+        cells.append(fmt.pct(r.share))
+        if not compact:
+            cells.append(fmt.count(r.tokens))
+        cells += [fmt.seconds(r.quantiles[i]) for i in shown]
+        if not compact:
+            cells.append(f"{fmt.count(r.observed)}{'' if r.recent else ' all'}")
+        table.add_row(*cells)
+    what = "TTFT" if metric == "TTFT" else "restore time"
+    title = f"{_title(3, model)} {what}"
+    if not compact:
+        title += " decisions and percentiles (last 1m, else since start)"
+    return Panel(table, title=title, title_align="left")
+
+
+def host_panel(model: Model, width: int, height: int, compact: bool = False) -> Panel:
+    h = model.host
+    lines: list[Text] = []
+    if h.empty:
+        lines.append(Text("no host metrics at this endpoint", style="dim"))
+    mem = Text()
+    if h.mem_available is not None:
+        mem.append("mem avail ")
+        mem.append(fmt.pct(h.mem_available), style=fmt.level(1 - h.mem_available, 0.8, 0.9))
+    for resource, some, full in h.psi:
+        mem.append(f"  PSI {resource} ")
+        mem.append(f"{fmt.pct(some, 1)}/{fmt.pct(full, 1)}", style="red" if full else "")
+    if mem:
+        lines.append(mem)
+    if h.dirty is not None:
+        d = Text("dirty+wb ")
+        share = h.dirty / h.dirty_threshold if h.dirty_threshold else None
+        d.append(f"{fmt.size(h.dirty)}/{fmt.size(h.dirty_threshold)} ")
+        d.append(fmt.pct(share), style=fmt.level(share, 0.5, 0.8))
+        d.append(" of threshold (alert >80%)", style="dim")
+        lines.append(d)
+    for z in h.zones:
+        f = Text(f"n{z.node} {z.zone} free/order ")
+        f.append(fmt.blocks(z.blocks), style="cyan")
+        f.append(" o9+ ")
+        f.append(f"{z.headroom:.0f}", style="red" if z.headroom < 1 else "green")
+        if z.fragmentation is not None and not compact:
+            f.append(f" frag {z.fragmentation:.2f}")
+        lines.append(f)
+        if not compact and width >= 100:
+            lines.append(Text("  " + " ".join(fmt.count(b) for b in z.blocks), style="dim"))
+    if h.hugepages is not None:
+        pool, free, rsvd, surplus = h.hugepages
+        hp = Text(f"hugepages {fmt.count(free)}/{fmt.count(pool)} free")
+        hp.append(
+            f", {fmt.count(rsvd)} rsvd, {fmt.count(surplus)} surplus of {fmt.size(h.hugepage_size)}"
+        )
+        lines.append(hp)
+    if h.pagecache_hit is not None or h.pagecache_resident is not None:
+        lines.append(
+            Text(
+                f"L3 page cache hit {fmt.pct(h.pagecache_hit)}  resident {fmt.pct(h.pagecache_resident)}"
+            )
+        )
+    if h.filesystem is not None:
+        avail, size = h.filesystem
+        lines.append(Text(f"L3 filesystem {fmt.size(avail)} free of {fmt.size(size)}"))
+    for disk in h.disks:
+        lines.append(
+            Text(
+                f"{disk.device} r/s {fmt.per_s(disk.reads)} w/s {fmt.per_s(disk.writes)} "
+                f"rB/s {fmt.size(disk.read_bytes)} wB/s {fmt.size(disk.written_bytes)} "
+                f"await {fmt.seconds(disk.r_await)}/{fmt.seconds(disk.w_await)} "
+                f"aqu {'-' if disk.queue is None else f'{disk.queue:.2f}'}"
+            )
+        )
+    for g in h.gpus:
+        lines.extend(_gpu_lines(g, width))
+    if not compact and not h.gpus and not h.empty:
+        lines.append(Text("no GPU metrics (no NVIDIA driver, or --no-gpu)", style="dim"))
+    for t in lines:
+        t.no_wrap, t.overflow = True, "ellipsis"
+    return Panel(Group(*lines), title=_title(4, model), title_align="left", height=height)
+
+
+def _gpu_lines(g, width: int) -> list[Text]:  # type: ignore[no-untyped-def]
+    used_ratio = g.used / g.total if g.used is not None and g.total else None
+    t = Text(f"GPU{g.gpu} ")
+    t.append_text(fmt.bar(used_ratio, 10))
+    t.append(f" {fmt.size(g.used)}/{fmt.size(g.total)} util {fmt.pct(g.utilization)}")
+    t.append(f" PCIe tx {fmt.rate(g.tx)} rx {fmt.rate(g.rx)} ")
+    down = (g.width is not None and g.max_width is not None and g.width < g.max_width) or (
+        g.gen is not None and g.max_gen is not None and g.gen < g.max_gen
+    )
+    link = f"gen{_n(g.gen)}x{_n(g.width)}/gen{_n(g.max_gen)}x{_n(g.max_width)}"
+    t.append(link, style="yellow" if down else "green")
+    if g.replays:
+        t.append(f" replays {fmt.count(g.replays)}", style="red")
+    out = [t]
+    if g.shares_with_l3:
+        out.append(
+            Text(
+                f"! GPU{g.gpu} shares a PCIe {g.shares_with_l3} with the L3 drive: "
+                "restores and L3 I/O compete for one uplink",
+                style="bold yellow",
+            )
+        )
+    return out
+
+
+def _n(x: float | None) -> str:
+    return "?" if x is None else f"{x:.0f}"
+
+
+def help_panel() -> Panel:
+    table = Table.grid(padding=(0, 2))
+    table.add_column(style="bold")
+    table.add_column()
+    for key, what in KEYS:
+        table.add_row(key, what)
+    notes = Text(
+        "\nAlerts: an alert is listed when its condition holds now, judged with the thresholds "
+        "of the alert rules (ops/thresholds.py); Prometheus also waits its `for` time.\n"
+        "Rates cover the last refresh; hit ratios and percentiles the last minute.",
+        style="dim",
+    )
+    return Panel(Group(table, notes), title="kvtop keys", title_align="left")
