@@ -17,6 +17,7 @@ from prometheus_client.registry import Collector
 from kvtier.errors import ConfigError
 from kvtier.server.run import load_config, options, run_app
 from ops.exporter.cache import families
+from ops.exporter.registry import HostCollector
 
 
 class _LiveCache(Collector):
@@ -52,6 +53,7 @@ def command(**flags: Any) -> None:
     registry = CollectorRegistry()
     app = create_app(config, registry=registry)
     registry.register(_LiveCache(app.state.kvtier))
+    registry.register(HostCollector(config.l3_root))  # host signals next to the cache's
     click.echo(
         f"kvtier serve: http://{config.host}:{config.port}  model={config.served_model_name}  "
         f"l3_root={config.l3_root}",
