@@ -21,7 +21,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvtier import __version__
-from kvtier.errors import InvalidRequest, KvtierError
+from kvtier.errors import InvalidRequest, KvtierError, L1BudgetExceeded
 from kvtier.server.backend import make_backend
 from kvtier.server.config import ServerConfig
 from kvtier.server.engine import (
@@ -105,6 +105,18 @@ def _load(config: ServerConfig) -> ServedModel:
     return load_local(config.model, config.device)
 
 
+def _warm_up(served: ServedModel) -> None:
+    """One short forward before reporting ready: kernel loads and library handles are created
+    here, so the first client request after a restart does not pay for them."""
+    import torch
+
+    ids = torch.arange(8, device=served.device).unsqueeze(0) % len(served.tokenizer)
+    with torch.inference_mode():
+        served.model(input_ids=ids)
+    if served.device.type == "cuda":
+        torch.cuda.synchronize(served.device)
+
+
 def create_app(
     config: ServerConfig,
     registry: CollectorRegistry | None = None,
@@ -116,6 +128,7 @@ def create_app(
     async def load() -> None:
         try:
             served = await asyncio.to_thread(loader, config)
+            await asyncio.to_thread(_warm_up, served)
             backend = await asyncio.to_thread(make_backend, served, config)
             state.engine = Engine(served, backend, config, state.metrics)
             log.info("ready: model %s, cache %s", served.name, config.cache)
@@ -326,6 +339,14 @@ def _routes(app: FastAPI, state: State) -> None:
             ) from None
         except Draining as exc:
             raise ApiError(503, str(exc), "server_error") from None
+        except L1BudgetExceeded as exc:  # too many long sessions at once: transient, retry
+            raise ApiError(
+                503,
+                f"L1BudgetExceeded: {exc}",
+                "server_error",
+                code="l1_full",
+                headers={"Retry-After": "1"},
+            ) from None
         except KvtierError as exc:
             raise ApiError(500, f"{type(exc).__name__}: {exc}", "server_error") from None
         state.metrics.count("requests")

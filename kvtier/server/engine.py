@@ -261,8 +261,10 @@ class Engine:
         try:
             self._generate(job, stream, admitted)
         except BaseException as exc:  # surfaced to the client; the server keeps serving
-            if not isinstance(exc, KvtierError):
-                log.exception("generation failed for session %s", job.session_id)
+            if isinstance(exc, KvtierError):
+                log.warning("session %s: %s: %s", job.session_id[:64], type(exc).__name__, exc)
+            else:
+                log.exception("generation failed for session %s", job.session_id[:64])
             stream.put(Failed(exc))
 
     def _generate(self, job: Job, stream: Stream, admitted: float) -> None:

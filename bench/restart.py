@@ -1,0 +1,202 @@
+"""Time to first token of a resumed 2,048-token session after a SIGKILL and restart.
+
+Starts `python -m kvtier.server`, builds a session of about 2,048 prompt tokens, waits until its
+full chunks are durable in L3, SIGKILLs the server (no drain), starts it again and measures, from
+the moment /readyz answers, the first token of that session's next turn. Target: <= 500 ms.
+In the same run it measures the ceiling (the same turn served from L1 on a warm server) and the
+baseline (the same prompt recomputed under a tenant with nothing cached).
+
+    PYTHONPATH=. python3 bench/restart.py [--device cuda] [--model DIR] [--png restart.png]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+TARGET_S = 0.5
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start(
+    args: argparse.Namespace, l3: Path, port: int, log: Path
+) -> tuple[subprocess.Popen, float, float]:
+    """Start a server; return it, seconds to ready (incl. model load), and the ready instant."""
+    cmd = [sys.executable, "-m", "kvtier.server", "--port", str(port), "--l3-root", str(l3)]
+    cmd += ["--log-level", "warning", "--l1-bytes", "256MiB", "--l2-bytes", "256MiB"]
+    if args.device:
+        cmd += ["--device", args.device]
+    if args.model:
+        cmd += ["--model", args.model]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log.open("ab"), stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}/readyz"
+    while True:
+        if proc.poll() is not None:
+            raise SystemExit(f"server exited {proc.returncode}; see {log}")
+        try:
+            if httpx.get(url, timeout=1).status_code == 200:
+                ready = time.perf_counter()
+                return proc, ready - t0, ready
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.005)
+
+
+def first_token(
+    url: str, messages: list[dict[str, str]], headers: dict[str, str]
+) -> tuple[float, str, int]:
+    """Seconds from sending to the first content token, the restore source, cached tokens."""
+    body = {
+        "model": "default",
+        "messages": messages,
+        "max_tokens": 2,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    t0 = time.perf_counter()
+    ttft, cached = None, 0
+    with httpx.stream(
+        "POST", url + "/v1/chat/completions", json=body, headers=headers, timeout=120
+    ) as r:
+        r.raise_for_status()
+        source = r.headers.get("x-kvtier-restore-source", "?")
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            event = json.loads(line[6:])
+            if ttft is None and any(c["delta"].get("content") for c in event["choices"]):
+                ttft = time.perf_counter() - t0
+            if event.get("usage"):
+                cached = event["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert ttft is not None
+    return ttft, source, cached
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    ap.add_argument("--model", default=None, help="local HF model dir (default: built-in)")
+    ap.add_argument("--tokens", type=int, default=2048, help="session length before the kill")
+    ap.add_argument("--repeat", type=int, default=3, help="kill/restart cycles (median reported)")
+    ap.add_argument("--png", default=None, help="write a bar chart here")
+    args = ap.parse_args()
+
+    work = Path(tempfile.mkdtemp(prefix="kvtier-restart-"))
+    l3, log = work / "l3", work / "serve.log"
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    # The built-in tokenizer is byte-level: 1 character = 1 token. (Other tokenizers: close.)
+    system = ("Tools: search(query), fetch(url), write(path, text). " * 64)[: args.tokens - 64]
+    convo = [{"role": "system", "content": system}, {"role": "user", "content": "open it"}]
+    sid = {"X-Session-ID": "bench-2k", "X-Tenant": "bench"}
+
+    proc, load_s, _ = start(args, l3, port, log)
+    r = httpx.post(
+        url + "/v1/chat/completions",
+        headers=sid,
+        timeout=120,
+        json={"model": "default", "messages": convo, "max_tokens": 8, "temperature": 0},
+    )
+    r.raise_for_status()
+    prompt_tokens = r.json()["usage"]["prompt_tokens"]
+    convo += [
+        {"role": "assistant", "content": r.json()["choices"][0]["message"]["content"]},
+        {"role": "user", "content": "and now?"},
+    ]
+    rows = []
+    for cycle in range(args.repeat):
+        ceiling, src_l1, _ = first_token(url, convo, sid)  # warm server, session in L1
+        # Wait until write-through has made the session's full chunks durable in L3.
+        want = prompt_tokens // 256
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            info = {s["session_id"]: s for s in httpx.get(url + "/v1/sessions").json()["data"]}
+            if info.get("bench-2k", {}).get("chunks_l3", 0) >= want:
+                break
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        proc, load_s, ready = start(args, l3, port, log)
+        since_send, source, cached = first_token(url, convo, sid)
+        after_ready = time.perf_counter() - ready
+        probe = {"X-Tenant": f"recompute-{cycle}"}
+        recompute, _, _ = first_token(url, convo, probe)
+        rows.append(
+            {
+                "after_ready_s": after_ready,
+                "ttft_s": since_send,
+                "source": source,
+                "cached_tokens": cached,
+                "load_s": load_s,
+                "ceiling_s": ceiling,
+                "ceiling_source": src_l1,
+                "recompute_s": recompute,
+            }
+        )
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(60)
+
+    def med(key: str) -> float:
+        vals = sorted(r[key] for r in rows)
+        return vals[len(vals) // 2]
+
+    import torch
+
+    dev = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    name = torch.cuda.get_device_name() if dev.startswith("cuda") else "cpu"
+    print(
+        f"\nrestart benchmark: {prompt_tokens}-token session, {args.repeat} SIGKILL cycles, "
+        f"device {name}, model {args.model or 'built-in random Llama'}"
+    )
+    print(f"server start to ready (model load, not counted): median {med('load_s'):.2f} s")
+    print(f"{'figure':<44}{'value':>10}{'ceiling':>10}{'ratio':>8}")
+    t, c = med("after_ready_s"), med("ceiling_s")
+    print(
+        f"{'first token after ready (restart, ' + rows[-1]['source'] + ')':<44}"
+        f"{t * 1000:>8.1f}ms{c * 1000:>8.1f}ms{c / t:>8.2f}"
+    )
+    print(f"{'  of which request TTFT':<44}{med('ttft_s') * 1000:>8.1f}ms")
+    print(f"{'recompute of the same prompt (baseline)':<44}{med('recompute_s') * 1000:>8.1f}ms")
+    print(f"cached tokens on resume: {rows[-1]['cached_tokens']} of {prompt_tokens + 10}")
+    verdict = "MET" if t <= TARGET_S else "MISSED"
+    print(f"target <= {TARGET_S * 1000:.0f} ms after ready: {verdict}")
+    print(f"(ceiling = the same turn from L1 on a warm server; log: {log})")
+    if args.png:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        labels = ["L1 (warm)", "after restart", "recompute"]
+        vals = [c * 1000, t * 1000, med("recompute_s") * 1000]
+        ax.bar(labels, vals, color=["tab:green", "tab:blue", "tab:gray"])
+        ax.axhline(TARGET_S * 1000, color="red", linestyle="--", label="target")
+        ax.set(ylabel="first token (ms)", title=f"{prompt_tokens}-token session, {name}")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(args.png, dpi=110)
+        print(f"plot: {args.png}")
+
+
+if __name__ == "__main__":
+    main()
