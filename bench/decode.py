@@ -75,13 +75,18 @@ def main() -> None:
         )
         s.abort()
         s.close()
-        results["offloaded"] += decode_steps(model, offloaded_cache(model), ids, args.steps, device)
+        if device.startswith("cuda"):  # transformers' offloading needs CUDA streams
+            results["offloaded"] += decode_steps(
+                model, offloaded_cache(model), ids, args.steps, device
+            )
     cache.close()
     base = statistics.median(results["dynamic"])
     name = torch.cuda.get_device_name() if device.startswith("cuda") else "CPU"
     print(f"\nDecode step, {shape} {dtype}, context {args.context}, {name}")
     print(f"{'cache':>12} {'median ms':>10} {'p99 ms':>8} {'speed vs DynamicCache':>22}")
     for k, v in results.items():
+        if not v:
+            continue
         med = statistics.median(v)
         p99 = sorted(v)[int(0.99 * (len(v) - 1))]
         print(f"{k:>12} {med * 1e3:10.2f} {p99 * 1e3:8.2f} {base / med:22.3f}")

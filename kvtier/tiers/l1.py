@@ -23,6 +23,29 @@ from kvtier.errors import L1BudgetExceeded
 from kvtier.geometry import KVGeometry
 
 
+_POOLS: dict[int, object] = {}
+
+
+def _with_index(device: torch.device) -> torch.device:
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _kvtier_pool(device: torch.device):  # type: ignore[no-untyped-def]
+    """kvtier's dedicated allocator pool on `device` (CUDA with MemPool support), else None.
+
+    One pool per device for the life of the process: every L1Pool shares it, and it is never
+    destroyed (destroying a MemPool that still backs cached blocks trips an allocator assert).
+    """
+    if device.type != "cuda" or not hasattr(torch.cuda, "MemPool"):
+        return None
+    assert device.index is not None
+    if device.index not in _POOLS:
+        _POOLS[device.index] = torch.cuda.MemPool()
+    return _POOLS[device.index]
+
+
 @dataclass(eq=False)
 class SessionBuffers:
     """One session's L1 KV: ``layers[i] == (K, V)``, each ``[1, H, capacity, D]``."""
@@ -56,14 +79,12 @@ class L1Pool:
             raise ValueError(f"L1 budget must be positive, got {budget_bytes} bytes")
         self.geometry = geometry
         self.budget_bytes = int(budget_bytes)
-        self.device = torch.device(device)
+        self.device = _with_index(torch.device(device))
         self.chunk_tokens = int(chunk_tokens)
         self.dtype = geometry.torch_dtype()
         self.used_bytes = 0
         self._lock = threading.Lock()
-        self._pool = None
-        if self.device.type == "cuda" and hasattr(torch.cuda, "MemPool"):
-            self._pool = torch.cuda.MemPool()
+        self._pool = _kvtier_pool(self.device)
 
     # -- sizes ---------------------------------------------------------------------------------
 
