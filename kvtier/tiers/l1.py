@@ -22,7 +22,6 @@ import torch
 from kvtier.errors import L1BudgetExceeded
 from kvtier.geometry import KVGeometry
 
-
 _POOLS: dict[int, object] = {}
 
 
