@@ -41,7 +41,7 @@ def test_bad_values_name_the_setting(tmp_path: Path) -> None:
         ServerConfig.load(flags={"port": 70000}, env={})
     toml = tmp_path / "bad.toml"
     toml.write_text("[serve]\nprot = 1\n")
-    with pytest.raises(ConfigError, match="unknown key.*prot"):
+    with pytest.raises(ConfigError, match=r"unknown key.*prot"):
         ServerConfig.load(env={}, file=toml)
     with pytest.raises(ConfigError, match="does not exist"):
         ServerConfig.load(env={}, file=tmp_path / "missing.toml")
