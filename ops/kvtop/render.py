@@ -15,6 +15,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
+from ops import thresholds as th
 from ops.kvtop import fmt
 from ops.kvtop.model import QUANTILES, Model, SessionsView, TierView
 
@@ -307,7 +308,7 @@ def restore_panel(model: Model, width: int, compact: bool = False) -> Panel:
             cells.append(f"{fmt.count(r.observed)}{'' if r.recent else ' all'}")
         table.add_row(*cells)
     what = "TTFT" if metric == "TTFT" else "restore time"
-    title = f"{_title(3, model)} {what}"
+    title = f"{_title(3, model)} ({what})"
     if not compact:
         title += " decisions and percentiles (last 1m, else since start)"
     return Panel(table, title=title, title_align="left")
@@ -323,7 +324,7 @@ def host_panel(model: Model, width: int, height: int, compact: bool = False) -> 
         mem.append("mem avail ")
         mem.append(fmt.pct(h.mem_available), style=fmt.level(1 - h.mem_available, 0.8, 0.9))
     for resource, some, full in h.psi:
-        mem.append(f"  PSI {resource} ")
+        mem.append(f"  PSI {resource[:3] if compact else resource} ")
         mem.append(f"{fmt.pct(some, 1)}/{fmt.pct(full, 1)}", style="red" if full else "")
     if mem:
         lines.append(mem)
@@ -332,7 +333,8 @@ def host_panel(model: Model, width: int, height: int, compact: bool = False) -> 
         share = h.dirty / h.dirty_threshold if h.dirty_threshold else None
         d.append(f"{fmt.size(h.dirty)}/{fmt.size(h.dirty_threshold)} ")
         d.append(fmt.pct(share), style=fmt.level(share, 0.5, 0.8))
-        d.append(" of threshold (alert >80%)", style="dim")
+        if not compact:
+            d.append(f" of threshold (alert >{fmt.pct(th.DIRTY_PAGES.value)})", style="dim")
         lines.append(d)
     for z in h.zones:
         f = Text(f"n{z.node} {z.zone} free/order ")
