@@ -35,12 +35,16 @@ KEYS = (
 def screen(model: Model, width: int, height: int, now: float | None = None) -> RenderableType:
     """The whole screen for a terminal of `width` x `height`."""
     now = time.time() if now is None else now
-    top = [header(model, now), alerts_line(model)]
+    top: list[RenderableType] = [header(model, now), alerts_line(model)]
+    rows = 2
     if model.error:
-        top.append(Text(f"! {model.error}", style="bold red", overflow="ellipsis", no_wrap=True))
-    body_h = max(3, height - len(top))
+        message = f"! {model.error}"
+        lines = min(3, -(-len(message) // max(1, width)))
+        top.append(Text(message, style="bold red", overflow="ellipsis"))
+        rows += lines
+    body_h = max(3, height - rows)
     layout = Layout()
-    layout.split_column(Layout(Group(*top), size=len(top)), Layout(name="body"))
+    layout.split_column(Layout(Group(*top), size=rows), Layout(name="body"))
     layout["body"].update(_body(model, width, body_h, now))
     return layout
 
@@ -49,7 +53,7 @@ def _body(model: Model, width: int, height: int, now: float) -> RenderableType:
     if model.options.help:
         return help_panel()
     if model.scrapes == 0:
-        msg = model.error or f"waiting for the first scrape of {model.source}"
+        msg = f"no data yet from {model.source}" + (": kvtop keeps retrying" if model.error else "")
         return Panel(Text(msg, justify="center"), title="kvtop", border_style="red")
     focus = model.options.focus
     if focus:
