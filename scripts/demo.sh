@@ -22,9 +22,9 @@ if "$BIN/python" -c "import httpx,sys; httpx.get('$URL/healthz', timeout=1); sys
   exit 1
 fi
 
-echo "demo: starting kvtier serve on $URL (L1 16 MiB, L2 8 MiB, L3 $DATA/l3); log $RUN/serve.log"
-setsid "$BIN/kvtier" serve --port "$PORT" --l3-root "$DATA/l3" --l1-bytes 16MiB --l2-bytes 8MiB \
-  --max-concurrency 8 --queue-timeout 120 >"$RUN/serve.log" 2>&1 &
+echo "demo: starting kvtier serve on $URL (L1 24 MiB, L2 8 MiB, L3 $DATA/l3); log $RUN/serve.log"
+setsid "$BIN/kvtier" serve --port "$PORT" --l3-root "$DATA/l3" --l1-bytes 24MiB --l2-bytes 8MiB \
+  --max-concurrency 4 --queue-timeout 120 >"$RUN/serve.log" 2>&1 &
 PID=$!
 echo "$PID" >"$DATA/serve.pid"
 for _ in $(seq 1 300); do
