@@ -62,8 +62,8 @@ def start(
 
 def first_token(
     url: str, messages: list[dict[str, str]], headers: dict[str, str]
-) -> tuple[float, str, int]:
-    """Seconds from sending to the first content token, the restore source, cached tokens."""
+) -> tuple[float, str, str]:
+    """Seconds from sending to the first content token, the restore source, "cached of prompt"."""
     body = {
         "model": "default",
         "messages": messages,
@@ -73,7 +73,7 @@ def first_token(
         "stream_options": {"include_usage": True},
     }
     t0 = time.perf_counter()
-    ttft, cached = None, 0
+    ttft, cached, prompt = None, 0, 0
     with httpx.stream(
         "POST", url + "/v1/chat/completions", json=body, headers=headers, timeout=120
     ) as r:
@@ -87,8 +87,9 @@ def first_token(
                 ttft = time.perf_counter() - t0
             if event.get("usage"):
                 cached = event["usage"]["prompt_tokens_details"]["cached_tokens"]
+                prompt = event["usage"]["prompt_tokens"]
     assert ttft is not None
-    return ttft, source, cached
+    return ttft, source, f"{cached} of {prompt}"
 
 
 def main() -> None:
@@ -176,7 +177,7 @@ def main() -> None:
     )
     print(f"{'  of which request TTFT':<44}{med('ttft_s') * 1000:>8.1f}ms")
     print(f"{'recompute of the same prompt (baseline)':<44}{med('recompute_s') * 1000:>8.1f}ms")
-    print(f"cached tokens on resume: {rows[-1]['cached_tokens']} of {prompt_tokens + 10}")
+    print(f"prompt tokens restored on resume: {rows[-1]['cached_tokens']}")
     verdict = "MET" if t <= TARGET_S else "MISSED"
     print(f"target <= {TARGET_S * 1000:.0f} ms after ready: {verdict}")
     print(f"(ceiling = the same turn from L1 on a warm server; log: {log})")
