@@ -59,17 +59,18 @@ def default_checksum() -> str:
     return available_checksums()[0]
 
 
-def checksum(algo: str, data: Any) -> int:
-    """CRC of any buffer (bytes, memoryview, numpy array) with the named algorithm."""
+def checksum(algo: str, data: Any, value: int = 0) -> int:
+    """CRC of any buffer (bytes, memoryview, numpy array) with the named algorithm; pass the CRC
+    of the bytes before `data` as `value` to continue it (checksum a payload piece by piece)."""
     if algo == "crc32c":
         if _crc32c is None:
             raise KvbinFormatError(
                 "chunk checksummed with crc32c but the `crc32c` package is not installed; "
                 "install it (pip install crc32c) to read this store"
             )
-        return int(_crc32c.crc32c(data))
+        return int(_crc32c.crc32c(data, value))
     if algo == "crc32":
-        return zlib.crc32(data) & 0xFFFFFFFF
+        return zlib.crc32(data, value) & 0xFFFFFFFF
     raise ValueError(f"unknown checksum algorithm {algo!r}; use one of {CHECKSUMS}")
 
 
@@ -298,7 +299,11 @@ def _fields(view: memoryview, flags: int, algo: str) -> ChunkHeader:
 
 def verify_payload(header: ChunkHeader, payload: Any) -> None:
     """Raise ChecksumMismatch unless `payload` (exactly payload_len bytes) matches the header."""
-    actual = checksum(header.checksum, payload)
+    verify_crc(header, checksum(header.checksum, payload))
+
+
+def verify_crc(header: ChunkHeader, actual: int) -> None:
+    """Raise ChecksumMismatch unless `actual` (the CRC computed over the payload) is stored."""
     if actual != header.payload_crc:
         raise ChecksumMismatch(
             f"payload checksum mismatch ({header.checksum} stored {header.payload_crc:08x}, "

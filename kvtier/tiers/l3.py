@@ -20,6 +20,7 @@ import stat
 import threading
 import time
 from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -38,13 +39,24 @@ from kvtier.errors import (
 from kvtier.kvbin import HEADER_SIZE, ChunkHeader
 from kvtier.tiers import l3_io
 from kvtier.tiers.l3_index import ChunkRow, Index, SessionRecord
+from kvtier.tiers.l3_pipe import ChecksumStream, GroupCommit
 
 __all__ = ["L3Stats", "L3Store", "SessionRecord"]
 
 log = logging.getLogger(__name__)
 TIERS = ("hot", "cold")
 _TOUCH_BATCH = 256
+READ_PIECE = 4 << 20  # verified reads go in pieces this big, each checksummed beside the next read
 _tmp_seq = itertools.count()
+
+
+@dataclass(frozen=True)
+class _Written:
+    """A chunk whose temp file is written and fdatasync'ed, waiting for its rename."""
+
+    header: ChunkHeader
+    tmp: Path
+    final: Path
 
 
 @dataclass(frozen=True)
@@ -95,6 +107,7 @@ class L3Store:
         direct_io: bool = True,
         cold_dir: str | os.PathLike[str] | None = None,
         checksum: str | None = None,
+        io_threads: int = 4,
     ) -> None:
         self.root = Path(root)
         self.keep_page_cache = keep_page_cache
@@ -109,6 +122,10 @@ class L3Store:
             )
         if max_bytes is not None and max_bytes <= 0:
             raise StoreError(f"max_bytes must be positive or None, got {max_bytes}")
+        if io_threads < 1:
+            raise StoreError(f"io_threads must be at least 1, got {io_threads}")
+        self.io_threads = io_threads
+        self.read_piece = READ_PIECE
         self._dirs = {"hot": self.root / "hot", "cold": Path(cold_dir or self.root / "cold")}
         self._quarantine = self.root / "quarantine"
         self._counts = dict.fromkeys(_COUNTERS, 0)
@@ -116,6 +133,10 @@ class L3Store:
         self._lock = threading.Lock()
         self._local = threading.local()
         self._touched: dict[bytes, float] = {}
+        self._reserved = 0  # bytes of puts in flight, counted against max_bytes
+        self._room_lock = threading.Lock()
+        self._pools: dict[str, ThreadPoolExecutor] = {}
+        self._commit: GroupCommit[list[_Written]] = GroupCommit(self._apply)
         self._lockfd: int | None = None
         self._closed = False
         self._prepare_root()
@@ -161,6 +182,8 @@ class L3Store:
         self._closed = True
         with contextlib.suppress(sqlite3.Error, StoreError):
             self._flush_touches()
+        for pool in self._pools.values():
+            pool.shutdown(wait=True)
         self.index.close()
         if self._lockfd is not None:
             os.close(self._lockfd)
@@ -194,57 +217,34 @@ class L3Store:
         return self.put_many([(header, payload)])[0]
 
     def put_many(self, items: Sequence[tuple[ChunkHeader, Any]]) -> list[ChunkHeader]:
-        """Store chunks durably with one fsync per directory and one index commit for all."""
-        self._check_writable()
-        prepared = [self._prepare(h, p) for h, p in items]
-        need = sum(kvbin.file_size(h.payload_len) for h, _ in prepared)
-        self._make_room(need, {h.key for h, _ in prepared})
-        t0 = time.perf_counter()
-        temps: list[tuple[Path, Path]] = []
-        try:
-            for h, view in prepared:
-                temps.append(self._write_temp(h, view))
-            dirs = set()
-            for tmp, final in temps:
-                os.rename(tmp, final)
-                dirs.add(final.parent)
-            for d in dirs:
-                l3_io.fsync_dir(d)
-        except OSError as exc:
-            for tmp, _ in temps:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp)
-            raise self._write_error(exc, prepared[len(temps) - 1][0] if temps else None) from exc
-        now = time.time()
-        rows = [
-            ChunkRow(header=h, tier="hot", size=kvbin.file_size(h.payload_len), last_access=now)
-            for h, _ in prepared
-        ]
-        try:
-            self.index.put_chunks(rows)
-        except sqlite3.Error as exc:
-            # The files are durable but unindexed; remove them so a failed put leaves nothing.
-            for _, final in temps:
-                with contextlib.suppress(OSError):
-                    os.unlink(final)
-            for d in {final.parent for _, final in temps}:
-                with contextlib.suppress(OSError):
-                    l3_io.fsync_dir(d)
-            full = "full" in str(exc).lower()
-            self._count("full_errors" if full else "io_errors")
-            cls = StoreFullError if full else StoreIOError
-            raise cls(
-                f"L3 index update failed ({exc}); the put was undone. "
-                + ("Free space on the L3 filesystem or lower max_bytes." if full else "")
-            ) from exc
-        elapsed = time.perf_counter() - t0
-        with self._lock:
-            self._counts["writes"] += len(rows)
-            self._counts["bytes_written"] += sum(r.size for r in rows)
-            self._seconds["write_seconds"] += elapsed
-        return [h for h, _ in prepared]
+        """Store chunks durably; returns their headers as written (with checksums).
 
-    def _prepare(self, header: ChunkHeader, payload: Any) -> tuple[ChunkHeader, memoryview]:
+        Each chunk is checksummed, written to its own temp file and fdatasync'ed on a pool of
+        `io_threads` writers; then the renames, one fsync per directory and one index commit
+        cover the whole batch, shared with any put running concurrently (group commit). Returns
+        only when every file, its directory entry and its index row are durable.
+        """
+        self._check_writable()
+        checked = [self._check_item(h, p) for h, p in items]
+        if not checked:
+            return []
+        need = sum(kvbin.file_size(h.payload_len) for h, _ in checked)
+        self._reserve(need, {h.key for h, _ in checked})
+        try:
+            t0 = time.perf_counter()
+            written = self._write_temps(checked)
+            self._commit.submit(written)
+            elapsed = time.perf_counter() - t0
+        finally:
+            with self._lock:
+                self._reserved -= need
+        with self._lock:
+            self._counts["writes"] += len(written)
+            self._counts["bytes_written"] += need
+            self._seconds["write_seconds"] += elapsed
+        return [w.header for w in written]
+
+    def _check_item(self, header: ChunkHeader, payload: Any) -> tuple[ChunkHeader, memoryview]:
         view = memoryview(payload)
         if not view.c_contiguous:
             raise ValueError("payload must be a C-contiguous buffer")
@@ -254,12 +254,107 @@ class L3Store:
                 f"chunk {_hex(header.key)}: header says payload_len={header.payload_len} but the "
                 f"payload has {len(view)} bytes; set payload_len=len(payload)"
             )
-        algo = header.checksum or self.checksum
-        header = replace(header, checksum=algo, payload_crc=kvbin.checksum(algo, view))
+        header = replace(header, checksum=header.checksum or self.checksum)
         header.validate()
         return header, view
 
-    def _write_temp(self, header: ChunkHeader, view: memoryview) -> tuple[Path, Path]:
+    def _write_temps(self, checked: list[tuple[ChunkHeader, memoryview]]) -> list[_Written]:
+        """Write and fdatasync every chunk to a temp file, in parallel; all or nothing."""
+        if len(checked) == 1:
+            try:
+                return [self._write_temp(*checked[0])]
+            except OSError as exc:
+                raise self._write_error(exc, checked[0][0]) from exc
+        pool = self._pool("write")
+        futures = [pool.submit(self._write_temp, h, v) for h, v in checked]
+        written: list[_Written] = []
+        failure: tuple[BaseException, ChunkHeader] | None = None
+        for (h, _), fut in zip(checked, futures, strict=True):
+            err = fut.exception()
+            if err is None:
+                written.append(fut.result())
+            elif failure is None:
+                failure = (err, h)
+        if failure is None:
+            return written
+        _unlink_all(w.tmp for w in written)
+        err, h = failure
+        if isinstance(err, OSError):
+            raise self._write_error(err, h) from err
+        raise err
+
+    def _apply(self, batches: list[list[_Written]]) -> list[BaseException | None]:
+        """Group-commit step: rename, fsync each directory once, then one index transaction."""
+        errors: list[BaseException | None] = [None] * len(batches)
+        for i, batch in enumerate(batches):
+            renamed: list[_Written] = []
+            try:
+                for w in batch:
+                    os.rename(w.tmp, w.final)
+                    renamed.append(w)
+            except OSError as exc:
+                _unlink_all([w.tmp for w in batch] + [w.final for w in renamed])
+                errors[i] = self._write_error(exc, batch[len(renamed)].header)
+        live = [b for b, err in zip(batches, errors, strict=True) if err is None]
+        finals = [w.final for b in live for w in b]
+        try:
+            self._fsync_dirs({f.parent for f in finals})
+        except OSError as exc:
+            _unlink_all(finals)
+            for i, err in enumerate(errors):
+                if err is None:
+                    errors[i] = self._write_error(exc, batches[i][0].header)
+            return errors
+        now = time.time()
+        rows = [
+            ChunkRow(w.header, "hot", kvbin.file_size(w.header.payload_len), now)
+            for b in live
+            for w in b
+        ]
+        try:
+            self.index.put_chunks(rows)
+        except sqlite3.Error as exc:
+            # The files are durable but unindexed; remove them so a failed put leaves nothing.
+            _unlink_all(finals)
+            with contextlib.suppress(OSError):
+                self._fsync_dirs({f.parent for f in finals})
+            for i, err in enumerate(errors):
+                if err is None:
+                    errors[i] = self._index_error(exc)
+        return errors
+
+    def _index_error(self, exc: sqlite3.Error) -> StoreError:
+        full = "full" in str(exc).lower()
+        self._count("full_errors" if full else "io_errors")
+        cls = StoreFullError if full else StoreIOError
+        return cls(
+            f"L3 index update failed ({exc}); the put was undone. "
+            + ("Free space on the L3 filesystem or lower max_bytes." if full else "")
+        )
+
+    def _fsync_dirs(self, dirs: set[Path]) -> None:
+        """fsync every directory, concurrently when there are several (the filesystem journal
+        then commits them together)."""
+        if len(dirs) <= 1:
+            for d in dirs:
+                l3_io.fsync_dir(d)
+            return
+        futures = [self._pool("write").submit(l3_io.fsync_dir, d) for d in dirs]
+        for fut in futures:
+            fut.exception()
+        for fut in futures:
+            fut.result()
+
+    def _pool(self, name: str) -> ThreadPoolExecutor:
+        with self._lock:
+            pool = self._pools.get(name)
+            if pool is None:
+                pool = ThreadPoolExecutor(self.io_threads, thread_name_prefix=f"kvtier-l3{name}")
+                self._pools[name] = pool
+        return pool
+
+    def _write_temp(self, header: ChunkHeader, view: memoryview) -> _Written:
+        header = replace(header, payload_crc=kvbin.checksum(header.checksum, view))
         final = self.path(header.key, "hot")
         final.parent.mkdir(mode=0o700, exist_ok=True)
         tmp = final.parent / f".{final.stem}.{os.getpid()}.{next(_tmp_seq)}.tmp"
@@ -289,7 +384,7 @@ class L3Store:
                 os.unlink(tmp)
             raise
         os.close(fd)
-        return tmp, final
+        return _Written(header, tmp, final)
 
     def _direct_segments(self, encoded: bytes, view: memoryview) -> list[memoryview]:
         """4096-aligned buffers for an O_DIRECT writev: the caller's payload itself when it is
@@ -332,29 +427,37 @@ class L3Store:
         self._count("io_errors")
         return StoreIOError(f"{what}: write failed ({exc}); nothing was stored")
 
-    def _make_room(self, need: int, keep: set[bytes]) -> None:
-        """Under a size cap, evict unreferenced chunks (LRU) until `need` more bytes fit."""
+    def _reserve(self, need: int, keep: set[bytes]) -> None:
+        """Under a size cap, evict unreferenced chunks (LRU) until `need` more bytes fit beside
+        the puts in flight, and count `need` as in flight (the caller releases it)."""
         if self.max_bytes is None:
+            with self._lock:
+                self._reserved += need
             return
-        _, used = self.index.totals()
-        if used + need <= self.max_bytes:
-            return
-        victims = []
-        for row in self.index.unreferenced_lru():
-            if used + need <= self.max_bytes:
-                break
-            if row.header.key in keep:
-                continue
-            victims.append(row)
-            used -= row.size
-        if used + need > self.max_bytes:
-            self._count("full_errors")
-            raise StoreFullError(
-                f"L3 size cap {self.max_bytes} bytes reached and the remaining chunks are "
-                "referenced by sessions; raise max_bytes or delete sessions"
-            )
-        self._delete_rows(victims)
-        self._count("evictions", len(victims))
+        with self._room_lock:
+            _, used = self.index.totals()
+            with self._lock:
+                used += self._reserved
+            victims = []
+            if used + need > self.max_bytes:
+                for row in self.index.unreferenced_lru():
+                    if used + need <= self.max_bytes:
+                        break
+                    if row.header.key in keep:
+                        continue
+                    victims.append(row)
+                    used -= row.size
+            if used + need > self.max_bytes:
+                self._count("full_errors")
+                raise StoreFullError(
+                    f"L3 size cap {self.max_bytes} bytes reached and the remaining chunks are "
+                    "referenced by sessions or being written; raise max_bytes or delete sessions"
+                )
+            if victims:
+                self._delete_rows(victims)
+                self._count("evictions", len(victims))
+            with self._lock:
+                self._reserved += need
 
     def _check_writable(self) -> None:
         if self.read_only:
@@ -421,15 +524,9 @@ class L3Store:
                 self._too_small(fd, size, len(view))
             hdr = self._header_buffer()
             route = self._choose_route(fd, size, view)
-            try:
-                n = l3_io.read_into(fd, [hdr, view[:body]], 0)
-            except OSError as exc:
-                if exc.errno != errno.EINVAL or route != "reads_direct":
-                    raise
-                l3_io.set_direct(fd, False)  # the device refused this alignment: go buffered
-                route = "reads_buffered"
-                n = l3_io.read_into(fd, [hdr, view[:body]], 0)
-            if n != size:
+            first = min(body, self.read_piece)
+            n, route = self._read_at(fd, [hdr, view[:first]], 0, route)
+            if n != HEADER_SIZE + first:
                 raise KvbinFormatError(f"short read: {n} of {size} bytes (file truncated?)")
             header = kvbin.decode(hdr)
             if header.key != bytes(key):
@@ -445,8 +542,7 @@ class L3Store:
                     f"{header.fingerprint.hex()}, not {bytes(fingerprint).hex()}; it is never "
                     "used for this model (recompute instead)"
                 )
-            if verify:
-                kvbin.verify_payload(header, view[: header.payload_len])
+            route = self._read_rest(fd, view, header, first, body, route, verify)
         except KvbinFormatError as exc:
             raise self._corrupt(key, path, exc) from None
         except OSError as exc:
@@ -473,6 +569,58 @@ class L3Store:
         if flush:
             self._flush_touches()
         return header
+
+    def _read_rest(
+        self,
+        fd: int,
+        view: memoryview,
+        header: ChunkHeader,
+        first: int,
+        body: int,
+        route: str,
+        verify: bool,
+    ) -> str:
+        """Read the payload after its first piece, one piece at a time, while a worker checksums
+        the pieces already in the buffer; raise ChecksumMismatch before returning on a mismatch.
+        """
+        plen = header.payload_len
+        if first >= body:
+            if verify:
+                kvbin.verify_payload(header, view[:plen])
+            return route
+        stream = ChecksumStream(self._pool("crc"), header.checksum) if verify else None
+        try:
+            if stream is not None:
+                stream.feed(view[: min(first, plen)])
+            off = first
+            while off < body:
+                end = min(body, off + self.read_piece)
+                n, route = self._read_at(fd, [view[off:end]], HEADER_SIZE + off, route)
+                if n != end - off:
+                    raise KvbinFormatError(
+                        f"short read: {HEADER_SIZE + off + n} of {HEADER_SIZE + body} bytes "
+                        "(file truncated?)"
+                    )
+                if stream is not None and off < plen:
+                    stream.feed(view[off : min(end, plen)])
+                off = end
+            if stream is not None:
+                kvbin.verify_crc(header, stream.result())
+        finally:
+            if stream is not None:
+                stream.cancel()
+        return route
+
+    @staticmethod
+    def _read_at(fd: int, parts: list[memoryview], offset: int, route: str) -> tuple[int, str]:
+        """preadv; where O_DIRECT is refused for this alignment, switch the file to buffered."""
+        try:
+            return l3_io.read_into(fd, parts, offset), route
+        except OSError as exc:
+            if exc.errno != errno.EINVAL or route != "reads_direct":
+                raise
+        l3_io.set_direct(fd, False)
+        return l3_io.read_into(fd, parts, offset), "reads_buffered"
 
     def _choose_route(self, fd: int, size: int, view: memoryview) -> str:
         """Resident pages are read through the page cache; anything else with O_DIRECT."""
@@ -639,6 +787,12 @@ def _subdirs(base: Path) -> list[Path]:
     except FileNotFoundError:
         return []
     return [base / n for n in sorted(names) if len(n) == 2 and (base / n).is_dir()]
+
+
+def _unlink_all(paths: Iterable[Path]) -> None:
+    for path in paths:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
 
 
 def _fsync_file(path: Path) -> None:
