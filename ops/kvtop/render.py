@@ -229,41 +229,53 @@ def sessions_panel(model: Model, width: int, height: int, now: float) -> Panel:
     return Panel(Group(*parts), title=title, title_align="left", height=height)
 
 
-def _sessions_table(model: Model, rows: tuple, width: int, now: float) -> Table:
+def _cut(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def _sessions_table(model: Model, rows: tuple, width: int, now: float) -> Text:
+    """Fixed-width lines rather than a rich Table: a table measures every cell of every row
+    on every frame, which alone would spend the 30 ms frame budget at 200x60."""
     wide = width >= 100
     sort = model.options.sort
-    table = Table(box=None, padding=(0, 1), show_edge=False, expand=False, header_style="bold")
-    id_w = max(8, min(36, width - (70 if wide else 52)))
+    id_w = max(8, min(36, width - (78 if wide else 64)))
 
     def head(name: str, key: str | None) -> str:
         if key == sort:
             return name + (" ▲" if key == "tenant" else " ▼")
         return name
 
-    table.add_column(head("session", None), no_wrap=True, max_width=id_w, overflow="ellipsis")
-    table.add_column(head("tenant", "tenant"), no_wrap=True, max_width=12, overflow="ellipsis")
-    table.add_column("state", no_wrap=True)
-    table.add_column(head("tokens", "tokens"), justify="right", no_wrap=True)
-    table.add_column(head("bytes", "bytes"), justify="right", no_wrap=True)
-    table.add_column(head("L1/L2/L3", "l1"), justify="right", no_wrap=True)
+    # (header, width, right-aligned)
+    cols = [
+        (head("session", None), id_w, False),
+        (head("tenant", "tenant"), 12, False),
+        ("state", 11, False),
+        (head("tokens", "tokens"), 8, True),
+        (head("bytes", "bytes"), 9, True),
+        (head("L1/L2/L3", "l1"), 12, True),
+    ]
     if wide:
-        table.add_column("split", no_wrap=True)
-    table.add_column(head("last", "last"), justify="right", no_wrap=True)
-    styles = {"active": "bold green", "idle": "", "hibernated": "blue"}
+        cols.append(("split", 12, False))
+    cols.append((head("last", "last"), 6, True))
+    out = Text(no_wrap=True, overflow="ellipsis")
+    out.append(
+        " ".join(h.rjust(w) if right else h.ljust(w) for h, w, right in cols).rstrip(),
+        style="bold",
+    )
+    styles = {"active": "bold green", "hibernated": "blue"}
     for r in rows:
-        cells: list[Text | str] = [
-            r.session_id,
-            r.tenant,
-            Text(r.state + ("*" if r.pinned else ""), style=styles.get(r.state, "")),
-            fmt.count(r.tokens),
-            fmt.size(r.bytes),
-            f"{r.chunks_l1}/{r.chunks_l2}/{r.chunks_l3}",
-        ]
+        out.append("\n")
+        out.append(_cut(r.session_id, id_w).ljust(id_w) + " " + _cut(r.tenant, 12).ljust(12) + " ")
+        out.append((r.state + ("*" if r.pinned else "")).ljust(11), style=styles.get(r.state))
+        out.append(
+            f" {fmt.count(r.tokens):>8} {fmt.size(r.bytes):>9} "
+            f"{f'{r.chunks_l1}/{r.chunks_l2}/{r.chunks_l3}':>12} "
+        )
         if wide:
-            cells.append(_split(r.chunks_l1, r.chunks_l2, r.chunks_l3, 12))
-        cells.append(fmt.age(now - r.last_active))
-        table.add_row(*cells)
-    return table
+            out.append_text(_split(r.chunks_l1, r.chunks_l2, r.chunks_l3, 12))
+            out.append(" ")
+        out.append(f"{fmt.age(now - r.last_active):>6}")
+    return out
 
 
 def _split(l1: int, l2: int, l3: int, width: int) -> Text:
