@@ -8,6 +8,7 @@ before returning; anything corrupt is a typed error, a counter and a quarantined
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import errno
 import fcntl
@@ -20,7 +21,7 @@ import stat
 import threading
 import time
 from collections.abc import Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -39,14 +40,16 @@ from kvtier.errors import (
 from kvtier.kvbin import HEADER_SIZE, ChunkHeader
 from kvtier.tiers import l3_io
 from kvtier.tiers.l3_index import ChunkRow, Index, SessionRecord
-from kvtier.tiers.l3_pipe import ChecksumStream, GroupCommit
+from kvtier.tiers.l3_pipe import GroupCommit
 
 __all__ = ["L3Stats", "L3Store", "SessionRecord"]
 
 log = logging.getLogger(__name__)
 TIERS = ("hot", "cold")
 _TOUCH_BATCH = 256
-READ_PIECE = 4 << 20  # verified reads go in pieces this big, each checksummed beside the next read
+READ_PIECE = 4 << 20  # reads go in pieces this big, each checksummed while later ones are read
+READ_WINDOW = 3  # pieces of one read in flight at once
+_CRC_BESIDE_WRITE = 1 << 20  # payloads from this size are checksummed on a worker during the write
 _tmp_seq = itertools.count()
 
 
@@ -126,6 +129,7 @@ class L3Store:
             raise StoreError(f"io_threads must be at least 1, got {io_threads}")
         self.io_threads = io_threads
         self.read_piece = READ_PIECE
+        self.read_window = READ_WINDOW
         self._dirs = {"hot": self.root / "hot", "cold": Path(cold_dir or self.root / "cold")}
         self._quarantine = self.root / "quarantine"
         self._counts = dict.fromkeys(_COUNTERS, 0)
@@ -345,40 +349,55 @@ class L3Store:
         for fut in futures:
             fut.result()
 
-    def _pool(self, name: str) -> ThreadPoolExecutor:
+    def _pool(self, name: str, threads: int | None = None) -> ThreadPoolExecutor:
+        """The store's named thread pool, created on first use (writers, crc, readers)."""
         with self._lock:
             pool = self._pools.get(name)
             if pool is None:
-                pool = ThreadPoolExecutor(self.io_threads, thread_name_prefix=f"kvtier-l3{name}")
+                pool = ThreadPoolExecutor(
+                    threads or self.io_threads, thread_name_prefix=f"kvtier-l3{name}"
+                )
                 self._pools[name] = pool
         return pool
 
     def _write_temp(self, header: ChunkHeader, view: memoryview) -> _Written:
-        header = replace(header, payload_crc=kvbin.checksum(header.checksum, view))
+        """Write one chunk to a temp file beside its final name and fdatasync it.
+
+        The payload goes first (at offset 4096) while a worker computes its checksum from the
+        same buffer; the header, which holds that checksum, follows at offset 0.
+        """
         final = self.path(header.key, "hot")
         final.parent.mkdir(mode=0o700, exist_ok=True)
         tmp = final.parent / f".{final.stem}.{os.getpid()}.{next(_tmp_seq)}.tmp"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        crc: Future[int] | None = None
         try:
-            encoded = kvbin.encode(header, header.payload_crc)
+            if len(view) >= _CRC_BESIDE_WRITE:
+                crc = self._pool("crc").submit(kvbin.checksum, header.checksum, view)
             direct = self.direct_io and not self.keep_page_cache and l3_io.set_direct(fd, True)
             if direct:
                 try:
-                    l3_io.write_all(fd, self._direct_segments(encoded, view))
+                    l3_io.pwrite_all(fd, self._direct_segments(view), HEADER_SIZE)
                 except OSError as exc:
                     if exc.errno != errno.EINVAL:
                         raise
                     direct = False  # the device wants another alignment: write buffered
                     l3_io.set_direct(fd, False)
                     os.ftruncate(fd, 0)
-                    os.lseek(fd, 0, os.SEEK_SET)
             if not direct:
                 pad = kvbin.padded(len(view)) - len(view)
-                l3_io.write_all(fd, [encoded, view, bytes(pad)])
+                l3_io.pwrite_all(fd, [view, bytes(pad)], HEADER_SIZE)
+            value = crc.result() if crc else kvbin.checksum(header.checksum, view)
+            header = replace(header, payload_crc=value)
+            hdr = self._buffer("whdr", HEADER_SIZE)[:HEADER_SIZE]
+            hdr[:] = kvbin.encode(header, value)
+            l3_io.pwrite_all(fd, [hdr], 0)
             os.fdatasync(fd)
             if not direct and not self.keep_page_cache:
                 l3_io.drop_cache(fd)
         except BaseException:
+            if crc is not None:
+                crc.exception()  # it reads the caller's buffer: let it finish first
             os.close(fd)
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
@@ -386,15 +405,14 @@ class L3Store:
         os.close(fd)
         return _Written(header, tmp, final)
 
-    def _direct_segments(self, encoded: bytes, view: memoryview) -> list[memoryview]:
-        """4096-aligned buffers for an O_DIRECT writev: the caller's payload itself when it is
-        aligned (pinned slots are), else a copy in a per-thread staging buffer."""
-        hdr = self._buffer("whdr", HEADER_SIZE)
-        hdr[:HEADER_SIZE] = encoded
+    def _direct_segments(self, view: memoryview) -> list[memoryview]:
+        """4096-aligned buffers of the padded payload for an O_DIRECT pwritev: the caller's
+        payload itself when it is aligned (pinned slots are), else a copy in a per-thread
+        staging buffer."""
         body = len(view) - len(view) % kvbin.ALIGN
         addr = l3_io.address(view) if body else None
         if addr is not None and addr % kvbin.ALIGN == 0:
-            segments = [hdr[:HEADER_SIZE], view[:body]]
+            segments = [view[:body]]
             if body < len(view):
                 tail = self._buffer("wtail", kvbin.ALIGN)
                 rest = len(view) - body
@@ -406,7 +424,7 @@ class L3Store:
         stage = self._buffer("wstage", size)
         stage[: len(view)] = view
         stage[len(view) : size] = bytes(size - len(view))
-        return [hdr[:HEADER_SIZE], stage[:size]]
+        return [stage[:size]]
 
     def _buffer(self, name: str, size: int) -> memoryview:
         """A per-thread aligned buffer of at least `size` bytes, grown on demand."""
@@ -522,27 +540,8 @@ class L3Store:
             body = size - HEADER_SIZE
             if len(view) < body:
                 self._too_small(fd, size, len(view))
-            hdr = self._header_buffer()
             route = self._choose_route(fd, size, view)
-            first = min(body, self.read_piece)
-            n, route = self._read_at(fd, [hdr, view[:first]], 0, route)
-            if n != HEADER_SIZE + first:
-                raise KvbinFormatError(f"short read: {n} of {size} bytes (file truncated?)")
-            header = kvbin.decode(hdr)
-            if header.key != bytes(key):
-                raise KvbinFormatError(f"file holds chunk {_hex(header.key)}, not this one")
-            if kvbin.file_size(header.payload_len) != size:
-                raise KvbinFormatError(
-                    f"payload_len {header.payload_len} does not match file size {size}"
-                )
-            if header.fingerprint != bytes(fingerprint):
-                self._count("fingerprint_mismatches")
-                raise FingerprintMismatch(
-                    f"chunk {_hex(key)} was written for model fingerprint "
-                    f"{header.fingerprint.hex()}, not {bytes(fingerprint).hex()}; it is never "
-                    "used for this model (recompute instead)"
-                )
-            route = self._read_rest(fd, view, header, first, body, route, verify)
+            header, route = self._read_verified(fd, size, view, key, fingerprint, route, verify)
         except KvbinFormatError as exc:
             raise self._corrupt(key, path, exc) from None
         except OSError as exc:
@@ -570,46 +569,93 @@ class L3Store:
             self._flush_touches()
         return header
 
-    def _read_rest(
+    def _read_verified(
         self,
         fd: int,
+        size: int,
         view: memoryview,
-        header: ChunkHeader,
-        first: int,
-        body: int,
+        key: bytes,
+        fingerprint: bytes,
         route: str,
         verify: bool,
-    ) -> str:
-        """Read the payload after its first piece, one piece at a time, while a worker checksums
-        the pieces already in the buffer; raise ChecksumMismatch before returning on a mismatch.
+    ) -> tuple[ChunkHeader, str]:
+        """Read header and payload into `view` and check both checksums and the fingerprint.
+
+        The file is read in `read_piece` pieces, `read_window` of them in flight at once on the
+        read pool (the device keeps a deep queue), while this thread checks the header and
+        checksums each piece as it lands, in order: the checksum then costs about one piece's
+        worth of time instead of the whole payload's. Nothing is returned, and no read is left
+        running into `view`, before every check passed.
         """
-        plen = header.payload_len
-        if first >= body:
-            if verify:
-                kvbin.verify_payload(header, view[:plen])
-            return route
-        stream = ChecksumStream(self._pool("crc"), header.checksum) if verify else None
+        hdr = self._header_buffer()
+        body = size - HEADER_SIZE
+        step = self.read_piece
+        spans = [(off, min(body, off + step)) for off in range(0, max(body, 1), step)]
+
+        def read(off: int, end: int, route: str) -> tuple[int, str]:
+            if off == 0:
+                n, route = self._read_at(fd, [hdr, view[:end]], 0, route)
+                return n - HEADER_SIZE, route
+            return self._read_at(fd, [view[off:end]], HEADER_SIZE + off, route)
+
+        pool = self._pool("read", self.io_threads * self.read_window) if len(spans) > 1 else None
+        inflight: collections.deque[tuple[int, int, Future[tuple[int, str]]]] = collections.deque()
+        todo = iter(spans)
+
+        def issue() -> None:
+            span = next(todo, None)
+            if span is not None and pool is not None:
+                inflight.append((*span, pool.submit(read, *span, route)))
+
+        header: ChunkHeader | None = None
+        value = 0
         try:
-            if stream is not None:
-                stream.feed(view[: min(first, plen)])
-            off = first
-            while off < body:
-                end = min(body, off + self.read_piece)
-                n, route = self._read_at(fd, [view[off:end]], HEADER_SIZE + off, route)
+            if pool is None:
+                n, route = read(*spans[0], route)
+                inflight.append((*spans[0], _done(n, route)))
+            for _ in range(self.read_window):
+                issue()
+            while inflight:
+                off, end, fut = inflight.popleft()
+                n, route = fut.result()
                 if n != end - off:
                     raise KvbinFormatError(
-                        f"short read: {HEADER_SIZE + off + n} of {HEADER_SIZE + body} bytes "
+                        f"short read: {HEADER_SIZE + off + max(n, 0)} of {size} bytes "
                         "(file truncated?)"
                     )
-                if stream is not None and off < plen:
-                    stream.feed(view[off : min(end, plen)])
-                off = end
-            if stream is not None:
-                kvbin.verify_crc(header, stream.result())
+                issue()
+                if header is None:
+                    header = self._check_header(hdr, key, size, fingerprint)
+                if verify and off < header.payload_len:
+                    piece = view[off : min(end, header.payload_len)]
+                    value = kvbin.checksum(header.checksum, piece, value)
         finally:
-            if stream is not None:
-                stream.cancel()
-        return route
+            for _, _, fut in inflight:  # never return while a read may still fill the buffer
+                fut.exception()
+        assert header is not None
+        if verify:
+            kvbin.verify_crc(header, value)
+        return header, route
+
+    def _check_header(
+        self, hdr: memoryview, key: bytes, size: int, fingerprint: bytes
+    ) -> ChunkHeader:
+        """Decode the header (its checksum included) and check it names this chunk and model."""
+        header = kvbin.decode(hdr)
+        if header.key != bytes(key):
+            raise KvbinFormatError(f"file holds chunk {_hex(header.key)}, not this one")
+        if kvbin.file_size(header.payload_len) != size:
+            raise KvbinFormatError(
+                f"payload_len {header.payload_len} does not match file size {size}"
+            )
+        if header.fingerprint != bytes(fingerprint):
+            self._count("fingerprint_mismatches")
+            raise FingerprintMismatch(
+                f"chunk {_hex(key)} was written for model fingerprint "
+                f"{header.fingerprint.hex()}, not {bytes(fingerprint).hex()}; it is never "
+                "used for this model (recompute instead)"
+            )
+        return header
 
     @staticmethod
     def _read_at(fd: int, parts: list[memoryview], offset: int, route: str) -> tuple[int, str]:
@@ -787,6 +833,12 @@ def _subdirs(base: Path) -> list[Path]:
     except FileNotFoundError:
         return []
     return [base / n for n in sorted(names) if len(n) == 2 and (base / n).is_dir()]
+
+
+def _done(n: int, route: str) -> Future[tuple[int, str]]:
+    fut: Future[tuple[int, str]] = Future()
+    fut.set_result((n, route))
+    return fut
 
 
 def _unlink_all(paths: Iterable[Path]) -> None:

@@ -129,6 +129,23 @@ def write_all(fd: int, parts: Sequence[Any]) -> int:
     return total
 
 
+def pwrite_all(fd: int, parts: Sequence[Any], offset: int) -> int:
+    """pwritev every buffer in order from `offset`, resuming after short writes."""
+    views = [v for v in (memoryview(p).cast("B") for p in parts) if len(v)]
+    total = 0
+    while views:
+        n = os.pwritev(fd, views[:1024], offset + total)
+        total += n
+        while n and views:
+            if n >= len(views[0]):
+                n -= len(views[0])
+                views.pop(0)
+            else:
+                views[0] = views[0][n:]
+                n = 0
+    return total
+
+
 def read_into(fd: int, parts: Sequence[memoryview], offset: int) -> int:
     """preadv into the buffers from `offset`, resuming after short reads; returns bytes read."""
     views = [p for p in parts if len(p)]
