@@ -39,8 +39,8 @@ from kvtier.errors import (
 )
 from kvtier.kvbin import HEADER_SIZE, ChunkHeader
 from kvtier.tiers import l3_io
+from kvtier.tiers.l3_commit import GroupCommit
 from kvtier.tiers.l3_index import ChunkRow, Index, SessionRecord
-from kvtier.tiers.l3_pipe import GroupCommit
 
 __all__ = ["L3Stats", "L3Store", "SessionRecord"]
 

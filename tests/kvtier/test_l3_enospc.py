@@ -58,6 +58,12 @@ def test_full_filesystem(small_fs: Path) -> None:
         assert store.stats().full_errors == 1 and store.stats().chunks == len(stored)
         for key in stored:  # reads keep working on the full filesystem
             assert store.get_bytes(key, fingerprint=FP)[1] == payload_for(key, 1_000_000)
+        batch = [header(size=700_000) for _ in range(4)]  # written in parallel, none fits
+        with pytest.raises(StoreFullError):
+            store.put_many([(b, payload_for(b.key, b.payload_len)) for b in batch])
+        assert not any(store.contains(b.key) for b in batch)
+        assert not list(store.root.rglob("*.tmp"))
+        assert store.stats().chunks == len(stored)
         store.delete(stored[0])
         h = header(size=500_000)
         store.put(h, payload_for(h.key, h.payload_len))

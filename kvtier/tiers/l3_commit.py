@@ -1,60 +1,19 @@
-"""Overlap machinery of the L3 store: a payload checksum that runs beside the reads, and a group
-commit that shares one rename/directory-fsync/index step among concurrent writers.
+"""Group commit of the L3 store: concurrent writers share one rename/directory-fsync/index step.
 
-Both exist for throughput only; neither changes what a read verifies or when a write is durable
-(see docs/benchmarks.md, "L3 store", for the measurements that justify them).
+A durable put ends with three device flushes (its file, its directory, the index's WAL); when
+several writer threads put at once, one commit can cover all of them. This is for throughput
+only: each `submit` still returns only after its own items were applied (docs/benchmarks.md,
+"L3 store", has the measurements).
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
-from queue import SimpleQueue
 from typing import Any, Generic, TypeVar
 
-from kvtier import kvbin
-
 T = TypeVar("T")
-
-
-class ChecksumStream:
-    """CRC of a payload fed piece by piece, computed on a worker thread in feed order.
-
-    The caller reads piece k+1 from the device while the worker checksums piece k (both calls
-    release the GIL), so a verified read costs about the read alone. `result()` always waits for
-    the worker, so no piece of the caller's buffer is touched after the read returns.
-    """
-
-    def __init__(self, pool: Executor, algo: str) -> None:
-        self._algo = algo
-        self._pieces: SimpleQueue[memoryview | None] = SimpleQueue()
-        self._done: Future[int] = pool.submit(self._run)
-        self._closed = False
-
-    def _run(self) -> int:
-        value = 0
-        while (piece := self._pieces.get()) is not None:
-            value = kvbin.checksum(self._algo, piece, value)
-        return value
-
-    def feed(self, piece: memoryview) -> None:
-        self._pieces.put(piece)
-
-    def result(self) -> int:
-        """The CRC of everything fed (waits for the worker to finish)."""
-        if not self._closed:
-            self._closed = True
-            self._pieces.put(None)
-        return self._done.result()
-
-    def cancel(self) -> None:
-        """Stop after the pieces already fed and wait, so the caller may reuse its buffer."""
-        if not self._closed:
-            self._closed = True
-            self._pieces.put(None)
-        self._done.exception()
 
 
 @dataclass
