@@ -1,14 +1,25 @@
 """The transfer engine: the one owner of every copy between the tiers (DESIGN.md section 6).
 
-GPU <-> host: a chunk is gathered from the per-layer L1 buffers into a contiguous staging
-buffer on the device (device-to-device), encoded there by the codec, and moved with ONE copy
-into its pinned L2 slot on a dedicated stream (one stream down, one up, so both directions run
-at once); an event marks completion. Restore is the reverse. On a CPU device the same code runs
-synchronously and gathers straight into the slot when the codec is native (one copy, no staging).
+GPU <-> host moves chunks in groups of `group_chunks`. Restore copies a group from its pinned
+L2 slots into one contiguous device staging buffer `[G, layer, k|v, token, head, dim]` on a
+copy stream, then scatters the whole group into the per-layer L1 buffers on a second stream,
+one copy per layer and plane. Two staging buffers per direction alternate, guarded by events,
+so the PCIe copy of group g+1 runs while group g is scattered. Offload is the mirror: gather a
+group on a gather stream, then one device-to-host copy per chunk on the copy stream while the
+next group is gathered. Quantizing codecs encode (decode) each chunk in the staging buffer, on
+the device, before the copy down (after the copy up). The two directions share no stream,
+buffer or lock, so one session goes down while another comes up. The staging memory is
+allocated once, at construction, and reported as `staging_bytes`.
+
+On a CPU device the same code runs synchronously; with the native codec it gathers straight
+into the slot and scatters straight from it (no staging copy).
 
 Host <-> SSD: two thread pools (writes, reads) call the L3 store, whose O_DIRECT I/O goes
 straight between the pinned slots and the .kvbin files. The write queue is bounded: when it is
-full, `write_l3` sheds the write (returns None and counts it) instead of stalling decode.
+full, `write_l3` sheds the write (returns None and counts it) instead of stalling decode. A
+restore waits for each slot's L3 read just before that chunk's copy, so chunks already read
+move to the GPU while later ones are still coming off the disk; a failed read raises there and
+its bytes never reach L1.
 """
 
 from __future__ import annotations
@@ -16,7 +27,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -31,16 +42,25 @@ from kvtier.tiers.l2 import HostArena
 
 Layers = Sequence[Sequence[torch.Tensor]]  # per layer (K, V), each [1, H, capacity, D]
 DIRECTIONS = (("l1", "l2"), ("l2", "l1"), ("l2", "l3"), ("l3", "l2"))
+_DOWN, _UP = ("l1", "l2"), ("l2", "l1")
+_ALIGN = 256  # staging rows start on this many bytes (scales are read as float32)
+_TIMED_BACKLOG = 256  # timing events kept before they are folded into the totals
 
 
 class Handle:
     """Completion of one GPU<->host transfer: a CUDA event, or nothing left to wait for on CPU."""
 
-    __slots__ = ("_event", "_keep")
+    __slots__ = ("_event", "_keep", "direction")
 
-    def __init__(self, event: torch.cuda.Event | None = None, keep: Any = None) -> None:
+    def __init__(
+        self,
+        event: torch.cuda.Event | None = None,
+        keep: Any = None,
+        direction: tuple[str, str] | None = None,
+    ) -> None:
         self._event = event
         self._keep = keep  # tensors the copy reads or writes stay alive until it is done
+        self.direction = direction
 
     def done(self) -> bool:
         if self._event is None or self._event.query():
@@ -62,7 +82,7 @@ class Handle:
 
 @dataclass(frozen=True)
 class EngineStats:
-    """Bytes and seconds per direction, L3 queue depths and shed or failed writes."""
+    """Bytes and seconds per direction, L3 queue depths, shed or failed writes, staging memory."""
 
     transfers: tuple[TransferStats, ...]
     l3_write_queue: int
@@ -70,28 +90,75 @@ class EngineStats:
     shed_writes: int
     l3_write_errors: int
     l3_read_errors: int
+    staging_bytes: int = 0
 
 
-class _Staging:
-    """A device buffer holding `batch` chunks of the model dtype plus one encoded payload."""
+class _Stage:
+    """One staging buffer: `group` chunks in the model dtype, plus encoded payload rows for a
+    quantizing codec on the GPU. `ready` marks the end of its producer, `free` of its consumer."""
 
-    def __init__(
-        self,
-        geometry: KVGeometry,
-        chunk_tokens: int,
-        batch: int,
-        codec: Codec,
-        device: torch.device,
-    ) -> None:
-        self.chunk_elems = geometry.chunk_bytes(chunk_tokens) // geometry.element_size
+    def __init__(self, engine: TransferEngine, rows: bool) -> None:
+        g = engine.geometry
+        self.geometry = g
+        self.chunk_elems = g.chunk_bytes(engine.chunk_tokens) // g.element_size
         self.chunks = torch.empty(
-            batch * self.chunk_elems, dtype=geometry.torch_dtype(), device=device
+            engine.group_chunks * self.chunk_elems, dtype=g.torch_dtype(), device=engine.device
         )
-        self.payload = (
-            None
-            if codec.lossless
-            else torch.empty(codec.payload_bytes(chunk_tokens), dtype=torch.uint8, device=device)
+        self.row_bytes = -(-engine.codec.payload_bytes(engine.chunk_tokens) // _ALIGN) * _ALIGN
+        self.rows = (
+            torch.empty(
+                engine.group_chunks * self.row_bytes, dtype=torch.uint8, device=engine.device
+            )
+            if rows
+            else None
         )
+        self.ready: Any = torch.cuda.Event() if engine.cuda else None
+        self.free: Any = torch.cuda.Event() if engine.cuda else None
+        self._views: dict[tuple[int, int], list[torch.Tensor]] = {}
+
+    @property
+    def nbytes(self) -> int:
+        rows = 0 if self.rows is None else self.rows.numel()
+        return self.chunks.numel() * self.chunks.element_size() + rows
+
+    def staged(self, count: int, length: int) -> torch.Tensor:
+        """The first `count` chunks of `length` tokens: [count, L, P, length, H, D]."""
+        shape = self.geometry.chunk_shape(length)
+        elems = self.geometry.chunk_bytes(length) // self.geometry.element_size
+        return self.chunks[: count * elems].view(count, *shape)
+
+    def payload(self, index: int, length: int, size: int) -> torch.Tensor:
+        """Where chunk `index` of a group of `length`-token chunks is encoded (`size` bytes)."""
+        if self.rows is not None:
+            return self.rows[index * self.row_bytes : index * self.row_bytes + size]
+        nbytes = self.geometry.chunk_bytes(length)
+        return self.chunks.view(torch.uint8)[index * nbytes : index * nbytes + size]
+
+    def planes(self, count: int, length: int) -> list[torch.Tensor]:
+        """Per layer and plane, the group as [H, count, length, D] (views cached per shape)."""
+        key = (count, length)
+        views = self._views.get(key)
+        if views is None:
+            if len(self._views) > 64:
+                self._views.clear()
+            views = _planes(self.staged(count, length))
+            self._views[key] = views
+        return views
+
+
+def _planes(staged: torch.Tensor) -> list[torch.Tensor]:
+    """[count, L, P, n, H, D] -> L*P views [H, count, n, D], layer-major (matches `_l1_views`)."""
+    return list(staged.permute(1, 2, 4, 0, 3, 5).flatten(0, 1).unbind(0))
+
+
+def _copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    """dst[i].copy_(src[i]) for all i, in one call where torch offers it (less launch overhead)."""
+    foreach = getattr(torch, "_foreach_copy_", None)
+    if foreach is not None:
+        foreach(dst, src)
+        return
+    for d, s in zip(dst, src, strict=True):
+        d.copy_(s)
 
 
 class TransferEngine:
@@ -108,10 +175,12 @@ class TransferEngine:
         *,
         l3_write_queue: int = 64,
         l3_threads: int = 4,
-        batch_chunks: int = 4,
+        group_chunks: int = 8,
     ) -> None:
         if chunk_tokens <= 0:
             raise ConfigError(f"chunk_tokens must be positive, got {chunk_tokens}")
+        if group_chunks <= 0:
+            raise ConfigError(f"group_chunks must be positive, got {group_chunks}")
         if codec.geometry != geometry:
             raise ConfigError(
                 "the codec was made for another KVGeometry; use make_codec(name, geometry)"
@@ -125,19 +194,20 @@ class TransferEngine:
         self.geometry = geometry
         self.chunk_tokens = int(chunk_tokens)
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.arena = arena
         self.store = l3_store
         self.codec = codec
-        self.batch_chunks = max(1, int(batch_chunks))
+        self.group_chunks = int(group_chunks)
         self.cuda = self.device.type == "cuda"
-        self._shape = geometry.chunk_shape(self.chunk_tokens)
         self._lock = threading.Lock()
         self._bytes = dict.fromkeys(DIRECTIONS, 0)
         self._seconds = dict.fromkeys(DIRECTIONS, 0.0)
         self._ops = dict.fromkeys(DIRECTIONS, 0)
         self._timed: deque[tuple[tuple[str, str], torch.cuda.Event, torch.cuda.Event]] = deque()
         self._slot_copy: dict[int, Handle] = {}  # slot -> last device copy touching it
-        self._slot_io: dict[int, Future[Any]] = {}  # slot -> last L3 read or write of it
+        self._slot_io: dict[int, tuple[Future[Any], bool]] = {}  # slot -> last L3 I/O, is read
         self._writes_queued = 0
         self._writes: set[Future[Any]] = set()
         self._reads_queued = 0
@@ -145,15 +215,43 @@ class TransferEngine:
         self._write_errors = 0
         self._read_errors = 0
         self._closed = False
-        self._down = self._up = None
+        # Per direction: an issue lock (held only while launching), streams, staging buffers.
+        self._issue = {_DOWN: threading.Lock(), _UP: threading.Lock()}
+        self._streams: dict[tuple[str, str], tuple[Any, Any]] = {
+            _DOWN: (None, None),
+            _UP: (None, None),
+        }
+        self._stages: dict[tuple[str, str], list[_Stage]] = {_DOWN: [], _UP: []}
+        self._turn = {_DOWN: 0, _UP: 0}
         if self.cuda:
-            self._down = torch.cuda.Stream(self.device)
-            self._up = torch.cuda.Stream(self.device)
-        self._stage_down = _Staging(geometry, chunk_tokens, self.batch_chunks, codec, self.device)
-        self._stage_up = _Staging(geometry, chunk_tokens, 1, codec, self.device)
+            with torch.cuda.device(self.device):
+                # (device-side stream, copy stream): gather + D2H down, H2D + scatter up
+                self._streams[_DOWN] = (
+                    torch.cuda.Stream(self.device),
+                    torch.cuda.Stream(self.device),
+                )
+                self._streams[_UP] = (
+                    torch.cuda.Stream(self.device),
+                    torch.cuda.Stream(self.device),
+                )
+                for direction in (_DOWN, _UP):
+                    stages = [_Stage(self, rows=not codec.lossless) for _ in range(2)]
+                    for stage in stages:  # the allocator must see their use on the side streams
+                        for stream in self._streams[direction]:
+                            stage.chunks.record_stream(stream)
+                            if stage.rows is not None:
+                                stage.rows.record_stream(stream)
+                    self._stages[direction] = stages
+        elif not codec.lossless:
+            self._stages = {_DOWN: [_Stage(self, rows=False)], _UP: [_Stage(self, rows=False)]}
         self._writer = ThreadPoolExecutor(max(1, l3_threads), thread_name_prefix="kvtier-l3w")
         self._reader = ThreadPoolExecutor(max(1, l3_threads), thread_name_prefix="kvtier-l3r")
         self.l3_write_queue = int(l3_write_queue)
+
+    @property
+    def staging_bytes(self) -> int:
+        """Device (or host, on CPU) memory the staging buffers hold, for the L1 budget."""
+        return sum(stage.nbytes for stages in self._stages.values() for stage in stages)
 
     # ---- L1 <-> L2 ---------------------------------------------------------------------------
 
@@ -166,70 +264,78 @@ class TransferEngine:
     ) -> Handle:
         """Copy tokens [start, start+ntokens) into consecutive chunks, one per slot.
 
-        Every chunk but the last is full; gathering several chunks at once takes one copy per
-        layer and plane for the whole group, not per chunk.
+        Every chunk but the last is full. The device side gathers `group_chunks` chunks per
+        copy per layer and plane; each chunk then goes down in one copy into its slot.
         """
-        self._check_range(layers, ntokens, slots)
+        self._check_range(layers, start, ntokens, slots)
         for slot in slots:
-            self._settle_io(slot)
-        t0 = time.perf_counter()
-        moved = 0
-        if self.cuda:
-            stream = self._down
-            assert stream is not None
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            begin = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
-            with torch.cuda.stream(stream):
-                begin.record(stream)
-                moved = self._offload_groups(layers, start, ntokens, slots)
-                end.record(stream)
-            for pair in layers:
-                for t in pair:
-                    t.record_stream(stream)
-            handle = Handle(end, keep=(layers,))
-            with self._lock:
-                self._timed.append((("l1", "l2"), begin, end))
-                self._bytes["l1", "l2"] += moved
-                self._ops["l1", "l2"] += len(slots)
-        else:
-            moved = self._offload_groups(layers, start, ntokens, slots)
-            handle = Handle()
-            self._account(("l1", "l2"), moved, time.perf_counter() - t0, len(slots))
-        for slot in slots:
-            self._slot_copy[slot] = handle
+            self._settle_io(slot)  # an L3 write still reading the slot finishes first
+        with self._issue[_DOWN]:
+            if self.cuda:
+                handle = self._offload_cuda(layers, start, ntokens, slots)
+            else:
+                t0 = time.perf_counter()
+                moved = self._offload_cpu(layers, start, ntokens, slots)
+                handle = Handle(direction=_DOWN)
+                self._account(_DOWN, moved, time.perf_counter() - t0, len(slots))
+            for slot in slots:
+                self._slot_copy[slot] = handle
         return handle
 
-    def _offload_groups(
+    def _offload_cuda(
         self, layers: Layers, start: int, ntokens: int, slots: Sequence[int]
-    ) -> int:
-        n = self.chunk_tokens
-        full = ntokens // n
+    ) -> Handle:
+        gather, copy = self._streams[_DOWN]
+        gather.wait_stream(torch.cuda.current_stream(self.device))  # L1 holds its final values
+        begin = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        begin.record(gather)
         moved = 0
-        direct = not self.cuda and self.codec.lossless
-        index = 0
-        while index < len(slots):
-            count = min(self.batch_chunks, full - index) if index < full and not direct else 1
-            length = count * n if index < full else ntokens - index * n
-            first = start + index * n
-            if direct and count == 1:
-                # CPU + native: gather straight into the slot, no staging copy.
-                dst = self._slot_chunk(slots[index], length)
-                self._gather(layers, first, 1, length, dst.unsqueeze(0))
-                moved += dst.numel() * self.geometry.element_size
-                index += 1
+        n = self.chunk_tokens
+        for index, count, length in self._groups(ntokens, len(slots), self.group_chunks):
+            stage = self._next_stage(_DOWN)
+            size = self.codec.payload_bytes(length)
+            gather.wait_event(stage.free)  # its previous chunks have gone down
+            with torch.cuda.stream(gather):
+                views = self._l1_views(layers, start + index * n, count, length)
+                _copy_all(stage.planes(count, length), views)
+                if not self.codec.lossless:
+                    staged = stage.staged(count, length)
+                    for c in range(count):
+                        self.codec.encode(staged[c], out=stage.payload(c, length, size))
+                stage.ready.record(gather)
+            copy.wait_event(stage.ready)
+            with torch.cuda.stream(copy):
+                for c in range(count):
+                    slot = slots[index + c]
+                    self._after(slot, _UP, copy)  # a restore still reading the slot
+                    dst = self.arena.view(slot)[:size]
+                    dst.copy_(stage.payload(c, length, size), non_blocking=True)
+                    moved += size
+                stage.free.record(copy)
+        end.record(copy)
+        for pair in layers:
+            for t in pair:
+                t.record_stream(gather)
+        self._timing(_DOWN, begin, end, moved, len(slots))
+        return Handle(end, keep=(layers,), direction=_DOWN)
+
+    def _offload_cpu(self, layers: Layers, start: int, ntokens: int, slots: Sequence[int]) -> int:
+        n = self.chunk_tokens
+        moved = 0
+        native = self.codec.lossless
+        group = 1 if native else self.group_chunks
+        for index, count, length in self._groups(ntokens, len(slots), group):
+            views = self._l1_views(layers, start + index * n, count, length)
+            if native:  # gather straight into the slot, no staging copy
+                _copy_all(_planes(self._slot_chunk(slots[index], length).unsqueeze(0)), views)
+                moved += self.geometry.chunk_bytes(length)
                 continue
-            group = self._staged(self._stage_down, count, length // count)
-            self._gather(layers, first, count, length // count, group)
-            for c in range(count):
-                slot_view = self.arena.view(slots[index + c])
-                if not self.cuda:  # encode straight into the slot
-                    moved += self.codec.encode(group[c], out=slot_view).numel()
-                    continue
-                payload = self.codec.encode(group[c], out=self._stage_down.payload)
-                slot_view[: payload.numel()].copy_(payload, non_blocking=True)
-                moved += payload.numel()
-            index += count
+            stage = self._stages[_DOWN][0]
+            _copy_all(stage.planes(count, length), views)
+            staged = stage.staged(count, length)
+            for c in range(count):  # encode straight into the slot
+                moved += self.codec.encode(staged[c], out=self.arena.view(slots[index + c])).numel()
         return moved
 
     def restore(self, slot: int, ntokens: int, layers: Layers, start: int) -> Handle:
@@ -239,105 +345,168 @@ class TransferEngine:
     def restore_range(
         self, slots: Sequence[int], ntokens: int, layers: Layers, start: int
     ) -> Handle:
-        """Copy consecutive chunks (every one full but the last) back into the L1 layers."""
-        self._check_range(layers, ntokens, slots)
-        for slot in slots:
-            self._settle_io(slot)
-        t0 = time.perf_counter()
-        if self.cuda:
-            stream = self._up
-            assert stream is not None
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            begin = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
-            with torch.cuda.stream(stream):
-                begin.record(stream)
-                moved = self._restore_chunks(slots, ntokens, layers, start)
-                end.record(stream)
+        """Copy consecutive chunks (every one full but the last) back into the L1 layers.
+
+        A slot with an L3 read in flight is waited for just before its own copy, so a restore
+        issued right after `read_l3` overlaps the disk with the copies. A failed read raises
+        its error here (the chunks before it may already be in L1; the caller recomputes).
+        """
+        self._check_range(layers, start, ntokens, slots)
+        with self._issue[_UP]:
+            if self.cuda:
+                return self._restore_cuda(slots, ntokens, layers, start)
+            t0 = time.perf_counter()
+            handle = Handle(direction=_UP)
+            try:
+                moved = self._restore_cpu(slots, ntokens, layers, start)
+            finally:
+                for slot in slots:
+                    self._slot_copy[slot] = handle
+            self._account(_UP, moved, time.perf_counter() - t0, len(slots))
+            return handle
+
+    def _restore_cuda(
+        self, slots: Sequence[int], ntokens: int, layers: Layers, start: int
+    ) -> Handle:
+        scatter, copy = self._streams[_UP]
+        scatter.wait_stream(torch.cuda.current_stream(self.device))  # L1 is free to overwrite
+        begin = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        begin.record(copy)
+        moved = 0
+        n = self.chunk_tokens
+        try:
+            for index, count, length in self._groups(ntokens, len(slots), self.group_chunks):
+                stage = self._next_stage(_UP)
+                size = self.codec.payload_bytes(length)
+                copy.wait_event(stage.free)  # its previous group has been scattered
+                with torch.cuda.stream(copy):
+                    for c in range(count):
+                        slot = slots[index + c]
+                        self._settle_io(slot, strict=True)
+                        self._after(slot, _DOWN, copy)  # an offload still filling the slot
+                        src = self.arena.view(slot)[:size]
+                        stage.payload(c, length, size).copy_(src, non_blocking=True)
+                        moved += size
+                    stage.ready.record(copy)
+                scatter.wait_event(stage.ready)
+                with torch.cuda.stream(scatter):
+                    if not self.codec.lossless:
+                        staged = stage.staged(count, length)
+                        for c in range(count):
+                            payload = stage.payload(c, length, size)
+                            self.codec.decode(payload, length, out=staged[c])
+                    views = self._l1_views(layers, start + index * n, count, length)
+                    _copy_all(views, stage.planes(count, length))
+                    stage.free.record(scatter)
+        finally:
+            scatter.wait_stream(copy)  # `end` covers every copy issued, even after an error
+            end.record(scatter)
             for pair in layers:
                 for t in pair:
-                    t.record_stream(stream)
-            handle = Handle(end, keep=(layers,))
-            with self._lock:
-                self._timed.append((("l2", "l1"), begin, end))
-                self._bytes["l2", "l1"] += moved
-                self._ops["l2", "l1"] += len(slots)
-        else:
-            moved = self._restore_chunks(slots, ntokens, layers, start)
-            handle = Handle()
-            self._account(("l2", "l1"), moved, time.perf_counter() - t0, len(slots))
-        for slot in slots:
-            self._slot_copy[slot] = handle
+                    t.record_stream(scatter)
+            handle = Handle(end, keep=(layers,), direction=_UP)
+            for slot in slots:
+                self._slot_copy[slot] = handle
+        self._timing(_UP, begin, end, moved, len(slots))
         return handle
 
-    def _restore_chunks(
-        self, slots: Sequence[int], ntokens: int, layers: Layers, start: int
-    ) -> int:
+    def _restore_cpu(self, slots: Sequence[int], ntokens: int, layers: Layers, start: int) -> int:
         n = self.chunk_tokens
         moved = 0
-        for i, slot in enumerate(slots):
-            length = min(n, ntokens - i * n)
+        native = self.codec.lossless
+        group = 1 if native else self.group_chunks
+        for index, count, length in self._groups(ntokens, len(slots), group):
             size = self.codec.payload_bytes(length)
-            src = self.arena.view(slot)[:size]
-            if self.cuda:
-                stage = self._stage_up.payload if self._stage_up.payload is not None else None
-                if stage is None:
-                    stage = self._stage_up.chunks[: size // self.geometry.element_size].view(
-                        torch.uint8
-                    )
-                payload = stage[:size]
-                payload.copy_(src, non_blocking=True)
-            else:
-                payload = src
-            out = self._staged(self._stage_up, 1, length)[0]
-            if self.codec.lossless:
-                chunk = self.codec.decode(payload, length)  # a view: no copy
-            else:
-                chunk = self.codec.decode(payload, length, out=out)
-            self._scatter(chunk, layers, start + i * n, length)
-            moved += size
+            views = self._l1_views(layers, start + index * n, count, length)
+            if native:  # scatter straight from the slot
+                self._settle_io(slots[index], strict=True)
+                _copy_all(views, _planes(self._slot_chunk(slots[index], length).unsqueeze(0)))
+                moved += size
+                continue
+            stage = self._stages[_UP][0]
+            staged = stage.staged(count, length)
+            for c in range(count):
+                slot = slots[index + c]
+                self._settle_io(slot, strict=True)
+                self.codec.decode(self.arena.view(slot)[:size], length, out=staged[c])
+                moved += size
+            _copy_all(views, stage.planes(count, length))
         return moved
 
-    # ---- gather / scatter --------------------------------------------------------------------
+    # ---- groups, views -----------------------------------------------------------------------
 
-    def _staged(self, stage: _Staging, count: int, length: int) -> torch.Tensor:
-        shape = self.geometry.chunk_shape(length)
-        elems = count * shape[0] * shape[1] * length * shape[3] * shape[4]
-        return stage.chunks[:elems].view(count, *shape)
+    def _groups(self, ntokens: int, nslots: int, group: int) -> Iterator[tuple[int, int, int]]:
+        """(first chunk, chunks, tokens per chunk): full chunks by `group`, the partial alone."""
+        n = self.chunk_tokens
+        full = ntokens // n
+        index = 0
+        while index < full:
+            count = min(group, full - index)
+            yield index, count, n
+            index += count
+        if full < nslots:
+            yield full, 1, ntokens - full * n
+
+    def _next_stage(self, direction: tuple[str, str]) -> _Stage:
+        stages = self._stages[direction]
+        turn = self._turn[direction]
+        self._turn[direction] = (turn + 1) % len(stages)
+        return stages[turn]
+
+    def _after(self, slot: int, direction: tuple[str, str], stream: torch.cuda.Stream) -> None:
+        """Order `stream` after the last copy of the other direction on `slot` (GPU-side)."""
+        handle = self._slot_copy.get(slot)
+        if handle is not None and handle.direction == direction and handle._event is not None:
+            stream.wait_event(handle._event)
 
     def _slot_chunk(self, slot: int, length: int) -> torch.Tensor:
         shape = self.geometry.chunk_shape(length)
         nbytes = self.geometry.chunk_bytes(length)
         return self.arena.view(slot)[:nbytes].view(self.geometry.torch_dtype()).view(shape)
 
-    def _gather(
-        self, layers: Layers, first: int, count: int, length: int, out: torch.Tensor
-    ) -> None:
-        """out[c, l, p] = layers[l][p][0, :, first + c*length : ...] as [token, head, dim]."""
-        span = count * length
-        for index, pair in enumerate(layers):
-            for plane in range(self.geometry.kv_planes):
-                src = pair[plane][0, :, first : first + span]  # [H, span, D]
-                src = src.unflatten(1, (count, length)).permute(1, 2, 0, 3)
-                out[:, index, plane].copy_(src)
+    def _l1_views(self, layers: Layers, first: int, count: int, length: int) -> list[torch.Tensor]:
+        """Per layer and plane, tokens [first, first + count*length) as [H, count, length, D]."""
+        planes = self.geometry.kv_planes
+        views = []
+        for pair in layers:
+            for t in pair[:planes]:
+                s = t.stride()
+                views.append(
+                    t.as_strided(
+                        (t.shape[1], count, length, t.shape[3]),
+                        (s[1], length * s[2], s[2], s[3]),
+                        t.storage_offset() + first * s[2],
+                    )
+                )
+        return views
 
-    def _scatter(self, chunk: torch.Tensor, layers: Layers, first: int, length: int) -> None:
-        for index, pair in enumerate(layers):
-            for plane in range(self.geometry.kv_planes):
-                pair[plane][0, :, first : first + length].copy_(chunk[index, plane].transpose(0, 1))
-
-    def _check_range(self, layers: Layers, ntokens: int, slots: Sequence[int]) -> None:
+    def _check_range(self, layers: Layers, start: int, ntokens: int, slots: Sequence[int]) -> None:
         if self._closed:
             raise ConfigError("the transfer engine is closed")
-        if len(layers) != self.geometry.num_layers:
-            raise ConfigError(
-                f"got {len(layers)} layers but the geometry has {self.geometry.num_layers}"
-            )
+        g = self.geometry
+        if len(layers) != g.num_layers:
+            raise ConfigError(f"got {len(layers)} layers but the geometry has {g.num_layers}")
         n = self.chunk_tokens
         if ntokens <= 0 or not slots or -(-ntokens // n) != len(slots):
             raise ConfigError(
                 f"{ntokens} tokens need {-(-ntokens // n)} slots of {n} tokens, got {len(slots)}"
             )
+        end = start + ntokens
+        for pair in layers:
+            for t in pair[: g.kv_planes]:
+                if (
+                    t.dim() != 4
+                    or t.shape[1] != g.num_kv_heads
+                    or t.shape[3] != g.head_dim
+                    or not 0 <= start <= end <= t.shape[2]
+                    or t.device != self.device
+                ):
+                    raise ConfigError(
+                        f"tokens [{start}, {end}) do not fit an L1 buffer of shape "
+                        f"{tuple(t.shape)} on {t.device}; expected [1, {g.num_kv_heads}, "
+                        f">= {end}, {g.head_dim}] on {self.device}"
+                    )
 
     # ---- L2 <-> L3 ---------------------------------------------------------------------------
 
@@ -357,7 +526,7 @@ class TransferEngine:
             with self._lock:
                 self._writes_queued -= 1
             raise
-        self._slot_io[slot] = future
+        self._slot_io[slot] = (future, False)
         with self._lock:
             self._writes.add(future)
         future.add_done_callback(self._write_done)
@@ -387,8 +556,9 @@ class TransferEngine:
     def read_l3(self, key: bytes, slot: int, fingerprint: bytes) -> Future[Any]:
         """Read chunk `key` from L3 into `slot` (O_DIRECT); the future yields its ChunkHeader.
 
-        A checksum, fingerprint or I/O failure comes back as the future's exception: the caller
-        treats it as a miss and recomputes; no byte of it reaches the GPU.
+        A checksum, fingerprint or I/O failure comes back as the future's exception (and from
+        a restore of that slot): the caller treats it as a miss and recomputes; no byte of it
+        reaches the GPU.
         """
         if self.store is None:
             raise ConfigError("this engine has no L3 store; pass l3_store to read from SSD")
@@ -397,7 +567,7 @@ class TransferEngine:
         with self._lock:
             self._reads_queued += 1
         future = self._reader.submit(self._read, key, slot, fingerprint, copy)
-        self._slot_io[slot] = future
+        self._slot_io[slot] = (future, True)
         return future
 
     def _read(self, key: bytes, slot: int, fingerprint: bytes, copy: Handle | None) -> Any:
@@ -421,17 +591,25 @@ class TransferEngine:
             raise ConfigError("this engine has no L3 store; pass l3_store to use the SSD tier")
         return self.store
 
-    def _settle_io(self, slot: int) -> None:
-        """Wait for L3 I/O on `slot` before a device copy touches it (errors stay with it)."""
-        future = self._slot_io.pop(slot, None)
-        if future is not None:
-            future.exception()
+    def _settle_io(self, slot: int, strict: bool = False) -> None:
+        """Wait for L3 I/O on `slot` before a device copy touches it.
+
+        A failed write stays with its future. A failed read leaves the slot's bytes unusable:
+        with `strict` (a copy about to read the slot) its error is raised here.
+        """
+        entry = self._slot_io.pop(slot, None)
+        if entry is None:
+            return
+        future, is_read = entry
+        error = future.exception()
+        if strict and is_read and error is not None:
+            raise error
 
     def busy(self, slot: int) -> bool:
         """Whether a copy or L3 I/O on `slot` may still be running (do not free it yet)."""
         copy = self._slot_copy.get(slot)
         io = self._slot_io.get(slot)
-        return (copy is not None and not copy.done()) or (io is not None and not io.done())
+        return (copy is not None and not copy.done()) or (io is not None and not io[0].done())
 
     def forget(self, slot: int) -> None:
         """Wait for everything on `slot`, then drop its tracking (call before freeing it)."""
@@ -454,6 +632,23 @@ class TransferEngine:
             self._bytes[direction] += nbytes
             self._seconds[direction] += seconds
             self._ops[direction] += ops
+
+    def _timing(
+        self,
+        direction: tuple[str, str],
+        begin: torch.cuda.Event,
+        end: torch.cuda.Event,
+        nbytes: int,
+        ops: int,
+    ) -> None:
+        """Count a device transfer now; its seconds once its events have completed."""
+        with self._lock:
+            self._timed.append((direction, begin, end))
+            self._bytes[direction] += nbytes
+            self._ops[direction] += ops
+            backlog = len(self._timed) > _TIMED_BACKLOG
+        if backlog:
+            self._collect_timings()
 
     def _collect_timings(self) -> None:
         with self._lock:
@@ -480,13 +675,15 @@ class TransferEngine:
                 shed_writes=self._shed,
                 l3_write_errors=self._write_errors,
                 l3_read_errors=self._read_errors,
+                staging_bytes=self.staging_bytes,
             )
 
     def synchronize(self) -> None:
         """Wait for every device copy issued so far."""
-        for stream in (self._down, self._up):
-            if stream is not None:
-                stream.synchronize()
+        for streams in self._streams.values():
+            for stream in streams:
+                if stream is not None:
+                    stream.synchronize()
 
     def close(self) -> None:
         """Finish queued L3 writes (never drop stored data), then stop. Safe to call twice."""
@@ -498,6 +695,7 @@ class TransferEngine:
         self._reader.shutdown(wait=True)
         self._slot_copy.clear()
         self._slot_io.clear()
+        self._stages = {_DOWN: [], _UP: []}
 
     def __enter__(self) -> TransferEngine:
         return self

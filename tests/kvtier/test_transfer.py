@@ -38,6 +38,12 @@ def _empty_like(
     return [(torch.zeros_like(k), torch.zeros_like(v)) for k, v in layers]
 
 
+def _stack(layers: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    return torch.stack(
+        [torch.stack([k[0].transpose(0, 1), v[0].transpose(0, 1)]) for k, v in layers]
+    )
+
+
 def _engine(device: str, codec: str = "native", store: object = None, **kw: int) -> TransferEngine:
     c = make_codec(codec, G)
     arena = HostArena(c.payload_bytes(CHUNK), 16 * 4096, pin=None)
@@ -47,7 +53,7 @@ def _engine(device: str, codec: str = "native", store: object = None, **kw: int)
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("batch", [1, 4])
 def test_offload_restore_is_bit_exact_with_native(device: str, batch: int) -> None:
-    eng = _engine(device, batch_chunks=batch)
+    eng = _engine(device, group_chunks=batch)
     src = _layers(64, device)
     dst = _empty_like(src)
     ntokens = 3 * CHUNK + 5  # three full chunks and a partial one
@@ -120,6 +126,157 @@ def test_bad_calls_raise_config_error() -> None:
         eng.offload(src, 0, CHUNK, 0)
 
 
+def _span(layers: list, first: int, n: int) -> torch.Tensor:
+    return _stack([(k[:, :, first : first + n], v[:, :, first : first + n]) for k, v in layers])
+
+
+def _lossy(
+    codec: str, geometry: KVGeometry, layers: list, start: int, ntokens: int, chunk: int
+) -> torch.Tensor:
+    """What a lossy round trip must give: each chunk encoded and decoded on its own."""
+    c = make_codec(codec, geometry)
+    out = []
+    for first in range(start, start + ntokens, chunk):
+        n = min(chunk, start + ntokens - first)
+        part = [(k[:, :, first : first + n], v[:, :, first : first + n]) for k, v in layers]
+        out.append(c.decode(c.encode(_stack(part)), n))
+    return torch.cat(out, dim=2)
+
+
+@pytest.mark.parametrize("codec", ["native", "int8"])
+@pytest.mark.parametrize("group", [1, 3])
+def test_groups_and_a_partial_chunk_at_an_offset(codec: str, group: int) -> None:
+    eng = _engine("cpu", codec, group_chunks=group)
+    src = _layers(9 * CHUNK, "cpu", seed=5)
+    dst = _empty_like(src)
+    start, ntokens = 7, 7 * CHUNK + 3  # 7 full chunks (groups of 3: 3+3+1) and a partial one
+    slots = [eng.arena.alloc() for _ in range(8)]
+    eng.offload_range(src, start, ntokens, slots).wait()  # type: ignore[arg-type]
+    eng.restore_range(slots, ntokens, dst, start + 2).wait()  # type: ignore[arg-type]
+    got = _span(dst, start + 2, ntokens)
+    if codec == "native":
+        want = _span(src, start, ntokens)
+    else:
+        want = _lossy(codec, G, src, start, ntokens, CHUNK)
+    assert torch.equal(got, want)
+    for k, v in dst:  # nothing written outside the range
+        assert not k[:, :, : start + 2].any() and not v[:, :, start + 2 + ntokens :].any()
+    assert eng.staging_bytes == (0 if codec == "native" else 2 * group * G.chunk_bytes(CHUNK))
+    eng.close()
+    assert eng.staging_bytes == 0
+
+
+def test_ranges_outside_the_buffers_are_refused() -> None:
+    eng = _engine("cpu")
+    src = _layers(2 * CHUNK, "cpu")
+    slots = [0, 1]
+    with pytest.raises(ConfigError, match="do not fit"):
+        eng.offload_range(src, 1, 2 * CHUNK, slots)
+    with pytest.raises(ConfigError, match="do not fit"):
+        eng.restore_range(slots, 2 * CHUNK, src, -1)
+    bad = [(k[:, :1], v[:, :1]) for k, v in src]  # one head where the geometry has two
+    with pytest.raises(ConfigError, match="do not fit"):
+        eng.offload(bad, 0, CHUNK, 0)
+    with pytest.raises(ConfigError, match="group_chunks"):
+        _engine("cpu", group_chunks=0)
+    eng.close()
+
+
+# ---- CUDA: streams, events, staging reuse ---------------------------------------------------
+
+GPU_G = KVGeometry(8, 4, 128, 128, "bfloat16", "gqa")  # 1 MiB per 64-token chunk
+GPU_CHUNK = 64
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def _gpu_engine(codec: str = "native", group: int = 3, slots: int = 64) -> TransferEngine:
+    c = make_codec(codec, GPU_G)
+    arena = HostArena(c.payload_bytes(GPU_CHUNK), slots * c.payload_bytes(GPU_CHUNK), pin=None)
+    return TransferEngine(GPU_G, GPU_CHUNK, "cuda", arena, None, c, group_chunks=group)
+
+
+def _gpu_layers(capacity: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    shape = (1, GPU_G.num_kv_heads, capacity, GPU_G.head_dim)
+    return [
+        (
+            torch.randn(shape, generator=gen, device="cuda").to(torch.bfloat16),
+            torch.randn(shape, generator=gen, device="cuda").to(torch.bfloat16),
+        )
+        for _ in range(GPU_G.num_layers)
+    ]
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("group", [1, 3, 8])
+@pytest.mark.parametrize("pin", [None, False])
+def test_cuda_round_trip_is_bit_exact(group: int, pin: bool | None) -> None:
+    c = make_codec("native", GPU_G)
+    arena = HostArena(c.payload_bytes(GPU_CHUNK), 32 * c.payload_bytes(GPU_CHUNK), pin=pin)
+    eng = TransferEngine(GPU_G, GPU_CHUNK, "cuda", arena, None, c, group_chunks=group)
+    ntokens = 10 * GPU_CHUNK + 17  # ten full chunks (several groups, staging reused) + partial
+    slots = [arena.alloc() for _ in range(11)]
+    for round_ in range(3):  # the staging buffers alternate across calls too
+        src = _gpu_layers(12 * GPU_CHUNK, seed=round_)  # written on the current stream just now
+        dst = [(torch.full_like(k, 7.0), torch.full_like(v, 7.0)) for k, v in src]
+        eng.offload_range(src, 5, ntokens, slots)  # type: ignore[arg-type]  # no wait: ordered
+        handle = eng.restore_range(slots, ntokens, dst, 9)  # type: ignore[arg-type]
+        handle.wait_stream()  # the current stream reads dst only after the restore
+        assert torch.equal(_span(dst, 9, ntokens), _span(src, 5, ntokens))
+        for k, v in dst:
+            assert (k[:, :, :9] == 7).all() and (v[:, :, 9 + ntokens :] == 7).all()
+    assert eng.staging_bytes == 4 * group * GPU_G.chunk_bytes(GPU_CHUNK)
+    assert eng.stats().staging_bytes == eng.staging_bytes
+    eng.close()
+    arena.close()
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_both_directions_at_once() -> None:
+    eng = _gpu_engine(group=3)
+    n = 7 * GPU_CHUNK + 40
+    a, b = _gpu_layers(8 * GPU_CHUNK, 10), _gpu_layers(8 * GPU_CHUNK, 11)
+    up = [eng.arena.alloc() for _ in range(8)]
+    down = [eng.arena.alloc() for _ in range(8)]
+    eng.offload_range(b, 0, n, up).wait()  # type: ignore[arg-type]
+    b_copy = _span(b, 0, n).clone()
+    for _ in range(3):
+        out = [(torch.zeros_like(k), torch.zeros_like(v)) for k, v in b]
+        h_down = eng.offload_range(a, 0, n, down)  # type: ignore[arg-type]
+        h_up = eng.restore_range(up, n, out, 0)  # type: ignore[arg-type]
+        h_down.wait()
+        h_up.wait()
+        assert torch.equal(_span(out, 0, n), b_copy)
+    back = [(torch.zeros_like(k), torch.zeros_like(v)) for k, v in a]
+    eng.restore_range(down, n, back, 0).wait()  # type: ignore[arg-type]
+    assert torch.equal(_span(back, 0, n), _span(a, 0, n))
+    for slot in up + down:
+        assert not eng.busy(slot)  # type: ignore[arg-type]
+        eng.forget(slot)  # type: ignore[arg-type]
+    eng.close()
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("codec", ["int8", "fp8"])
+def test_cuda_quantized_codec_matches_the_codec(codec: str) -> None:
+    eng = _gpu_engine(codec, group=4)
+    n = 9 * GPU_CHUNK + 5
+    src = _gpu_layers(10 * GPU_CHUNK, 12)
+    dst = [(torch.zeros_like(k), torch.zeros_like(v)) for k, v in src]
+    slots = [eng.arena.alloc() for _ in range(10)]
+    eng.offload_range(src, 3, n, slots)  # type: ignore[arg-type]
+    eng.restore_range(slots, n, dst, 3).wait()  # type: ignore[arg-type]
+    assert torch.equal(_span(dst, 3, n), _lossy(codec, GPU_G, src, 3, n, GPU_CHUNK))
+    rel = (_span(dst, 3, n).float() - _span(src, 3, n).float()).norm() / _span(
+        src, 3, n
+    ).float().norm()
+    assert 0 < rel < (0.02 if codec == "int8" else 0.08)
+    eng.close()
+
+
 # ---- L3 -------------------------------------------------------------------------------------
 
 l3 = pytest.importorskip("kvtier.tiers.l3")
@@ -169,12 +326,6 @@ def test_l1_to_l3_and_back(tmp_path: Path, codec: str) -> None:
     assert stats["l2", "l3"].bytes == stats["l3", "l2"].bytes == size
     eng.close()
     store.close()
-
-
-def _stack(layers: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-    return torch.stack(
-        [torch.stack([k[0].transpose(0, 1), v[0].transpose(0, 1)]) for k, v in layers]
-    )
 
 
 def test_corrupt_l3_chunk_is_an_error_never_data(tmp_path: Path) -> None:
