@@ -3,10 +3,12 @@
 Qwen2-7B geometry (28 layers, 4 KV heads of 128, bf16, 256-token chunks), 2K and 8K-token
 sessions. Figures: offload (L1 -> L2), restore (L2 -> L1), both at once, and SSD -> L1 through
 the L3 store. Ceilings: a pinned 1 GiB copy each way, both ways at once on two streams, and a raw
-O_DIRECT read of the same bytes from the same directory. On a machine without CUDA the L1
-"device" is the CPU and the ceilings are memcpy (one thread; two threads for "both").
+O_DIRECT read of the same bytes from the same directory with as many threads as the engine's L3
+pool. On a machine without CUDA the L1 "device" is the CPU and the ceilings are memcpy (one
+thread; two threads for "both").
 
     PYTHONPATH=. python3 bench/transfer.py --out DIR [--dir L3DIR] [--sessions 2048,8192]
+        [--groups 8]   (chunks per staging group; several values give one set of rows each)
 
 Needs only torch (numpy comes with it); writes DIR/transfer.txt and, with matplotlib, a PNG.
 """
@@ -32,6 +34,7 @@ from kvtier.transfer import TransferEngine
 QWEN2_7B = KVGeometry(28, 4, 128, 128, "bfloat16", "gqa")
 CHUNK = 256
 GIB = 1 << 30
+THREADS = 4  # L3 read threads, for the engine and the raw-read ceiling alike
 
 
 def timed(fn: Callable[[], object], sync: Callable[[], None], reps: int) -> float:
@@ -70,8 +73,28 @@ class Bench:
         self.chunks = -(-max_tokens // CHUNK)
         # Two sessions' worth: one going down while the other comes up.
         self.arena = HostArena(slot, 2 * self.chunks * slot)
-        self.engine = TransferEngine(QWEN2_7B, CHUNK, device, self.arena, None, self.codec)
+        self.group = 8
+        self.engine = self.make_engine(None)
         self.rows: list[tuple[str, int, float, float, str]] = []
+        self.launch: list[tuple[str, float, float]] = []  # figure, host ms to issue, total ms
+
+    def make_engine(self, store: object) -> TransferEngine:
+        return TransferEngine(
+            QWEN2_7B,
+            CHUNK,
+            self.device,
+            self.arena,
+            store,
+            self.codec,
+            l3_threads=THREADS,
+            group_chunks=self.group,
+        )
+
+    def use_group(self, group: int) -> None:
+        """Replace the engine by one that moves `group` chunks per staging group."""
+        self.engine.close()
+        self.group = group
+        self.engine = self.make_engine(None)
 
     def sync(self) -> None:
         if self.cuda:
@@ -143,8 +166,8 @@ class Bench:
             fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
             try:
                 threads = []
-                for part in range(4):
-                    mine = slots[part::4]
+                for part in range(THREADS):
+                    mine = slots[part::THREADS]
 
                     def work(mine: list[int] = mine) -> None:
                         for s in mine:
@@ -164,7 +187,7 @@ class Bench:
 
     # ---- kvtier's paths ----------------------------------------------------------------------
 
-    def session(self, tokens: int, ceil: dict[str, float]) -> None:
+    def session(self, tokens: int, ceil: dict[str, float], tag: str, ssd: bool) -> None:
         chunks = -(-tokens // CHUNK)
         src, dst = self.layers(tokens), self.layers(tokens)
         down = list(range(chunks))
@@ -189,32 +212,56 @@ class Bench:
 
         else:
             duplex = both(offload, restore)
-        label = f"{tokens // 1024}K"
+        label = f"{tokens / 1024:g}K{tag}"
         off = nbytes / timed(offload, self.sync, self.reps)
         res = nbytes / timed(restore, self.sync, self.reps)
         dup = 2 * nbytes / timed(duplex, self.sync, self.reps)
         for i in range(QWEN2_7B.num_layers):  # the restored bytes are the offloaded ones
             assert torch.equal(src[i][0], dst[i][0]) and torch.equal(src[i][1], dst[i][1])
-        self.rows.append((f"offload L1->L2 {label}", nbytes, off, ceil["d2h"], "pinned D2H"))
-        self.rows.append((f"restore L2->L1 {label}", nbytes, res, ceil["h2d"], "pinned H2D"))
-        self.rows.append((f"both at once {label}", 2 * nbytes, dup, ceil["both"], "both copies"))
-        self.ssd(tokens, src, ceil)
+        down_what, up_what, both_what = (
+            ("pinned D2H", "pinned H2D", "both copies")
+            if self.cuda
+            else ("memcpy", "memcpy", "two memcpy threads")
+        )
+        self.rows.append((f"offload L1->L2 {label}", nbytes, off, ceil["d2h"], down_what))
+        self.rows.append((f"restore L2->L1 {label}", nbytes, res, ceil["h2d"], up_what))
+        self.rows.append((f"both at once {label}", 2 * nbytes, dup, ceil["both"], both_what))
+        self.time_launch(f"offload {label}", lambda: eng.offload_range(src, 0, tokens, down))
+        self.time_launch(f"restore {label}", lambda: eng.restore_range(up, tokens, dst, 0))
+        if ssd:
+            self.ssd(tokens, src, ceil, tag)
+
+    def time_launch(self, name: str, issue: Callable[[], object]) -> None:
+        """Host time to issue one call beside its total time: is the host or the copy the limit?"""
+        issue()
+        self.sync()
+        t0 = time.perf_counter()
+        issue()
+        t1 = time.perf_counter()
+        self.sync()
+        t2 = time.perf_counter()
+        self.launch.append((name, (t1 - t0) * 1e3, (t2 - t0) * 1e3))
 
     def ssd(
-        self, tokens: int, src: list[tuple[torch.Tensor, torch.Tensor]], ceil: dict[str, float]
+        self,
+        tokens: int,
+        src: list[tuple[torch.Tensor, torch.Tensor]],
+        ceil: dict[str, float],
+        tag: str,
     ) -> None:
-        """SSD -> L1: O_DIRECT reads of .kvbin files into slots (4 threads), then restore."""
+        """SSD -> L1: O_DIRECT reads of .kvbin files into slots (THREADS threads) with the
+        restore issued at once: each chunk goes up as soon as its read has landed."""
         try:
             from kvtier import kvbin
             from kvtier.tiers.l3 import L3Store
         except ImportError as exc:
-            self.rows.append((f"SSD->L1 {tokens // 1024}K (skipped: {exc})", 0, 0.0, 1.0, ""))
+            self.rows.append((f"SSD->L1 {tokens / 1024:g}K (skipped: {exc})", 0, 0.0, 1.0, ""))
             return
-        label = f"{tokens // 1024}K"
+        label = f"{tokens / 1024:g}K{tag}"
         chunks = -(-tokens // CHUNK)
         root = Path(tempfile.mkdtemp(prefix="kvtier-bench-", dir=self.l3dir))
         store = L3Store(root)
-        eng = TransferEngine(QWEN2_7B, CHUNK, self.device, self.arena, store, self.codec)
+        eng = self.make_engine(store)
         slots = list(range(chunks))
         fingerprint = b"B" * 16
         eng.offload_range(src, 0, tokens, slots).wait()
@@ -244,15 +291,15 @@ class Bench:
         dst = self.layers(tokens)
 
         def load() -> None:
-            futures = [eng.read_l3(k, s, fingerprint) for k, s in zip(keys, slots, strict=True)]
-            for f in futures:
-                f.result()
-            eng.restore_range(slots, tokens, dst, 0).wait()
+            for k, s in zip(keys, slots, strict=True):
+                eng.read_l3(k, s, fingerprint)
+            eng.restore_range(slots, tokens, dst, 0).wait()  # waits each read before its copy
 
         nbytes = QWEN2_7B.chunk_bytes(tokens)
         rate = nbytes / timed(load, self.sync, self.reps)
         disk = self.disk_ceiling(nbytes)
-        assert torch.equal(src[0][0], dst[0][0])
+        for i in range(QWEN2_7B.num_layers):
+            assert torch.equal(src[i][0], dst[i][0]) and torch.equal(src[i][1], dst[i][1])
         self.rows.append((f"SSD->L1 {label}", nbytes, rate, disk, "O_DIRECT read"))
         eng.close()
         store.close()
@@ -269,7 +316,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True, help="directory for the table and PNG")
     parser.add_argument("--dir", type=Path, default=None, help="L3 directory (default: --out)")
     parser.add_argument("--sessions", default="2048,8192", help="session sizes in tokens")
-    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--groups", default="8", help="chunks per staging group (a list)")
+    parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -277,16 +325,25 @@ def main() -> None:
     l3dir.mkdir(parents=True, exist_ok=True)
     sizes = [int(s) for s in args.sessions.split(",")]
     device = torch.device(args.device)
+    groups = [int(g) for g in args.groups.split(",")]
     bench = Bench(device, l3dir, args.reps, max(sizes))
     ceil = bench.ceilings()
-    for tokens in sizes:
-        bench.session(tokens, ceil)
+    staging = {}
+    for n, group in enumerate(groups):
+        bench.use_group(group)
+        staging[group] = bench.engine.staging_bytes
+        tag = f" G={group}" if len(groups) > 1 else ""
+        for tokens in sizes:
+            bench.session(tokens, ceil, tag, ssd=n == 0)
     gb = 1e9
     lines = [
         f"kvtier transfer benchmark on {machine(device)}; torch {torch.__version__}",
         f"geometry Qwen2-7B ({QWEN2_7B.bytes_per_token} B/token), chunks of {CHUNK} tokens "
         f"({QWEN2_7B.chunk_bytes(CHUNK)} B), L2 pinned={bench.arena.pinned}, "
-        f"ceilings over {ceil['bytes'] / GIB:.2f} GiB, best of {args.reps}",
+        f"ceilings over {ceil['bytes'] / GIB:.2f} GiB, best of {args.reps}, "
+        f"{THREADS} L3 threads",
+        "staging group (chunks) and the engine's staging memory: "
+        + ", ".join(f"G={g}: {b / 1e6:.0f} MB" for g, b in staging.items()),
         "",
         f"{'figure':26} {'bytes':>11} {'GB/s':>8} {'ceiling GB/s':>13} {'ratio':>6}  ceiling",
     ]
@@ -295,6 +352,9 @@ def main() -> None:
             f"{name:26} {nbytes:>11} {rate / gb:>8.2f} {ceiling / gb:>13.2f} "
             f"{rate / ceiling:>6.2f}  {what}"
         )
+    lines += ["", f"{'host time to issue one call':32} {'issue ms':>9} {'total ms':>9}"]
+    for name, issue, total in bench.launch:
+        lines.append(f"{name:32} {issue:>9.2f} {total:>9.2f}")
     text = "\n".join(lines)
     print(text)
     (args.out / "transfer.txt").write_text(text + "\n")

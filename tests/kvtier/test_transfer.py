@@ -383,3 +383,99 @@ def test_full_write_queue_sheds_instead_of_stalling(tmp_path: Path) -> None:
     assert store.contains(bytes([0]) * 16) and store.contains(bytes([1]) * 16)
     eng.close()
     store.close()
+
+
+def _store_session(
+    eng: TransferEngine, layers: list, ntokens: int, chunk: int, geometry: KVGeometry
+) -> tuple[list[bytes], list[int]]:
+    """Offload `ntokens` tokens and write each chunk to L3; returns (keys, slots)."""
+    count = -(-ntokens // chunk)
+    slots = [eng.arena.alloc() for _ in range(count)]
+    eng.offload_range(layers, 0, ntokens, slots)  # type: ignore[arg-type]
+    keys = []
+    for i, slot in enumerate(slots):
+        n = min(chunk, ntokens - i * chunk)
+        key = bytes([i + 1]) * 16
+        header = kvbin.ChunkHeader(
+            key=key,
+            parent=bytes(16),
+            fingerprint=b"F" * 16,
+            tenant="t",
+            tokens=n,
+            layers=geometry.num_layers,
+            kv_heads=geometry.num_kv_heads,
+            head_dim=geometry.head_dim,
+            dtype=geometry.dtype,
+            codec="native",
+            codec_params=eng.codec.params(),
+            payload_len=eng.codec.payload_bytes(n),
+            created=time.time(),
+        )
+        eng.write_l3(slot, header).result()  # type: ignore[union-attr]
+        keys.append(key)
+    for slot in slots:
+        eng.forget(slot)  # type: ignore[arg-type]
+        eng.arena.view(slot).zero_()  # type: ignore[arg-type]
+    return keys, slots  # type: ignore[return-value]
+
+
+def test_restore_right_after_l3_reads_waits_for_each_chunk(tmp_path: Path) -> None:
+    store = l3.L3Store(tmp_path / "l3")
+    eng = _engine("cpu", "native", store, group_chunks=2)
+    n = 4 * CHUNK + 9
+    src = _layers(5 * CHUNK, "cpu", seed=6)
+    keys, slots = _store_session(eng, src, n, CHUNK, G)
+    for _ in range(2):
+        dst = _empty_like(src)
+        for key, slot in zip(keys, slots, strict=True):
+            eng.read_l3(key, slot, b"F" * 16)  # not waited: the restore waits chunk by chunk
+        eng.restore_range(slots, n, dst, 0).wait()
+        assert torch.equal(_span(dst, 0, n), _span(src, 0, n))
+    eng.close()
+    store.close()
+
+
+def test_a_failed_l3_read_never_reaches_l1(tmp_path: Path) -> None:
+    store = l3.L3Store(tmp_path / "l3")
+    eng = _engine("cpu", "native", store)
+    n = 3 * CHUNK
+    src = _layers(n, "cpu", seed=7)
+    keys, slots = _store_session(eng, src, n, CHUNK, G)
+    path = next(p for p in (tmp_path / "l3").rglob("*.kvbin") if keys[1].hex() in p.name)
+    with open(path, "r+b") as f:  # corrupt the second chunk's payload
+        f.seek(4096 + 10)
+        byte = f.read(1)
+        f.seek(4096 + 10)
+        f.write(bytes([byte[0] ^ 0x55]))
+    for key, slot in zip(keys, slots, strict=True):
+        eng.read_l3(key, slot, b"F" * 16)
+    dst = _empty_like(src)
+    with pytest.raises(ChecksumMismatch):
+        eng.restore_range(slots, n, dst, 0).wait()
+    assert torch.equal(_span(dst, 0, CHUNK), _span(src, 0, CHUNK))  # the chunk before it
+    for k, v in dst:
+        assert not k[:, :, CHUNK:].any() and not v[:, :, CHUNK:].any()
+    for slot in slots:
+        eng.forget(slot)
+    eng.close()
+    store.close()
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_restore_overlapping_l3_reads(tmp_path: Path) -> None:
+    store = l3.L3Store(tmp_path / "l3")
+    c = make_codec("native", GPU_G)
+    arena = HostArena(c.payload_bytes(GPU_CHUNK), 16 * c.payload_bytes(GPU_CHUNK), pin=None)
+    eng = TransferEngine(GPU_G, GPU_CHUNK, "cuda", arena, store, c, group_chunks=3)
+    n = 7 * GPU_CHUNK + 30
+    src = _gpu_layers(8 * GPU_CHUNK, 13)
+    keys, slots = _store_session(eng, src, n, GPU_CHUNK, GPU_G)
+    dst = [(torch.zeros_like(k), torch.zeros_like(v)) for k, v in src]
+    for key, slot in zip(keys, slots, strict=True):
+        eng.read_l3(key, slot, b"F" * 16)
+    eng.restore_range(slots, n, dst, 0).wait()
+    assert torch.equal(_span(dst, 0, n), _span(src, 0, n))
+    eng.close()
+    store.close()
+    arena.close()
