@@ -54,6 +54,8 @@ class Result:
     peak_bytes: int = 0
     memory: list[tuple[float, int]] = field(default_factory=list)
     decisions: dict[str, int] = field(default_factory=dict)
+    phases: dict[str, float] = field(default_factory=dict)  # seconds spent per phase
+    alloc_retries: int = 0
 
 
 def workload(n_sessions: int, turns: int, system_len: int, seed: int) -> list[list[list[int]]]:
@@ -107,6 +109,8 @@ class Runner:
             s = self.cache.session(f"agent-{sid}", tenant="fleet")
             pkv = s.restore(ids)
             past = pkv.get_seq_length()
+            sync(dev)
+            res.phases["restore"] = res.phases.get("restore", 0.0) + time.perf_counter() - t0
         elif self.name == "recompute":
             pkv, past = DynamicCache(), 0
         else:
@@ -139,8 +143,13 @@ class Runner:
             torch.cuda.empty_cache()
             return
         new = torch.cat([ids, *out], dim=1)
+        res.phases["ttft"] = res.phases.get("ttft", 0.0) + ttft
+        res.phases["turn"] = res.phases.get("turn", 0.0) + time.perf_counter() - t0
         if self.cache is not None:
+            t2 = time.perf_counter()
             s.commit(new[0, :-1])  # the last token's KV is not computed yet
+            sync(dev)
+            res.phases["commit"] = res.phases.get("commit", 0.0) + time.perf_counter() - t2
         elif self.name != "recompute":
             self.caches[sid] = pkv
         (res.ttft_return if past or self._returning(sid) else res.ttft_first).append(ttft)
@@ -154,7 +163,9 @@ class Runner:
     def run(self, plan, res: Result, time_limit: float) -> None:
         self.history: dict[int, torch.Tensor] = {}
         self.seen: set[int] = set()
-        torch.cuda.reset_peak_memory_stats() if self.device.startswith("cuda") else None
+        if self.device.startswith("cuda"):
+            torch.cuda.reset_peak_memory_stats()
+            torch.cuda.reset_accumulated_memory_stats()
         t_start = time.perf_counter()
         order_rng = random.Random(1)
         for turn in range(len(plan[0])):
@@ -178,6 +189,7 @@ class Runner:
         res.wall = time.perf_counter() - t_start
         if self.device.startswith("cuda"):
             res.peak_bytes = torch.cuda.max_memory_allocated()
+            res.alloc_retries = torch.cuda.memory_stats().get("num_alloc_retries", 0)
         if self.cache is not None:
             res.decisions = dict(self.cache.stats().restore_decisions)
 

@@ -18,7 +18,7 @@ import threading
 import time
 from array import array
 from collections.abc import Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -273,6 +273,14 @@ class TieredCache:
         self._chunks: dict[bytes, _Chunk] = {}
         self._sessions: dict[tuple[str, str], Session] = {}
         self._n = _Counters()
+        # Keys (-> token count) of this model's chunks in L3, loaded once: the hot path never
+        # queries the SQLite index, whose writers hold its lock across an fsync'd commit.
+        self._l3_tokens: dict[bytes, int] = {
+            row.header.key: row.header.tokens
+            for row in self.l3.index.iter_chunks()
+            if row.header.fingerprint == self.fingerprint
+        }
+        self._bg = ThreadPoolExecutor(1, thread_name_prefix="kvtier-records")
         self._closed = False
         self._published = False  # set once a prefix is published to every tenant
         self._load_hibernated()
@@ -287,11 +295,8 @@ class TieredCache:
             self._check_open()
             key = (tenant, session_id)
             s = self._sessions.get(key)
-            if s is None:
+            if s is None:  # hibernated sessions of earlier processes were loaded at start
                 s = Session(self, session_id, tenant)
-                rec = self.l3.load_session(session_id, tenant)
-                if rec is not None and rec.fingerprint == self.fingerprint:
-                    self._adopt_record(s, rec)
                 self._sessions[key] = s
             return s
 
@@ -320,19 +325,21 @@ class TieredCache:
         s.state = SessionState.HIBERNATED
 
     def _save_record(self, s: Session) -> None:
+        """Save now; through the record thread so it lands after every save queued earlier."""
+        self._bg.submit(self.l3.save_session, self._record(s)).result()
+
+    def _record(self, s: Session) -> SessionRecord:
         keys = tuple(s.chunk_keys) + ((s.tail_key,) if s.tail_key else ())
-        self.l3.save_session(
-            SessionRecord(
-                session_id=s.session_id,
-                tenant=s.tenant,
-                fingerprint=self.fingerprint,
-                token_ids=array("i", s.tokens).tobytes(),
-                chunk_keys=keys,
-                pinned=s.pinned,
-                ttl_s=s.ttl_s,
-                last_active=s.last_active,
-                state=s.state.value,
-            )
+        return SessionRecord(
+            session_id=s.session_id,
+            tenant=s.tenant,
+            fingerprint=self.fingerprint,
+            token_ids=array("i", s.tokens).tobytes(),
+            chunk_keys=keys,
+            pinned=s.pinned,
+            ttl_s=s.ttl_s,
+            last_active=s.last_active,
+            state=s.state.value,
         )
 
     # -- restore --------------------------------------------------------------------------------
@@ -432,7 +439,7 @@ class TieredCache:
     def _key_for(self, parent: bytes, toks: list[int], s: Session) -> bytes:
         """Key of a full chunk: the shared namespace's if that prefix was published."""
         shared = chunk_key(parent, toks, self._shared_ns)
-        if shared in self._chunks or (self._published and self.l3.contains(shared)):
+        if shared in self._chunks or (self._published and shared in self._l3_tokens):
             return shared
         return chunk_key(parent, toks, s.ns)
 
@@ -449,13 +456,11 @@ class TieredCache:
         self._n.misses["l2"] += 1
         if entry is not None and entry.in_l3:
             return entry, "l3"
-        header = self.l3.header(key)
-        if header is None or header.fingerprint != self.fingerprint:
+        tokens = self._l3_tokens.get(key)
+        if tokens is None:
             return None, ""
-        entry = self._chunks.setdefault(
-            key, _Chunk(key=key, parent=header.parent, tokens=header.tokens)
-        )
-        entry.in_l3 = True
+        entry = self._chunks.setdefault(key, _Chunk(key=key, parent=ZERO_KEY, tokens=tokens))
+        self._set_in_l3(entry, True)
         return entry, "l3"
 
     def _load_segments(
@@ -488,7 +493,7 @@ class TieredCache:
             except (KvbinFormatError, FingerprintMismatch) as exc:
                 log.warning("chunk %s unusable (%s); recomputing from there", entry.key.hex(), exc)
                 self._n.checksum_failures += isinstance(exc, KvbinFormatError)
-                entry.in_l3 = False
+                self._set_in_l3(entry, False)
                 self._chunks.pop(entry.key, None)
                 self._free_slot(slot)
                 failed = True
@@ -587,7 +592,7 @@ class TieredCache:
                 entry = self._chunks[key] = _Chunk(
                     key=key, parent=s.chunk_keys[i - 1] if i else ZERO_KEY, tokens=C
                 )
-                entry.in_l3 = self.l3.contains(key)
+                entry.in_l3 = key in self._l3_tokens
             entry.seen += 1
             if entry.l2_slot is not None or entry.in_l3 or entry.l3_write is not None:
                 continue  # already stored once (prefix shared with another session)
@@ -653,7 +658,7 @@ class TieredCache:
                 entry.l3_write = None
                 exc = fut.exception()
                 if exc is None:
-                    entry.in_l3 = True
+                    self._set_in_l3(entry, True)
                 elif isinstance(exc, StoreFullError):
                     self._n.l3_full += 1
                 else:
@@ -735,7 +740,9 @@ class TieredCache:
             s.state = SessionState.HIBERNATED
             if wait:
                 self._flush_session(s)
-            self._save_record(s)
+                self._save_record(s)
+            else:  # an admission eviction: keep the SQLite commit off the request's path
+                self._bg.submit(self.l3.save_session, self._record(s))
 
     def _write_tail(self, s: Session) -> None:
         C = self.chunk_tokens
@@ -749,7 +756,7 @@ class TieredCache:
         entry = self._chunks.get(key)
         if entry is None:
             entry = self._chunks[key] = _Chunk(key=key, parent=parent, tokens=t)
-            entry.in_l3 = self.l3.contains(key)
+            entry.in_l3 = key in self._l3_tokens
         if entry.l2_slot is None and not entry.in_l3:
             self._write_down(s, len(s.tokens) - t, entry, tenant=s.tenant)
 
@@ -765,7 +772,7 @@ class TieredCache:
             if entry.l3_write is not None:
                 try:
                     entry.l3_write.result()
-                    entry.in_l3 = True
+                    self._set_in_l3(entry, True)
                 except StoreFullError:
                     self._n.l3_full += 1
                 except Exception as exc:  # counted by the store; the chunk stays in L2
@@ -795,7 +802,7 @@ class TieredCache:
                 if fut is not None:
                     try:
                         fut.result()
-                        entry.in_l3 = True
+                        self._set_in_l3(entry, True)
                     except Exception as exc:
                         log.warning("write-back of %s failed: %s", entry.key.hex(), exc)
             self._free_slot(entry.l2_slot)
@@ -805,11 +812,18 @@ class TieredCache:
             slot = self.l2.alloc()
         return slot
 
+    def _set_in_l3(self, entry: _Chunk, durable: bool) -> None:
+        entry.in_l3 = durable
+        if durable:
+            self._l3_tokens[entry.key] = entry.tokens
+        else:
+            self._l3_tokens.pop(entry.key, None)
+
     def _reap_entry(self, entry: _Chunk) -> None:
         fut = entry.l3_write
         if fut is not None and fut.done():
             entry.l3_write = None
-            entry.in_l3 = fut.exception() is None
+            self._set_in_l3(entry, fut.exception() is None)
 
     # -- prefetch / close -----------------------------------------------------------------------
 
@@ -843,7 +857,7 @@ class TieredCache:
             entry.l2_slot = None
             if isinstance(exc, (KvbinFormatError, FingerprintMismatch)):
                 self._n.checksum_failures += 1
-                entry.in_l3 = False
+                self._set_in_l3(entry, False)
 
     def _close(self, s: Session) -> None:
         with self._lock:
@@ -854,7 +868,8 @@ class TieredCache:
                 s.bufs, s.lengths = None, []
             s.state = SessionState.CLOSED
             self._sessions.pop((s.tenant, s.session_id), None)
-            self.l3.delete_session(s.session_id, s.tenant)
+            # through the record thread, so it lands after any save queued before it
+            self._bg.submit(self.l3.delete_session, s.session_id, s.tenant)
 
     # -- sharing ---------------------------------------------------------------------------------
 
@@ -923,6 +938,7 @@ class TieredCache:
                     self._flush_session(s)
                     self._save_record(s)
             self._closed = True
+            self._bg.shutdown(wait=True)
             self.engine.close()
             self.l2.close()
             self.l3.close()
