@@ -8,7 +8,7 @@ pool. On a machine without CUDA the L1 "device" is the CPU and the ceilings are 
 thread; two threads for "both").
 
     PYTHONPATH=. python3 bench/transfer.py --out DIR [--dir L3DIR] [--sessions 2048,8192]
-        [--groups 8]   (chunks per staging group; several values give one set of rows each)
+        [--groups auto]   (chunks per staging group; a list gives one set of rows each)
 
 Needs only torch (numpy comes with it); writes DIR/transfer.txt and, with matplotlib, a PNG.
 """
@@ -73,7 +73,7 @@ class Bench:
         self.chunks = -(-max_tokens // CHUNK)
         # Two sessions' worth: one going down while the other comes up.
         self.arena = HostArena(slot, 2 * self.chunks * slot)
-        self.group = 8
+        self.group: int | None = None
         self.engine = self.make_engine(None)
         self.rows: list[tuple[str, int, float, float, str]] = []
         self.launch: list[tuple[str, float, float]] = []  # figure, host ms to issue, total ms
@@ -90,7 +90,7 @@ class Bench:
             group_chunks=self.group,
         )
 
-    def use_group(self, group: int) -> None:
+    def use_group(self, group: int | None) -> None:
         """Replace the engine by one that moves `group` chunks per staging group."""
         self.engine.close()
         self.group = group
@@ -316,7 +316,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True, help="directory for the table and PNG")
     parser.add_argument("--dir", type=Path, default=None, help="L3 directory (default: --out)")
     parser.add_argument("--sessions", default="2048,8192", help="session sizes in tokens")
-    parser.add_argument("--groups", default="8", help="chunks per staging group (a list)")
+    parser.add_argument(
+        "--groups", default="auto", help="chunks per staging group: a list of numbers or auto"
+    )
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args()
@@ -325,14 +327,15 @@ def main() -> None:
     l3dir.mkdir(parents=True, exist_ok=True)
     sizes = [int(s) for s in args.sessions.split(",")]
     device = torch.device(args.device)
-    groups = [int(g) for g in args.groups.split(",")]
+    groups = [None if g == "auto" else int(g) for g in args.groups.split(",")]
     bench = Bench(device, l3dir, args.reps, max(sizes))
     ceil = bench.ceilings()
-    staging = {}
+    staging: dict[int, int] = {}
     for n, group in enumerate(groups):
         bench.use_group(group)
-        staging[group] = bench.engine.staging_bytes
-        tag = f" G={group}" if len(groups) > 1 else ""
+        chosen = bench.engine.group_chunks
+        staging[chosen] = bench.engine.staging_bytes
+        tag = f" G={chosen}" if len(groups) > 1 else ""
         for tokens in sizes:
             bench.session(tokens, ceil, tag, ssd=n == 0)
     gb = 1e9

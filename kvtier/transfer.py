@@ -45,6 +45,8 @@ DIRECTIONS = (("l1", "l2"), ("l2", "l1"), ("l2", "l3"), ("l3", "l2"))
 _DOWN, _UP = ("l1", "l2"), ("l2", "l1")
 _ALIGN = 256  # staging rows start on this many bytes (scales are read as float32)
 _TIMED_BACKLOG = 256  # timing events kept before they are folded into the totals
+GROUP_BYTES = 128 << 20  # default bound of one staging buffer (four per engine on a GPU)
+MAX_GROUP = 8  # beyond this, larger groups no longer cut the per-copy launch overhead
 
 
 class Handle:
@@ -175,10 +177,13 @@ class TransferEngine:
         *,
         l3_write_queue: int = 64,
         l3_threads: int = 4,
-        group_chunks: int = 8,
+        group_chunks: int | None = None,
     ) -> None:
         if chunk_tokens <= 0:
             raise ConfigError(f"chunk_tokens must be positive, got {chunk_tokens}")
+        if group_chunks is None:
+            per_chunk = max(1, geometry.chunk_bytes(chunk_tokens))
+            group_chunks = max(1, min(MAX_GROUP, GROUP_BYTES // per_chunk))
         if group_chunks <= 0:
             raise ConfigError(f"group_chunks must be positive, got {group_chunks}")
         if codec.geometry != geometry:

@@ -44,6 +44,14 @@ def _stack(layers: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
     )
 
 
+def _slots(arena: HostArena, count: int) -> list[int]:
+    """`count` free L2 slots of `arena`."""
+    got = [arena.alloc() for _ in range(count)]
+    slots = [slot for slot in got if slot is not None]
+    assert len(slots) == count, "the test arena is too small"
+    return slots
+
+
 def _engine(device: str, codec: str = "native", store: object = None, **kw: int) -> TransferEngine:
     c = make_codec(codec, G)
     arena = HostArena(c.payload_bytes(CHUNK), 16 * 4096, pin=None)
@@ -57,9 +65,9 @@ def test_offload_restore_is_bit_exact_with_native(device: str, batch: int) -> No
     src = _layers(64, device)
     dst = _empty_like(src)
     ntokens = 3 * CHUNK + 5  # three full chunks and a partial one
-    slots = [eng.arena.alloc() for _ in range(4)]
+    slots = _slots(eng.arena, 4)
     assert all(s is not None for s in slots)
-    eng.offload_range(src, 0, ntokens, slots).wait()  # type: ignore[arg-type]
+    eng.offload_range(src, 0, ntokens, slots).wait()
     # The slot holds the documented layout: [layer, k|v, token, head, dim].
     chunk = (
         eng.arena.view(slots[1])[: G.chunk_bytes(CHUNK)]
@@ -67,7 +75,7 @@ def test_offload_restore_is_bit_exact_with_native(device: str, batch: int) -> No
         .view(G.chunk_shape(CHUNK))
     )  # type: ignore[index]
     assert torch.equal(chunk[2, 1, 3], src[2][1][0, :, CHUNK + 3].cpu())
-    eng.restore_range(slots, ntokens, dst, 0).wait()  # type: ignore[arg-type]
+    eng.restore_range(slots, ntokens, dst, 0).wait()
     for (k, v), (k2, v2) in zip(src, dst, strict=True):
         assert torch.equal(k[:, :, :ntokens], k2[:, :, :ntokens])
         assert torch.equal(v[:, :, :ntokens], v2[:, :, :ntokens])
@@ -99,9 +107,9 @@ def test_quantized_codecs_round_trip_closely(device: str, codec: str) -> None:
     eng = _engine(device, codec)
     src = _layers(32, device, seed=2)
     dst = _empty_like(src)
-    slots = [eng.arena.alloc(), eng.arena.alloc()]
-    eng.offload_range(src, 0, 2 * CHUNK, slots).wait()  # type: ignore[arg-type]
-    eng.restore_range(slots, 2 * CHUNK, dst, 0).wait()  # type: ignore[arg-type]
+    slots = _slots(eng.arena, 2)
+    eng.offload_range(src, 0, 2 * CHUNK, slots).wait()
+    eng.restore_range(slots, 2 * CHUNK, dst, 0).wait()
     tol = 0.02 if codec == "int8" else 0.08
     for (k, v), (k2, v2) in zip(src, dst, strict=True):
         for a, b in ((k, k2), (v, v2)):
@@ -150,9 +158,9 @@ def test_groups_and_a_partial_chunk_at_an_offset(codec: str, group: int) -> None
     src = _layers(9 * CHUNK, "cpu", seed=5)
     dst = _empty_like(src)
     start, ntokens = 7, 7 * CHUNK + 3  # 7 full chunks (groups of 3: 3+3+1) and a partial one
-    slots = [eng.arena.alloc() for _ in range(8)]
-    eng.offload_range(src, start, ntokens, slots).wait()  # type: ignore[arg-type]
-    eng.restore_range(slots, ntokens, dst, start + 2).wait()  # type: ignore[arg-type]
+    slots = _slots(eng.arena, 8)
+    eng.offload_range(src, start, ntokens, slots).wait()
+    eng.restore_range(slots, ntokens, dst, start + 2).wait()
     got = _span(dst, start + 2, ntokens)
     if codec == "native":
         want = _span(src, start, ntokens)
@@ -216,12 +224,12 @@ def test_cuda_round_trip_is_bit_exact(group: int, pin: bool | None) -> None:
     arena = HostArena(c.payload_bytes(GPU_CHUNK), 32 * c.payload_bytes(GPU_CHUNK), pin=pin)
     eng = TransferEngine(GPU_G, GPU_CHUNK, "cuda", arena, None, c, group_chunks=group)
     ntokens = 10 * GPU_CHUNK + 17  # ten full chunks (several groups, staging reused) + partial
-    slots = [arena.alloc() for _ in range(11)]
+    slots = _slots(arena, 11)
     for round_ in range(3):  # the staging buffers alternate across calls too
         src = _gpu_layers(12 * GPU_CHUNK, seed=round_)  # written on the current stream just now
         dst = [(torch.full_like(k, 7.0), torch.full_like(v, 7.0)) for k, v in src]
-        eng.offload_range(src, 5, ntokens, slots)  # type: ignore[arg-type]  # no wait: ordered
-        handle = eng.restore_range(slots, ntokens, dst, 9)  # type: ignore[arg-type]
+        eng.offload_range(src, 5, ntokens, slots)  # no wait: ordered
+        handle = eng.restore_range(slots, ntokens, dst, 9)
         handle.wait_stream()  # the current stream reads dst only after the restore
         assert torch.equal(_span(dst, 9, ntokens), _span(src, 5, ntokens))
         for k, v in dst:
@@ -238,23 +246,23 @@ def test_cuda_both_directions_at_once() -> None:
     eng = _gpu_engine(group=3)
     n = 7 * GPU_CHUNK + 40
     a, b = _gpu_layers(8 * GPU_CHUNK, 10), _gpu_layers(8 * GPU_CHUNK, 11)
-    up = [eng.arena.alloc() for _ in range(8)]
-    down = [eng.arena.alloc() for _ in range(8)]
-    eng.offload_range(b, 0, n, up).wait()  # type: ignore[arg-type]
+    up = _slots(eng.arena, 8)
+    down = _slots(eng.arena, 8)
+    eng.offload_range(b, 0, n, up).wait()
     b_copy = _span(b, 0, n).clone()
     for _ in range(3):
         out = [(torch.zeros_like(k), torch.zeros_like(v)) for k, v in b]
-        h_down = eng.offload_range(a, 0, n, down)  # type: ignore[arg-type]
-        h_up = eng.restore_range(up, n, out, 0)  # type: ignore[arg-type]
+        h_down = eng.offload_range(a, 0, n, down)
+        h_up = eng.restore_range(up, n, out, 0)
         h_down.wait()
         h_up.wait()
         assert torch.equal(_span(out, 0, n), b_copy)
     back = [(torch.zeros_like(k), torch.zeros_like(v)) for k, v in a]
-    eng.restore_range(down, n, back, 0).wait()  # type: ignore[arg-type]
+    eng.restore_range(down, n, back, 0).wait()
     assert torch.equal(_span(back, 0, n), _span(a, 0, n))
     for slot in up + down:
-        assert not eng.busy(slot)  # type: ignore[arg-type]
-        eng.forget(slot)  # type: ignore[arg-type]
+        assert not eng.busy(slot)
+        eng.forget(slot)
     eng.close()
 
 
@@ -266,9 +274,9 @@ def test_cuda_quantized_codec_matches_the_codec(codec: str) -> None:
     n = 9 * GPU_CHUNK + 5
     src = _gpu_layers(10 * GPU_CHUNK, 12)
     dst = [(torch.zeros_like(k), torch.zeros_like(v)) for k, v in src]
-    slots = [eng.arena.alloc() for _ in range(10)]
-    eng.offload_range(src, 3, n, slots)  # type: ignore[arg-type]
-    eng.restore_range(slots, n, dst, 3).wait()  # type: ignore[arg-type]
+    slots = _slots(eng.arena, 10)
+    eng.offload_range(src, 3, n, slots)
+    eng.restore_range(slots, n, dst, 3).wait()
     assert torch.equal(_span(dst, 3, n), _lossy(codec, GPU_G, src, 3, n, GPU_CHUNK))
     rel = (_span(dst, 3, n).float() - _span(src, 3, n).float()).norm() / _span(
         src, 3, n
@@ -389,9 +397,8 @@ def _store_session(
     eng: TransferEngine, layers: list, ntokens: int, chunk: int, geometry: KVGeometry
 ) -> tuple[list[bytes], list[int]]:
     """Offload `ntokens` tokens and write each chunk to L3; returns (keys, slots)."""
-    count = -(-ntokens // chunk)
-    slots = [eng.arena.alloc() for _ in range(count)]
-    eng.offload_range(layers, 0, ntokens, slots)  # type: ignore[arg-type]
+    slots = _slots(eng.arena, -(-ntokens // chunk))
+    eng.offload_range(layers, 0, ntokens, slots)
     keys = []
     for i, slot in enumerate(slots):
         n = min(chunk, ntokens - i * chunk)
@@ -414,9 +421,9 @@ def _store_session(
         eng.write_l3(slot, header).result()  # type: ignore[union-attr]
         keys.append(key)
     for slot in slots:
-        eng.forget(slot)  # type: ignore[arg-type]
-        eng.arena.view(slot).zero_()  # type: ignore[arg-type]
-    return keys, slots  # type: ignore[return-value]
+        eng.forget(slot)
+        eng.arena.view(slot).zero_()
+    return keys, slots
 
 
 def test_restore_right_after_l3_reads_waits_for_each_chunk(tmp_path: Path) -> None:
