@@ -275,6 +275,13 @@ def main() -> None:
 
     base = Path(args.dir) if args.dir else Path(tempfile.gettempdir())
     work = Path(tempfile.mkdtemp(prefix="kvtier-bench-", dir=base))
+    probe = work / "probe"
+    try:
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | O_DIRECT, 0o600))
+    except OSError as exc:
+        shutil.rmtree(work, ignore_errors=True)
+        raise SystemExit(f"{base} refuses O_DIRECT ({exc}): pass --dir on the SSD") from None
+    probe.unlink()
     payload_len = args.tokens * args.bytes_per_token
     PAYLOAD = os.urandom(payload_len)
     algo = kvbin.default_checksum()
