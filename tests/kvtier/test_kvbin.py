@@ -148,7 +148,7 @@ headers = st.builds(
     parent=st.binary(min_size=16, max_size=16),
     fingerprint=st.binary(min_size=16, max_size=16),
     tenant=st.text(
-        alphabet=st.characters(blacklist_characters="\x00", blacklist_categories=("Cs",)),
+        alphabet=st.characters(blacklist_characters="\x00", blacklist_categories=["Cs"]),
         max_size=16,
     ),
     tokens=st.integers(0, 2**32 - 1),

@@ -10,6 +10,7 @@ import struct
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -37,7 +38,7 @@ def store(tmp_path: Path):
     s.close()
 
 
-def put_one(store: L3Store, size: int = 10_000, **over: object) -> tuple[bytes, bytes]:
+def put_one(store: L3Store, size: int = 10_000, **over: Any) -> tuple[bytes, bytes]:
     h = header(size=size, **over)
     data = payload_for(h.key, size)
     store.put(h, data)
