@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import shutil
 import tempfile
 import threading
 import time
@@ -303,6 +304,7 @@ class Bench:
         self.rows.append((f"SSD->L1 {label}", nbytes, rate, disk, "O_DIRECT read"))
         eng.close()
         store.close()
+        shutil.rmtree(root)  # hundreds of MB of .kvbin files; only the table is kept
 
 
 def machine(device: torch.device) -> str:
