@@ -56,6 +56,7 @@ class Result:
     decisions: dict[str, int] = field(default_factory=dict)
     phases: dict[str, float] = field(default_factory=dict)  # seconds spent per phase
     alloc_retries: int = 0
+    l1_oom: int = 0
 
 
 def workload(n_sessions: int, turns: int, system_len: int, seed: int) -> list[list[list[int]]]:
@@ -100,6 +101,8 @@ class Runner:
                 ),
                 model,
             )
+            # same total GPU cap for everyone: kvtier's staging buffers come out of its KV budget
+            self.cache.l1.budget_bytes -= self.cache.engine.staging_bytes
 
     def turn(self, sid: int, ids: torch.Tensor, res: Result) -> None:
         model, dev = self.model, self.device
@@ -191,7 +194,9 @@ class Runner:
             res.peak_bytes = torch.cuda.max_memory_allocated()
             res.alloc_retries = torch.cuda.memory_stats().get("num_alloc_retries", 0)
         if self.cache is not None:
-            res.decisions = dict(self.cache.stats().restore_decisions)
+            snap = self.cache.stats()
+            res.decisions = dict(snap.restore_decisions)
+            res.l1_oom = snap.oom_retries
 
     def close(self) -> None:
         if self.cache is not None:
@@ -251,18 +256,23 @@ def main() -> None:
     model = build(shape, dev, dtype)
     geo = KVGeometry.from_config(model.config, dtype=str(dtype).split(".")[-1])
     kv_budget = args.fit_sessions * 3000 * geo.bytes_per_token
-    if dev.startswith("cuda"):
-        weights = torch.cuda.memory_allocated()
-        overhead = 3 << 30  # activations of a 3,000-token prefill with logits_to_keep=1
-        total = torch.cuda.get_device_properties(0).total_memory
-        cap = weights + overhead + kv_budget
-        torch.cuda.set_per_process_memory_fraction(cap / total)
-        print(
-            f"GPU cap {cap / 2**30:.1f} GiB = weights {weights / 2**30:.1f} + "
-            f"overhead {overhead / 2**30:.1f} + KV {kv_budget / 2**30:.1f}"
-        )
     plan = workload(args.sessions, args.turns, args.system, seed=0)
     tmp = tempfile.mkdtemp(prefix="kvtier-fleet-")
+    longest = max(len(p[0]) for p in plan) + args.decode_tokens
+    if dev.startswith("cuda"):
+        weights = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        with torch.no_grad():  # the activation peak of the longest prefill, measured
+            model(torch.randint(100, 30000, (1, longest), device=dev), logits_to_keep=1)
+        activations = torch.cuda.max_memory_allocated() - weights
+        slack = 2 << 30  # allocator rounding and caching
+        total = torch.cuda.get_device_properties(0).total_memory
+        cap = weights + activations + slack + kv_budget
+        torch.cuda.set_per_process_memory_fraction(cap / total)
+        print(
+            f"GPU cap {cap / 2**30:.1f} GiB = weights {weights / 2**30:.1f} + activations "
+            f"{activations / 2**30:.1f} + slack {slack / 2**30:.1f} + KV {kv_budget / 2**30:.1f}"
+        )
     # warm-up: kernels and allocator, outside every measurement
     with torch.no_grad():
         model(torch.tensor([plan[0][0][:512]], device=dev), logits_to_keep=1)
@@ -299,6 +309,12 @@ def main() -> None:
             f"{pct(r.ttft_return, 0.99) * 1e3:9.1f} {pct(r.steps, 0.5) * 1e3:9.2f} "
             f"{pct(r.steps, 0.99) * 1e3:9.2f} {r.peak_bytes / 2**30:9.2f} "
             f"{r.generated / max(r.wall, 1e-9):7.1f}  {dec}"
+        )
+    print("seconds per phase, allocator retries (torch) and L1 OOM retries (kvtier):")
+    for r in results:
+        ph = " ".join(f"{k}={v:.1f}" for k, v in r.phases.items())
+        print(
+            f"{r.name:>12} wall={r.wall:.1f} {ph} alloc_retries={r.alloc_retries} l1_oom={r.l1_oom}"
         )
     by = {r.name: r for r in results}
     if "recompute" in by and "kvtier" in by:
