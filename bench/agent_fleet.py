@@ -11,6 +11,10 @@ Configurations, each run on the same workload (same seeds):
   recompute   no cache kept between turns: every turn re-runs prefill of the whole context
   kvtier      kvtier TieredCache, codec native (L1 budget = the KV cap, L2 pinned, L3 on disk)
   kvtier-int8 the same with the int8 cold-tier codec
+  kvtier-wb   kvtier native with the write_back policy (a diagnostic: no write-through I/O)
+
+The first turn of a session ingests its prompt (prefill only); returning turns are timed for
+TTFT and decode steps.
 
     python3 bench/agent_fleet.py --out DIR            # on the GPU machine (< 10 minutes)
     python3 bench/agent_fleet.py --shape qwen2-mini --device cpu --sessions 12 --turns 2
@@ -84,7 +88,17 @@ def pct(values: list[float], q: float) -> float:
 class Runner:
     """Runs the fleet with one way of keeping KV between turns."""
 
-    def __init__(self, name, model, device, decode_tokens, kv_budget, tmp, codec="native"):
+    def __init__(
+        self,
+        name,
+        model,
+        device,
+        decode_tokens,
+        kv_budget,
+        tmp,
+        codec="native",
+        policy="write_through",
+    ):
         self.name, self.model, self.device = name, model, device
         self.decode_tokens = decode_tokens
         self.kv_budget = kv_budget
@@ -98,6 +112,7 @@ class Runner:
                     l2_bytes=kv_budget * 3,
                     chunk_tokens=256,
                     codec=codec,
+                    write_policy=policy,
                 ),
                 model,
             )
@@ -106,6 +121,7 @@ class Runner:
 
     def turn(self, sid: int, ids: torch.Tensor, res: Result) -> None:
         model, dev = self.model, self.device
+        returning = self._returning(sid)
         sync(dev)
         t0 = time.perf_counter()
         if self.cache is not None:
@@ -128,7 +144,8 @@ class Runner:
                 sync(dev)
                 ttft = time.perf_counter() - t0
                 out = [tok]
-                for _ in range(self.decode_tokens - 1):
+                # the first turn ingests the agent's prompt; returning turns answer
+                for _ in range(self.decode_tokens - 1 if returning else 0):
                     t1 = time.perf_counter()
                     logits = model(tok, past_key_values=pkv, logits_to_keep=1).logits
                     tok = logits[:, -1:].argmax(-1)
@@ -155,7 +172,7 @@ class Runner:
             res.phases["commit"] = res.phases.get("commit", 0.0) + time.perf_counter() - t2
         elif self.name != "recompute":
             self.caches[sid] = pkv
-        (res.ttft_return if past or self._returning(sid) else res.ttft_first).append(ttft)
+        (res.ttft_return if returning else res.ttft_first).append(ttft)
         res.turns += 1
         res.generated += len(out)
         self.history[sid] = new
@@ -283,7 +300,10 @@ def main() -> None:
             continue
         res = Result(name)
         codec = "int8" if name.endswith("int8") else "native"
-        runner = Runner(name, model, dev, args.decode_tokens, kv_budget, tmp, codec=codec)
+        policy = "write_back" if name.endswith("-wb") else "write_through"
+        runner = Runner(
+            name, model, dev, args.decode_tokens, kv_budget, tmp, codec=codec, policy=policy
+        )
         try:
             runner.run(plan, res, args.time_limit)
         finally:
