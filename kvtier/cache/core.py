@@ -205,7 +205,7 @@ class Session:
         c = self._cache
         keys = [*self.chunk_keys] + ([self.tail_key] if self.tail_key else [])
         l2 = sum(1 for k in keys if (e := c._chunks.get(k)) is not None and e.l2_slot is not None)
-        l3 = sum(1 for k in keys if (e := c._chunks.get(k)) is not None and e.in_l3)
+        l3 = sum(1 for k in keys if k in c._l3_tokens)
         l1 = (len(self.tokens) + c.chunk_tokens - 1) // c.chunk_tokens if self.resident else 0
         return SessionInfo(
             session_id=self.session_id,
