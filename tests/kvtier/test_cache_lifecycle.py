@@ -204,3 +204,21 @@ def test_throttled_l3_makes_the_cost_model_recompute(tmp_path: Path, model) -> N
         decisions = dict(cache.stats().restore_decisions)
         assert sum(decisions.values()) >= 2
         cache.close()
+
+
+def test_published_prefix_is_shared_across_tenants(tmp_path: Path, model) -> None:
+    system = ids_of(4 * CHUNK, 11)
+    cache = TieredCache(cfg(tmp_path), model)
+    a = turn(model, cache, "a", torch.cat([system, ids_of(3, 1)], 1), tenant="acme")
+    assert cache.publish_shared(system, a) == 4
+    b = cache.session("b", tenant="globex")
+    pkv = b.restore(torch.cat([system, ids_of(3, 2)], 1))
+    assert pkv.get_seq_length() == 4 * CHUNK and b.restore_source == "l2"
+    b.abort()
+    # an unpublished prefix of tenant acme stays private
+    private = ids_of(3 * CHUNK, 12)
+    turn(model, cache, "a2", torch.cat([private, ids_of(2, 3)], 1), tenant="acme")
+    c = cache.session("c", tenant="globex")
+    assert c.restore(torch.cat([private, ids_of(2, 4)], 1)).get_seq_length() == 0
+    c.abort()
+    cache.close()
