@@ -66,20 +66,39 @@ def address(buf: memoryview) -> int | None:
         return None
 
 
+def cachestat(fd: int) -> tuple[int, int, int, int, int] | None:
+    """cachestat(2) over the whole file: (cached, dirty, writeback, evicted, recently evicted)
+    pages, or None where the kernel lacks it (< 6.5: ENOSYS) or forbids it (seccomp: EPERM)."""
+    global _cachestat_ok
+    if not _cachestat_ok:
+        return None
+    rng, stat = _CachestatRange(0, 0), _Cachestat()  # len 0: to the end of the file
+    res = _lib().syscall(_CACHESTAT_NR, fd, ctypes.byref(rng), ctypes.byref(stat), 0)
+    if res == 0:
+        return (
+            int(stat.nr_cache),
+            int(stat.nr_dirty),
+            int(stat.nr_writeback),
+            int(stat.nr_evicted),
+            int(stat.nr_recently_evicted),
+        )
+    if ctypes.get_errno() in (errno.ENOSYS, errno.EPERM):
+        _cachestat_ok = False
+    return None
+
+
+def have_cachestat() -> bool:
+    return _cachestat_ok
+
+
 def cached_pages(fd: int, size: int) -> int | None:
     """Pages of the open file resident in the page cache, or None when the kernel cannot say."""
-    global _cachestat_ok
-    if _cachestat_ok:
-        rng, stat = _CachestatRange(0, 0), _Cachestat()
-        res = _lib().syscall(_CACHESTAT_NR, fd, ctypes.byref(rng), ctypes.byref(stat), 0)
-        if res == 0:
-            return int(stat.nr_cache)
-        if ctypes.get_errno() in (errno.ENOSYS, errno.EPERM):  # kernel < 6.5 or seccomp
-            _cachestat_ok = False
-    return _mincore_pages(fd, size)
+    stat = cachestat(fd)
+    return stat[0] if stat is not None else mincore_pages(fd, size)
 
 
-def _mincore_pages(fd: int, size: int) -> int | None:
+def mincore_pages(fd: int, size: int) -> int | None:
+    """Resident pages through mmap + mincore(2), which works on every Linux; None on failure."""
     if size <= 0:
         return 0
     libc = _lib()
@@ -91,7 +110,7 @@ def _mincore_pages(fd: int, size: int) -> int | None:
         vec = (ctypes.c_ubyte * pages)()
         if libc.mincore(addr, size, vec) != 0:
             return None
-        return sum(b & 1 for b in vec)
+        return sum(b & 1 for b in bytes(vec))
     finally:
         libc.munmap(addr, size)
 

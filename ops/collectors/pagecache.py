@@ -9,50 +9,18 @@ hit it and never fill it (docs/collectors.md).
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import errno
 import mmap
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Literal
 
-CACHESTAT = 451  # the same number on every architecture (syscalls added after 5.1 are unified)
+from kvtier.tiers import l3_io  # the one cachestat/mincore binding, shared with the L3 store
+
 SUFFIX = ".kvbin"
 PAGE = mmap.PAGESIZE
 
 Method = Literal["cachestat", "mincore"]
-
-
-class _Range(ctypes.Structure):
-    _fields_ = (("off", ctypes.c_uint64), ("len", ctypes.c_uint64))
-
-
-class _Cachestat(ctypes.Structure):
-    _fields_ = (
-        ("nr_cache", ctypes.c_uint64),
-        ("nr_dirty", ctypes.c_uint64),
-        ("nr_writeback", ctypes.c_uint64),
-        ("nr_evicted", ctypes.c_uint64),
-        ("nr_recently_evicted", ctypes.c_uint64),
-    )
-
-
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-_libc.syscall.restype = ctypes.c_long
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = (
-    ctypes.c_void_p,
-    ctypes.c_size_t,
-    ctypes.c_int,
-    ctypes.c_int,
-    ctypes.c_int,
-    ctypes.c_long,
-)
-_libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
-_libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
-MAP_FAILED = ctypes.c_void_p(-1).value
 
 
 @dataclass(frozen=True)
@@ -79,53 +47,32 @@ def _values(r: Residency) -> tuple[int, int, int, int, int, int]:
 
 def cachestat(fd: int, size: int) -> Residency | None:
     """cachestat(2) over the whole file; None when the kernel lacks it (ENOSYS) or forbids it."""
-    out = _Cachestat()
-    rng = _Range(0, 0)  # len 0: to the end of the file
-    result = _libc.syscall(
-        ctypes.c_long(CACHESTAT),
-        ctypes.c_uint(fd),
-        ctypes.byref(rng),
-        ctypes.byref(out),
-        ctypes.c_uint(0),
-    )
-    if result != 0:
+    stat = l3_io.cachestat(fd)
+    if stat is None:
         return None
+    cached, dirty, writeback, evicted, recently_evicted = stat
     return Residency(
         pages=(size + PAGE - 1) // PAGE,
-        cached=out.nr_cache,
-        dirty=out.nr_dirty,
-        writeback=out.nr_writeback,
-        evicted=out.nr_evicted,
-        recently_evicted=out.nr_recently_evicted,
+        cached=cached,
+        dirty=dirty,
+        writeback=writeback,
+        evicted=evicted,
+        recently_evicted=recently_evicted,
     )
 
 
 def mincore(fd: int, size: int) -> Residency | None:
     """Residency through mmap + mincore(2), which works on every Linux; None on failure."""
     pages = (size + PAGE - 1) // PAGE
-    if pages == 0:
-        return Residency(0, 0)
-    addr = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-    if addr in (None, MAP_FAILED):
-        return None
-    try:
-        vec = (ctypes.c_ubyte * pages)()
-        if _libc.mincore(addr, size, vec) != 0:
-            return None
-        return Residency(pages=pages, cached=sum(b & 1 for b in bytes(vec)))
-    finally:
-        _libc.munmap(addr, size)
+    cached = l3_io.mincore_pages(fd, size)
+    return None if cached is None else Residency(pages=pages, cached=cached)
 
 
 def _probe() -> bool:
     """Whether cachestat works here (Linux >= 6.5 and not blocked by seccomp)."""
     fd = os.open("/proc/self/exe", os.O_RDONLY)
     try:
-        out, rng = _Cachestat(), _Range(0, 0)
-        result = _libc.syscall(
-            ctypes.c_long(CACHESTAT), ctypes.c_uint(fd), ctypes.byref(rng), ctypes.byref(out), 0
-        )
-        return result == 0 or ctypes.get_errno() not in (errno.ENOSYS, errno.EPERM)
+        return l3_io.cachestat(fd) is not None
     finally:
         os.close(fd)
 

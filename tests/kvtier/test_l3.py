@@ -233,10 +233,10 @@ def test_cached_pages_mincore_fallback_agrees(tmp_path: Path) -> None:
     path.write_bytes(b"x" * 65536)
     fd = os.open(path, os.O_RDONLY)
     try:
-        assert l3_io._mincore_pages(fd, 65536) == l3_io.cached_pages(fd, 65536) == 16
+        assert l3_io.mincore_pages(fd, 65536) == l3_io.cached_pages(fd, 65536) == 16
         os.fsync(fd)  # only clean pages can be dropped
         l3_io.drop_cache(fd)
-        assert l3_io._mincore_pages(fd, 65536) == l3_io.cached_pages(fd, 65536) == 0
+        assert l3_io.mincore_pages(fd, 65536) == l3_io.cached_pages(fd, 65536) == 0
     finally:
         os.close(fd)
 
