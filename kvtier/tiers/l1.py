@@ -141,17 +141,20 @@ class L1Pool:
                 for _ in range(g.num_layers)
             ]
 
-    def allocate(self, tokens: int) -> SessionBuffers:
-        """Buffers with room for at least `tokens` tokens (rounded up to whole chunks)."""
-        capacity = self.round_up(tokens)
-        nbytes = self.bytes_for(capacity)
+    def _charged_layers(self, tokens: int) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], int]:
+        """New per-layer buffers for `tokens` (whole chunks), charged to the budget."""
+        nbytes = self.bytes_for(self.round_up(tokens))
         self._charge(nbytes)
         try:
-            layers = self._new_layers(capacity)
+            return self._new_layers(self.round_up(tokens)), nbytes
         except BaseException:
             self._uncharge(nbytes)
             raise
-        return SessionBuffers(layers=layers, capacity=capacity, nbytes=nbytes)
+
+    def allocate(self, tokens: int) -> SessionBuffers:
+        """Buffers with room for at least `tokens` tokens (rounded up to whole chunks)."""
+        layers, nbytes = self._charged_layers(tokens)
+        return SessionBuffers(layers=layers, capacity=self.round_up(tokens), nbytes=nbytes)
 
     def grow(self, bufs: SessionBuffers, tokens: int, keep: int) -> None:
         """Make room for `tokens`, keeping the first `keep` tokens; in place on `bufs`.
@@ -161,19 +164,12 @@ class L1Pool:
         """
         if tokens <= bufs.capacity:
             return
-        capacity = self.round_up(tokens)
-        nbytes = self.bytes_for(capacity)
-        self._charge(nbytes)
-        try:
-            layers = self._new_layers(capacity)
-        except BaseException:
-            self._uncharge(nbytes)
-            raise
+        layers, nbytes = self._charged_layers(tokens)
         for (k_new, v_new), (k_old, v_old) in zip(layers, bufs.layers, strict=True):
             k_new[:, :, :keep].copy_(k_old[:, :, :keep])
             v_new[:, :, :keep].copy_(v_old[:, :, :keep])
         old_bytes = bufs.nbytes
-        bufs.layers, bufs.capacity, bufs.nbytes = layers, capacity, nbytes
+        bufs.layers, bufs.capacity, bufs.nbytes = layers, self.round_up(tokens), nbytes
         self._uncharge(old_bytes)
 
     def release(self, bufs: SessionBuffers) -> None:
