@@ -6,21 +6,15 @@ so the wiring that needs both (serve with host metrics, doctor, exporter) sits h
 
 from __future__ import annotations
 
-import importlib
-
 import click
 
 from kvtier.cli import cli
 
 
 def _register_ops(group: click.Group) -> None:
-    for name in ("doctor", "exporter", "serve"):
-        try:
-            module = importlib.import_module(f"ops.commands.{name}")
-        except ModuleNotFoundError as exc:
-            if exc.name == f"ops.commands.{name}":
-                continue
-            raise
+    from ops.commands import doctor, exporter, serve
+
+    for module in (doctor, exporter, serve):
         group.add_command(module.command)
 
 
