@@ -10,12 +10,19 @@ Slots are 4096-byte aligned and a multiple of 4096 bytes long, so O_DIRECT reads
 .kvbin payloads go straight into them. Budgets are checked before anything is mapped: too little
 MemAvailable, RLIMIT_MEMLOCK (for mlock) or free huge pages (vm.nr_hugepages) fail the
 constructor with a `BudgetError` that names the setting to raise.
+
+A slab's CUDA registration lives exactly as long as its mapping: both are released together,
+unregister first, when the arena and the last view of the slab are gone (whichever goes last),
+so a later mapping at the same address never meets a stale registration. A failed CUDA call's
+error is consumed at once, so torch never raises it at an unrelated later operation, and a
+failed registration fails the constructor with a `BudgetError` (no silent unpinned fallback).
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import logging
 import mmap
 import os
 import resource
@@ -23,11 +30,13 @@ import threading
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from kvtier.errors import BudgetError, ConfigError
+
+log = logging.getLogger(__name__)
 
 ALIGN = 4096
 DEFAULT_SLAB_BYTES = 1 << 30
@@ -36,6 +45,12 @@ _CAP_IPC_LOCK = 14
 _MAP_HUGETLB = getattr(mmap, "MAP_HUGETLB", 0x40000)
 _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0x8000)
 _MAP_FAILED = ctypes.c_void_p(-1).value
+_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context, not one
+_CUDA_ERRORS = {
+    2: "cudaErrorMemoryAllocation",
+    712: "cudaErrorHostMemoryAlreadyRegistered",
+    713: "cudaErrorHostMemoryNotRegistered",
+}
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
@@ -67,19 +82,104 @@ class ArenaStats:
     mlocked: bool
 
 
+class Runtime(Protocol):
+    """The CUDA runtime calls the arena makes (torch's `torch.cuda.cudart()` bindings)."""
+
+    def cudaHostRegister(self, ptr: int, size: int, flags: int) -> Any: ...
+
+    def cudaHostUnregister(self, ptr: int) -> Any: ...
+
+
+def _consume_cuda_error() -> None:
+    """Reset the runtime's per-thread last error left by a failed call.
+
+    torch's launch check reads (and clears) that error after every kernel launch and raises it,
+    so a one-element launch takes it out of the way of the next unrelated torch operation.
+    """
+    try:
+        torch.zeros(1, device="cuda")
+    except RuntimeError:  # torch.AcceleratorError carrying the pending error: now consumed
+        pass
+
+
+class CudaHost:
+    """Host-memory registration with CUDA; every failed call's error is consumed at once."""
+
+    def __init__(self, runtime: Runtime, consume: Any = _consume_cuda_error) -> None:
+        self._runtime = runtime
+        self._consume = consume
+
+    def register(self, address: int, nbytes: int) -> int:
+        """cudaHostRegister (portable); the cudaError code, 0 on success."""
+        err = int(self._runtime.cudaHostRegister(address, nbytes, _REGISTER_PORTABLE))
+        if err:
+            self._consume()
+        return err
+
+    def unregister(self, address: int) -> int:
+        """cudaHostUnregister after the device is idle (no copy may still use the range)."""
+        self.synchronize()
+        err = int(self._runtime.cudaHostUnregister(address))
+        if err:
+            self._consume()
+        return err
+
+    def synchronize(self) -> None:
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+
+
+def _cuda_host() -> CudaHost | None:
+    """The registration interface, or None without CUDA (the arena then stays unpinned)."""
+    if not torch.cuda.is_available():
+        return None
+    return CudaHost(torch.cuda.cudart())
+
+
+def error_name(code: int) -> str:
+    return _CUDA_ERRORS.get(code, f"cudaError {code}")
+
+
+class _Mapping:
+    """One slab's mapping and its CUDA registration, released together exactly once.
+
+    `release` runs from a weakref finalizer of the buffer every view of the slab holds, so it
+    runs when the arena and the last view are gone, whichever goes last, or at exit.
+    """
+
+    __slots__ = ("address", "fd", "host", "nbytes")
+
+    def __init__(self, address: int, nbytes: int, fd: int | None) -> None:
+        self.address = address
+        self.nbytes = nbytes
+        self.fd = fd
+        self.host: CudaHost | None = None  # set once the range is registered
+
+    def release(self) -> None:
+        """Unregister (while still mapped), then unmap (which also unlocks) and close."""
+        host, self.host = self.host, None
+        if host is not None:
+            try:
+                err = host.unregister(self.address)
+            except Exception as exc:  # at interpreter exit CUDA may be gone already
+                log.warning("cudaHostUnregister of L2 slab 0x%x: %s", self.address, exc)
+            else:
+                if err:
+                    log.warning(
+                        "cudaHostUnregister of L2 slab 0x%x failed: %s",
+                        self.address,
+                        error_name(err),
+                    )
+        _libc.munmap(self.address, self.nbytes)
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
 @dataclass
 class _Slab:
-    address: int
-    nbytes: int
+    mapping: _Mapping
     tensor: torch.Tensor
-    registered: bool = False
-
-
-def _release_mapping(address: int, nbytes: int, fd: int | None) -> None:
-    """Unmap a slab (which also unlocks it); runs once the last view of it is gone."""
-    _libc.munmap(address, nbytes)
-    if fd is not None:
-        os.close(fd)
 
 
 def meminfo(path: str = "/proc/meminfo") -> dict[str, int]:
@@ -108,26 +208,6 @@ def _has_cap_ipc_lock() -> bool:
     except (OSError, ValueError, IndexError):
         pass
     return False
-
-
-def _cuda_register(address: int, nbytes: int) -> bool:
-    """Pin an existing host range with cudaHostRegister; False when torch cannot do it."""
-    cudart = torch.cuda.cudart()
-    register = getattr(cudart, "cudaHostRegister", None)
-    if register is None:
-        return False
-    err = register(address, nbytes, 0)
-    if int(err) != 0:
-        raise BudgetError(
-            f"cudaHostRegister of {nbytes} bytes failed (cudaError {int(err)}); the driver could "
-            "not pin that much host memory: lower the L2 size or free host RAM"
-        )
-    return True
-
-
-def _cuda_unregister(address: int) -> None:
-    cudart = torch.cuda.cudart()
-    cudart.cudaHostUnregister(address)
 
 
 class HostArena:
@@ -160,9 +240,11 @@ class HostArena:
                 "l2_bytes to at least one chunk"
             )
         self.capacity_bytes = self.n_slots * self.slot_bytes
-        self.pinned = torch.cuda.is_available() if pin is None else bool(pin)
-        if self.pinned and not torch.cuda.is_available():
+        host = _cuda_host() if pin is None or pin else None
+        self.pinned = host is not None if pin is None else bool(pin)
+        if self.pinned and host is None:
             raise ConfigError("pin=True needs CUDA; pass pin=None to pin only when CUDA exists")
+        self._host = host if self.pinned else None
         self.hugepages = bool(hugepages or hugetlbfs)
         self.mlocked = bool(mlock)
         self._hugetlbfs = Path(hugetlbfs) if hugetlbfs is not None else None
@@ -242,11 +324,13 @@ class HostArena:
             raise BudgetError(
                 f"mapping an L2 slab of {nbytes} bytes failed: {os.strerror(err)}; {hint}"
             )
+        mapping = _Mapping(address, nbytes, fd)
         array = (ctypes.c_uint8 * nbytes).from_address(address)
-        # Tensors made from `array` keep it alive; the mapping goes when the last of them does,
-        # so a view that outlives close() never points at unmapped memory.
-        weakref.finalize(array, _release_mapping, address, nbytes, fd)
-        slab = _Slab(address, nbytes, torch.frombuffer(array, dtype=torch.uint8))
+        # Tensors made from `array` keep it alive; the mapping (and its registration) goes when
+        # the last of them does, so a view that outlives close() never points at unmapped or
+        # stale-registered memory.
+        weakref.finalize(array, mapping.release)
+        slab = _Slab(mapping, torch.frombuffer(array, dtype=torch.uint8))
         del array
         try:
             if self.mlocked and _libc.mlock(address, nbytes) != 0:
@@ -255,22 +339,31 @@ class HostArena:
                     f"mlock of an L2 slab of {nbytes} bytes failed: {os.strerror(err)}; raise "
                     "RLIMIT_MEMLOCK (LimitMEMLOCK=infinity) or start without mlock"
                 )
-            if self.pinned:
-                slab.registered = _cuda_register(address, nbytes)
-                if not slab.registered:
-                    # This torch build cannot register foreign memory: use its pinned allocator.
-                    slab.tensor = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+            if self._host is not None:
+                self._register(mapping, self._host)
         except BaseException:
-            self._unmap(slab)
+            slab.tensor = torch.empty(0, dtype=torch.uint8)  # unmaps it now (no view exists)
             raise
         return slab
 
-    def _unmap(self, slab: _Slab) -> None:
-        """Unpin a slab and drop the arena's reference; the mapping goes with its last view."""
-        if slab.registered:
-            _cuda_unregister(slab.address)
-            slab.registered = False
-        slab.tensor = torch.empty(0, dtype=torch.uint8)
+    def _register(self, mapping: _Mapping, host: CudaHost) -> None:
+        """Pin the slab with cudaHostRegister, or fail with a BudgetError (never unpinned)."""
+        err = host.register(mapping.address, mapping.nbytes)
+        if err == 0:
+            mapping.host = host
+            return
+        if err == 712:
+            why = (
+                "part of the range is already registered: memory pinned by other code in this "
+                "process was unmapped without cudaHostUnregister"
+            )
+        else:
+            why = "the driver could not pin that much host memory"
+        raise BudgetError(
+            f"cudaHostRegister of an L2 slab of {mapping.nbytes} bytes at 0x{mapping.address:x} "
+            f"failed ({error_name(err)}): {why}; lower l2_bytes or free host RAM, or set "
+            "pin_memory = false to run L2 unpinned (GPU copies then run at pageable speed)"
+        )
 
     # ---- slots -------------------------------------------------------------------------------
 
@@ -338,10 +431,11 @@ class HostArena:
         )
 
     def close(self) -> None:
-        """Unpin every slab and let it go. Safe to call twice.
+        """Let every slab go. Safe to call twice.
 
-        Memory is unmapped once no view of it is left; views kept past close() stay readable
-        but are no longer pinned, so hand them back first.
+        A slab is unregistered from CUDA and unmapped once no view of it is left: at once when
+        none is, else when the last view is dropped (views kept past close() stay readable and
+        pinned until then).
         """
         with self._lock:
             if self._closed:
@@ -349,8 +443,8 @@ class HostArena:
             self._closed = True
             self._free.clear()
             slabs, self._slabs = self._slabs, []
-        for slab in slabs:
-            self._unmap(slab)
+        for slab in slabs:  # the last view of each releases it; usually that is this one
+            slab.tensor = torch.empty(0, dtype=torch.uint8)
 
     def __enter__(self) -> HostArena:
         return self

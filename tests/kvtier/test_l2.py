@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import shutil
 import subprocess
@@ -187,3 +188,183 @@ def test_o_direct_round_trip_through_slots(tmp_path: Path) -> None:
         finally:
             os.close(fd)
         assert torch.equal(arena.view(dst), pattern)
+
+
+# ---- CUDA registration lifecycle ------------------------------------------------------------
+
+
+def _mapped(address: int, nbytes: int) -> bool:
+    """Whether [address, address + nbytes) is mapped in this process (/proc/self/maps)."""
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        start, _, end = line.split()[0].partition("-")
+        if int(start, 16) <= address and address + nbytes <= int(end, 16):
+            return True
+    return False
+
+
+class _Runtime:
+    """cudaHostRegister/Unregister as the CUDA runtime behaves, for a CPU-only machine.
+
+    A range overlapping a registered one is refused (712, cudaErrorHostMemoryAlreadyRegistered,
+    what the H200 run hit), so is an unknown address (713); a failed call leaves `last_error`
+    set, as the runtime's per-thread last error, until `consume` is called. Every call is logged
+    with whether its range was mapped at that moment.
+    """
+
+    def __init__(self, fail_at: int | None = None) -> None:
+        self.ranges: dict[int, int] = {}
+        self.calls: list[tuple[str, int, bool]] = []
+        self.last_error = 0
+        self.fail_at = fail_at  # the n-th register fails with cudaErrorMemoryAllocation
+        self.attempts = 0
+
+    def cudaHostRegister(self, ptr: int, size: int, flags: int) -> int:
+        self.attempts += 1
+        if self.fail_at == self.attempts:
+            err = 2
+        elif any(ptr < a + n and a < ptr + size for a, n in self.ranges.items()):
+            err = 712
+        else:
+            self.ranges[ptr] = size
+            self.calls.append(("register", ptr, _mapped(ptr, size)))
+            return 0
+        self.calls.append(("refused", ptr, _mapped(ptr, size)))
+        self.last_error = err
+        return err
+
+    def cudaHostUnregister(self, ptr: int) -> int:
+        size = self.ranges.pop(ptr, None)
+        self.calls.append(("unregister", ptr, size is not None and _mapped(ptr, size)))
+        if size is None:
+            self.last_error = 713
+            return 713
+        return 0
+
+    def consume(self) -> None:
+        self.last_error = 0
+
+    def check_paired(self) -> None:
+        """Each registered range was unregistered exactly once, while still mapped."""
+        live: set[int] = set()
+        for call, address, mapped in self.calls:
+            assert mapped, f"{call} of 0x{address:x} after it was unmapped"
+            if call == "register":
+                live.add(address)
+            elif call == "unregister":
+                assert address in live, f"0x{address:x} unregistered twice or never registered"
+                live.remove(address)
+        assert not live
+        assert not self.ranges and self.last_error == 0
+
+
+@pytest.fixture
+def runtime(monkeypatch: pytest.MonkeyPatch) -> _Runtime:
+    """Arenas made in the test register through `_Runtime` (pin=None pins)."""
+    from kvtier.tiers import l2
+
+    rt = _Runtime()
+    monkeypatch.setattr(l2, "_cuda_host", lambda: l2.CudaHost(rt, rt.consume))
+    return rt
+
+
+def _slabs(arena: HostArena) -> list[tuple[int, int]]:
+    per = arena.n_slots // arena.stats().slabs
+    return [(arena.address(s), per * arena.slot_bytes) for s in range(0, arena.n_slots, per)]
+
+
+def test_close_unregisters_each_slab_once_before_unmapping(runtime: _Runtime) -> None:
+    arena = HostArena(ALIGN, 6 * ALIGN, slab_bytes=2 * ALIGN)
+    assert arena.stats().pinned and len(runtime.ranges) == 3
+    slabs = _slabs(arena)
+    arena.close()
+    arena.close()
+    runtime.check_paired()
+    assert not any(_mapped(a, n) for a, n in slabs)
+
+
+def test_a_view_past_close_keeps_its_slab_until_it_goes(runtime: _Runtime) -> None:
+    arena = HostArena(ALIGN, 6 * ALIGN, slab_bytes=2 * ALIGN)
+    slabs = _slabs(arena)
+    view = arena.view(3)  # in the second slab
+    arena.close()
+    assert list(runtime.ranges) == [slabs[1][0]]  # still pinned and mapped for the view
+    view.fill_(5)
+    assert int(view.sum()) == 5 * ALIGN
+    del view
+    gc.collect()
+    runtime.check_paired()
+    assert not _mapped(*slabs[1])
+
+
+def test_an_arena_dropped_without_close_frees_its_address_for_the_next(runtime: _Runtime) -> None:
+    first = HostArena(1 << 20, 4 << 20)
+    address = first.address(0)
+    buffer = first.buffer(2)  # a numpy view outliving the arena object
+    del first
+    gc.collect()
+    assert len(runtime.ranges) == 1
+    del buffer
+    gc.collect()
+    assert not runtime.ranges
+    again = HostArena(1 << 20, 4 << 20)  # the kernel hands the same address out again
+    assert again.address(0) == address, "mmap did not reuse the address; the case is not shown"
+    other = HostArena(1 << 20, 4 << 20)  # a second arena beside it
+    assert len(runtime.ranges) == 2
+    again.view(0).fill_(1)
+    other.view(0).fill_(2)
+    assert int(again.view(0)[0]) == 1 and int(other.view(0)[0]) == 2
+    again.close()
+    other.close()
+    runtime.check_paired()
+
+
+def test_a_failed_register_raises_budget_error_and_consumes_the_error(
+    runtime: _Runtime,
+) -> None:
+    runtime.fail_at = 2  # the second slab
+    with pytest.raises(BudgetError, match=r"cudaErrorMemoryAllocation.*pin_memory = false"):
+        HostArena(ALIGN, 6 * ALIGN, slab_bytes=2 * ALIGN)
+    assert runtime.last_error == 0  # nothing left for torch to raise later
+    registered = [a for call, a, _ in runtime.calls if call != "unregister"]
+    assert [call for call, _, _ in runtime.calls[:2]] == ["register", "refused"]
+    gc.collect()
+    assert not runtime.ranges  # the first slab was unregistered, then unmapped
+    assert not any(_mapped(a, ALIGN) for a in registered)
+
+
+def test_a_range_registered_elsewhere_is_a_budget_error(runtime: _Runtime) -> None:
+    runtime.ranges[0] = 1 << 62  # every address: as if leaked by other code in the process
+    with pytest.raises(BudgetError, match="already registered"):
+        HostArena(ALIGN, 2 * ALIGN)
+    assert runtime.last_error == 0 and list(runtime.ranges) == [0]
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_arenas_come_and_go_at_the_same_address() -> None:
+    from kvtier.tiers import l2
+
+    device = torch.arange(1 << 20, device="cuda").to(torch.uint8)
+    for round_ in range(4):
+        arena = HostArena(1 << 20, 8 << 20)
+        view = arena.view(3)
+        if round_ % 2:  # closed with a live view, or just dropped
+            arena.close()
+        view.copy_(device, non_blocking=True)
+        torch.cuda.synchronize()
+        assert torch.equal(view, device.cpu())
+        del arena, view
+        gc.collect()
+    a, b = HostArena(1 << 20, 4 << 20), HostArena(1 << 20, 4 << 20)
+    host = l2._cuda_host()
+    assert host is not None
+    assert host.register(a.address(0), 1 << 20) == 712  # already registered: refused
+    torch.randn(8, device="cuda").sum().item()  # its error did not leak into torch
+    b.view(1).copy_(device, non_blocking=True)
+    torch.cuda.synchronize()
+    assert torch.equal(b.view(1), device.cpu())
+    a.close()
+    b.close()
