@@ -49,6 +49,14 @@ GROUP_BYTES = 128 << 20  # default bound of one staging buffer (four per engine 
 MAX_GROUP = 8  # beyond this, larger groups no longer cut the per-copy launch overhead
 
 
+def _done_event() -> torch.cuda.Event:
+    """The event a transfer's Handle waits on: it also times the transfer, and it is blocking
+    (cudaEventBlockingSync), so a host thread in `wait` (an L3 writer before it writes the
+    slot, a caller) sleeps until the copy is done instead of spinning on the driver while the
+    decode loop launches kernels. Events only waited on by streams stay non-blocking."""
+    return torch.cuda.Event(enable_timing=True, blocking=True)
+
+
 class Handle:
     """Completion of one GPU<->host transfer: a CUDA event, or nothing left to wait for on CPU."""
 
@@ -293,7 +301,7 @@ class TransferEngine:
         gather, copy = self._streams[_DOWN]
         gather.wait_stream(torch.cuda.current_stream(self.device))  # L1 holds its final values
         begin = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
+        end = _done_event()
         begin.record(gather)
         moved = 0
         n = self.chunk_tokens
@@ -376,7 +384,7 @@ class TransferEngine:
         scatter, copy = self._streams[_UP]
         scatter.wait_stream(torch.cuda.current_stream(self.device))  # L1 is free to overwrite
         begin = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
+        end = _done_event()
         begin.record(copy)
         moved = 0
         n = self.chunk_tokens
