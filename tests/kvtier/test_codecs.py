@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import random
+from typing import Any
 
 import pytest
 import torch
@@ -219,27 +220,27 @@ def measure_quality(model: torch.nn.Module, names: tuple[str, ...]) -> dict[str,
     """Per codec: attention-output relative error, greedy agreement, perplexity change."""
     from transformers import DynamicCache
 
-    model = model.to(torch.bfloat16)
-    geometry = KVGeometry.from_config(model.config, dtype="bfloat16")
+    net: Any = model.to(torch.bfloat16)  # a LlamaForCausalLM (typed as a Module)
+    geometry = KVGeometry.from_config(net.config, dtype="bfloat16")
     text = _corpus(random.Random(99), CONTEXT + POSITIONS + 1)
     ids = torch.tensor([list(text)], dtype=torch.long)
     prefix, cont, target = ids[:, :CONTEXT], ids[:, CONTEXT:-1], ids[:, CONTEXT + 1 :]
     attn_out: list[torch.Tensor] = []
     hooks = [
         layer.self_attn.register_forward_hook(lambda _m, _i, out: attn_out.append(out[0].float()))
-        for layer in model.model.layers
+        for layer in net.model.layers
     ]
     results: dict[str, dict[str, float]] = {}
     try:
         with torch.no_grad():
             runs = {}
             for name in ("exact", *names):
-                cache = DynamicCache(config=model.config)
-                model(input_ids=prefix, past_key_values=cache, use_cache=True)
+                cache = DynamicCache(config=net.config)
+                net(input_ids=prefix, past_key_values=cache, use_cache=True)
                 if name != "exact":
                     _apply_codec(cache, name, geometry)
                 attn_out.clear()
-                logits = model(input_ids=cont, past_key_values=cache, use_cache=True).logits
+                logits = net(input_ids=cont, past_key_values=cache, use_cache=True).logits
                 runs[name] = (logits.float(), list(attn_out))
         ref_logits, ref_attn = runs["exact"]
         ref_nll = torch.nn.functional.cross_entropy(ref_logits[0], target[0])
