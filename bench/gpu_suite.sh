@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Every GPU test and GPU benchmark in one run, for a machine with a CUDA GPU and torch +
+# transformers installed (no other project dependency is needed: the L3 checksum falls back to
+# zlib's CRC-32 without the crc32c package). Each step has its own time limit so that one slow
+# step cannot starve the rest; results go to OUT (default ./gpu-out), one file per step.
+#
+#   bash bench/gpu_suite.sh [OUT]          # about 9 minutes on an H200
+#   STEPS="tests transfer" bash bench/gpu_suite.sh
+#
+# bench/restart.py also needs the server's packages (fastapi, uvicorn, pydantic, ...); it is
+# skipped with a message when they cannot be imported.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${1:-${OUT:-gpu-out}}"
+mkdir -p "$OUT"
+export PYTHONPATH=. PYTHONUNBUFFERED=1
+STEPS="${STEPS:-tests transfer l3 ttft decode collectors fleet restart}"
+quiet() { grep -v -E "FutureWarning|forward_call|return func|past_key_values"; }
+
+for step in $STEPS; do
+  echo "== $step"
+  case "$step" in
+    tests)
+      timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kvtier/test_l2.py \
+        tests/kvtier/test_transfer.py tests/kvtier/test_soak.py tests/kvtier/test_cache_gpu.py \
+        tests/ops/test_collectors_host.py 2>&1 | tail -30 >"$OUT/gpu_tests.txt" ;;
+    transfer)
+      mkdir -p "$OUT/transfer"
+      timeout 150 python3 bench/transfer.py --out "$OUT/transfer" --groups 8 >"$OUT/transfer.txt" 2>&1 ;;
+    l3)
+      mkdir -p .l3bench
+      timeout 90 python3 bench/l3_io.py --dir .l3bench --chunks 24 --rounds 3 >"$OUT/l3_io.txt" 2>&1
+      rm -rf .l3bench ;;
+    ttft)
+      timeout 200 python3 bench/ttft.py --contexts 2048,8192 --reps 3 2>&1 | quiet >"$OUT/ttft.txt" ;;
+    decode)
+      timeout 90 python3 bench/decode.py --context 2048 --steps 64 --rounds 3 2>&1 | quiet >"$OUT/decode.txt" ;;
+    collectors)
+      timeout 60 python3 bench/collectors.py >"$OUT/collectors.txt" 2>&1 ;;
+    fleet)
+      mkdir -p "$OUT/fleet"
+      timeout 400 python3 bench/agent_fleet.py --out "$OUT/fleet" --time-limit 48 2>&1 | quiet >"$OUT/fleet.txt" ;;
+    restart)
+      if python3 -c "import fastapi, uvicorn" 2>/dev/null; then
+        timeout 200 python3 bench/restart.py --device cuda --repeat 3 --png "$OUT/restart.png" \
+          >"$OUT/restart.txt" 2>&1
+      else
+        echo "restart: skipped (fastapi/uvicorn not importable here)" | tee "$OUT/restart.txt"
+      fi ;;
+    *) echo "unknown step $step" >&2 ;;
+  esac
+  tail -12 "$OUT"/"$step"*.txt 2>/dev/null || tail -12 "$OUT/gpu_tests.txt"
+done
