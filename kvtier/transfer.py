@@ -38,6 +38,7 @@ from kvtier.codecs import Codec
 from kvtier.errors import ConfigError
 from kvtier.geometry import KVGeometry
 from kvtier.snapshot import TransferStats
+from kvtier.tiers import l3_io
 from kvtier.tiers.l2 import HostArena
 
 Layers = Sequence[Sequence[torch.Tensor]]  # per layer (K, V), each [1, H, capacity, D]
@@ -257,7 +258,11 @@ class TransferEngine:
                     self._stages[direction] = stages
         elif not codec.lossless:
             self._stages = {_DOWN: [_Stage(self, rows=False)], _UP: [_Stage(self, rows=False)]}
-        self._writer = ThreadPoolExecutor(max(1, l3_threads), thread_name_prefix="kvtier-l3w")
+        self._writer = ThreadPoolExecutor(
+            max(1, l3_threads),
+            thread_name_prefix="kvtier-l3w",
+            initializer=l3_io.background_thread,  # below the decode loop's CPU priority
+        )
         self._reader = ThreadPoolExecutor(max(1, l3_threads), thread_name_prefix="kvtier-l3r")
         self.l3_write_queue = int(l3_write_queue)
 

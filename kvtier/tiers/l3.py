@@ -355,7 +355,10 @@ class L3Store:
             pool = self._pools.get(name)
             if pool is None:
                 pool = ThreadPoolExecutor(
-                    threads or self.io_threads, thread_name_prefix=f"kvtier-l3{name}"
+                    threads or self.io_threads,
+                    thread_name_prefix=f"kvtier-l3{name}",
+                    # writes run in the background; reads are on a restore's critical path
+                    initializer=l3_io.background_thread if name != "read" else None,
                 )
                 self._pools[name] = pool
         return pool

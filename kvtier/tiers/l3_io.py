@@ -9,6 +9,7 @@ import fcntl
 import mmap
 import os
 import platform
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -50,6 +51,23 @@ class _Cachestat(ctypes.Structure):
         ("nr_evicted", ctypes.c_uint64),
         ("nr_recently_evicted", ctypes.c_uint64),
     )
+
+
+BACKGROUND_NICE = 10
+
+
+def background_thread() -> None:
+    """Lower the calling thread to nice 10 (Linux keeps a nice value per thread).
+
+    Thread-pool initializer for background disk work (L3 writes and their checksums): on a
+    serving host that work must not take CPU from the thread that drives the GPU. Best effort.
+    """
+    try:
+        tid = threading.get_native_id()
+        if os.getpriority(os.PRIO_PROCESS, tid) < BACKGROUND_NICE:
+            os.setpriority(os.PRIO_PROCESS, tid, BACKGROUND_NICE)
+    except (OSError, AttributeError):  # not Linux, or not permitted: run at normal priority
+        pass
 
 
 def aligned_buffer(nbytes: int) -> memoryview:

@@ -208,3 +208,25 @@ def test_group_commit_failure_of_apply_fails_the_whole_batch() -> None:
 def test_io_threads_must_be_positive(tmp_path: Path) -> None:
     with pytest.raises(StoreError, match="io_threads"):
         L3Store(tmp_path / "l3", io_threads=0)
+
+
+def test_write_threads_run_at_background_priority(tmp_path: Path) -> None:
+    """L3 writes and their checksums must not take CPU from the thread driving the GPU."""
+    import os
+    import threading
+
+    from kvtier.tiers import l3_io
+
+    store = L3Store(tmp_path / "l3")
+    seen: dict[str, int] = {}
+
+    def nice_of(name: str) -> None:
+        seen[name] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    store._pool("write").submit(nice_of, "write").result()
+    store._pool("crc").submit(nice_of, "crc").result()
+    store._pool("read").submit(nice_of, "read").result()
+    store.close()
+    base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    assert seen["write"] == seen["crc"] == max(base, l3_io.BACKGROUND_NICE)
+    assert seen["read"] == base
