@@ -19,7 +19,7 @@ import time
 from array import array
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -27,6 +27,8 @@ import torch
 from kvtier.cache.config import CacheConfig
 from kvtier.cache.costmodel import CostModel
 from kvtier.cache.keys import SHARED_TENANT, ZERO_KEY, chunk_key, namespace
+from kvtier.cache.session import Session, _as_list
+from kvtier.cache.stats import Counters, build_snapshot
 from kvtier.codecs import make_codec
 from kvtier.errors import (
     FingerprintMismatch,
@@ -43,11 +45,8 @@ from kvtier.policy import make_policy
 from kvtier.snapshot import (
     RESTORE_BUCKETS,
     CacheSnapshot,
-    RestoreHistogram,
-    SessionInfo,
-    TierStats,
 )
-from kvtier.tiers.l1 import L1Pool, SessionBuffers
+from kvtier.tiers.l1 import L1Pool
 from kvtier.tiers.l2 import HostArena
 from kvtier.tiers.l3 import L3Store, SessionRecord
 from kvtier.transfer import TransferEngine
@@ -68,167 +67,6 @@ class _Chunk:
     l3_write: Future | None = None  # in-flight L2 -> L3 write
     l3_read: Future | None = None  # in-flight L3 -> L2 prefetch
     seen: int = 0
-
-
-@dataclass
-class _Counters:
-    hits: dict[str, int] = field(default_factory=lambda: {"l1": 0, "l2": 0, "l3": 0})
-    misses: dict[str, int] = field(default_factory=lambda: {"l1": 0, "l2": 0, "l3": 0})
-    evictions: dict[str, int] = field(default_factory=lambda: {"l1": 0, "l2": 0, "l3": 0})
-    decisions: dict[str, int] = field(default_factory=lambda: {s.value: 0 for s in RestoreSource})
-    restored_tokens: dict[str, int] = field(
-        default_factory=lambda: {s.value: 0 for s in RestoreSource}
-    )
-    latency: dict[str, list[int]] = field(
-        default_factory=lambda: {s.value: [0] * len(RESTORE_BUCKETS) for s in RestoreSource}
-    )
-    latency_sum: dict[str, float] = field(
-        default_factory=lambda: {s.value: 0.0 for s in RestoreSource}
-    )
-    latency_count: dict[str, int] = field(
-        default_factory=lambda: {s.value: 0 for s in RestoreSource}
-    )
-    checksum_failures: int = 0
-    oom_retries: int = 0
-    l3_full: int = 0
-
-
-class _PrefillTimer:
-    """Times a prefill with CUDA events (no sync in the forward) or the host clock on CPU."""
-
-    def __init__(self, tokens: int, cuda: bool) -> None:
-        self.tokens = tokens
-        self._cuda = cuda
-        self._end: Any = None
-        if cuda:
-            self._start: Any = torch.cuda.Event(enable_timing=True)
-            self._start.record()
-        else:
-            self._start = time.perf_counter()
-
-    def stop(self) -> None:
-        if self._end is not None:
-            return
-        if self._cuda:
-            self._end = torch.cuda.Event(enable_timing=True)
-            self._end.record()
-        else:
-            self._end = time.perf_counter()
-
-    def seconds(self) -> float | None:
-        if self._end is None:
-            return None
-        if self._cuda:
-            self._end.synchronize()
-            return float(self._start.elapsed_time(self._end)) / 1000.0
-        return float(self._end - self._start)
-
-
-class Session:
-    """One conversation's KV. Get it with `TieredCache.session(id, tenant=...)`."""
-
-    def __init__(self, cache: TieredCache, session_id: str, tenant: str) -> None:
-        self._cache = cache
-        self.session_id = session_id
-        self.tenant = tenant
-        self.ns = namespace(cache.fingerprint, tenant)
-        self.state = SessionState.IDLE
-        self.pinned = False
-        self.ttl_s: float | None = cache.config.session_ttl_s
-        self.last_active = time.time()
-        self.tokens: list[int] = []  # ids whose KV is in L1 (resident) or stored (hibernated)
-        self.chunk_keys: list[bytes] = []  # keys of full chunks of self.tokens, in order
-        self.tail_key: bytes | None = None  # partial chunk written at hibernation
-        self.flushed = 0  # leading full chunks already handed to the write policy
-        self.bufs: SessionBuffers | None = None
-        self.lengths: list[int] = []
-        self.restore_source = RestoreSource.RECOMPUTE.value
-        self._prefill: _PrefillTimer | None = None
-
-    # -- L1Owner protocol (used by KvtierLayer during the model's forward) ----------------------
-
-    def ensure_capacity(self, tokens: int) -> None:
-        assert self.bufs is not None
-        self._cache._grow(self, tokens)
-
-    def on_forward(self, layer_idx: int, new_tokens: int) -> None:
-        """Time the first multi-token forward after a restore: that is the prefill."""
-        if new_tokens <= 1:
-            return
-        if layer_idx == 0 and self._prefill is None and self.bufs is not None:
-            self._prefill = _PrefillTimer(new_tokens, self.bufs.layers[0][0].is_cuda)
-        elif layer_idx == len(self.lengths) - 1 and self._prefill is not None:
-            self._prefill.stop()
-
-    # -- public API -----------------------------------------------------------------------------
-
-    def restore(self, input_ids: torch.Tensor | Sequence[int]) -> KvtierCache:
-        """A transformers Cache holding the longest cached prefix of `input_ids`.
-
-        At least the last input token is left to compute, so the model produces its logits.
-        """
-        return self._cache._restore(self, _as_list(input_ids))
-
-    def commit(self, token_ids: torch.Tensor | Sequence[int]) -> None:
-        """Record which token ids the session's KV now covers (prompt + generated)."""
-        self._cache._commit(self, _as_list(token_ids))
-
-    def abort(self) -> None:
-        """Forget KV written since the last commit (a failed or cancelled request)."""
-        self._cache._abort(self)
-
-    def hibernate(self) -> None:
-        """Push the KV down to L2/L3 and free L1 (the agent is waiting on a tool)."""
-        self._cache._hibernate(self, wait=True)
-
-    def prefetch(self) -> None:
-        """Start loading the session's chunks from L3 into L2 (the tool call is returning)."""
-        self._cache._prefetch(self)
-
-    def pin(self, pinned: bool = True) -> None:
-        """Pinned sessions are evicted from L1 last."""
-        self.pinned = pinned
-
-    def ttl(self, seconds: float | None) -> None:
-        """Close the session automatically after `seconds` without activity (None: never)."""
-        self.ttl_s = seconds
-
-    def close(self) -> None:
-        """Forget the session: free its L1 and its record (shared chunks stay cached)."""
-        self._cache._close(self)
-
-    @property
-    def resident(self) -> bool:
-        return self.bufs is not None
-
-    def info(self) -> SessionInfo:
-        c = self._cache
-        keys = [*self.chunk_keys] + ([self.tail_key] if self.tail_key else [])
-        l2 = sum(1 for k in keys if (e := c._chunks.get(k)) is not None and e.l2_slot is not None)
-        l3 = sum(1 for k in keys if k in c._l3_tokens)
-        l1 = (len(self.tokens) + c.chunk_tokens - 1) // c.chunk_tokens if self.resident else 0
-        return SessionInfo(
-            session_id=self.session_id,
-            tenant=self.tenant,
-            state=self.state.value,
-            pinned=self.pinned,
-            tokens=len(self.tokens),
-            bytes=len(self.tokens) * c.geometry.bytes_per_token,
-            chunks_l1=l1,
-            chunks_l2=l2,
-            chunks_l3=l3,
-            last_active=self.last_active,
-        )
-
-
-def _as_list(ids: torch.Tensor | Sequence[int]) -> list[int]:
-    if isinstance(ids, torch.Tensor):
-        if ids.dim() == 2:
-            if ids.shape[0] != 1:
-                raise ValueError("kvtier sessions hold one sequence: pass a [1, T] tensor")
-            ids = ids[0]
-        return [int(x) for x in ids.tolist()]
-    return [int(x) for x in ids]
 
 
 class TieredCache:
@@ -272,7 +110,7 @@ class TieredCache:
         self._lock = threading.RLock()
         self._chunks: dict[bytes, _Chunk] = {}
         self._sessions: dict[tuple[str, str], Session] = {}
-        self._n = _Counters()
+        self._n = Counters()
         # Keys (-> token count) of this model's chunks in L3, loaded once: the hot path never
         # queries the SQLite index, whose writers hold its lock across an fsync'd commit.
         self._l3_tokens: dict[bytes, int] = {
@@ -973,67 +811,7 @@ class TieredCache:
         """A frozen snapshot of every tier, session and counter (DESIGN.md section 7)."""
         with self._lock:
             self._reap()
-            C = self.chunk_tokens
-            l1_chunks = sum(-(-len(s.tokens) // C) for s in self._sessions.values() if s.resident)
-            l3 = self.l3.stats()
-            eng = self.engine.stats()
-            tiers = (
-                TierStats(
-                    "l1",
-                    self.l1.budget_bytes,
-                    self.l1.used_bytes,
-                    l1_chunks,
-                    self._n.hits["l1"],
-                    self._n.misses["l1"],
-                    self._n.evictions["l1"],
-                ),
-                TierStats(
-                    "l2",
-                    self.l2.n_slots * self.l2.slot_bytes,
-                    (self.l2.n_slots - self.l2.free_slots) * self.l2.slot_bytes,
-                    self.l2.n_slots - self.l2.free_slots,
-                    self._n.hits["l2"],
-                    self._n.misses["l2"],
-                    self._n.evictions["l2"],
-                ),
-                TierStats(
-                    "l3",
-                    l3.capacity_bytes,
-                    l3.used_bytes,
-                    l3.chunks,
-                    self._n.hits["l3"],
-                    self._n.misses["l3"],
-                    self._n.evictions["l3"],
-                ),
-            )
-            by_state: dict[str, int] = {st.value: 0 for st in SessionState if st.value != "closed"}
-            for s in self._sessions.values():
-                by_state[s.state.value] = by_state.get(s.state.value, 0) + 1
-            by_state["pinned"] = sum(1 for s in self._sessions.values() if s.pinned)
-            hist = tuple(
-                RestoreHistogram(
-                    src=src,
-                    buckets=tuple(self._n.latency[src]),
-                    count=self._n.latency_count[src],
-                    sum_seconds=self._n.latency_sum[src],
-                )
-                for src in self._n.latency
-            )
-            return CacheSnapshot(
-                taken_at=time.time(),
-                tiers=tiers,
-                sessions_by_state=tuple(sorted(by_state.items())),
-                transfers=tuple(eng.transfers),
-                queue_depths=(("l3_read", eng.l3_read_queue), ("l3_write", eng.l3_write_queue)),
-                restore_decisions=tuple(sorted(self._n.decisions.items())),
-                restored_tokens=tuple(sorted(self._n.restored_tokens.items())),
-                restore_latency=hist,
-                checksum_failures=self._n.checksum_failures + l3.checksum_failures,
-                shed_writes=eng.shed_writes,
-                io_errors=l3.io_errors,
-                oom_retries=self._n.oom_retries,
-                sessions=tuple(s.info() for s in self._sessions.values()),
-            )
+            return build_snapshot(self)
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

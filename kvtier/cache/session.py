@@ -1,0 +1,156 @@
+"""Session: one conversation's handle on a TieredCache (the public per-session API)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from kvtier.cache.keys import namespace
+from kvtier.snapshot import SessionInfo
+from kvtier.tiers.l1 import SessionBuffers
+from kvtier.types import RestoreSource, SessionState
+
+if TYPE_CHECKING:  # pragma: no cover
+    from kvtier.cache.core import TieredCache
+    from kvtier.integrations.hf import KvtierCache
+
+
+class _PrefillTimer:
+    """Times a prefill with CUDA events (no sync in the forward) or the host clock on CPU."""
+
+    def __init__(self, tokens: int, cuda: bool) -> None:
+        self.tokens = tokens
+        self._cuda = cuda
+        self._end: Any = None
+        if cuda:
+            self._start: Any = torch.cuda.Event(enable_timing=True)
+            self._start.record()
+        else:
+            self._start = time.perf_counter()
+
+    def stop(self) -> None:
+        if self._end is not None:
+            return
+        if self._cuda:
+            self._end = torch.cuda.Event(enable_timing=True)
+            self._end.record()
+        else:
+            self._end = time.perf_counter()
+
+    def seconds(self) -> float | None:
+        if self._end is None:
+            return None
+        if self._cuda:
+            self._end.synchronize()
+            return float(self._start.elapsed_time(self._end)) / 1000.0
+        return float(self._end - self._start)
+
+
+class Session:
+    """One conversation's KV. Get it with `TieredCache.session(id, tenant=...)`."""
+
+    def __init__(self, cache: TieredCache, session_id: str, tenant: str) -> None:
+        self._cache = cache
+        self.session_id = session_id
+        self.tenant = tenant
+        self.ns = namespace(cache.fingerprint, tenant)
+        self.state = SessionState.IDLE
+        self.pinned = False
+        self.ttl_s: float | None = cache.config.session_ttl_s
+        self.last_active = time.time()
+        self.tokens: list[int] = []  # ids whose KV is in L1 (resident) or stored (hibernated)
+        self.chunk_keys: list[bytes] = []  # keys of full chunks of self.tokens, in order
+        self.tail_key: bytes | None = None  # partial chunk written at hibernation
+        self.flushed = 0  # leading full chunks already handed to the write policy
+        self.bufs: SessionBuffers | None = None
+        self.lengths: list[int] = []
+        self.restore_source = RestoreSource.RECOMPUTE.value
+        self._prefill: _PrefillTimer | None = None
+
+    # -- L1Owner protocol (used by KvtierLayer during the model's forward) ----------------------
+
+    def ensure_capacity(self, tokens: int) -> None:
+        assert self.bufs is not None
+        self._cache._grow(self, tokens)
+
+    def on_forward(self, layer_idx: int, new_tokens: int) -> None:
+        """Time the first multi-token forward after a restore: that is the prefill."""
+        if new_tokens <= 1:
+            return
+        if layer_idx == 0 and self._prefill is None and self.bufs is not None:
+            self._prefill = _PrefillTimer(new_tokens, self.bufs.layers[0][0].is_cuda)
+        elif layer_idx == len(self.lengths) - 1 and self._prefill is not None:
+            self._prefill.stop()
+
+    # -- public API -----------------------------------------------------------------------------
+
+    def restore(self, input_ids: torch.Tensor | Sequence[int]) -> KvtierCache:
+        """A transformers Cache holding the longest cached prefix of `input_ids`.
+
+        At least the last input token is left to compute, so the model produces its logits.
+        """
+        return self._cache._restore(self, _as_list(input_ids))
+
+    def commit(self, token_ids: torch.Tensor | Sequence[int]) -> None:
+        """Record which token ids the session's KV now covers (prompt + generated)."""
+        self._cache._commit(self, _as_list(token_ids))
+
+    def abort(self) -> None:
+        """Forget KV written since the last commit (a failed or cancelled request)."""
+        self._cache._abort(self)
+
+    def hibernate(self) -> None:
+        """Push the KV down to L2/L3 and free L1 (the agent is waiting on a tool)."""
+        self._cache._hibernate(self, wait=True)
+
+    def prefetch(self) -> None:
+        """Start loading the session's chunks from L3 into L2 (the tool call is returning)."""
+        self._cache._prefetch(self)
+
+    def pin(self, pinned: bool = True) -> None:
+        """Pinned sessions are evicted from L1 last."""
+        self.pinned = pinned
+
+    def ttl(self, seconds: float | None) -> None:
+        """Close the session automatically after `seconds` without activity (None: never)."""
+        self.ttl_s = seconds
+
+    def close(self) -> None:
+        """Forget the session: free its L1 and its record (shared chunks stay cached)."""
+        self._cache._close(self)
+
+    @property
+    def resident(self) -> bool:
+        return self.bufs is not None
+
+    def info(self) -> SessionInfo:
+        c = self._cache
+        keys = [*self.chunk_keys] + ([self.tail_key] if self.tail_key else [])
+        l2 = sum(1 for k in keys if (e := c._chunks.get(k)) is not None and e.l2_slot is not None)
+        l3 = sum(1 for k in keys if k in c._l3_tokens)
+        l1 = (len(self.tokens) + c.chunk_tokens - 1) // c.chunk_tokens if self.resident else 0
+        return SessionInfo(
+            session_id=self.session_id,
+            tenant=self.tenant,
+            state=self.state.value,
+            pinned=self.pinned,
+            tokens=len(self.tokens),
+            bytes=len(self.tokens) * c.geometry.bytes_per_token,
+            chunks_l1=l1,
+            chunks_l2=l2,
+            chunks_l3=l3,
+            last_active=self.last_active,
+        )
+
+
+def _as_list(ids: torch.Tensor | Sequence[int]) -> list[int]:
+    if isinstance(ids, torch.Tensor):
+        if ids.dim() == 2:
+            if ids.shape[0] != 1:
+                raise ValueError("kvtier sessions hold one sequence: pass a [1, T] tensor")
+            ids = ids[0]
+        return [int(x) for x in ids.tolist()]
+    return [int(x) for x in ids]
