@@ -35,6 +35,7 @@ from typing import Any, Protocol
 import torch
 
 from kvtier.errors import BudgetError, ConfigError
+from kvtier.tiers.libc import libc
 
 log = logging.getLogger(__name__)
 
@@ -51,19 +52,6 @@ _CUDA_ERRORS = {
     712: "cudaErrorHostMemoryAlreadyRegistered",
     713: "cudaErrorHostMemoryNotRegistered",
 }
-
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [
-    ctypes.c_void_p,
-    ctypes.c_size_t,
-    ctypes.c_int,
-    ctypes.c_int,
-    ctypes.c_int,
-    ctypes.c_long,
-]
-_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-_libc.mlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 
 
 @dataclass(frozen=True)
@@ -170,7 +158,7 @@ class _Mapping:
                         self.address,
                         error_name(err),
                     )
-        _libc.munmap(self.address, self.nbytes)
+        libc.munmap(self.address, self.nbytes)
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
@@ -310,12 +298,12 @@ class HostArena:
             fd = os.open(self._hugetlbfs, os.O_RDWR | os.O_TMPFILE, 0o600)
             os.ftruncate(fd, nbytes)
             flags = mmap.MAP_SHARED | _MAP_POPULATE
-            address = _libc.mmap(None, nbytes, prot, flags, fd, 0)
+            address = libc.mmap(None, nbytes, prot, flags, fd, 0)
         else:
             flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_POPULATE
             if self.hugepages:
                 flags |= _MAP_HUGETLB
-            address = _libc.mmap(None, nbytes, prot, flags, -1, 0)
+            address = libc.mmap(None, nbytes, prot, flags, -1, 0)
         if address is None or address == _MAP_FAILED:
             err = ctypes.get_errno()
             if fd is not None:
@@ -333,7 +321,7 @@ class HostArena:
         slab = _Slab(mapping, torch.frombuffer(array, dtype=torch.uint8))
         del array
         try:
-            if self.mlocked and _libc.mlock(address, nbytes) != 0:
+            if self.mlocked and libc.mlock(address, nbytes) != 0:
                 err = ctypes.get_errno()
                 raise BudgetError(
                     f"mlock of an L2 slab of {nbytes} bytes failed: {os.strerror(err)}; raise "

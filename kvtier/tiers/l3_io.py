@@ -13,30 +13,12 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+from kvtier.tiers.libc import libc
+
 PAGE = mmap.PAGESIZE
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 _CACHESTAT_NR = {"x86_64": 451, "aarch64": 451}.get(platform.machine())  # asm-generic table
-_libc: Any = None
 _cachestat_ok = _CACHESTAT_NR is not None
-
-
-def _lib() -> Any:
-    global _libc
-    if _libc is None:
-        _libc = ctypes.CDLL(None, use_errno=True)
-        _libc.mmap.restype = ctypes.c_void_p
-        _libc.mmap.argtypes = [
-            ctypes.c_void_p,
-            ctypes.c_size_t,
-            ctypes.c_int,
-            ctypes.c_int,
-            ctypes.c_int,
-            ctypes.c_long,
-        ]
-        _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-        _libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-        _libc.syscall.restype = ctypes.c_long
-    return _libc
 
 
 class _CachestatRange(ctypes.Structure):
@@ -91,7 +73,7 @@ def cachestat(fd: int) -> tuple[int, int, int, int, int] | None:
     if not _cachestat_ok:
         return None
     rng, stat = _CachestatRange(0, 0), _Cachestat()  # len 0: to the end of the file
-    res = _lib().syscall(_CACHESTAT_NR, fd, ctypes.byref(rng), ctypes.byref(stat), 0)
+    res = libc.syscall(_CACHESTAT_NR, fd, ctypes.byref(rng), ctypes.byref(stat), 0)
     if res == 0:
         return (
             int(stat.nr_cache),
@@ -119,7 +101,6 @@ def mincore_pages(fd: int, size: int) -> int | None:
     """Resident pages through mmap + mincore(2), which works on every Linux; None on failure."""
     if size <= 0:
         return 0
-    libc = _lib()
     addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
     if addr in (None, ctypes.c_void_p(-1).value):
         return None
