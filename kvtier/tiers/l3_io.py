@@ -129,21 +129,25 @@ def set_direct(fd: int, on: bool) -> bool:
     return True
 
 
+def _consume(views: list[memoryview], n: int) -> None:
+    """Drop the first `n` bytes from `views`, after a vectored call moved only that many."""
+    while n and views:
+        if n >= len(views[0]):
+            n -= len(views[0])
+            views.pop(0)
+        else:
+            views[0] = views[0][n:]
+            n = 0
+
+
 def write_all(fd: int, parts: Sequence[Any]) -> int:
     """Write every buffer in order with writev, resuming after short writes."""
-    views = [memoryview(p).cast("B") for p in parts]
-    views = [v for v in views if len(v)]
+    views = [v for v in (memoryview(p).cast("B") for p in parts) if len(v)]
     total = 0
     while views:
         n = os.writev(fd, views[:1024])
         total += n
-        while n and views:
-            if n >= len(views[0]):
-                n -= len(views[0])
-                views.pop(0)
-            else:
-                views[0] = views[0][n:]
-                n = 0
+        _consume(views, n)
     return total
 
 
@@ -154,13 +158,7 @@ def pwrite_all(fd: int, parts: Sequence[Any], offset: int) -> int:
     while views:
         n = os.pwritev(fd, views[:1024], offset + total)
         total += n
-        while n and views:
-            if n >= len(views[0]):
-                n -= len(views[0])
-                views.pop(0)
-            else:
-                views[0] = views[0][n:]
-                n = 0
+        _consume(views, n)
     return total
 
 
@@ -173,13 +171,7 @@ def read_into(fd: int, parts: Sequence[memoryview], offset: int) -> int:
         if n == 0:
             break  # end of file
         total += n
-        while n and views:
-            if n >= len(views[0]):
-                n -= len(views[0])
-                views.pop(0)
-            else:
-                views[0] = views[0][n:]
-                n = 0
+        _consume(views, n)
     return total
 
 
