@@ -578,8 +578,7 @@ class TransferEngine:
         a restore of that slot): the caller treats it as a miss and recomputes; no byte of it
         reaches the GPU.
         """
-        if self.store is None:
-            raise ConfigError("this engine has no L3 store; pass l3_store to read from SSD")
+        self._need_store()  # fail in the caller, not in the pool thread
         self._settle_io(slot)
         copy = self._slot_copy.get(slot)
         with self._lock:

@@ -109,6 +109,7 @@ class TieredCache:
         self._l2_policy = make_policy(config.l2_policy)
         self._lock = threading.RLock()
         self._chunks: dict[bytes, _Chunk] = {}
+        self._writing: set[bytes] = set()  # keys with an L2 -> L3 write in flight
         self._sessions: dict[tuple[str, str], Session] = {}
         self._n = Counters()
         # Keys (-> token count) of this model's chunks in L3, loaded once: the hot path never
@@ -469,6 +470,8 @@ class TieredCache:
             return
         header = self._header(entry, tenant)
         entry.l3_write = self.engine.write_l3(entry.l2_slot, header)  # None: shed (counted)
+        if entry.l3_write is not None:
+            self._writing.add(entry.key)
 
     def _header(self, entry: _Chunk, tenant: str) -> ChunkHeader:
         g = self.geometry
@@ -490,9 +493,13 @@ class TieredCache:
 
     def _reap(self) -> None:
         """Harvest finished background transfers and expired sessions (called under the lock)."""
-        for entry in self._chunks.values():
-            fut = entry.l3_write
-            if fut is not None and fut.done():
+        for key in list(self._writing):  # only chunks with a write in flight, not every chunk
+            entry = self._chunks.get(key)
+            fut = entry.l3_write if entry is not None else None
+            if fut is not None and not fut.done():
+                continue
+            self._writing.discard(key)
+            if entry is not None and fut is not None:
                 entry.l3_write = None
                 exc = fut.exception()
                 if exc is None:
@@ -616,6 +623,7 @@ class TieredCache:
                 except Exception as exc:  # counted by the store; the chunk stays in L2
                     log.warning("L3 write of %s failed: %s", key.hex(), exc)
                 entry.l3_write = None
+                self._writing.discard(key)
 
     # -- L2 slots -------------------------------------------------------------------------------
 
@@ -661,6 +669,7 @@ class TieredCache:
         fut = entry.l3_write
         if fut is not None and fut.done():
             entry.l3_write = None
+            self._writing.discard(entry.key)
             self._set_in_l3(entry, fut.exception() is None)
 
     # -- prefetch / close -----------------------------------------------------------------------

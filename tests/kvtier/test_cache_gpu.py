@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import tiny_llama
+from test_cache_exact import greedy
 from transformers import DynamicCache
 
 from kvtier import CacheConfig, TieredCache
@@ -16,19 +17,6 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
 TURNS = [[5, 9, 13] * 90, [7, 3] * 40, [11] * 70]
-
-
-def greedy(model, ids, pkv, steps=8):
-    out = model.generate(
-        ids,
-        past_key_values=pkv,
-        max_new_tokens=steps,
-        do_sample=False,
-        output_scores=True,
-        return_dict_in_generate=True,
-        pad_token_id=0,
-    )
-    return out.sequences, torch.stack(out.scores)
 
 
 @pytest.mark.parametrize("evict", ["none", "l2", "l3"])
@@ -48,11 +36,11 @@ def test_cuda_turns_match_recompute(tmp_path: Path, evict: str) -> None:
     for turn, new in enumerate(TURNS):
         ids = torch.cat([ids, torch.tensor([new], device="cuda")], dim=1)
         s = cache.session("g", tenant="t")
-        seq, scores = greedy(model, ids, s.restore(ids))
+        seq, scores = greedy(model, ids, s.restore(ids), steps=8)
         s.commit(seq)
         if turn:
             assert s.restore_source == {"none": "l1", "l2": "l2", "l3": "l3"}[evict]
-        ref_seq, ref_scores = greedy(model, ids, DynamicCache())
+        ref_seq, ref_scores = greedy(model, ids, DynamicCache(), steps=8)
         assert torch.equal(seq, ref_seq)
         torch.testing.assert_close(scores, ref_scores, atol=1e-4, rtol=0)
         ids = seq
