@@ -14,7 +14,7 @@ cd "$(dirname "$0")/.."
 OUT="${1:-${OUT:-gpu-out}}"
 mkdir -p "$OUT"
 export PYTHONPATH=. PYTHONUNBUFFERED=1
-STEPS="${STEPS:-tests transfer l3 ttft decode collectors fleet restart}"
+STEPS="${STEPS:-tests transfer l3 ttft decode collectors interference fleet restart}"
 quiet() { grep -v -E "FutureWarning|forward_call|return func|past_key_values"; }
 
 for step in $STEPS; do
@@ -26,7 +26,7 @@ for step in $STEPS; do
         tests/ops/test_collectors_host.py 2>&1 | tail -30 >"$OUT/gpu_tests.txt" ;;
     transfer)
       mkdir -p "$OUT/transfer"
-      timeout 150 python3 bench/transfer.py --out "$OUT/transfer" --groups 8 >"$OUT/transfer.txt" 2>&1 ;;
+      timeout 150 python3 bench/transfer.py --out "$OUT/transfer" --groups "${GROUPS:-8}" >"$OUT/transfer.txt" 2>&1 ;;
     l3)
       mkdir -p .l3bench
       timeout 90 python3 bench/l3_io.py --dir .l3bench --chunks 24 --rounds 3 >"$OUT/l3_io.txt" 2>&1
@@ -37,9 +37,15 @@ for step in $STEPS; do
       timeout 90 python3 bench/decode.py --context 2048 --steps 64 --rounds 3 2>&1 | quiet >"$OUT/decode.txt" ;;
     collectors)
       timeout 60 python3 bench/collectors.py >"$OUT/collectors.txt" 2>&1 ;;
+    interference)
+      mkdir -p .l3interf
+      timeout 120 python3 bench/l3_interference.py --dir .l3interf --seconds 6 2>&1 | quiet \
+        >"$OUT/interference.txt"
+      rm -rf .l3interf ;;
     fleet)
       mkdir -p "$OUT/fleet"
-      timeout 400 python3 bench/agent_fleet.py --out "$OUT/fleet" --time-limit 48 2>&1 | quiet >"$OUT/fleet.txt" ;;
+      timeout 400 python3 bench/agent_fleet.py --out "$OUT/fleet" --time-limit "${FLEET_SECONDS:-48}" \
+        ${FLEET_CONFIGS:+--configs "$FLEET_CONFIGS"} 2>&1 | quiet >"$OUT/fleet.txt" ;;
     restart)
       if python3 -c "import fastapi, uvicorn" 2>/dev/null; then
         timeout 200 python3 bench/restart.py --device cuda --repeat 3 --png "$OUT/restart.png" \

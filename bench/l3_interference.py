@@ -1,28 +1,39 @@
-"""How much background L3 write-through slows the thread that drives the model.
+"""How much background L3 write-through slows the thread that drives the model, and why.
 
-The serving thread spends a decode step issuing thousands of small torch operations from
-Python. This benchmark times such a loop alone (the ceiling) and while the transfer engine
-writes 14.7 MB chunks (Qwen2-7B geometry) from L2 slots to L3 in the background, exactly as
-write-through does, with the engine's writer threads at normal priority and at background
-priority (nice 10, the default).
+Write-through puts every full chunk to L3 in the background while the serving thread decodes.
+This benchmark times a decode step alone (the ceiling) and while 14.7 MB chunks (Qwen2-7B
+geometry) are written to L3 in the background the way write-through writes them:
 
-    python3 bench/l3_interference.py --dir DIR [--seconds 6]
+  threads        the transfer engine's writer threads in this process (kvtier's default)
+  threads-nice0  the same at normal priority instead of nice 10
+  checksum-only  threads that only compute the chunk checksums (no disk I/O)
+  process        the same writes from a child process (no shared interpreter)
+
+Comparing the rows separates CPU contention, the shared interpreter (GIL) and the disk I/O.
+A step is one real decode forward of a Qwen2-shaped model with random weights (`--step model`,
+3,000 tokens of context; Qwen2-7B on CUDA) or a stand-in of 3,000 small torch ops (`--step ops`).
+
+    python3 bench/l3_interference.py --dir DIR [--seconds 6] [--step model|ops]
 """
 
 from __future__ import annotations
 
 import argparse
+import multiprocessing as mp
 import os
 import statistics
 import sys
 import tempfile
 import threading
 import time
+import zlib
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from kvtier.codecs import make_codec
 from kvtier.geometry import KVGeometry
@@ -34,98 +45,200 @@ from kvtier.transfer import TransferEngine
 
 GEOMETRY = KVGeometry(28, 4, 128, 128, "bfloat16", "gqa")
 CHUNK = 256
+FEEDERS = 2  # threads keeping the write queue busy, as write-through does under load
 
 
-def step(x: torch.Tensor, ops: int = 3000) -> float:
-    """A stand-in for one decode step's Python-side work: many small torch operations."""
-    t = time.perf_counter()
-    for _ in range(ops):
-        x = torch.add(x, 1.0)
-    return time.perf_counter() - t
+def _header(size: int, params: dict) -> ChunkHeader:
+    return ChunkHeader(
+        key=os.urandom(16),
+        parent=bytes(16),
+        fingerprint=bytes(16),
+        tenant="bench",
+        tokens=CHUNK,
+        layers=GEOMETRY.num_layers,
+        kv_heads=GEOMETRY.num_kv_heads,
+        head_dim=GEOMETRY.head_dim,
+        dtype="bfloat16",
+        codec="native",
+        codec_params=params,
+        payload_len=size,
+        created=time.time(),
+    )
 
 
-def run(root: Path, seconds: float, background: bool) -> list[float]:
+def write_load(root: Path, stop: threading.Event, nice: bool, checksum_only: bool) -> int:
+    """Write chunks through a TransferEngine until `stop`; returns the chunks written."""
     codec = make_codec("native", GEOMETRY)
     size = codec.payload_bytes(CHUNK)
     arena = HostArena(size, 8 * size, pin=False)
-    store = L3Store(root)
-    engine = TransferEngine(GEOMETRY, CHUNK, "cpu", arena, store, codec)
-    if not background:  # the engine's writer threads at the serving thread's priority
-        engine._writer._initializer = None  # type: ignore[attr-defined]
-        store_initializer = l3_io.background_thread
-        l3_io.background_thread = lambda: None  # type: ignore[assignment]
     slots = [arena.alloc() for _ in range(8)]
     for s in slots:
         arena.view(s).copy_(torch.randint(0, 255, (size,), dtype=torch.uint8))
-    stop = threading.Event()
+    written = [0]
+    if checksum_only:
 
-    def feed() -> None:  # keep the write queue busy, as write-through does under load
+        def feed() -> None:
+            if nice:
+                l3_io.background_thread()
+            i = 0
+            while not stop.is_set():
+                zlib.crc32(arena.buffer(slots[i % len(slots)]))
+                written[0] += 1
+                i += 1
+
+        feeders = [threading.Thread(target=feed) for _ in range(FEEDERS)]
+        for f in feeders:
+            f.start()
+        for f in feeders:
+            f.join()
+        arena.close()
+        return written[0]
+
+    saved = l3_io.background_thread
+    if not nice:  # the engine's and the store's pools then run at normal priority
+        l3_io.background_thread = lambda: None  # type: ignore[assignment]
+    store = L3Store(root)
+    engine = TransferEngine(GEOMETRY, CHUNK, "cpu", arena, store, codec)
+    l3_io.background_thread = saved  # type: ignore[assignment]
+
+    def feed_engine() -> None:
         i = 0
         while not stop.is_set():
-            header = ChunkHeader(
-                key=os.urandom(16),
-                parent=bytes(16),
-                fingerprint=bytes(16),
-                tenant="bench",
-                tokens=CHUNK,
-                layers=28,
-                kv_heads=4,
-                head_dim=128,
-                dtype="bfloat16",
-                codec="native",
-                codec_params=codec.params(),
-                payload_len=size,
-                created=time.time(),
-            )
-            fut = engine.write_l3(slots[i % len(slots)], header)
+            fut = engine.write_l3(slots[i % len(slots)], _header(size, codec.params()))
             if fut is not None:
                 fut.result()
+                written[0] += 1
             i += 1
 
-    feeders = [threading.Thread(target=feed) for _ in range(2)]
+    feeders = [threading.Thread(target=feed_engine) for _ in range(FEEDERS)]
     for f in feeders:
         f.start()
-    x = torch.randn(64, 64)
-    times = []
-    t_end = time.perf_counter() + seconds
-    while time.perf_counter() < t_end:
-        times.append(step(x))
-    stop.set()
     for f in feeders:
         f.join()
     engine.close()
     store.close()
     arena.close()
-    if not background:
-        l3_io.background_thread = store_initializer  # type: ignore[assignment]
-    return times
+    return written[0]
+
+
+def _child(root: str, ready: mp.Event, stop: mp.Event, result: mp.Queue) -> None:
+    torch.set_num_threads(1)
+    local = threading.Event()
+    threading.Thread(target=lambda: (stop.wait(), local.set()), daemon=True).start()
+    ready.set()
+    result.put(write_load(Path(root), local, nice=True, checksum_only=False))
+
+
+def measure(step: Callable[[], None], seconds: float, mode: str, root: Path) -> tuple:
+    """Step times while `mode`'s background load runs, and the chunks it wrote meanwhile."""
+    stop = threading.Event()
+    count: list[int] = [0]
+    if mode == "process":
+        ctx = mp.get_context("spawn")
+        ready, pstop, result = ctx.Event(), ctx.Event(), ctx.Queue()
+        proc = ctx.Process(target=_child, args=(str(root), ready, pstop, result))
+        proc.start()
+        ready.wait()
+        time.sleep(0.5)  # the child's store is open and writing
+    else:
+        nice = mode != "threads-nice0"
+        load = threading.Thread(
+            target=lambda: count.__setitem__(
+                0, write_load(root, stop, nice, checksum_only=mode == "checksum-only")
+            )
+        )
+        load.start()
+        time.sleep(0.5)
+    times = []
+    t_end = time.perf_counter() + seconds
+    while time.perf_counter() < t_end:
+        t = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t)
+    if mode == "process":
+        pstop.set()
+        count[0] = result.get()
+        proc.join()
+    else:
+        stop.set()
+        load.join()
+    return times, count[0]
+
+
+def ops_step() -> Callable[[], None]:
+    x = torch.randn(64, 64)
+
+    def step() -> None:
+        y = x
+        for _ in range(3000):
+            y = torch.add(y, 1.0)
+
+    return step
+
+
+def model_step(device: str, context: int) -> tuple[Callable[[], None], str]:
+    from models import build, sync
+    from transformers import DynamicCache
+
+    cuda = device.startswith("cuda")
+    shape = "qwen2-7b" if cuda else "qwen2-mini"
+    model = build(shape, device, torch.bfloat16 if cuda else torch.float32)
+    cache = DynamicCache(config=model.config)
+    ids = torch.randint(100, 30000, (1, context), device=device)
+    with torch.no_grad():
+        model(ids, past_key_values=cache, logits_to_keep=1)
+    tok = ids[:, -1:]
+
+    def step() -> None:
+        with torch.no_grad():
+            model(tok, past_key_values=cache, logits_to_keep=1)
+        sync(device)
+        cache.crop(-1)  # drop the new token: same context length every step
+
+    return step, f"{shape} decode step, {context} tokens of context on {device}"
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--dir", default=None, help="directory on the L3 disk (default: a temp dir)")
-    ap.add_argument("--seconds", type=float, default=6.0)
+    ap.add_argument("--seconds", type=float, default=6.0, help="per mode")
+    ap.add_argument("--step", choices=("model", "ops"), default="model")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--context", type=int, default=3000)
+    ap.add_argument("--modes", default="threads,threads-nice0,checksum-only,process")
     args = ap.parse_args()
-    torch.set_num_threads(1)
-    base_dir = Path(args.dir or tempfile.mkdtemp(prefix="kvtier-interf-"))
-    x = torch.randn(64, 64)
-    alone = statistics.median(step(x) for _ in range(30))
-    rows = []
-    for background in (False, True):
-        root = base_dir / f"bg{int(background)}"
-        times = run(root, args.seconds, background)
-        rows.append(
-            (background, statistics.median(times), sorted(times)[int(0.95 * (len(times) - 1))])
-        )
-    print(f"\nserving-loop step with L3 write-through in the background ({os.cpu_count()} CPUs)")
-    print(
-        f"{'writer priority':>16} {'p50 ms':>8} {'p95 ms':>8} {'alone ms':>9} {'p50 / alone':>12}"
-    )
-    for background, p50, p95 in rows:
-        name = "nice 10" if background else "normal"
+    base = Path(args.dir or tempfile.mkdtemp(prefix="kvtier-interf-"))
+    if args.step == "model":
+        step, what = model_step(args.device, args.context)
+    else:
+        torch.set_num_threads(1)
+        step, what = ops_step(), "3,000 small torch ops on the CPU"
+    for _ in range(5):
+        step()
+    alone = [0.0] * 0
+    t_end = time.perf_counter() + min(args.seconds, 4.0)
+    while time.perf_counter() < t_end:
+        t = time.perf_counter()
+        step()
+        alone.append(time.perf_counter() - t)
+    base_p50 = statistics.median(alone)
+    chunk_mb = GEOMETRY.chunk_bytes(CHUNK) / 1e6
+    print(f"\n{what}, with L3 write-through in the background ({os.cpu_count()} CPUs)")
+    print(f"{'background':>14} {'p50 ms':>8} {'p95 ms':>8} {'p50/alone':>10} {'writes MB/s':>12}")
+    print(f"{'none':>14} {base_p50 * 1e3:8.2f} {_p95(alone) * 1e3:8.2f} {1.0:10.2f} {'-':>12}")
+    for i, mode in enumerate(args.modes.split(",")):
+        times, chunks = measure(step, args.seconds, mode, base / f"{i}-{mode}")
+        rate = chunks * chunk_mb / args.seconds
+        p50 = statistics.median(times)
         print(
-            f"{name:>16} {p50 * 1e3:8.2f} {p95 * 1e3:8.2f} {alone * 1e3:9.2f} {p50 / alone:12.2f}"
+            f"{mode:>14} {p50 * 1e3:8.2f} {_p95(times) * 1e3:8.2f} {p50 / base_p50:10.2f} "
+            f"{rate:12.0f}",
+            flush=True,
         )
+
+
+def _p95(values: list[float]) -> float:
+    return sorted(values)[int(0.95 * (len(values) - 1))]
 
 
 if __name__ == "__main__":

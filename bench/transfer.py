@@ -29,6 +29,7 @@ import torch
 
 from kvtier.codecs import make_codec
 from kvtier.geometry import KVGeometry
+from kvtier.tiers.l1 import L1Pool
 from kvtier.tiers.l2 import HostArena
 from kvtier.transfer import TransferEngine
 
@@ -76,6 +77,7 @@ class Bench:
         self.arena = HostArena(slot, 2 * self.chunks * slot)
         self.group: int | None = None
         self.engine = self.make_engine(None)
+        self.l1 = L1Pool(QWEN2_7B, 1 << 40, device, CHUNK)  # accounting only: never exceeded
         self.rows: list[tuple[str, int, float, float, str]] = []
         self.launch: list[tuple[str, float, float]] = []  # figure, host ms to issue, total ms
 
@@ -102,14 +104,12 @@ class Bench:
             torch.cuda.synchronize(self.device)
 
     def layers(self, tokens: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        shape = (1, QWEN2_7B.num_kv_heads, tokens, QWEN2_7B.head_dim)
-        return [
-            (
-                torch.randn(shape, device=self.device, dtype=torch.bfloat16),
-                torch.randn(shape, device=self.device, dtype=torch.bfloat16),
-            )
-            for _ in range(QWEN2_7B.num_layers)
-        ]
+        """Session buffers as the cache allocates them (L1Pool: one block, per-layer views)."""
+        layers = self.l1.allocate(tokens).layers
+        for k, v in layers:
+            k.normal_()
+            v.normal_()
+        return layers
 
     # ---- ceilings ----------------------------------------------------------------------------
 

@@ -39,6 +39,7 @@ from kvtier.errors import ConfigError
 from kvtier.geometry import KVGeometry
 from kvtier.snapshot import TransferStats
 from kvtier.tiers import l3_io
+from kvtier.tiers.l1 import block_of
 from kvtier.tiers.l2 import HostArena
 
 Layers = Sequence[Sequence[torch.Tensor]]  # per layer (K, V), each [1, H, capacity, D]
@@ -125,7 +126,7 @@ class _Stage:
         )
         self.ready: Any = torch.cuda.Event() if engine.cuda else None
         self.free: Any = torch.cuda.Event() if engine.cuda else None
-        self._views: dict[tuple[int, int], list[torch.Tensor]] = {}
+        self._views: dict[tuple[int, int, bool], list[torch.Tensor]] = {}
 
     @property
     def nbytes(self) -> int:
@@ -145,25 +146,30 @@ class _Stage:
         nbytes = self.geometry.chunk_bytes(length)
         return self.chunks.view(torch.uint8)[index * nbytes : index * nbytes + size]
 
-    def planes(self, count: int, length: int) -> list[torch.Tensor]:
-        """Per layer and plane, the group as [H, count, length, D] (views cached per shape)."""
-        key = (count, length)
+    def planes(self, count: int, length: int, fused: bool) -> list[torch.Tensor]:
+        """The group as `_planes` gives it (views cached per shape)."""
+        key = (count, length, fused)
         views = self._views.get(key)
         if views is None:
             if len(self._views) > 64:
                 self._views.clear()
-            views = _planes(self.staged(count, length))
+            views = _planes(self.staged(count, length), fused)
             self._views[key] = views
         return views
 
 
-def _planes(staged: torch.Tensor) -> list[torch.Tensor]:
-    """[count, L, P, n, H, D] -> L*P views [H, count, n, D], layer-major (matches `_l1_views`)."""
-    return list(staged.permute(1, 2, 4, 0, 3, 5).flatten(0, 1).unbind(0))
+def _planes(staged: torch.Tensor, fused: bool) -> list[torch.Tensor]:
+    """[count, L, P, n, H, D] as `_l1_views` lays out L1: one view [L*P, H, count, n, D] when
+    fused, else L*P views [H, count, n, D], layer-major."""
+    planes = staged.permute(1, 2, 4, 0, 3, 5).flatten(0, 1)
+    return [planes] if fused else list(planes.unbind(0))
 
 
 def _copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
     """dst[i].copy_(src[i]) for all i, in one call where torch offers it (less launch overhead)."""
+    if len(dst) == 1:
+        dst[0].copy_(src[0])
+        return
     foreach = getattr(torch, "_foreach_copy_", None)
     if foreach is not None:
         foreach(dst, src)
@@ -315,8 +321,8 @@ class TransferEngine:
             size = self.codec.payload_bytes(length)
             gather.wait_event(stage.free)  # its previous chunks have gone down
             with torch.cuda.stream(gather):
-                views = self._l1_views(layers, start + index * n, count, length)
-                _copy_all(stage.planes(count, length), views)
+                views, fused = self._l1_views(layers, start + index * n, count, length)
+                _copy_all(stage.planes(count, length, fused), views)
                 if not self.codec.lossless:
                     staged = stage.staged(count, length)
                     for c in range(count):
@@ -344,13 +350,14 @@ class TransferEngine:
         native = self.codec.lossless
         group = 1 if native else self.group_chunks
         for index, count, length in self._groups(ntokens, len(slots), group):
-            views = self._l1_views(layers, start + index * n, count, length)
+            views, fused = self._l1_views(layers, start + index * n, count, length)
             if native:  # gather straight into the slot, no staging copy
-                _copy_all(_planes(self._slot_chunk(slots[index], length).unsqueeze(0)), views)
+                slot = self._slot_chunk(slots[index], length).unsqueeze(0)
+                _copy_all(_planes(slot, fused), views)
                 moved += self.geometry.chunk_bytes(length)
                 continue
             stage = self._stages[_DOWN][0]
-            _copy_all(stage.planes(count, length), views)
+            _copy_all(stage.planes(count, length, fused), views)
             staged = stage.staged(count, length)
             for c in range(count):  # encode straight into the slot
                 moved += self.codec.encode(staged[c], out=self.arena.view(slots[index + c])).numel()
@@ -414,8 +421,8 @@ class TransferEngine:
                         for c in range(count):
                             payload = stage.payload(c, length, size)
                             self.codec.decode(payload, length, out=staged[c])
-                    views = self._l1_views(layers, start + index * n, count, length)
-                    _copy_all(views, stage.planes(count, length))
+                    views, fused = self._l1_views(layers, start + index * n, count, length)
+                    _copy_all(views, stage.planes(count, length, fused))
                     stage.free.record(scatter)
         finally:
             scatter.wait_stream(copy)  # `end` covers every copy issued, even after an error
@@ -436,10 +443,11 @@ class TransferEngine:
         group = 1 if native else self.group_chunks
         for index, count, length in self._groups(ntokens, len(slots), group):
             size = self.codec.payload_bytes(length)
-            views = self._l1_views(layers, start + index * n, count, length)
+            views, fused = self._l1_views(layers, start + index * n, count, length)
             if native:  # scatter straight from the slot
                 self._settle_io(slots[index], strict=True)
-                _copy_all(views, _planes(self._slot_chunk(slots[index], length).unsqueeze(0)))
+                slot = self._slot_chunk(slots[index], length).unsqueeze(0)
+                _copy_all(views, _planes(slot, fused))
                 moved += size
                 continue
             stage = self._stages[_UP][0]
@@ -449,7 +457,7 @@ class TransferEngine:
                 self._settle_io(slot, strict=True)
                 self.codec.decode(self.arena.view(slot)[:size], length, out=staged[c])
                 moved += size
-            _copy_all(views, stage.planes(count, length))
+            _copy_all(views, stage.planes(count, length, fused))
         return moved
 
     # ---- groups, views -----------------------------------------------------------------------
@@ -483,9 +491,19 @@ class TransferEngine:
         nbytes = self.geometry.chunk_bytes(length)
         return self.arena.view(slot)[:nbytes].view(self.geometry.torch_dtype()).view(shape)
 
-    def _l1_views(self, layers: Layers, first: int, count: int, length: int) -> list[torch.Tensor]:
-        """Per layer and plane, tokens [first, first + count*length) as [H, count, length, D]."""
+    def _l1_views(
+        self, layers: Layers, first: int, count: int, length: int
+    ) -> tuple[list[torch.Tensor], bool]:
+        """Tokens [first, first + count*length) of every layer and plane, and whether fused.
+
+        Fused (L1Pool's one-allocation layout): one view [L*P, H, count, length, D], moved by
+        one copy. Otherwise one view [H, count, length, D] per layer and plane, layer-major.
+        """
         planes = self.geometry.kv_planes
+        block = block_of(layers)
+        if block is not None:
+            span = block[:, :planes, 0].flatten(0, 1)[:, :, first : first + count * length]
+            return [span.unflatten(2, (count, length))], True
         views = []
         for pair in layers:
             for t in pair[:planes]:
@@ -497,7 +515,7 @@ class TransferEngine:
                         t.storage_offset() + first * s[2],
                     )
                 )
-        return views
+        return views, False
 
     def _check_range(self, layers: Layers, start: int, ntokens: int, slots: Sequence[int]) -> None:
         if self._closed:

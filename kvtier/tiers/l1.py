@@ -1,7 +1,10 @@
 """L1: per-session, per-layer attention buffers on the model's device, under one byte budget.
 
 Each session owns, per layer, a K and a V tensor of shape ``[1, kv_heads, capacity, head_dim]``
-(transformers' layout), so attention reads them directly. Capacity grows in whole chunks: a
+(transformers' layout), so attention reads them directly. All of them are views of one
+allocation ``[layer, k|v, 1, kv_heads, capacity, head_dim]``: the transfer engine then moves a
+group of chunks for every layer and plane in one strided copy instead of one per layer and
+plane (56 launches for a 28-layer model), and growth is one copy too. Capacity grows in whole chunks: a
 decode step writes one token into spare room, and only every ``chunk_tokens`` tokens does the
 buffer move to a larger allocation (never a ``torch.cat`` per token).
 
@@ -14,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -130,9 +133,17 @@ class L1Pool:
 
     def _new_layers(self, capacity: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         g = self.geometry
-        shape_k = (1, g.num_kv_heads, capacity, g.head_dim)
-        shape_v = (1, g.num_kv_heads, capacity, g.v_head_dim or g.head_dim)
+        v_dim = g.v_head_dim or g.head_dim
         with self._in_pool():
+            if v_dim == g.head_dim:  # one allocation, per-layer views (see the module doc)
+                block = torch.empty(
+                    (g.num_layers, 2, 1, g.num_kv_heads, capacity, g.head_dim),
+                    dtype=self.dtype,
+                    device=self.device,
+                )
+                return [(block[i, 0], block[i, 1]) for i in range(g.num_layers)]
+            shape_k = (1, g.num_kv_heads, capacity, g.head_dim)
+            shape_v = (1, g.num_kv_heads, capacity, v_dim)
             return [
                 (
                     torch.empty(shape_k, dtype=self.dtype, device=self.device),
@@ -165,9 +176,13 @@ class L1Pool:
         if tokens <= bufs.capacity:
             return
         layers, nbytes = self._charged_layers(tokens)
-        for (k_new, v_new), (k_old, v_old) in zip(layers, bufs.layers, strict=True):
-            k_new[:, :, :keep].copy_(k_old[:, :, :keep])
-            v_new[:, :, :keep].copy_(v_old[:, :, :keep])
+        new_block, old_block = block_of(layers), block_of(bufs.layers)
+        if new_block is not None and old_block is not None:  # one copy for every layer
+            new_block[..., :keep, :].copy_(old_block[..., :keep, :])
+        else:
+            for (k_new, v_new), (k_old, v_old) in zip(layers, bufs.layers, strict=True):
+                k_new[:, :, :keep].copy_(k_old[:, :, :keep])
+                v_new[:, :, :keep].copy_(v_old[:, :, :keep])
         old_bytes = bufs.nbytes
         bufs.layers, bufs.capacity, bufs.nbytes = layers, self.round_up(tokens), nbytes
         self._uncharge(old_bytes)
@@ -179,3 +194,24 @@ class L1Pool:
         bufs.released = True
         bufs.layers = []
         self._uncharge(bufs.nbytes)
+
+
+def block_of(layers: Sequence[Sequence[torch.Tensor]]) -> torch.Tensor | None:
+    """The one ``[layer, k|v, 1, H, capacity, D]`` tensor whose views ``[i, 0]`` and ``[i, 1]``
+    are layer i's K and V (as `L1Pool` allocates them), or None for any other layout."""
+    if not layers:
+        return None
+    base = layers[0][0]._base
+    if base is None or base.dim() != 6 or base.shape[0] != len(layers) or base.shape[2] != 1:
+        return None
+    offset, (s0, s1) = base.storage_offset(), base.stride()[:2]
+    for i, pair in enumerate(layers):
+        for j, t in enumerate(pair[:2]):
+            if (
+                t._base is not base
+                or t.storage_offset() != offset + i * s0 + j * s1
+                or t.shape != base.shape[2:]
+                or t.stride() != base.stride()[2:]
+            ):
+                return None
+    return base

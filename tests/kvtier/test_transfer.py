@@ -12,6 +12,7 @@ import torch
 from kvtier.codecs import make_codec
 from kvtier.errors import ChecksumMismatch, ChunkNotFound, ConfigError, FingerprintMismatch
 from kvtier.geometry import KVGeometry
+from kvtier.tiers.l1 import block_of
 from kvtier.tiers.l2 import HostArena
 from kvtier.transfer import TransferEngine
 
@@ -32,10 +33,27 @@ def _layers(capacity: int, device: str, seed: int = 0) -> list[tuple[torch.Tenso
     ]
 
 
+def _fuse(
+    layers: list[tuple[torch.Tensor, torch.Tensor]],
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The same values in L1Pool's layout: views of one [layer, k|v, 1, H, T, D] tensor, which
+    the engine moves with one copy per group instead of one per layer and plane."""
+    block = torch.stack([torch.stack([k, v]) for k, v in layers])
+    fused = [(block[i, 0], block[i, 1]) for i in range(len(layers))]
+    assert block_of(fused) is block
+    return fused
+
+
+def _layout(layers: list[tuple[torch.Tensor, torch.Tensor]], fused: bool):  # type: ignore[no-untyped-def]
+    return _fuse(layers) if fused else layers
+
+
 def _empty_like(
     layers: list[tuple[torch.Tensor, torch.Tensor]],
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    return [(torch.zeros_like(k), torch.zeros_like(v)) for k, v in layers]
+    """Zeros in the same layout (fused or one tensor per layer and plane) as `layers`."""
+    zeros = [(torch.zeros_like(k), torch.zeros_like(v)) for k, v in layers]
+    return _fuse(zeros) if block_of(layers) is not None else zeros
 
 
 def _stack(layers: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
@@ -60,9 +78,10 @@ def _engine(device: str, codec: str = "native", store: object = None, **kw: int)
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("batch", [1, 4])
-def test_offload_restore_is_bit_exact_with_native(device: str, batch: int) -> None:
+@pytest.mark.parametrize("fused", [False, True])
+def test_offload_restore_is_bit_exact_with_native(device: str, batch: int, fused: bool) -> None:
     eng = _engine(device, group_chunks=batch)
-    src = _layers(64, device)
+    src = _layout(_layers(64, device), fused)
     dst = _empty_like(src)
     ntokens = 3 * CHUNK + 5  # three full chunks and a partial one
     slots = _slots(eng.arena, 4)
@@ -103,9 +122,10 @@ def test_single_chunk_offload_to_another_position(device: str) -> None:
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("codec", ["int8", "fp8"])
-def test_quantized_codecs_round_trip_closely(device: str, codec: str) -> None:
+@pytest.mark.parametrize("fused", [False, True])
+def test_quantized_codecs_round_trip_closely(device: str, codec: str, fused: bool) -> None:
     eng = _engine(device, codec)
-    src = _layers(32, device, seed=2)
+    src = _layout(_layers(32, device, seed=2), fused)
     dst = _empty_like(src)
     slots = _slots(eng.arena, 2)
     eng.offload_range(src, 0, 2 * CHUNK, slots).wait()
@@ -219,15 +239,16 @@ def _gpu_layers(capacity: int, seed: int) -> list[tuple[torch.Tensor, torch.Tens
 @needs_cuda
 @pytest.mark.parametrize("group", [1, 3, 8])
 @pytest.mark.parametrize("pin", [None, False])
-def test_cuda_round_trip_is_bit_exact(group: int, pin: bool | None) -> None:
+@pytest.mark.parametrize("fused", [False, True])
+def test_cuda_round_trip_is_bit_exact(group: int, pin: bool | None, fused: bool) -> None:
     c = make_codec("native", GPU_G)
     arena = HostArena(c.payload_bytes(GPU_CHUNK), 32 * c.payload_bytes(GPU_CHUNK), pin=pin)
     eng = TransferEngine(GPU_G, GPU_CHUNK, "cuda", arena, None, c, group_chunks=group)
     ntokens = 10 * GPU_CHUNK + 17  # ten full chunks (several groups, staging reused) + partial
     slots = _slots(arena, 11)
     for round_ in range(3):  # the staging buffers alternate across calls too
-        src = _gpu_layers(12 * GPU_CHUNK, seed=round_)  # written on the current stream just now
-        dst = [(torch.full_like(k, 7.0), torch.full_like(v, 7.0)) for k, v in src]
+        src = _layout(_gpu_layers(12 * GPU_CHUNK, seed=round_), fused)  # on the current stream
+        dst = _layout([(torch.full_like(k, 7.0), torch.full_like(v, 7.0)) for k, v in src], fused)
         eng.offload_range(src, 5, ntokens, slots)  # no wait: ordered
         handle = eng.restore_range(slots, ntokens, dst, 9)
         handle.wait_stream()  # the current stream reads dst only after the restore
@@ -242,22 +263,24 @@ def test_cuda_round_trip_is_bit_exact(group: int, pin: bool | None) -> None:
 
 @pytest.mark.gpu
 @needs_cuda
-def test_cuda_both_directions_at_once() -> None:
+@pytest.mark.parametrize("fused", [False, True])
+def test_cuda_both_directions_at_once(fused: bool) -> None:
     eng = _gpu_engine(group=3)
     n = 7 * GPU_CHUNK + 40
-    a, b = _gpu_layers(8 * GPU_CHUNK, 10), _gpu_layers(8 * GPU_CHUNK, 11)
+    a = _layout(_gpu_layers(8 * GPU_CHUNK, 10), fused)
+    b = _layout(_gpu_layers(8 * GPU_CHUNK, 11), fused)
     up = _slots(eng.arena, 8)
     down = _slots(eng.arena, 8)
     eng.offload_range(b, 0, n, up).wait()
     b_copy = _span(b, 0, n).clone()
     for _ in range(3):
-        out = [(torch.zeros_like(k), torch.zeros_like(v)) for k, v in b]
+        out = _empty_like(b)
         h_down = eng.offload_range(a, 0, n, down)
         h_up = eng.restore_range(up, n, out, 0)
         h_down.wait()
         h_up.wait()
         assert torch.equal(_span(out, 0, n), b_copy)
-    back = [(torch.zeros_like(k), torch.zeros_like(v)) for k, v in a]
+    back = _empty_like(a)
     eng.restore_range(down, n, back, 0).wait()
     assert torch.equal(_span(back, 0, n), _span(a, 0, n))
     for slot in up + down:
