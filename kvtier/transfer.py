@@ -352,8 +352,8 @@ class TransferEngine:
         for index, count, length in self._groups(ntokens, len(slots), group):
             views, fused = self._l1_views(layers, start + index * n, count, length)
             if native:  # gather straight into the slot, no staging copy
-                slot = self._slot_chunk(slots[index], length).unsqueeze(0)
-                _copy_all(_planes(slot, fused), views)
+                chunk = self._slot_chunk(slots[index], length).unsqueeze(0)
+                _copy_all(_planes(chunk, fused), views)
                 moved += self.geometry.chunk_bytes(length)
                 continue
             stage = self._stages[_DOWN][0]
@@ -446,8 +446,8 @@ class TransferEngine:
             views, fused = self._l1_views(layers, start + index * n, count, length)
             if native:  # scatter straight from the slot
                 self._settle_io(slots[index], strict=True)
-                slot = self._slot_chunk(slots[index], length).unsqueeze(0)
-                _copy_all(views, _planes(slot, fused))
+                chunk = self._slot_chunk(slots[index], length).unsqueeze(0)
+                _copy_all(views, _planes(chunk, fused))
                 moved += size
                 continue
             stage = self._stages[_UP][0]
