@@ -13,7 +13,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${1:-${OUT:-gpu-out}}"
 mkdir -p "$OUT"
-export PYTHONPATH=. PYTHONUNBUFFERED=1
+export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 STEPS="${STEPS:-tests transfer l3 ttft decode collectors interference fleet restart}"
 quiet() { grep -v -E "FutureWarning|forward_call|return func|past_key_values"; }
 
