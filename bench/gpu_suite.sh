@@ -26,7 +26,7 @@ for step in $STEPS; do
         tests/ops/test_collectors_host.py 2>&1 | tail -30 >"$OUT/gpu_tests.txt" ;;
     transfer)
       mkdir -p "$OUT/transfer"
-      timeout 150 python3 bench/transfer.py --out "$OUT/transfer" --groups "${GROUPS:-8}" >"$OUT/transfer.txt" 2>&1 ;;
+      timeout 150 python3 bench/transfer.py --out "$OUT/transfer" --groups "${XFER_GROUPS:-8}" >"$OUT/transfer.txt" 2>&1 ;;
     l3)
       mkdir -p .l3bench
       timeout 90 python3 bench/l3_io.py --dir .l3bench --chunks 24 --rounds 3 >"$OUT/l3_io.txt" 2>&1

@@ -8,6 +8,8 @@ geometry) are written to L3 in the background the way write-through writes them:
   threads-nice0  the same at normal priority instead of nice 10
   checksum-only  threads that only compute the chunk checksums (no disk I/O)
   process        the same writes from a child process (no shared interpreter)
+  MODE-pinned    MODE with the decode thread on a core of its own and the background work on
+                 the other CPUs (`kvtier.tiers.l3_io.isolate_caller`)
 
 Comparing the rows separates CPU contention, the shared interpreter (GIL) and the disk I/O.
 A step is one real decode forward of a Qwen2-shaped model with random weights (`--step model`,
@@ -78,8 +80,7 @@ def write_load(root: Path, stop: threading.Event, nice: bool, checksum_only: boo
     if checksum_only:
 
         def feed() -> None:
-            if nice:
-                l3_io.background_thread()
+            l3_io.background_thread(nice)
             i = 0
             while not stop.is_set():
                 zlib.crc32(arena.buffer(slots[i % len(slots)]))
@@ -102,6 +103,7 @@ def write_load(root: Path, stop: threading.Event, nice: bool, checksum_only: boo
     l3_io.background_thread = saved  # type: ignore[assignment]
 
     def feed_engine() -> None:
+        l3_io.background_thread(nice)
         i = 0
         while not stop.is_set():
             fut = engine.write_l3(slots[i % len(slots)], _header(size, codec.params()))
@@ -121,8 +123,10 @@ def write_load(root: Path, stop: threading.Event, nice: bool, checksum_only: boo
     return written[0]
 
 
-def _child(root: str, ready: mp.Event, stop: mp.Event, result: mp.Queue) -> None:
+def _child(root: str, cpus: set | None, ready: mp.Event, stop: mp.Event, result: mp.Queue) -> None:
     torch.set_num_threads(1)
+    if cpus:
+        os.sched_setaffinity(0, cpus)
     local = threading.Event()
     threading.Thread(target=lambda: (stop.wait(), local.set()), daemon=True).start()
     ready.set()
@@ -133,10 +137,16 @@ def measure(step: Callable[[], None], seconds: float, mode: str, root: Path) -> 
     """Step times while `mode`'s background load runs, and the chunks it wrote meanwhile."""
     stop = threading.Event()
     count: list[int] = [0]
+    allowed = os.sched_getaffinity(0)
+    pinned = l3_io.isolate_caller() if mode.endswith("-pinned") else None
+    if mode.endswith("-pinned"):
+        print(f"  {mode}: decode thread on CPUs {pinned[0] if pinned else 'any (too few CPUs)'}")
+        mode = mode.removesuffix("-pinned")
     if mode == "process":
         ctx = mp.get_context("spawn")
         ready, pstop, result = ctx.Event(), ctx.Event(), ctx.Queue()
-        proc = ctx.Process(target=_child, args=(str(root), ready, pstop, result))
+        cpus = pinned[1] if pinned else None
+        proc = ctx.Process(target=_child, args=(str(root), cpus, ready, pstop, result))
         proc.start()
         ready.wait()
         time.sleep(0.5)  # the child's store is open and writing
@@ -162,6 +172,9 @@ def measure(step: Callable[[], None], seconds: float, mode: str, root: Path) -> 
     else:
         stop.set()
         load.join()
+    if pinned:  # undo the isolation for the next mode
+        os.sched_setaffinity(0, allowed)
+        l3_io._background_cpus = None
     return times, count[0]
 
 
@@ -205,7 +218,11 @@ def main() -> None:
     ap.add_argument("--step", choices=("model", "ops"), default="model")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--context", type=int, default=3000)
-    ap.add_argument("--modes", default="threads,threads-nice0,checksum-only,process")
+    ap.add_argument(
+        "--modes",
+        default="threads,threads-pinned,threads-nice0,checksum-only,checksum-only-pinned,process,"
+        "process-pinned",
+    )
     args = ap.parse_args()
     base = Path(args.dir or tempfile.mkdtemp(prefix="kvtier-interf-"))
     if args.step == "model":
@@ -224,14 +241,14 @@ def main() -> None:
     base_p50 = statistics.median(alone)
     chunk_mb = GEOMETRY.chunk_bytes(CHUNK) / 1e6
     print(f"\n{what}, with L3 write-through in the background ({os.cpu_count()} CPUs)")
-    print(f"{'background':>14} {'p50 ms':>8} {'p95 ms':>8} {'p50/alone':>10} {'writes MB/s':>12}")
-    print(f"{'none':>14} {base_p50 * 1e3:8.2f} {_p95(alone) * 1e3:8.2f} {1.0:10.2f} {'-':>12}")
+    print(f"{'background':>22} {'p50 ms':>8} {'p95 ms':>8} {'p50/alone':>10} {'writes MB/s':>12}")
+    print(f"{'none':>22} {base_p50 * 1e3:8.2f} {_p95(alone) * 1e3:8.2f} {1.0:10.2f} {'-':>12}")
     for i, mode in enumerate(args.modes.split(",")):
         times, chunks = measure(step, args.seconds, mode, base / f"{i}-{mode}")
         rate = chunks * chunk_mb / args.seconds
         p50 = statistics.median(times)
         print(
-            f"{mode:>14} {p50 * 1e3:8.2f} {_p95(times) * 1e3:8.2f} {p50 / base_p50:10.2f} "
+            f"{mode:>22} {p50 * 1e3:8.2f} {_p95(times) * 1e3:8.2f} {p50 / base_p50:10.2f} "
             f"{rate:12.0f}",
             flush=True,
         )

@@ -28,6 +28,8 @@ from models import build, sync
 
 from kvtier import CacheConfig, TieredCache
 
+SPLIT: dict[str, list[float]] = {}  # "ctx/source" -> seconds in restore() (synced), per turn
+
 
 def first_token(model, session, ids, device) -> tuple[float, int, str]:
     """Seconds from restore() to the first generated token id on the host."""
@@ -35,6 +37,10 @@ def first_token(model, session, ids, device) -> tuple[float, int, str]:
     t0 = time.perf_counter()
     pkv = session.restore(ids)
     restored = pkv.get_seq_length()
+    sync(device)  # (the forward would wait for the restore's copies anyway)
+    SPLIT.setdefault(f"{ids.shape[1]}/{session.restore_source}", []).append(
+        time.perf_counter() - t0
+    )
     with torch.no_grad():
         logits = model(ids[:, restored:], past_key_values=pkv, logits_to_keep=1).logits
     tok = int(logits[0, -1].argmax())
@@ -127,6 +133,9 @@ def main() -> None:
                 f"{a['ttft'][src] * 1e3:7.1f} ms via {','.join(sorted(set(a['chosen'][src])))} "
                 f"({a['ttft'][src] / a['ttft']['recompute']:.3f} x recompute)"
             )
+    print("\ntime inside restore() (median ms), by context and restore source:")
+    for key, values in sorted(SPLIT.items(), key=lambda kv: (int(kv[0].split("/")[0]), kv[0])):
+        print(f"  {key:>16}: {statistics.median(values) * 1e3:7.1f} ms over {len(values)} turns")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
 

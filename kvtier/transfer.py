@@ -269,7 +269,12 @@ class TransferEngine:
             thread_name_prefix="kvtier-l3w",
             initializer=l3_io.background_thread,  # below the decode loop's CPU priority
         )
-        self._reader = ThreadPoolExecutor(max(1, l3_threads), thread_name_prefix="kvtier-l3r")
+        self._reader = ThreadPoolExecutor(
+            max(1, l3_threads),
+            thread_name_prefix="kvtier-l3r",
+            initializer=l3_io.background_thread,
+            initargs=(False,),  # a restore waits for reads: normal priority, off the serving core
+        )
         self.l3_write_queue = int(l3_write_queue)
 
     @property

@@ -358,7 +358,8 @@ class L3Store:
                     threads or self.io_threads,
                     thread_name_prefix=f"kvtier-l3{name}",
                     # writes run in the background; reads are on a restore's critical path
-                    initializer=l3_io.background_thread if name != "read" else None,
+                    initializer=l3_io.background_thread,
+                    initargs=(name != "read",),
                 )
                 self._pools[name] = pool
         return pool

@@ -36,20 +36,74 @@ class _Cachestat(ctypes.Structure):
 
 
 BACKGROUND_NICE = 10
+_background_cpus: set[int] | None = None  # where background disk threads may run (None: any)
 
 
-def background_thread() -> None:
-    """Lower the calling thread to nice 10 (Linux keeps a nice value per thread).
+def background_thread(nice: bool = True) -> None:
+    """Lower the calling thread to nice 10 (Linux keeps a nice value per thread), and keep it on
+    the CPUs `isolate_caller` left for background work, if it was called.
 
-    Thread-pool initializer for background disk work (L3 writes and their checksums): on a
-    serving host that work must not take CPU from the thread that drives the GPU. Best effort.
+    Thread-pool initializer for disk work: L3 writes and their checksums (nice), and L3 reads
+    (`nice=False`: a restore waits for them). On a serving host that work must not take CPU
+    from the thread that drives the GPU. Best effort.
     """
     try:
         tid = threading.get_native_id()
-        if os.getpriority(os.PRIO_PROCESS, tid) < BACKGROUND_NICE:
+        if nice and os.getpriority(os.PRIO_PROCESS, tid) < BACKGROUND_NICE:
             os.setpriority(os.PRIO_PROCESS, tid, BACKGROUND_NICE)
+        if _background_cpus:
+            os.sched_setaffinity(0, _background_cpus)  # 0: this thread only
     except (OSError, AttributeError):  # not Linux, or not permitted: run at normal priority
         pass
+
+
+def core_siblings(cpu: int) -> set[int]:
+    """`cpu` and the other hardware threads of its core (SMT siblings), from sysfs."""
+    path = f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list"
+    try:
+        with open(path) as f:
+            return parse_cpu_list(f.read())
+    except OSError:
+        return {cpu}
+
+
+def parse_cpu_list(text: str) -> set[int]:
+    """A kernel CPU list ("0-3,8,10-11") as a set of CPU numbers."""
+    cpus: set[int] = set()
+    for part in text.strip().split(","):
+        if not part:
+            continue
+        lo, _, hi = part.partition("-")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    return cpus
+
+
+def isolate_caller(min_cpus: int = 4) -> tuple[set[int], set[int]] | None:
+    """Give the calling thread a core of its own, away from background disk work.
+
+    A decode loop is bound by one Python thread issuing kernels, and shares nothing with L3
+    writes but the CPU; on a VM, a checksum running on the same core (or its SMT sibling) slows
+    it by a third (docs/benchmarks.md, "Write-through interference"). This pins the caller to
+    the first core it may use and makes every L3 pool thread started after this call use the
+    other CPUs (call it before the cache is built: pool threads start on first use). Threads the
+    caller starts later inherit its single core unless they move themselves. Returns (the
+    caller's CPUs, the background CPUs), or None where the process has fewer than `min_cpus`
+    CPUs or cannot set affinities (then nothing changes).
+    """
+    global _background_cpus
+    try:
+        allowed = os.sched_getaffinity(0)
+        if len(allowed) < min_cpus:
+            return None
+        mine = core_siblings(min(allowed)) & allowed
+        rest = allowed - mine
+        if not rest:
+            return None
+        os.sched_setaffinity(0, mine)
+    except (OSError, AttributeError):
+        return None
+    _background_cpus = rest
+    return mine, rest
 
 
 def aligned_buffer(nbytes: int) -> memoryview:
