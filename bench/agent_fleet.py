@@ -42,6 +42,7 @@ from transformers import DynamicCache
 
 from kvtier import CacheConfig, TieredCache
 from kvtier.geometry import KVGeometry
+from kvtier.tiers.l3_io import isolate_caller
 
 
 @dataclass
@@ -59,6 +60,7 @@ class Result:
     memory: list[tuple[float, int]] = field(default_factory=list)
     decisions: dict[str, int] = field(default_factory=dict)
     phases: dict[str, float] = field(default_factory=dict)  # seconds spent per phase
+    restore_s: list[float] = field(default_factory=list)  # returning turns: in restore()
     alloc_retries: int = 0
     l1_oom: int = 0
 
@@ -129,7 +131,9 @@ class Runner:
             pkv = s.restore(ids)
             past = pkv.get_seq_length()
             sync(dev)
-            res.phases["restore"] = res.phases.get("restore", 0.0) + time.perf_counter() - t0
+            spent = time.perf_counter() - t0
+            res.phases["restore"] = res.phases.get("restore", 0.0) + spent
+
         elif self.name == "recompute":
             pkv, past = DynamicCache(), 0
         else:
@@ -173,6 +177,8 @@ class Runner:
         elif self.name != "recompute":
             self.caches[sid] = pkv
         (res.ttft_return if returning else res.ttft_first).append(ttft)
+        if returning and self.cache is not None:
+            res.restore_s.append(spent)
         res.turns += 1
         res.generated += len(out)
         self.history[sid] = new
@@ -266,7 +272,15 @@ def main() -> None:
     ap.add_argument("--configs", default="dynamic,offloaded,recompute,kvtier,kvtier-int8")
     ap.add_argument("--time-limit", type=float, default=75.0, help="seconds per configuration")
     ap.add_argument("--out", default=None)
+    ap.add_argument(
+        "--no-isolate",
+        action="store_true",
+        help="leave the decode thread unpinned (default: a core of its own, L3 threads elsewhere)",
+    )
     args = ap.parse_args()
+    if not args.no_isolate:  # the same for every configuration
+        cpus = isolate_caller()
+        print(f"decode thread on CPUs {sorted(cpus[0])}" if cpus else "decode thread unpinned")
     dev = args.device
     shape = args.shape or ("qwen2-7b" if dev.startswith("cuda") else "qwen2-mini")
     dtype = torch.bfloat16 if dev.startswith("cuda") else torch.float32
@@ -330,6 +344,15 @@ def main() -> None:
             f"{pct(r.steps, 0.99) * 1e3:9.2f} {r.peak_bytes / 2**30:9.2f} "
             f"{r.generated / max(r.wall, 1e-9):7.1f}  {dec}"
         )
+    print("returning turns: time inside restore() P50/P99 ms, TTFT minus restore P50/P99 ms:")
+    for r in results:
+        if r.restore_s:
+            rest = [t - s for t, s in zip(r.ttft_return, r.restore_s, strict=False)]
+            print(
+                f"{r.name:>12} restore {pct(r.restore_s, 0.5) * 1e3:.1f}/"
+                f"{pct(r.restore_s, 0.99) * 1e3:.1f}  forward {pct(rest, 0.5) * 1e3:.1f}/"
+                f"{pct(rest, 0.99) * 1e3:.1f}"
+            )
     print("seconds per phase, allocator retries (torch) and L1 OOM retries (kvtier):")
     for r in results:
         ph = " ".join(f"{k}={v:.1f}" for k, v in r.phases.items())

@@ -84,7 +84,7 @@ def isolate_caller(min_cpus: int = 4) -> tuple[set[int], set[int]] | None:
     A decode loop is bound by one Python thread issuing kernels, and shares nothing with L3
     writes but the CPU; on a VM, a checksum running on the same core (or its SMT sibling) slows
     it by a third (docs/benchmarks.md, "Write-through interference"). This pins the caller to
-    the first core it may use and makes every L3 pool thread started after this call use the
+    the last core it may use and makes every L3 pool thread started after this call use the
     other CPUs (call it before the cache is built: pool threads start on first use). Threads the
     caller starts later inherit its single core unless they move themselves. Returns (the
     caller's CPUs, the background CPUs), or None where the process has fewer than `min_cpus`
@@ -95,7 +95,7 @@ def isolate_caller(min_cpus: int = 4) -> tuple[set[int], set[int]] | None:
         allowed = os.sched_getaffinity(0)
         if len(allowed) < min_cpus:
             return None
-        mine = core_siblings(min(allowed)) & allowed
+        mine = core_siblings(max(allowed)) & allowed  # the last core: CPU 0 takes most IRQs
         rest = allowed - mine
         if not rest:
             return None
