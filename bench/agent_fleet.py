@@ -41,6 +41,7 @@ from models import build, sync
 from transformers import DynamicCache
 
 from kvtier import CacheConfig, TieredCache
+from kvtier.errors import L1BudgetExceeded
 from kvtier.geometry import KVGeometry
 from kvtier.tiers.l3_io import isolate_caller
 
@@ -128,7 +129,13 @@ class Runner:
         t0 = time.perf_counter()
         if self.cache is not None:
             s = self.cache.session(f"agent-{sid}", tenant="fleet")
-            pkv = s.restore(ids)
+            try:
+                pkv = s.restore(ids)
+            except L1BudgetExceeded:  # kvtier's typed out-of-memory: counted like an OOM
+                res.ooms += 1
+                res.failed += 1
+                self.history.pop(sid, None)
+                return
             past = pkv.get_seq_length()
             sync(dev)
             spent = time.perf_counter() - t0

@@ -44,13 +44,15 @@ def start(
         cmd += ["--device", args.device]
     if args.model:
         cmd += ["--model", args.model]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    path = os.environ.get("PYTHONPATH")
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + (os.pathsep + path if path else "")}
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log.open("ab"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}/readyz"
     while True:
         if proc.poll() is not None:
-            raise SystemExit(f"server exited {proc.returncode}; see {log}")
+            tail = log.read_text(errors="replace")[-3000:]
+            raise SystemExit(f"server exited {proc.returncode}; the end of {log}:\n{tail}")
         try:
             if httpx.get(url, timeout=1).status_code == 200:
                 ready = time.perf_counter()

@@ -4,7 +4,9 @@ Each session owns, per layer, a K and a V tensor of shape ``[1, kv_heads, capaci
 (transformers' layout), so attention reads them directly. All of them are views of one
 allocation ``[layer, k|v, 1, kv_heads, capacity, head_dim]``: the transfer engine then moves a
 group of chunks for every layer and plane in one strided copy instead of one per layer and
-plane (56 launches for a 28-layer model), and growth is one copy too. Capacity grows in whole chunks: a
+plane (56 launches for a 28-layer model), and growth is one copy too. When the GPU has no
+contiguous range that large left (its free memory split into smaller pieces), a session gets one
+tensor per layer and plane instead, which the engine also handles. Capacity grows in whole chunks: a
 decode step writes one token into spare room, and only every ``chunk_tokens`` tokens does the
 buffer move to a larger allocation (never a ``torch.cat`` per token).
 
@@ -85,6 +87,7 @@ class L1Pool:
         self.chunk_tokens = int(chunk_tokens)
         self.dtype = geometry.torch_dtype()
         self.used_bytes = 0
+        self.split_allocations = 0  # sessions given per-layer tensors: no contiguous block fit
         self._lock = threading.Lock()
         self._pool = _kvtier_pool(self.device)
 
@@ -136,12 +139,19 @@ class L1Pool:
         v_dim = g.v_head_dim or g.head_dim
         with self._in_pool():
             if v_dim == g.head_dim:  # one allocation, per-layer views (see the module doc)
-                block = torch.empty(
-                    (g.num_layers, 2, 1, g.num_kv_heads, capacity, g.head_dim),
-                    dtype=self.dtype,
-                    device=self.device,
-                )
-                return [(block[i, 0], block[i, 1]) for i in range(g.num_layers)]
+                try:
+                    block = torch.empty(
+                        (g.num_layers, 2, 1, g.num_kv_heads, capacity, g.head_dim),
+                        dtype=self.dtype,
+                        device=self.device,
+                    )
+                except torch.OutOfMemoryError:
+                    # No contiguous free range that big (the pool's free space is split into
+                    # smaller segments): per-layer tensors fit into those pieces. The engine
+                    # moves them with one copy per layer and plane instead of one per group.
+                    self.split_allocations += 1
+                else:
+                    return [(block[i, 0], block[i, 1]) for i in range(g.num_layers)]
             shape_k = (1, g.num_kv_heads, capacity, g.head_dim)
             shape_v = (1, g.num_kv_heads, capacity, v_dim)
             return [
