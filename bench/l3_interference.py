@@ -8,6 +8,8 @@ geometry) are written to L3 in the background the way write-through writes them:
   threads-nice0  the same at normal priority instead of nice 10
   checksum-only  threads that only compute the chunk checksums (no disk I/O)
   process        the same writes from a child process (no shared interpreter)
+  writer-process kvtier's L3 writer process (`l3_writer="process"`, the default): the engine
+                 in this process, the file writes in a child reading L2 from shared memory
   MODE-pinned    MODE with the decode thread on a core of its own and the background work on
                  the other CPUs (`kvtier.tiers.l3_io.isolate_caller`)
 
@@ -68,11 +70,13 @@ def _header(size: int, params: dict) -> ChunkHeader:
     )
 
 
-def write_load(root: Path, stop: threading.Event, nice: bool, checksum_only: bool) -> int:
+def write_load(
+    root: Path, stop: threading.Event, nice: bool, checksum_only: bool, process: bool = False
+) -> int:
     """Write chunks through a TransferEngine until `stop`; returns the chunks written."""
     codec = make_codec("native", GEOMETRY)
     size = codec.payload_bytes(CHUNK)
-    arena = HostArena(size, 8 * size, pin=False)
+    arena = HostArena(size, 8 * size, pin=False, shared=process)
     slots = [arena.alloc() for _ in range(8)]
     for s in slots:
         arena.view(s).copy_(torch.randint(0, 255, (size,), dtype=torch.uint8))
@@ -99,7 +103,7 @@ def write_load(root: Path, stop: threading.Event, nice: bool, checksum_only: boo
     if not nice:  # the engine's and the store's pools then run at normal priority
         l3_io.background_thread = lambda: None  # type: ignore[assignment]
     store = L3Store(root)
-    engine = TransferEngine(GEOMETRY, CHUNK, "cpu", arena, store, codec)
+    engine = TransferEngine(GEOMETRY, CHUNK, "cpu", arena, store, codec, writer_process=process)
     l3_io.background_thread = saved  # type: ignore[assignment]
 
     def feed_engine() -> None:
@@ -154,7 +158,14 @@ def measure(step: Callable[[], None], seconds: float, mode: str, root: Path) -> 
         nice = mode != "threads-nice0"
         load = threading.Thread(
             target=lambda: count.__setitem__(
-                0, write_load(root, stop, nice, checksum_only=mode == "checksum-only")
+                0,
+                write_load(
+                    root,
+                    stop,
+                    nice,
+                    checksum_only=mode == "checksum-only",
+                    process=mode == "writer-process",
+                ),
             )
         )
         load.start()
@@ -220,8 +231,8 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=3000)
     ap.add_argument(
         "--modes",
-        default="threads,threads-pinned,threads-nice0,checksum-only,checksum-only-pinned,process,"
-        "process-pinned",
+        default="threads,threads-pinned,writer-process,writer-process-pinned,checksum-only,"
+        "process,process-pinned",
     )
     args = ap.parse_args()
     base = Path(args.dir or tempfile.mkdtemp(prefix="kvtier-interf-"))

@@ -15,7 +15,8 @@ On a CPU device the same code runs synchronously; with the native codec it gathe
 into the slot and scatters straight from it (no staging copy).
 
 Host <-> SSD: two thread pools (writes, reads) call the L3 store, whose O_DIRECT I/O goes
-straight between the pinned slots and the .kvbin files. The write queue is bounded: when it is
+straight between the pinned slots and the .kvbin files. With `writer_process` the writes' file
+work runs in a child process that maps the same (shared) L2 slabs (kvtier.tiers.l3_writer). The write queue is bounded: when it is
 full, `write_l3` sheds the write (returns None and counts it) instead of stalling decode. A
 restore waits for each slot's L3 read just before that chunk's copy, so chunks already read
 move to the GPU while later ones are still coming off the disk; a failed read raises there and
@@ -41,6 +42,7 @@ from kvtier.snapshot import TransferStats
 from kvtier.tiers import l3_io
 from kvtier.tiers.l1 import block_of
 from kvtier.tiers.l2 import HostArena
+from kvtier.tiers.l3_writer import WriterProcess
 
 Layers = Sequence[Sequence[torch.Tensor]]  # per layer (K, V), each [1, H, capacity, D]
 DIRECTIONS = (("l1", "l2"), ("l2", "l1"), ("l2", "l3"), ("l3", "l2"))
@@ -193,6 +195,7 @@ class TransferEngine:
         l3_write_queue: int = 64,
         l3_threads: int = 4,
         group_chunks: int | None = None,
+        writer_process: bool = False,
     ) -> None:
         if chunk_tokens <= 0:
             raise ConfigError(f"chunk_tokens must be positive, got {chunk_tokens}")
@@ -276,6 +279,11 @@ class TransferEngine:
             initargs=(False,),  # a restore waits for reads: normal priority, off the serving core
         )
         self.l3_write_queue = int(l3_write_queue)
+        self._proc: WriterProcess | None = None
+        if writer_process and l3_store is not None:
+            if not arena.shared:
+                raise ConfigError("writer_process needs an L2 arena built with shared=True")
+            self._proc = WriterProcess(arena.slabs(), threads=l3_threads)
 
     @property
     def staging_bytes(self) -> int:
@@ -583,7 +591,7 @@ class TransferEngine:
                 copy.wait()  # the chunk must have landed in the slot before it is written
             t0 = time.perf_counter()
             payload = self.arena.buffer(slot)[: header.payload_len]
-            written = self._need_store().put(header, payload)
+            written = self._need_store().put(header, payload, writer=self._temp_writer(slot))
             self._account(("l2", "l3"), header.payload_len, time.perf_counter() - t0, 1)
             return written
         except BaseException:
@@ -593,6 +601,18 @@ class TransferEngine:
         finally:
             with self._lock:
                 self._writes_queued -= 1
+
+    def _temp_writer(self, slot: int) -> Any:
+        """For `L3Store.put`: the writer process writes the slot's bytes, or None (threads)."""
+        proc = self._proc
+        if proc is None:
+            return None
+        slab, offset = self.arena.locate(slot)
+
+        def write(header: Any, tmp: str, direct: bool, keep: bool) -> Any:
+            return proc.write(slab, offset, header.payload_len, header, tmp, direct, keep)
+
+        return write
 
     def read_l3(self, key: bytes, slot: int, fingerprint: bytes) -> Future[Any]:
         """Read chunk `key` from L3 into `slot` (O_DIRECT); the future yields its ChunkHeader.
@@ -733,6 +753,8 @@ class TransferEngine:
         self.synchronize()
         self._writer.shutdown(wait=True)
         self._reader.shutdown(wait=True)
+        if self._proc is not None:
+            self._proc.close()
         self._slot_copy.clear()
         self._slot_io.clear()
         self._stages = {_DOWN: [], _UP: []}

@@ -11,6 +11,9 @@ WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 CODECS = ("native", "int8", "fp8")
 
 
+L3_WRITERS = ("process", "threads")
+
+
 @dataclass
 class CacheConfig:
     """Configuration of a `TieredCache`. Sizes are bytes.
@@ -33,6 +36,9 @@ class CacheConfig:
     pin_memory: bool | None = None  # None: pin L2 iff CUDA is available
     l3_write_queue: int = 64
     l3_threads: int = 4
+    # "process": write-through's disk work runs in a child process reading L2 from shared
+    # memory (keeps the serving interpreter free; Linux); "threads": in this process.
+    l3_writer: str = "process"
     session_ttl_s: float | None = None
     cost_model: bool = True  # False: always load the longest cached prefix
     load_margin: float = 1.0  # load a prefix only if load_time * margin < recompute_time
@@ -61,4 +67,6 @@ class CacheConfig:
             raise ConfigError("l3_read_bytes_per_s must be positive (or None for no limit)")
         if self.load_margin <= 0:
             raise ConfigError("load_margin must be positive")
+        if self.l3_writer not in L3_WRITERS:
+            raise ConfigError(f"l3_writer {self.l3_writer!r} is not one of {L3_WRITERS}")
         self.l3_root = Path(self.l3_root)

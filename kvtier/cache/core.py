@@ -14,6 +14,7 @@ session is never evicted while a request is running on it (state ACTIVE).
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from array import array
@@ -87,7 +88,10 @@ class TieredCache:
         l1_bytes = config.l1_bytes or _default_l1_bytes(self.device)
         self.l1 = L1Pool(self.geometry, l1_bytes, self.device, self.chunk_tokens)
         slot_bytes = self.codec.payload_bytes(self.chunk_tokens)
-        self.l2 = HostArena(slot_bytes, config.l2_bytes, pin=config.pin_memory)
+        writer_process = config.l3_writer == "process" and hasattr(os, "memfd_create")
+        self.l2 = HostArena(
+            slot_bytes, config.l2_bytes, pin=config.pin_memory, shared=writer_process
+        )
         self.l3 = L3Store(
             config.l3_root, keep_page_cache=config.keep_page_cache, max_bytes=config.l3_max_bytes
         )
@@ -100,6 +104,7 @@ class TieredCache:
             self.codec,
             l3_write_queue=config.l3_write_queue,
             l3_threads=config.l3_threads,
+            writer_process=writer_process,
         )
         self._cost = CostModel(
             config.initial_bandwidth,

@@ -88,6 +88,7 @@ class TieredBackend:
                 chunk_tokens=config.chunk_tokens,
                 codec=config.codec,
                 write_policy=config.write_policy,
+                l3_writer=config.l3_writer,
                 model_id=config.model_id or model_id,
             ),
             model=model,

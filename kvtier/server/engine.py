@@ -23,6 +23,7 @@ import torch
 from kvtier.errors import InvalidRequest, KvtierError
 from kvtier.server.backend import Backend
 from kvtier.server.model import ServedModel, cache_kwarg
+from kvtier.tiers import l3_io
 
 log = logging.getLogger("kvtier.server")
 
@@ -121,7 +122,11 @@ class Engine:
         self.model_lock = threading.Lock()
         self._kwarg = cache_kwarg(served.model)
         self._pool = concurrent.futures.ThreadPoolExecutor(
-            max_workers=config.max_concurrency, thread_name_prefix="kvtier-gen"
+            max_workers=config.max_concurrency,
+            thread_name_prefix="kvtier-gen",
+            # generation threads share one core (they take turns on the model lock); L3 disk
+            # threads started afterwards keep off it (docs/benchmarks.md, "interference")
+            initializer=l3_io.isolate_caller if getattr(config, "isolate_cpus", False) else None,
         )
         self._slots = asyncio.Semaphore(config.max_concurrency)
         self._session_locks: dict[str, tuple[asyncio.Lock, int]] = {}

@@ -51,6 +51,17 @@ def options(f: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--chunk-tokens", type=int, help="Tokens per chunk (default 256)."),
         click.option("--codec", help="L2/L3 codec: native, int8, fp8."),
         click.option("--write-policy", help="write_through, write_through_selective, write_back."),
+        click.option(
+            "--l3-writer",
+            type=click.Choice(["process", "threads"]),
+            help="Where L3 file writes run (default: a child process).",
+        ),
+        click.option(
+            "--isolate-cpus/--no-isolate-cpus",
+            default=None,
+            help="Generation threads on a core of their own, disk work on the others "
+            "(default on; a no-op below 4 CPUs).",
+        ),
         click.option("--max-concurrency", type=int, help="Sessions generating at once."),
         click.option("--max-queue", type=int, help="Requests that may wait for a slot."),
         click.option("--queue-timeout", type=float, help="Seconds a request waits before 429."),

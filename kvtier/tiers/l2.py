@@ -204,7 +204,9 @@ class HostArena:
     `pin=None` pins iff CUDA is available. With `hugepages=True` slabs come from MAP_HUGETLB
     (or files in the hugetlbfs mount `hugetlbfs`); `mlock=True` locks them so they never swap.
     Pinning through the CUDA driver does not count against RLIMIT_MEMLOCK; mlock does, and is
-    checked before anything is mapped.
+    checked before anything is mapped. With `shared=True` each slab is a memfd (or hugetlbfs
+    file) mapped MAP_SHARED, so another process can map the same pages from `slabs()`: the L3
+    writer process writes chunks to disk straight from the slots.
     """
 
     def __init__(
@@ -217,6 +219,7 @@ class HostArena:
         mlock: bool = False,
         hugetlbfs: str | os.PathLike[str] | None = None,
         slab_bytes: int = DEFAULT_SLAB_BYTES,
+        shared: bool = False,
     ) -> None:
         if slot_bytes <= 0:
             raise ConfigError(f"L2 slot size must be positive, got {slot_bytes} bytes")
@@ -235,6 +238,7 @@ class HostArena:
         self._host = host if self.pinned else None
         self.hugepages = bool(hugepages or hugetlbfs)
         self.mlocked = bool(mlock)
+        self.shared = bool(shared or hugetlbfs)
         self._hugetlbfs = Path(hugetlbfs) if hugetlbfs is not None else None
         self._page = self._huge_page_bytes() if self.hugepages else ALIGN
         per_slab = max(1, min(self.n_slots, int(slab_bytes) // self.slot_bytes))
@@ -294,8 +298,12 @@ class HostArena:
         nbytes = -(-nbytes // self._page) * self._page
         prot = mmap.PROT_READ | mmap.PROT_WRITE
         fd: int | None = None
-        if self._hugetlbfs is not None:
-            fd = os.open(self._hugetlbfs, os.O_RDWR | os.O_TMPFILE, 0o600)
+        if self._hugetlbfs is not None or self.shared:
+            if self._hugetlbfs is not None:
+                fd = os.open(self._hugetlbfs, os.O_RDWR | os.O_TMPFILE, 0o600)
+            else:
+                huge = getattr(os, "MFD_HUGETLB", 4) if self.hugepages else 0
+                fd = os.memfd_create("kvtier-l2", os.MFD_CLOEXEC | huge)
             os.ftruncate(fd, nbytes)
             flags = mmap.MAP_SHARED | _MAP_POPULATE
             address = libc.mmap(None, nbytes, prot, flags, fd, 0)
@@ -383,6 +391,17 @@ class HostArena:
         slab, index = divmod(slot, self._slots_per_slab)
         start = index * self.slot_bytes
         return self._slabs[slab].tensor[start : start + self.slot_bytes]
+
+    def locate(self, slot: int) -> tuple[int, int]:
+        """(slab, byte offset in that slab) of `slot`: where another process finds it."""
+        slab, index = divmod(slot, self._slots_per_slab)
+        return slab, index * self.slot_bytes
+
+    def slabs(self) -> list[tuple[int, int]]:
+        """(file descriptor, bytes) of every slab of a shared arena, in slab order."""
+        if not self.shared:
+            raise ConfigError("this L2 arena is private; build it with shared=True")
+        return [(s.mapping.fd, s.mapping.nbytes) for s in self._slabs]  # type: ignore[misc]
 
     def buffer(self, slot: int) -> Any:
         """The slot as a writable buffer-protocol object (for os.preadv / O_DIRECT I/O)."""

@@ -20,7 +20,7 @@ import sqlite3
 import stat
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -216,11 +216,20 @@ class L3Store:
 
     # ---- writes ------------------------------------------------------------------------------
 
-    def put(self, header: ChunkHeader, payload: Any) -> ChunkHeader:
-        """Store one chunk durably; returns the header as written (with its checksums)."""
-        return self.put_many([(header, payload)])[0]
+    def put(
+        self, header: ChunkHeader, payload: Any, *, writer: TempWriter | None = None
+    ) -> ChunkHeader:
+        """Store one chunk durably; returns the header as written (with its checksums).
 
-    def put_many(self, items: Sequence[tuple[ChunkHeader, Any]]) -> list[ChunkHeader]:
+        `writer` writes the temp file instead of this process's threads (the L3 writer
+        process, given the same bytes in shared memory); the rename, directory fsync and index
+        commit stay here.
+        """
+        return self.put_many([(header, payload)], writer=writer)[0]
+
+    def put_many(
+        self, items: Sequence[tuple[ChunkHeader, Any]], *, writer: TempWriter | None = None
+    ) -> list[ChunkHeader]:
         """Store chunks durably; returns their headers as written (with checksums).
 
         Each chunk is checksummed, written to its own temp file and fdatasync'ed on a pool of
@@ -236,7 +245,7 @@ class L3Store:
         self._reserve(need, {h.key for h, _ in checked})
         try:
             t0 = time.perf_counter()
-            written = self._write_temps(checked)
+            written = self._write_temps(checked, writer)
             self._commit.submit(written)
             elapsed = time.perf_counter() - t0
         finally:
@@ -262,15 +271,17 @@ class L3Store:
         header.validate()
         return header, view
 
-    def _write_temps(self, checked: list[tuple[ChunkHeader, memoryview]]) -> list[_Written]:
+    def _write_temps(
+        self, checked: list[tuple[ChunkHeader, memoryview]], writer: TempWriter | None = None
+    ) -> list[_Written]:
         """Write and fdatasync every chunk to a temp file, in parallel; all or nothing."""
         if len(checked) == 1:
             try:
-                return [self._write_temp(*checked[0])]
+                return [self._write_temp(*checked[0], writer)]
             except OSError as exc:
                 raise self._write_error(exc, checked[0][0]) from exc
         pool = self._pool("write")
-        futures = [pool.submit(self._write_temp, h, v) for h, v in checked]
+        futures = [pool.submit(self._write_temp, h, v, writer) for h, v in checked]
         written: list[_Written] = []
         failure: tuple[BaseException, ChunkHeader] | None = None
         for (h, _), fut in zip(checked, futures, strict=True):
@@ -364,71 +375,35 @@ class L3Store:
                 self._pools[name] = pool
         return pool
 
-    def _write_temp(self, header: ChunkHeader, view: memoryview) -> _Written:
-        """Write one chunk to a temp file beside its final name and fdatasync it.
-
-        The payload goes first (at offset 4096) while a worker computes its checksum from the
-        same buffer; the header, which holds that checksum, follows at offset 0.
-        """
+    def _temp_path(self, header: ChunkHeader) -> tuple[Path, Path]:
+        """(temp file, final file) for a chunk; the temp file sits beside its final name."""
         final = self.path(header.key, "hot")
         final.parent.mkdir(mode=0o700, exist_ok=True)
-        tmp = final.parent / f".{final.stem}.{os.getpid()}.{next(_tmp_seq)}.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        crc: Future[int] | None = None
-        try:
-            if len(view) >= _CRC_BESIDE_WRITE:
-                crc = self._pool("crc").submit(kvbin.checksum, header.checksum, view)
-            direct = self.direct_io and not self.keep_page_cache and l3_io.set_direct(fd, True)
-            if direct:
-                try:
-                    l3_io.pwrite_all(fd, self._direct_segments(view), HEADER_SIZE)
-                except OSError as exc:
-                    if exc.errno != errno.EINVAL:
-                        raise
-                    direct = False  # the device wants another alignment: write buffered
-                    l3_io.set_direct(fd, False)
-                    os.ftruncate(fd, 0)
-            if not direct:
-                pad = kvbin.padded(len(view)) - len(view)
-                l3_io.pwrite_all(fd, [view, bytes(pad)], HEADER_SIZE)
-            value = crc.result() if crc else kvbin.checksum(header.checksum, view)
-            header = replace(header, payload_crc=value)
-            hdr = self._buffer("whdr", HEADER_SIZE)[:HEADER_SIZE]
-            hdr[:] = kvbin.encode(header, value)
-            l3_io.pwrite_all(fd, [hdr], 0)
-            os.fdatasync(fd)
-            if not direct and not self.keep_page_cache:
-                l3_io.drop_cache(fd)
-        except BaseException:
-            if crc is not None:
-                crc.exception()  # it reads the caller's buffer: let it finish first
-            os.close(fd)
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
-        os.close(fd)
-        return _Written(header, tmp, final)
+        return final.parent / f".{final.stem}.{os.getpid()}.{next(_tmp_seq)}.tmp", final
 
-    def _direct_segments(self, view: memoryview) -> list[memoryview]:
-        """4096-aligned buffers of the padded payload for an O_DIRECT pwritev: the caller's
-        payload itself when it is aligned (pinned slots are), else a copy in a per-thread
-        staging buffer."""
-        body = len(view) - len(view) % kvbin.ALIGN
-        addr = l3_io.address(view) if body else None
-        if addr is not None and addr % kvbin.ALIGN == 0:
-            segments = [view[:body]]
-            if body < len(view):
-                tail = self._buffer("wtail", kvbin.ALIGN)
-                rest = len(view) - body
-                tail[:rest] = view[body:]
-                tail[rest : kvbin.ALIGN] = bytes(kvbin.ALIGN - rest)
-                segments.append(tail[: kvbin.ALIGN])
-            return segments
-        size = kvbin.padded(len(view))
-        stage = self._buffer("wstage", size)
-        stage[: len(view)] = view
-        stage[len(view) : size] = bytes(size - len(view))
-        return [stage[:size]]
+    def _write_temp(
+        self, header: ChunkHeader, view: memoryview, writer: TempWriter | None = None
+    ) -> _Written:
+        """Write one chunk to a temp file beside its final name and fdatasync it, here or
+        through `writer` (the L3 writer process, which reads the same bytes from shared
+        memory)."""
+        tmp, final = self._temp_path(header)
+        direct = self.direct_io and not self.keep_page_cache
+        if writer is not None:
+            return _Written(writer(header, str(tmp), direct, self.keep_page_cache), tmp, final)
+        crc: Future[int] | None = None
+        if len(view) >= _CRC_BESIDE_WRITE:
+            crc = self._pool("crc").submit(kvbin.checksum, header.checksum, view)
+        header = write_chunk_file(
+            header,
+            view,
+            str(tmp),
+            direct=direct,
+            keep_page_cache=self.keep_page_cache,
+            buffer=self._buffer,
+            crc=crc,
+        )
+        return _Written(header, tmp, final)
 
     def _buffer(self, name: str, size: int) -> memoryview:
         """A per-thread aligned buffer of at least `size` bytes, grown on demand."""
@@ -880,3 +855,83 @@ def _check_safe(path: Path, *, writable: bool) -> None:
             f"L3 directory {path} is world-writable (mode {stat.S_IMODE(st.st_mode):o}): anyone "
             f"could plant chunks; run `chmod 700 {path}`"
         )
+
+
+TempWriter = Callable[[ChunkHeader, str, bool, bool], ChunkHeader]
+"""(header, temp path, O_DIRECT wanted, keep page cache) -> the header as written."""
+
+
+def write_chunk_file(
+    header: ChunkHeader,
+    view: memoryview,
+    tmp: str,
+    *,
+    direct: bool,
+    keep_page_cache: bool,
+    buffer: Callable[[str, int], memoryview],
+    crc: Future[int] | None = None,
+) -> ChunkHeader:
+    """Write a chunk to the new file `tmp` and fdatasync it; returns the header as written.
+
+    The payload goes first (at offset 4096), with O_DIRECT when `direct` and the filesystem
+    allows it, while `crc` (a future computing its checksum from the same buffer) runs beside
+    it, or the checksum is computed after; the header, which holds that checksum, follows at
+    offset 0. On any error the temp file is removed. `buffer(name, size)` gives aligned
+    scratch buffers of the calling thread. Used by the store's writer threads and by the L3
+    writer process alike.
+    """
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    try:
+        direct = direct and l3_io.set_direct(fd, True)
+        if direct:
+            try:
+                l3_io.pwrite_all(fd, _direct_segments(view, buffer), HEADER_SIZE)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                direct = False  # the device wants another alignment: write buffered
+                l3_io.set_direct(fd, False)
+                os.ftruncate(fd, 0)
+        if not direct:
+            pad = kvbin.padded(len(view)) - len(view)
+            l3_io.pwrite_all(fd, [view, bytes(pad)], HEADER_SIZE)
+        value = crc.result() if crc else kvbin.checksum(header.checksum, view)
+        header = replace(header, payload_crc=value)
+        hdr = buffer("whdr", HEADER_SIZE)[:HEADER_SIZE]
+        hdr[:] = kvbin.encode(header, value)
+        l3_io.pwrite_all(fd, [hdr], 0)
+        os.fdatasync(fd)
+        if not direct and not keep_page_cache:
+            l3_io.drop_cache(fd)
+    except BaseException:
+        if crc is not None:
+            crc.exception()  # it reads the caller's buffer: let it finish first
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    os.close(fd)
+    return header
+
+
+def _direct_segments(
+    view: memoryview, buffer: Callable[[str, int], memoryview]
+) -> list[memoryview]:
+    """4096-aligned buffers of the padded payload for an O_DIRECT pwritev: the caller's
+    payload itself when it is aligned (pinned slots are), else a copy in a scratch buffer."""
+    body = len(view) - len(view) % kvbin.ALIGN
+    addr = l3_io.address(view) if body else None
+    if addr is not None and addr % kvbin.ALIGN == 0:
+        segments = [view[:body]]
+        if body < len(view):
+            tail = buffer("wtail", kvbin.ALIGN)
+            rest = len(view) - body
+            tail[:rest] = view[body:]
+            tail[rest : kvbin.ALIGN] = bytes(kvbin.ALIGN - rest)
+            segments.append(tail[: kvbin.ALIGN])
+        return segments
+    size = kvbin.padded(len(view))
+    stage = buffer("wstage", size)
+    stage[: len(view)] = view
+    stage[len(view) : size] = bytes(size - len(view))
+    return [stage[:size]]

@@ -3,6 +3,8 @@ L3, shedding of a full write queue, and detection of corrupt chunks on the way b
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from pathlib import Path
 
@@ -10,7 +12,13 @@ import pytest
 import torch
 
 from kvtier.codecs import make_codec
-from kvtier.errors import ChecksumMismatch, ChunkNotFound, ConfigError, FingerprintMismatch
+from kvtier.errors import (
+    ChecksumMismatch,
+    ChunkNotFound,
+    ConfigError,
+    FingerprintMismatch,
+    StoreIOError,
+)
 from kvtier.geometry import KVGeometry
 from kvtier.tiers.l1 import block_of
 from kvtier.tiers.l2 import HostArena
@@ -70,10 +78,12 @@ def _slots(arena: HostArena, count: int) -> list[int]:
     return slots
 
 
-def _engine(device: str, codec: str = "native", store: object = None, **kw: int) -> TransferEngine:
+def _engine(
+    device: str, codec: str = "native", store: object = None, process: bool = False, **kw: int
+) -> TransferEngine:
     c = make_codec(codec, G)
-    arena = HostArena(c.payload_bytes(CHUNK), 16 * 4096, pin=None)
-    return TransferEngine(G, CHUNK, device, arena, store, c, **kw)
+    arena = HostArena(c.payload_bytes(CHUNK), 16 * 4096, pin=None, shared=process)
+    return TransferEngine(G, CHUNK, device, arena, store, c, writer_process=process, **kw)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -333,9 +343,10 @@ def _header(key: bytes, payload_len: int, codec: str = "native", tokens: int = C
 
 
 @pytest.mark.parametrize("codec", ["native", "int8"])
-def test_l1_to_l3_and_back(tmp_path: Path, codec: str) -> None:
+@pytest.mark.parametrize("process", [False, True], ids=["threads", "writer-process"])
+def test_l1_to_l3_and_back(tmp_path: Path, codec: str, process: bool) -> None:
     store = l3.L3Store(tmp_path / "l3")
-    eng = _engine("cpu", codec, store)
+    eng = _engine("cpu", codec, store, process)
     src = _layers(CHUNK, "cpu", seed=3)
     slot = eng.arena.alloc()
     assert slot is not None
@@ -391,9 +402,9 @@ class _SlowStore:
     def __init__(self, inner: object) -> None:
         self.inner = inner
 
-    def put(self, header: object, payload: object) -> object:
+    def put(self, header: object, payload: object, **kw: object) -> object:
         time.sleep(0.2)
-        return self.inner.put(header, payload)  # type: ignore[attr-defined]
+        return self.inner.put(header, payload, **kw)  # type: ignore[attr-defined]
 
 
 def test_full_write_queue_sheds_instead_of_stalling(tmp_path: Path) -> None:
@@ -509,3 +520,35 @@ def test_cuda_restore_overlapping_l3_reads(tmp_path: Path) -> None:
     eng.close()
     store.close()
     arena.close()
+
+
+def test_writer_process_dies_writes_fail_typed_and_nothing_stored_is_lost(tmp_path: Path) -> None:
+    store = l3.L3Store(tmp_path / "l3")
+    eng = _engine("cpu", "native", store, process=True)
+    proc = eng._proc
+    assert proc is not None
+    size = eng.codec.payload_bytes(CHUNK)
+    slot = eng.arena.alloc()
+    assert slot is not None
+    src = _layers(CHUNK, "cpu", seed=9)
+    eng.offload(src, 0, CHUNK, slot)
+    eng.write_l3(slot, _header(b"a" * 16, size)).result()  # type: ignore[union-attr]
+    os.kill(proc.pid, signal.SIGKILL)
+    with pytest.raises(StoreIOError, match="writer process is gone"):
+        eng.write_l3(slot, _header(b"b" * 16, size)).result()  # type: ignore[union-attr]
+    assert not store.contains(b"b" * 16)
+    assert not list((tmp_path / "l3").rglob("*.tmp"))  # no half-written file left visible
+    eng.arena.view(slot).zero_()
+    eng.read_l3(b"a" * 16, slot, b"F" * 16).result()  # what was stored is still there, intact
+    dst = _empty_like(src)
+    eng.restore(slot, CHUNK, dst, 0).wait()
+    assert torch.equal(_stack(dst), _stack(src))
+    eng.close()
+    store.close()
+
+
+def test_writer_process_needs_a_shared_arena(tmp_path: Path) -> None:
+    c = make_codec("native", G)
+    arena = HostArena(c.payload_bytes(CHUNK), 4 * 4096, pin=None)
+    with l3.L3Store(tmp_path / "l3") as store, pytest.raises(ConfigError, match="shared=True"):
+        TransferEngine(G, CHUNK, "cpu", arena, store, c, writer_process=True)
