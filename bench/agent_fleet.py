@@ -12,6 +12,8 @@ Configurations, each run on the same workload (same seeds):
   kvtier      kvtier TieredCache, codec native (L1 budget = the KV cap, L2 pinned, L3 on disk)
   kvtier-int8 the same with the int8 cold-tier codec
   kvtier-wb   kvtier native with the write_back policy (a diagnostic: no write-through I/O)
+  kvtier-threads  kvtier native with L3 writes from threads in this process (l3_writer
+              "threads"; a diagnostic: the default writes from a child process)
 
 The first turn of a session ingests its prompt (prefill only); returning turns are timed for
 TTFT and decode steps.
@@ -101,6 +103,7 @@ class Runner:
         tmp,
         codec="native",
         policy="write_through",
+        writer="process",
     ):
         self.name, self.model, self.device = name, model, device
         self.decode_tokens = decode_tokens
@@ -116,6 +119,7 @@ class Runner:
                     chunk_tokens=256,
                     codec=codec,
                     write_policy=policy,
+                    l3_writer=writer,
                 ),
                 model,
             )
@@ -322,9 +326,14 @@ def main() -> None:
         res = Result(name)
         codec = "int8" if name.endswith("int8") else "native"
         policy = "write_back" if name.endswith("-wb") else "write_through"
-        runner = Runner(
-            name, model, dev, args.decode_tokens, kv_budget, tmp, codec=codec, policy=policy
-        )
+        writer = "threads" if name.endswith("-threads") else "process"
+        try:
+            runner = Runner(
+                name, model, dev, args.decode_tokens, kv_budget, tmp, codec, policy, writer
+            )
+        except Exception as exc:  # report it and go on with the other configurations
+            print(f"{name}: could not start: {type(exc).__name__}: {exc}", flush=True)
+            continue
         try:
             runner.run(plan, res, args.time_limit)
         finally:

@@ -39,7 +39,8 @@ for step in $STEPS; do
       timeout 60 python3 bench/collectors.py >"$OUT/collectors.txt" 2>&1 ;;
     interference)
       mkdir -p .l3interf
-      timeout 120 python3 bench/l3_interference.py --dir .l3interf --seconds 6 2>&1 | quiet \
+      timeout 150 python3 bench/l3_interference.py --dir .l3interf --seconds 5 \
+        ${INTERF_MODES:+--modes "$INTERF_MODES"} 2>&1 | quiet \
         >"$OUT/interference.txt"
       rm -rf .l3interf ;;
     fleet)

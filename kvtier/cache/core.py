@@ -32,6 +32,7 @@ from kvtier.cache.session import Session, _as_list
 from kvtier.cache.stats import Counters, build_snapshot
 from kvtier.codecs import make_codec
 from kvtier.errors import (
+    BudgetError,
     FingerprintMismatch,
     KvbinFormatError,
     L1BudgetExceeded,
@@ -88,24 +89,24 @@ class TieredCache:
         l1_bytes = config.l1_bytes or _default_l1_bytes(self.device)
         self.l1 = L1Pool(self.geometry, l1_bytes, self.device, self.chunk_tokens)
         slot_bytes = self.codec.payload_bytes(self.chunk_tokens)
-        writer_process = config.l3_writer == "process" and hasattr(os, "memfd_create")
-        self.l2 = HostArena(
-            slot_bytes, config.l2_bytes, pin=config.pin_memory, shared=writer_process
-        )
         self.l3 = L3Store(
             config.l3_root, keep_page_cache=config.keep_page_cache, max_bytes=config.l3_max_bytes
         )
-        self.engine = TransferEngine(
-            self.geometry,
-            self.chunk_tokens,
-            self.device,
-            self.l2,
-            self.l3,
-            self.codec,
-            l3_write_queue=config.l3_write_queue,
-            l3_threads=config.l3_threads,
-            writer_process=writer_process,
-        )
+        want_process = config.l3_writer == "process" and hasattr(os, "memfd_create")
+        try:
+            self.l2, self.engine = self._build_l2(config, slot_bytes, want_process)
+        except (BudgetError, OSError) as exc:
+            if not want_process:
+                self.l3.close()
+                raise
+            # Shared memory or the child could not be had here: the same cache with writer
+            # threads (write-through then competes with decode for this interpreter).
+            log.warning("L3 writer process unavailable (%s); writing L3 from threads", exc)
+            try:
+                self.l2, self.engine = self._build_l2(config, slot_bytes, False)
+            except BaseException:
+                self.l3.close()
+                raise
         self._cost = CostModel(
             config.initial_bandwidth,
             config.initial_prefill_s_per_token,
@@ -130,6 +131,28 @@ class TieredCache:
         self._load_hibernated()
 
     # -- sessions -------------------------------------------------------------------------------
+
+    def _build_l2(
+        self, config: CacheConfig, slot_bytes: int, writer_process: bool
+    ) -> tuple[HostArena, TransferEngine]:
+        """The L2 arena and the transfer engine (shared L2 + writer process, or neither)."""
+        arena = HostArena(slot_bytes, config.l2_bytes, pin=config.pin_memory, shared=writer_process)
+        try:
+            engine = TransferEngine(
+                self.geometry,
+                self.chunk_tokens,
+                self.device,
+                arena,
+                self.l3,
+                self.codec,
+                l3_write_queue=config.l3_write_queue,
+                l3_threads=config.l3_threads,
+                writer_process=writer_process,
+            )
+        except BaseException:
+            arena.close()
+            raise
+        return arena, engine
 
     def session(self, session_id: str, tenant: str = "default") -> Session:
         """Open a session, or find it again (also after a restart, from L3)."""

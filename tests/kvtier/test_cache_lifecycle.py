@@ -222,3 +222,32 @@ def test_published_prefix_is_shared_across_tenants(tmp_path: Path, model) -> Non
     assert c.restore(torch.cat([private, ids_of(2, 4)], 1)).get_seq_length() == 0
     c.abort()
     cache.close()
+
+
+@pytest.mark.parametrize("writer", ["process", "threads"])
+def test_l3_writer_modes_store_the_same_chunks(tmp_path: Path, model, writer: str) -> None:
+    cache = TieredCache(cfg(tmp_path, l3_writer=writer), model)
+    assert (cache.engine._proc is not None) == (writer == "process")
+    assert cache.l2.shared == (writer == "process")
+    turn(model, cache, "a", ids_of(3 * CHUNK + 5))
+    cache.flush()
+    assert cache.stats().tier("l3").chunks == 3  # type: ignore[union-attr]  # written through
+    cache.close()
+
+
+def test_writer_process_unavailable_falls_back_to_threads(
+    tmp_path: Path, model, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import kvtier.transfer
+
+    def no_child(*args, **kw):  # type: ignore[no-untyped-def]
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(kvtier.transfer, "WriterProcess", no_child)
+    cache = TieredCache(cfg(tmp_path), model)
+    assert cache.engine._proc is None and not cache.l2.shared
+    assert "writing L3 from threads" in caplog.text
+    turn(model, cache, "a", ids_of(2 * CHUNK))
+    cache.flush()
+    assert cache.stats().tier("l3").chunks == 2  # type: ignore[union-attr]
+    cache.close()
