@@ -655,12 +655,17 @@ class TransferEngine:
         """Wait for L3 I/O on `slot` before a device copy touches it.
 
         A failed write stays with its future. A failed read leaves the slot's bytes unusable:
-        with `strict` (a copy about to read the slot) its error is raised here.
+        with `strict` (a copy about to read the slot) its error is raised here, and a write
+        still in flight is left running (it only reads the slot too, so a restore need not
+        wait for the disk).
         """
-        entry = self._slot_io.pop(slot, None)
+        entry = self._slot_io.get(slot)
         if entry is None:
             return
         future, is_read = entry
+        if strict and not is_read and not future.done():
+            return
+        self._slot_io.pop(slot, None)
         error = future.exception()
         if strict and is_read and error is not None:
             raise error

@@ -36,9 +36,9 @@ class CacheConfig:
     pin_memory: bool | None = None  # None: pin L2 iff CUDA is available
     l3_write_queue: int = 64
     l3_threads: int = 4
-    # "process": write-through's disk work runs in a child process reading L2 from shared
-    # memory (keeps the serving interpreter free; Linux); "threads": in this process.
-    l3_writer: str = "process"
+    # "threads": L3 file writes from threads of this process; "process": from a child
+    # process reading L2 from shared memory (Linux; see kvtier.tiers.l3_writer)
+    l3_writer: str = "threads"
     session_ttl_s: float | None = None
     cost_model: bool = True  # False: always load the longest cached prefix
     load_margin: float = 1.0  # load a prefix only if load_time * margin < recompute_time

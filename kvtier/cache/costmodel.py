@@ -3,10 +3,20 @@
 The cache reports every load (bytes, seconds, source tier) and every prefill (tokens, seconds);
 this object keeps exponential moving averages and answers how many leading chunks of a restore
 are worth loading. No torch, no I/O: a pure object, tested as such.
+
+Estimates move in log space: each sample moves one `alpha` of the way (the first sample all the
+way) toward itself, but never more than `outlier` x at once, so a real change of orders of
+magnitude (a throttled disk) is learnt in a handful of samples while small noise is averaged.
+Two guards keep one bad measurement from locking a tier out for good. A tier that the plan
+rejects is never measured again, so a single slow sample (the first restore of a process pays
+for lazy CUDA set-up) could otherwise make every later restore from it a recompute. Hence the
+`outlier` bound, and after `probe_every` plans in a row that turned a tier down, the next plan
+loads it once more to measure it again.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 
 
@@ -16,19 +26,29 @@ class CostModel:
         bandwidth: Mapping[str, float],
         prefill_s_per_token: float,
         *,
-        alpha: float = 0.3,
+        alpha: float = 0.5,
         margin: float = 1.0,
+        outlier: float = 4.0,
+        probe_every: int = 32,
     ) -> None:
         self.bandwidth = dict(bandwidth)  # bytes/s by source tier
         self.prefill_s_per_token = prefill_s_per_token
         self.alpha = alpha
         self.margin = margin
+        self.outlier = outlier
+        self.probe_every = probe_every
         self.samples: dict[str, int] = {}
+        self.turned_down: dict[str, int] = {}  # plans in a row that rejected this tier
+        self.probes = 0
 
     def _ema(self, old: float, new: float, name: str) -> float:
         n = self.samples.get(name, 0)
         self.samples[name] = n + 1
-        return new if n == 0 else (1 - self.alpha) * old + self.alpha * new
+        if old <= 0:
+            return new
+        limit = math.log(self.outlier)
+        step = (1.0 if n == 0 else self.alpha) * math.log(new / old)
+        return old * math.exp(max(-limit, min(limit, step)))
 
     def observe_load(self, src: str, nbytes: int, seconds: float) -> None:
         if nbytes <= 0 or seconds <= 0:
@@ -60,4 +80,13 @@ class CostModel:
             saving = self.recompute_seconds(int(tokens)) - load
             if saving > best_saving:
                 best_k, best_saving = k, saving
+        if best_k < len(segments):
+            rejected = segments[best_k][0]
+            self.turned_down[rejected] = self.turned_down.get(rejected, 0) + 1
+            if self.turned_down[rejected] >= self.probe_every:  # measure it again, once
+                self.turned_down[rejected] = 0
+                self.probes += 1
+                return len(segments)
+        for src, _, _ in segments[:best_k]:
+            self.turned_down[src] = 0
         return best_k

@@ -68,7 +68,7 @@ class ServerConfig:
     chunk_tokens: int = 256
     codec: str = "native"
     write_policy: str = "write_through"
-    l3_writer: str = "process"  # "process": L3 file writes in a child process; "threads"
+    l3_writer: str = "threads"  # "threads" or "process" (L3 file writes in a child process)
     isolate_cpus: bool = True  # generation threads on a core of their own, disk work elsewhere
     max_concurrency: int = 8  # sessions generating at once
     max_queue: int = 256  # requests waiting for a slot; beyond it: 429 at once

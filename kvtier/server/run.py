@@ -54,7 +54,7 @@ def options(f: Callable[..., Any]) -> Callable[..., Any]:
         click.option(
             "--l3-writer",
             type=click.Choice(["process", "threads"]),
-            help="Where L3 file writes run (default: a child process).",
+            help="Where L3 file writes run: threads (default) or a child process.",
         ),
         click.option(
             "--isolate-cpus/--no-isolate-cpus",

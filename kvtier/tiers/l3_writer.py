@@ -102,6 +102,7 @@ class WriterProcess:
         return future.result()
 
     def _receive(self) -> None:
+        l3_io.background_thread(False)  # off the serving thread's core (it may have made us)
         while True:
             try:
                 rid, result, error = self._rx.recv()

@@ -34,10 +34,12 @@ def test_measurements_move_the_decision() -> None:
     m = model()
     seg = [("l3", 10 * MB, 256)]
     assert m.plan(seg) == 1  # 10 ms of load vs 25.6 ms of prefill
-    m.observe_load("l3", 10 * MB, 1.0)  # the disk turned out to do 10 MB/s
-    assert m.bandwidth["l3"] == pytest.approx(10 * MB)
+    for _ in range(40):  # the disk turned out to do 10 MB/s (each sample moves it <= 4 x)
+        m.observe_load("l3", 10 * MB, 1.0)
+    assert m.bandwidth["l3"] == pytest.approx(10 * MB, rel=0.01)
     assert m.plan(seg) == 0
-    m.observe_prefill(256, 10.0)  # prefill turned out to be slow too: 39 ms/token
+    for _ in range(40):  # prefill turned out to be slow too: 39 ms/token
+        m.observe_prefill(256, 10.0)
     assert m.plan(seg) == 1
 
 
@@ -46,12 +48,31 @@ def test_ema_and_ignores_nonsense() -> None:
     m.observe_load("l2", MB, 0.0)  # zero-duration samples say nothing
     m.observe_load("l2", 0, 1.0)
     assert m.bandwidth["l2"] == 10e9
-    m.observe_load("l2", 2 * MB, 1.0)
-    m.observe_load("l2", 4 * MB, 1.0)
-    assert m.bandwidth["l2"] == pytest.approx(0.7 * 2 * MB + 0.3 * 4 * MB)
+    m.observe_load("l2", 8e9, 1.0)  # the first sample replaces the prior (within 4 x)
+    assert m.bandwidth["l2"] == pytest.approx(8e9)
+    m.observe_load("l2", 12e9, 1.0)  # later ones move it half way, in log space
+    assert m.bandwidth["l2"] == pytest.approx((8e9 * 12e9) ** 0.5)
 
 
 def test_margin_makes_loading_stricter() -> None:
     m = CostModel({"l2": 1e9}, 1e-4, margin=10.0)
     # 2.56 MB at 1 GB/s = 2.56 ms, x10 margin = 25.6 ms == prefill of 256 tokens: no gain
     assert m.plan([("l2", 2_560_000, 256)]) == 0
+
+
+def test_one_outlier_moves_the_estimate_at_most_4x() -> None:
+    m = model()
+    m.observe_load("l2", MB, 1.0)  # a 1 MB/s first sample (a cold first restore, say)
+    assert m.bandwidth["l2"] == pytest.approx(10e9 / 4)
+    # 14.7 MB at 2.5 GB/s = 5.9 ms, still far below the 25.6 ms prefill: the tier stays in use
+    assert m.plan([("l2", 14_700_000, 256)]) == 1
+
+
+def test_a_turned_down_tier_is_probed_again() -> None:
+    m = CostModel({"l3": 1 * MB}, 1e-4, probe_every=5)
+    seg = [("l3", 14_700_000, 256)]
+    plans = [m.plan(seg) for _ in range(10)]
+    assert plans == [0, 0, 0, 0, 1, 0, 0, 0, 0, 1] and m.probes == 2
+    for _ in range(10):  # the probes found a fast disk after all: 2.9 GB/s
+        m.observe_load("l3", 14_700_000, 0.005)
+    assert m.plan(seg) == 1

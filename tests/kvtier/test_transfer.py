@@ -427,6 +427,27 @@ def test_full_write_queue_sheds_instead_of_stalling(tmp_path: Path) -> None:
     store.close()
 
 
+def test_restore_does_not_wait_for_the_chunks_l3_write(tmp_path: Path) -> None:
+    store = l3.L3Store(tmp_path / "l3")
+    eng = _engine("cpu", "native", _SlowStore(store))  # each put takes 0.2 s
+    src = _layers(CHUNK, "cpu", seed=4)
+    slot = eng.arena.alloc()
+    assert slot is not None
+    eng.offload(src, 0, CHUNK, slot)
+    future = eng.write_l3(slot, _header(b"w" * 16, eng.codec.payload_bytes(CHUNK)))
+    assert future is not None
+    dst = _empty_like(src)
+    t0 = time.perf_counter()
+    eng.restore(slot, CHUNK, dst, 0).wait()  # both only read the slot: no need to wait
+    assert time.perf_counter() - t0 < 0.1
+    assert not future.done() and eng.busy(slot)
+    assert torch.equal(_stack(dst), _stack(src))
+    eng.forget(slot)  # before the slot may be reused: waits for the write
+    assert future.done() and store.contains(b"w" * 16)
+    eng.close()
+    store.close()
+
+
 def _store_session(
     eng: TransferEngine, layers: list, ntokens: int, chunk: int, geometry: KVGeometry
 ) -> tuple[list[bytes], list[int]]:
