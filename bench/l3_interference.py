@@ -80,51 +80,48 @@ def write_load(
     slots = [arena.alloc() for _ in range(8)]
     for s in slots:
         arena.view(s).copy_(torch.randint(0, 255, (size,), dtype=torch.uint8))
-    written = [0]
     if checksum_only:
-
-        def feed() -> None:
-            l3_io.background_thread(nice)
-            i = 0
-            while not stop.is_set():
-                zlib.crc32(arena.buffer(slots[i % len(slots)]))
-                written[0] += 1
-                i += 1
-
-        feeders = [threading.Thread(target=feed) for _ in range(FEEDERS)]
-        for f in feeders:
-            f.start()
-        for f in feeders:
-            f.join()
+        written = _feed(stop, nice, lambda i: zlib.crc32(arena.buffer(slots[i % len(slots)])))
         arena.close()
-        return written[0]
+        return written
 
     saved = l3_io.background_thread
     if not nice:  # the engine's and the store's pools then run at normal priority
-        l3_io.background_thread = lambda: None  # type: ignore[assignment]
+        l3_io.background_thread = lambda *args: None  # type: ignore[assignment]
     store = L3Store(root)
     engine = TransferEngine(GEOMETRY, CHUNK, "cpu", arena, store, codec, writer_process=process)
     l3_io.background_thread = saved  # type: ignore[assignment]
 
-    def feed_engine() -> None:
-        l3_io.background_thread(nice)
-        i = 0
-        while not stop.is_set():
-            fut = engine.write_l3(slots[i % len(slots)], _header(size, codec.params()))
-            if fut is not None:
-                fut.result()
-                written[0] += 1
-            i += 1
+    def put(i: int) -> bool:
+        fut = engine.write_l3(slots[i % len(slots)], _header(size, codec.params()))
+        return fut is not None and fut.result() is not None
 
-    feeders = [threading.Thread(target=feed_engine) for _ in range(FEEDERS)]
-    for f in feeders:
-        f.start()
-    for f in feeders:
-        f.join()
+    written = _feed(stop, nice, put)
     engine.close()
     store.close()
     arena.close()
-    return written[0]
+    return written
+
+
+def _feed(stop: threading.Event, nice: bool, work: Callable[[int], object]) -> int:
+    """Run work(0), work(1), ... on FEEDERS threads until `stop`; returns the calls that
+    returned something true (chunks checksummed or written)."""
+    done = [0]
+
+    def loop() -> None:
+        l3_io.background_thread(nice)
+        i = 0
+        while not stop.is_set():
+            if work(i):
+                done[0] += 1
+            i += 1
+
+    threads = [threading.Thread(target=loop) for _ in range(FEEDERS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return done[0]
 
 
 def _child(root: str, cpus: set | None, ready: mp.Event, stop: mp.Event, result: mp.Queue) -> None:
