@@ -289,7 +289,7 @@ def main() -> None:
         help="leave the decode thread unpinned (default: a core of its own, L3 threads elsewhere)",
     )
     args = ap.parse_args()
-    if not args.no_isolate:  # the same for every configuration
+    if not args.no_isolate and args.device.startswith("cuda"):  # same for every configuration
         cpus = isolate_caller()
         print(f"decode thread on CPUs {sorted(cpus[0])}" if cpus else "decode thread unpinned")
     dev = args.device

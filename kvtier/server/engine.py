@@ -111,6 +111,11 @@ class Stream:
                 return
 
 
+def _isolate(config: Any, served: ServedModel) -> bool:
+    device = getattr(served.model, "device", None)
+    return bool(getattr(config, "isolate_cpus", False)) and getattr(device, "type", "") == "cuda"
+
+
 class Engine:
     """Owns the model, the cache backend, the worker threads and the admission queue."""
 
@@ -124,9 +129,11 @@ class Engine:
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=config.max_concurrency,
             thread_name_prefix="kvtier-gen",
-            # generation threads share one core (they take turns on the model lock); L3 disk
-            # threads started afterwards keep off it (docs/benchmarks.md, "interference")
-            initializer=l3_io.isolate_caller if getattr(config, "isolate_cpus", False) else None,
+            # On a GPU, generation threads share one core (they take turns on the model lock
+            # and only launch kernels); L3 disk threads started afterwards keep off it
+            # (docs/benchmarks.md, "interference"). Never on the CPU: the model's own thread
+            # pool would inherit that one core.
+            initializer=l3_io.isolate_caller if _isolate(config, served) else None,
         )
         self._slots = asyncio.Semaphore(config.max_concurrency)
         self._session_locks: dict[str, tuple[asyncio.Lock, int]] = {}

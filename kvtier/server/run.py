@@ -59,8 +59,8 @@ def options(f: Callable[..., Any]) -> Callable[..., Any]:
         click.option(
             "--isolate-cpus/--no-isolate-cpus",
             default=None,
-            help="Generation threads on a core of their own, disk work on the others "
-            "(default on; a no-op below 4 CPUs).",
+            help="With a CUDA model, generation threads on a core of their own and disk work "
+            "on the others (default on; a no-op below 4 CPUs or on the CPU).",
         ),
         click.option("--max-concurrency", type=int, help="Sessions generating at once."),
         click.option("--max-queue", type=int, help="Requests that may wait for a slot."),
