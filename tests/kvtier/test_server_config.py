@@ -45,6 +45,15 @@ def test_bad_values_name_the_setting(tmp_path: Path) -> None:
         ServerConfig.load(env={}, file=toml)
     with pytest.raises(ConfigError, match="does not exist"):
         ServerConfig.load(env={}, file=tmp_path / "missing.toml")
+    with pytest.raises(ConfigError, match="l3_writer"):
+        ServerConfig.load(env={"KVTIER_L3_WRITER": "fork"})
+
+
+def test_writer_and_isolation_settings() -> None:
+    default = ServerConfig.load(env={})
+    assert default.l3_writer == "threads" and default.isolate_cpus is True
+    c = ServerConfig.load(env={"KVTIER_L3_WRITER": "process", "KVTIER_ISOLATE_CPUS": "0"})
+    assert c.l3_writer == "process" and c.isolate_cpus is False
 
 
 def test_default_l3_root_is_private_under_user_data_dir() -> None:
