@@ -18,6 +18,7 @@ same code uses ordinary tensors.
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -27,6 +28,7 @@ import torch
 from kvtier.errors import L1BudgetExceeded
 from kvtier.geometry import KVGeometry
 
+log = logging.getLogger("kvtier.l1")
 _POOLS: dict[int, object] = {}
 
 
@@ -150,6 +152,13 @@ class L1Pool:
                     # smaller segments): per-layer tensors fit into those pieces. The engine
                     # moves them with one copy per layer and plane instead of one per group.
                     self.split_allocations += 1
+                    if self.split_allocations == 1:
+                        log.info(
+                            "L1: no contiguous %d-byte block free on %s; sessions that do not "
+                            "fit one get per-layer tensors (slower transfers, same data)",
+                            self.bytes_for(capacity),
+                            self.device,
+                        )
                 else:
                     return [(block[i, 0], block[i, 1]) for i in range(g.num_layers)]
             shape_k = (1, g.num_kv_heads, capacity, g.head_dim)
