@@ -78,6 +78,7 @@ class Bench:
         self.group: int | None = None
         self.engine = self.make_engine(None)
         self.l1 = L1Pool(QWEN2_7B, 1 << 40, device, CHUNK)  # accounting only: never exceeded
+        self.blocks: dict[int, torch.Tensor | None] = {}
         self.rows: list[tuple[str, int, float, float, str]] = []
         self.launch: list[tuple[str, float, float]] = []  # figure, host ms to issue, total ms
 
@@ -105,11 +106,15 @@ class Bench:
 
     def layers(self, tokens: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Session buffers as the cache allocates them (L1Pool: one block, per-layer views)."""
-        layers = self.l1.allocate(tokens).layers
-        for k, v in layers:
+        bufs = self.l1.allocate(tokens)
+        for k, v in bufs.layers:
             k.normal_()
             v.normal_()
-        return layers
+        self.blocks[id(bufs.layers)] = bufs.block  # passed along as the cache does
+        return bufs.layers
+
+    def block(self, layers: list) -> torch.Tensor | None:
+        return self.blocks.get(id(layers))
 
     # ---- ceilings ----------------------------------------------------------------------------
 
@@ -195,19 +200,20 @@ class Bench:
         up = list(range(self.chunks, self.chunks + chunks))
         nbytes = QWEN2_7B.chunk_bytes(tokens)
         eng = self.engine
-        eng.offload_range(src, 0, tokens, up).wait()  # the restore's source
+        sb, db = self.block(src), self.block(dst)
+        eng.offload_range(src, 0, tokens, up, block=sb).wait()  # the restore's source
 
         def offload() -> None:
-            eng.offload_range(src, 0, tokens, down).wait()
+            eng.offload_range(src, 0, tokens, down, block=sb).wait()
 
         def restore() -> None:
-            eng.restore_range(up, tokens, dst, 0).wait()
+            eng.restore_range(up, tokens, dst, 0, block=db).wait()
 
         if self.cuda:
 
             def duplex() -> None:
-                a = eng.offload_range(src, 0, tokens, down)
-                b = eng.restore_range(up, tokens, dst, 0)
+                a = eng.offload_range(src, 0, tokens, down, block=sb)
+                b = eng.restore_range(up, tokens, dst, 0, block=db)
                 a.wait()
                 b.wait()
 
@@ -227,8 +233,12 @@ class Bench:
         self.rows.append((f"offload L1->L2 {label}", nbytes, off, ceil["d2h"], down_what))
         self.rows.append((f"restore L2->L1 {label}", nbytes, res, ceil["h2d"], up_what))
         self.rows.append((f"both at once {label}", 2 * nbytes, dup, ceil["both"], both_what))
-        self.time_launch(f"offload {label}", lambda: eng.offload_range(src, 0, tokens, down))
-        self.time_launch(f"restore {label}", lambda: eng.restore_range(up, tokens, dst, 0))
+        self.time_launch(
+            f"offload {label}", lambda: eng.offload_range(src, 0, tokens, down, block=sb)
+        )
+        self.time_launch(
+            f"restore {label}", lambda: eng.restore_range(up, tokens, dst, 0, block=db)
+        )
         if ssd:
             self.ssd(tokens, src, ceil, tag)
 
@@ -265,7 +275,7 @@ class Bench:
         eng = self.make_engine(store)
         slots = list(range(chunks))
         fingerprint = b"B" * 16
-        eng.offload_range(src, 0, tokens, slots).wait()
+        eng.offload_range(src, 0, tokens, slots, block=self.block(src)).wait()
         keys = []
         for i, slot in enumerate(slots):
             n = min(CHUNK, tokens - i * CHUNK)
@@ -294,7 +304,7 @@ class Bench:
         def load() -> None:
             for k, s in zip(keys, slots, strict=True):
                 eng.read_l3(k, s, fingerprint)
-            eng.restore_range(slots, tokens, dst, 0).wait()  # waits each read before its copy
+            eng.restore_range(slots, tokens, dst, 0, block=self.block(dst)).wait()  # reads first
 
         nbytes = QWEN2_7B.chunk_bytes(tokens)
         rate = nbytes / timed(load, self.sync, self.reps)

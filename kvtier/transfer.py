@@ -292,27 +292,43 @@ class TransferEngine:
 
     # ---- L1 <-> L2 ---------------------------------------------------------------------------
 
-    def offload(self, layers: Layers, start: int, ntokens: int, slot: int) -> Handle:
+    def offload(
+        self,
+        layers: Layers,
+        start: int,
+        ntokens: int,
+        slot: int,
+        *,
+        block: torch.Tensor | None = None,
+    ) -> Handle:
         """Copy tokens [start, start+ntokens) of every layer into L2 `slot` (one chunk)."""
-        return self.offload_range(layers, start, ntokens, [slot])
+        return self.offload_range(layers, start, ntokens, [slot], block=block)
 
     def offload_range(
-        self, layers: Layers, start: int, ntokens: int, slots: Sequence[int]
+        self,
+        layers: Layers,
+        start: int,
+        ntokens: int,
+        slots: Sequence[int],
+        *,
+        block: torch.Tensor | None = None,
     ) -> Handle:
         """Copy tokens [start, start+ntokens) into consecutive chunks, one per slot.
 
         Every chunk but the last is full. The device side gathers `group_chunks` chunks per
-        copy per layer and plane; each chunk then goes down in one copy into its slot.
+        copy (one for all layers and planes when `layers` are views of one L1Pool block, else
+        one per layer and plane); each chunk then goes down in one copy into its slot. `block`
+        is that block (`SessionBuffers.block`), which spares finding it again.
         """
-        self._check_range(layers, start, ntokens, slots)
+        block = self._check_range(layers, start, ntokens, slots, block)
         for slot in slots:
             self._settle_io(slot)  # an L3 write still reading the slot finishes first
         with self._issue[_DOWN]:
             if self.cuda:
-                handle = self._offload_cuda(layers, start, ntokens, slots)
+                handle = self._offload_cuda(layers, block, start, ntokens, slots)
             else:
                 t0 = time.perf_counter()
-                moved = self._offload_cpu(layers, start, ntokens, slots)
+                moved = self._offload_cpu(layers, block, start, ntokens, slots)
                 handle = Handle(direction=_DOWN)
                 self._account(_DOWN, moved, time.perf_counter() - t0, len(slots))
             for slot in slots:
@@ -320,7 +336,12 @@ class TransferEngine:
         return handle
 
     def _offload_cuda(
-        self, layers: Layers, start: int, ntokens: int, slots: Sequence[int]
+        self,
+        layers: Layers,
+        block: torch.Tensor | None,
+        start: int,
+        ntokens: int,
+        slots: Sequence[int],
     ) -> Handle:
         gather, copy = self._streams[_DOWN]
         gather.wait_stream(torch.cuda.current_stream(self.device))  # L1 holds its final values
@@ -334,7 +355,7 @@ class TransferEngine:
             size = self.codec.payload_bytes(length)
             gather.wait_event(stage.free)  # its previous chunks have gone down
             with torch.cuda.stream(gather):
-                views, fused = self._l1_views(layers, start + index * n, count, length)
+                views, fused = self._l1_views(layers, block, start + index * n, count, length)
                 _copy_all(stage.planes(count, length, fused), views)
                 if not self.codec.lossless:
                     staged = stage.staged(count, length)
@@ -357,13 +378,20 @@ class TransferEngine:
         self._timing(_DOWN, begin, end, moved, len(slots))
         return Handle(end, keep=(layers,), direction=_DOWN)
 
-    def _offload_cpu(self, layers: Layers, start: int, ntokens: int, slots: Sequence[int]) -> int:
+    def _offload_cpu(
+        self,
+        layers: Layers,
+        block: torch.Tensor | None,
+        start: int,
+        ntokens: int,
+        slots: Sequence[int],
+    ) -> int:
         n = self.chunk_tokens
         moved = 0
         native = self.codec.lossless
         group = 1 if native else self.group_chunks
         for index, count, length in self._groups(ntokens, len(slots), group):
-            views, fused = self._l1_views(layers, start + index * n, count, length)
+            views, fused = self._l1_views(layers, block, start + index * n, count, length)
             if native:  # gather straight into the slot, no staging copy
                 chunk = self._slot_chunk(slots[index], length).unsqueeze(0)
                 _copy_all(_planes(chunk, fused), views)
@@ -376,27 +404,42 @@ class TransferEngine:
                 moved += self.codec.encode(staged[c], out=self.arena.view(slots[index + c])).numel()
         return moved
 
-    def restore(self, slot: int, ntokens: int, layers: Layers, start: int) -> Handle:
+    def restore(
+        self,
+        slot: int,
+        ntokens: int,
+        layers: Layers,
+        start: int,
+        *,
+        block: torch.Tensor | None = None,
+    ) -> Handle:
         """Copy the chunk in L2 `slot` into tokens [start, start+ntokens) of every layer."""
-        return self.restore_range([slot], ntokens, layers, start)
+        return self.restore_range([slot], ntokens, layers, start, block=block)
 
     def restore_range(
-        self, slots: Sequence[int], ntokens: int, layers: Layers, start: int
+        self,
+        slots: Sequence[int],
+        ntokens: int,
+        layers: Layers,
+        start: int,
+        *,
+        block: torch.Tensor | None = None,
     ) -> Handle:
         """Copy consecutive chunks (every one full but the last) back into the L1 layers.
 
         A slot with an L3 read in flight is waited for just before its own copy, so a restore
         issued right after `read_l3` overlaps the disk with the copies. A failed read raises
         its error here (the chunks before it may already be in L1; the caller recomputes).
+        `block` as for `offload_range`.
         """
-        self._check_range(layers, start, ntokens, slots)
+        block = self._check_range(layers, start, ntokens, slots, block)
         with self._issue[_UP]:
             if self.cuda:
-                return self._restore_cuda(slots, ntokens, layers, start)
+                return self._restore_cuda(slots, ntokens, layers, block, start)
             t0 = time.perf_counter()
             handle = Handle(direction=_UP)
             try:
-                moved = self._restore_cpu(slots, ntokens, layers, start)
+                moved = self._restore_cpu(slots, ntokens, layers, block, start)
             finally:
                 for slot in slots:
                     self._slot_copy[slot] = handle
@@ -404,7 +447,12 @@ class TransferEngine:
             return handle
 
     def _restore_cuda(
-        self, slots: Sequence[int], ntokens: int, layers: Layers, start: int
+        self,
+        slots: Sequence[int],
+        ntokens: int,
+        layers: Layers,
+        block: torch.Tensor | None,
+        start: int,
     ) -> Handle:
         scatter, copy = self._streams[_UP]
         scatter.wait_stream(torch.cuda.current_stream(self.device))  # L1 is free to overwrite
@@ -434,7 +482,7 @@ class TransferEngine:
                         for c in range(count):
                             payload = stage.payload(c, length, size)
                             self.codec.decode(payload, length, out=staged[c])
-                    views, fused = self._l1_views(layers, start + index * n, count, length)
+                    views, fused = self._l1_views(layers, block, start + index * n, count, length)
                     _copy_all(views, stage.planes(count, length, fused))
                     stage.free.record(scatter)
         finally:
@@ -449,14 +497,21 @@ class TransferEngine:
         self._timing(_UP, begin, end, moved, len(slots))
         return handle
 
-    def _restore_cpu(self, slots: Sequence[int], ntokens: int, layers: Layers, start: int) -> int:
+    def _restore_cpu(
+        self,
+        slots: Sequence[int],
+        ntokens: int,
+        layers: Layers,
+        block: torch.Tensor | None,
+        start: int,
+    ) -> int:
         n = self.chunk_tokens
         moved = 0
         native = self.codec.lossless
         group = 1 if native else self.group_chunks
         for index, count, length in self._groups(ntokens, len(slots), group):
             size = self.codec.payload_bytes(length)
-            views, fused = self._l1_views(layers, start + index * n, count, length)
+            views, fused = self._l1_views(layers, block, start + index * n, count, length)
             if native:  # scatter straight from the slot
                 self._settle_io(slots[index], strict=True)
                 chunk = self._slot_chunk(slots[index], length).unsqueeze(0)
@@ -505,15 +560,15 @@ class TransferEngine:
         return self.arena.view(slot)[:nbytes].view(self.geometry.torch_dtype()).view(shape)
 
     def _l1_views(
-        self, layers: Layers, first: int, count: int, length: int
+        self, layers: Layers, block: torch.Tensor | None, first: int, count: int, length: int
     ) -> tuple[list[torch.Tensor], bool]:
         """Tokens [first, first + count*length) of every layer and plane, and whether fused.
 
-        Fused (L1Pool's one-allocation layout): one view [L*P, H, count, length, D], moved by
-        one copy. Otherwise one view [H, count, length, D] per layer and plane, layer-major.
+        Fused (`block`, L1Pool's one-allocation layout): one view [L*P, H, count, length, D],
+        moved by one copy. Otherwise one view [H, count, length, D] per layer and plane,
+        layer-major.
         """
         planes = self.geometry.kv_planes
-        block = block_of(layers)
         if block is not None:
             span = block[:, :planes, 0].flatten(0, 1)[:, :, first : first + count * length]
             return [span.unflatten(2, (count, length))], True
@@ -530,7 +585,20 @@ class TransferEngine:
                 )
         return views, False
 
-    def _check_range(self, layers: Layers, start: int, ntokens: int, slots: Sequence[int]) -> None:
+    def _check_range(
+        self,
+        layers: Layers,
+        start: int,
+        ntokens: int,
+        slots: Sequence[int],
+        block: torch.Tensor | None,
+    ) -> torch.Tensor | None:
+        """Refuse a range that does not fit; returns the L1 block behind `layers`, if any.
+
+        A `block` given by the caller (L1Pool's, with its views as `layers`) is checked in
+        O(1); without one, every layer is checked and the block is looked for
+        (`l1.block_of`), which costs tens of microseconds per call on a 28-layer model.
+        """
         if self._closed:
             raise ConfigError("the transfer engine is closed")
         g = self.geometry
@@ -542,20 +610,31 @@ class TransferEngine:
                 f"{ntokens} tokens need {-(-ntokens // n)} slots of {n} tokens, got {len(slots)}"
             )
         end = start + ntokens
-        for pair in layers:
-            for t in pair[: g.kv_planes]:
-                if (
-                    t.dim() != 4
-                    or t.shape[1] != g.num_kv_heads
-                    or t.shape[3] != g.head_dim
-                    or not 0 <= start <= end <= t.shape[2]
-                    or t.device != self.device
-                ):
-                    raise ConfigError(
-                        f"tokens [{start}, {end}) do not fit an L1 buffer of shape "
-                        f"{tuple(t.shape)} on {t.device}; expected [1, {g.num_kv_heads}, "
-                        f">= {end}, {g.head_dim}] on {self.device}"
-                    )
+        if block is not None:
+            if not (
+                block.dim() == 6
+                and block.shape[0] == g.num_layers
+                and layers[0][0]._base is block
+                and layers[-1][g.kv_planes - 1]._base is block
+            ):
+                raise ConfigError("block is not the L1Pool block these layers are views of")
+            tensors: Sequence[torch.Tensor] = [block[0, 0]]
+        else:
+            tensors = [t for pair in layers for t in pair[: g.kv_planes]]
+        for t in tensors:
+            if (
+                t.dim() != 4
+                or t.shape[1] != g.num_kv_heads
+                or t.shape[3] != g.head_dim
+                or not 0 <= start <= end <= t.shape[2]
+                or t.device != self.device
+            ):
+                raise ConfigError(
+                    f"tokens [{start}, {end}) do not fit an L1 buffer of shape "
+                    f"{tuple(t.shape)} on {t.device}; expected [1, {g.num_kv_heads}, "
+                    f">= {end}, {g.head_dim}] on {self.device}"
+                )
+        return block if block is not None else block_of(layers)
 
     # ---- L2 <-> L3 ---------------------------------------------------------------------------
 

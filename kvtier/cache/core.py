@@ -390,7 +390,8 @@ class TieredCache:
         t1 = time.perf_counter()
         tokens = sum(e.tokens for _, e in usable)
         slots = [e.l2_slot for _, e in usable]
-        self.engine.restore_range(slots, tokens, s.bufs.layers, 0).wait()  # type: ignore[arg-type]
+        layers, block = s.bufs.layers, s.bufs.block
+        self.engine.restore_range(slots, tokens, layers, 0, block=block).wait()  # type: ignore[arg-type]
         t_l2 = time.perf_counter() - t1
         for _, e in usable:
             self._l2_policy.touch(e.key)
@@ -488,7 +489,7 @@ class TieredCache:
             # L2 is all in flight: write straight through a temporary staging buffer.
             log.debug("L2 full of in-flight chunks; chunk %s not cached", entry.key.hex())
             return
-        self.engine.offload(s.bufs.layers, pos, entry.tokens, slot)
+        self.engine.offload(s.bufs.layers, pos, entry.tokens, slot, block=s.bufs.block)
         entry.l2_slot = slot
         self._l2_policy.touch(entry.key)
         self._queue_l3_write(entry, tenant)

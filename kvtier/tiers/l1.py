@@ -61,6 +61,13 @@ class SessionBuffers:
     nbytes: int
     released: bool = field(default=False)
 
+    @property
+    def block(self) -> torch.Tensor | None:
+        """The one ``[layer, k|v, 1, H, capacity, D]`` tensor behind `layers`, or None when the
+        session got per-layer tensors (no contiguous block was free)."""
+        base = self.layers[0][0]._base if self.layers else None
+        return base if base is not None and base.dim() == 6 else None
+
 
 class L1Pool:
     """Allocates session buffers within ``budget_bytes``; raises `L1BudgetExceeded` beyond it.

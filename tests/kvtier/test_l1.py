@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvtier.codecs import make_codec
-from kvtier.errors import L1BudgetExceeded
+from kvtier.errors import ConfigError, L1BudgetExceeded
 from kvtier.geometry import KVGeometry
 from kvtier.tiers.l1 import L1Pool, block_of
 from kvtier.tiers.l2 import HostArena
@@ -75,5 +75,25 @@ def test_no_contiguous_block_falls_back_to_per_layer_tensors(
     engine.restore_range(slots, 3 * CHUNK, fused.layers, 0).wait()  # type: ignore[arg-type]
     for (k, v), (k2, v2) in zip(bufs.layers, fused.layers, strict=True):
         assert torch.equal(k, k2) and torch.equal(v, v2)
+    engine.close()
+    arena.close()
+
+
+def test_engine_takes_the_block_and_refuses_a_wrong_one() -> None:
+    pool = L1Pool(G, 1 << 20, "cpu", CHUNK)
+    a, b = pool.allocate(2 * CHUNK), pool.allocate(2 * CHUNK)
+    assert a.block is not None and a.block is block_of(a.layers)
+    for k, v in a.layers:
+        k.normal_()
+        v.normal_()
+    codec = make_codec("native", G)
+    arena = HostArena(codec.payload_bytes(CHUNK), 4 * codec.payload_bytes(CHUNK), pin=None)
+    engine = TransferEngine(G, CHUNK, "cpu", arena, None, codec)
+    slots = [arena.alloc(), arena.alloc()]
+    engine.offload_range(a.layers, 0, 2 * CHUNK, slots, block=a.block).wait()  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="not the L1Pool block"):
+        engine.restore_range(slots, 2 * CHUNK, b.layers, 0, block=a.block)  # type: ignore[arg-type]
+    engine.restore_range(slots, 2 * CHUNK, b.layers, 0, block=b.block).wait()  # type: ignore[arg-type]
+    assert torch.equal(a.block, b.block)
     engine.close()
     arena.close()
