@@ -12,8 +12,8 @@ Configurations, each run on the same workload (same seeds):
   kvtier      kvtier TieredCache, codec native (L1 budget = the KV cap, L2 pinned, L3 on disk)
   kvtier-int8 the same with the int8 cold-tier codec
   kvtier-wb   kvtier native with the write_back policy (a diagnostic: no write-through I/O)
-  kvtier-threads  kvtier native with L3 writes from threads in this process (l3_writer
-              "threads"; a diagnostic: the default writes from a child process)
+  kvtier-process  kvtier native with L3 file writes from the writer process (l3_writer
+              "process"; a diagnostic: the default writes from threads in this process)
 
 The first turn of a session ingests its prompt (prefill only); returning turns are timed for
 TTFT and decode steps.
@@ -103,7 +103,7 @@ class Runner:
         tmp,
         codec="native",
         policy="write_through",
-        writer="process",
+        writer="threads",
     ):
         self.name, self.model, self.device = name, model, device
         self.decode_tokens = decode_tokens
@@ -326,7 +326,7 @@ def main() -> None:
         res = Result(name)
         codec = "int8" if name.endswith("int8") else "native"
         policy = "write_back" if name.endswith("-wb") else "write_through"
-        writer = "threads" if name.endswith("-threads") else "process"
+        writer = "process" if name.endswith("-process") else "threads"
         try:
             runner = Runner(
                 name, model, dev, args.decode_tokens, kv_budget, tmp, codec, policy, writer
