@@ -41,7 +41,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from kvtier.codecs import make_codec
 from kvtier.geometry import KVGeometry
-from kvtier.kvbin import ChunkHeader
 from kvtier.tiers import l3_io
 from kvtier.tiers.l2 import HostArena
 from kvtier.tiers.l3 import L3Store
@@ -50,24 +49,6 @@ from kvtier.transfer import TransferEngine
 GEOMETRY = KVGeometry(28, 4, 128, 128, "bfloat16", "gqa")
 CHUNK = 256
 FEEDERS = 2  # threads keeping the write queue busy, as write-through does under load
-
-
-def _header(size: int, params: dict) -> ChunkHeader:
-    return ChunkHeader(
-        key=os.urandom(16),
-        parent=bytes(16),
-        fingerprint=bytes(16),
-        tenant="bench",
-        tokens=CHUNK,
-        layers=GEOMETRY.num_layers,
-        kv_heads=GEOMETRY.num_kv_heads,
-        head_dim=GEOMETRY.head_dim,
-        dtype="bfloat16",
-        codec="native",
-        codec_params=params,
-        payload_len=size,
-        created=time.time(),
-    )
 
 
 def write_load(
@@ -93,7 +74,8 @@ def write_load(
     l3_io.background_thread = saved  # type: ignore[assignment]
 
     def put(i: int) -> bool:
-        fut = engine.write_l3(slots[i % len(slots)], _header(size, codec.params()))
+        header = codec.header(os.urandom(16), CHUNK, fingerprint=bytes(16), tenant="bench")
+        fut = engine.write_l3(slots[i % len(slots)], header)
         return fut is not None and fut.result() is not None
 
     written = _feed(stop, nice, put)

@@ -263,7 +263,6 @@ class Bench:
         """SSD -> L1: O_DIRECT reads of .kvbin files into slots (THREADS threads) with the
         restore issued at once: each chunk goes up as soon as its read has landed."""
         try:
-            from kvtier import kvbin
             from kvtier.tiers.l3 import L3Store
         except ImportError as exc:
             self.rows.append((f"SSD->L1 {tokens / 1024:g}K (skipped: {exc})", 0, 0.0, 1.0, ""))
@@ -280,21 +279,7 @@ class Bench:
         for i, slot in enumerate(slots):
             n = min(CHUNK, tokens - i * CHUNK)
             key = (tokens * 1000 + i).to_bytes(16, "big")
-            header = kvbin.ChunkHeader(
-                key=key,
-                parent=bytes(16),
-                fingerprint=fingerprint,
-                tenant="bench",
-                tokens=n,
-                layers=QWEN2_7B.num_layers,
-                kv_heads=QWEN2_7B.num_kv_heads,
-                head_dim=QWEN2_7B.head_dim,
-                dtype=QWEN2_7B.dtype,
-                codec="native",
-                codec_params=self.codec.params(),
-                payload_len=self.codec.payload_bytes(n),
-                created=time.time(),
-            )
+            header = self.codec.header(key, n, fingerprint=fingerprint, tenant="bench")
             fut = eng.write_l3(slot, header)
             assert fut is not None
             keys.append(key)

@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import math
 import struct
+import time
 from typing import TYPE_CHECKING, Any
 
 from kvtier.errors import ConfigError
 from kvtier.geometry import KVGeometry
+from kvtier.kvbin import ChunkHeader
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -60,6 +62,34 @@ class Codec:
     def params(self) -> bytes:
         """Codec parameters for the .kvbin header: what a reader needs to decode the payload."""
         return struct.pack("<BBB", _PARAMS_VERSION, self.code, 0)
+
+    def header(
+        self,
+        key: bytes,
+        ntokens: int,
+        *,
+        fingerprint: bytes,
+        tenant: str,
+        parent: bytes = bytes(16),
+    ) -> ChunkHeader:
+        """The .kvbin header of a chunk of `ntokens` tokens that this codec encoded: the
+        geometry, codec and payload fields come from here, the identity from the caller."""
+        g = self.geometry
+        return ChunkHeader(
+            key=key,
+            parent=parent,
+            fingerprint=fingerprint,
+            tenant=tenant,
+            tokens=ntokens,
+            layers=g.num_layers,
+            kv_heads=g.num_kv_heads,
+            head_dim=g.head_dim,
+            dtype=g.dtype,
+            codec=self.name,
+            codec_params=self.params(),
+            payload_len=self.payload_bytes(ntokens),
+            created=time.time(),
+        )
 
     def encode(self, chunk: Tensor, out: Tensor | None = None) -> Tensor:
         """Encode `chunk` [L, P, n, H, D]; returns a flat uint8 tensor of payload_bytes(n)."""

@@ -503,21 +503,12 @@ class TieredCache:
             self._writing.add(entry.key)
 
     def _header(self, entry: _Chunk, tenant: str) -> ChunkHeader:
-        g = self.geometry
-        return ChunkHeader(
-            key=entry.key,
-            parent=entry.parent,
+        return self.codec.header(
+            entry.key,
+            entry.tokens,
             fingerprint=self.fingerprint,
             tenant=tenant[:64],
-            tokens=entry.tokens,
-            layers=g.num_layers,
-            kv_heads=g.num_kv_heads,
-            head_dim=g.head_dim,
-            dtype=g.dtype,
-            codec=self.config.codec,
-            codec_params=self.codec.params(),
-            payload_len=self.codec.payload_bytes(entry.tokens),
-            created=time.time(),
+            parent=entry.parent,
         )
 
     def _reap(self) -> None:

@@ -324,22 +324,8 @@ l3 = pytest.importorskip("kvtier.tiers.l3")
 kvbin = pytest.importorskip("kvtier.kvbin")
 
 
-def _header(key: bytes, payload_len: int, codec: str = "native", tokens: int = CHUNK) -> object:
-    return kvbin.ChunkHeader(
-        key=key,
-        parent=bytes(16),
-        fingerprint=b"F" * 16,
-        tenant="t",
-        tokens=tokens,
-        layers=G.num_layers,
-        kv_heads=G.num_kv_heads,
-        head_dim=G.head_dim,
-        dtype=G.dtype,
-        codec=codec,
-        codec_params=make_codec(codec, G).params(),
-        payload_len=payload_len,
-        created=time.time(),
-    )
+def _header(key: bytes, codec: str = "native", tokens: int = CHUNK) -> object:
+    return make_codec(codec, G).header(key, tokens, fingerprint=b"F" * 16, tenant="t")
 
 
 @pytest.mark.parametrize("codec", ["native", "int8"])
@@ -352,7 +338,7 @@ def test_l1_to_l3_and_back(tmp_path: Path, codec: str, process: bool) -> None:
     assert slot is not None
     eng.offload(src, 0, CHUNK, slot)
     size = eng.codec.payload_bytes(CHUNK)
-    future = eng.write_l3(slot, _header(b"k" * 16, size, codec))
+    future = eng.write_l3(slot, _header(b"k" * 16, codec))
     assert future is not None
     future.result()
     eng.flush()
@@ -376,8 +362,7 @@ def test_corrupt_l3_chunk_is_an_error_never_data(tmp_path: Path) -> None:
     slot = eng.arena.alloc()
     assert slot is not None
     eng.offload(_layers(CHUNK, "cpu"), 0, CHUNK, slot)
-    size = eng.codec.payload_bytes(CHUNK)
-    eng.write_l3(slot, _header(b"c" * 16, size)).result()  # type: ignore[union-attr]
+    eng.write_l3(slot, _header(b"c" * 16)).result()  # type: ignore[union-attr]
     path = next((tmp_path / "l3").rglob("*.kvbin"))
     with open(path, "r+b") as f:
         f.seek(4096 + 100)
@@ -388,7 +373,7 @@ def test_corrupt_l3_chunk_is_an_error_never_data(tmp_path: Path) -> None:
         eng.read_l3(b"c" * 16, slot, b"F" * 16).result()
     with pytest.raises(ChunkNotFound):  # quarantined: a miss from now on
         eng.read_l3(b"c" * 16, slot, b"F" * 16).result()
-    eng.write_l3(slot, _header(b"d" * 16, size)).result()  # type: ignore[union-attr]
+    eng.write_l3(slot, _header(b"d" * 16)).result()  # type: ignore[union-attr]
     with pytest.raises(FingerprintMismatch):  # another model's chunk
         eng.read_l3(b"d" * 16, slot, b"G" * 16).result()
     assert eng.stats().l3_read_errors == 3
@@ -413,9 +398,8 @@ def test_full_write_queue_sheds_instead_of_stalling(tmp_path: Path) -> None:
     slot = eng.arena.alloc()
     assert slot is not None
     eng.offload(_layers(CHUNK, "cpu"), 0, CHUNK, slot)
-    size = eng.codec.payload_bytes(CHUNK)
     t0 = time.perf_counter()
-    results = [eng.write_l3(slot, _header(bytes([i]) * 16, size)) for i in range(6)]
+    results = [eng.write_l3(slot, _header(bytes([i]) * 16)) for i in range(6)]
     assert time.perf_counter() - t0 < 0.15  # returned at once, no waiting on the disk
     assert sum(r is None for r in results) == 4
     stats = eng.stats()
@@ -434,7 +418,7 @@ def test_restore_does_not_wait_for_the_chunks_l3_write(tmp_path: Path) -> None:
     slot = eng.arena.alloc()
     assert slot is not None
     eng.offload(src, 0, CHUNK, slot)
-    future = eng.write_l3(slot, _header(b"w" * 16, eng.codec.payload_bytes(CHUNK)))
+    future = eng.write_l3(slot, _header(b"w" * 16))
     assert future is not None
     dst = _empty_like(src)
     t0 = time.perf_counter()
@@ -458,21 +442,7 @@ def _store_session(
     for i, slot in enumerate(slots):
         n = min(chunk, ntokens - i * chunk)
         key = bytes([i + 1]) * 16
-        header = kvbin.ChunkHeader(
-            key=key,
-            parent=bytes(16),
-            fingerprint=b"F" * 16,
-            tenant="t",
-            tokens=n,
-            layers=geometry.num_layers,
-            kv_heads=geometry.num_kv_heads,
-            head_dim=geometry.head_dim,
-            dtype=geometry.dtype,
-            codec="native",
-            codec_params=eng.codec.params(),
-            payload_len=eng.codec.payload_bytes(n),
-            created=time.time(),
-        )
+        header = eng.codec.header(key, n, fingerprint=b"F" * 16, tenant="t")
         eng.write_l3(slot, header).result()  # type: ignore[union-attr]
         keys.append(key)
     for slot in slots:
@@ -548,15 +518,14 @@ def test_writer_process_dies_writes_fail_typed_and_nothing_stored_is_lost(tmp_pa
     eng = _engine("cpu", "native", store, process=True)
     proc = eng._proc
     assert proc is not None
-    size = eng.codec.payload_bytes(CHUNK)
     slot = eng.arena.alloc()
     assert slot is not None
     src = _layers(CHUNK, "cpu", seed=9)
     eng.offload(src, 0, CHUNK, slot)
-    eng.write_l3(slot, _header(b"a" * 16, size)).result()  # type: ignore[union-attr]
+    eng.write_l3(slot, _header(b"a" * 16)).result()  # type: ignore[union-attr]
     os.kill(proc.pid, signal.SIGKILL)
     with pytest.raises(StoreIOError, match="writer process is gone"):
-        eng.write_l3(slot, _header(b"b" * 16, size)).result()  # type: ignore[union-attr]
+        eng.write_l3(slot, _header(b"b" * 16)).result()  # type: ignore[union-attr]
     assert not store.contains(b"b" * 16)
     assert not list((tmp_path / "l3").rglob("*.tmp"))  # no half-written file left visible
     eng.arena.view(slot).zero_()
