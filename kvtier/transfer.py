@@ -231,12 +231,11 @@ class TransferEngine:
         self._timed: deque[tuple[tuple[str, str], torch.cuda.Event, torch.cuda.Event]] = deque()
         self._slot_copy: dict[int, Handle] = {}  # slot -> last device copy touching it
         self._slot_io: dict[int, tuple[Future[Any], bool]] = {}  # slot -> last L3 I/O, is read
-        self._writes_queued = 0
+        # L3 jobs queued or running, and failed, by kind ("write", "read")
+        self._queued = {"write": 0, "read": 0}
+        self._failed = {"write": 0, "read": 0}
         self._writes: set[Future[Any]] = set()
-        self._reads_queued = 0
         self._shed = 0
-        self._write_errors = 0
-        self._read_errors = 0
         self._closed = False
         # Per direction: an issue lock (held only while launching), streams, staging buffers.
         self._issue = {_DOWN: threading.Lock(), _UP: threading.Lock()}
@@ -643,16 +642,16 @@ class TransferEngine:
         if self.store is None:
             raise ConfigError("this engine has no L3 store; pass l3_store to write to SSD")
         with self._lock:
-            if self._writes_queued >= self.l3_write_queue:
+            if self._queued["write"] >= self.l3_write_queue:
                 self._shed += 1
                 return None
-            self._writes_queued += 1
+            self._queued["write"] += 1
         copy = self._slot_copy.get(slot)
         try:
             future = self._writer.submit(self._write, slot, header, copy)
         except BaseException:
             with self._lock:
-                self._writes_queued -= 1
+                self._queued["write"] -= 1
             raise
         self._slot_io[slot] = (future, False)
         with self._lock:
@@ -665,21 +664,30 @@ class TransferEngine:
             self._writes.discard(future)
 
     def _write(self, slot: int, header: Any, copy: Handle | None) -> Any:
+        def put() -> Any:
+            payload = self.arena.buffer(slot)[: header.payload_len]
+            return self._need_store().put(header, payload, writer=self._temp_writer(slot))
+
+        return self._l3_job("write", copy, put)
+
+    def _l3_job(self, kind: str, copy: Handle | None, work: Any) -> Any:
+        """Run one L3 write or read on a pool thread: wait for the device copy still using
+        the slot, time the I/O, and keep the queue and failure counts of `kind`."""
+        direction = ("l2", "l3") if kind == "write" else ("l3", "l2")
         try:
             if copy is not None:
-                copy.wait()  # the chunk must have landed in the slot before it is written
+                copy.wait()  # the slot's device copy finishes before the disk touches the slot
             t0 = time.perf_counter()
-            payload = self.arena.buffer(slot)[: header.payload_len]
-            written = self._need_store().put(header, payload, writer=self._temp_writer(slot))
-            self._account(("l2", "l3"), header.payload_len, time.perf_counter() - t0, 1)
-            return written
+            header = work()
+            self._account(direction, header.payload_len, time.perf_counter() - t0, 1)
+            return header
         except BaseException:
             with self._lock:
-                self._write_errors += 1
+                self._failed[kind] += 1
             raise
         finally:
             with self._lock:
-                self._writes_queued -= 1
+                self._queued[kind] -= 1
 
     def _temp_writer(self, slot: int) -> Any:
         """For `L3Store.put`: the writer process writes the slot's bytes, or None (threads)."""
@@ -704,26 +712,16 @@ class TransferEngine:
         self._settle_io(slot)
         copy = self._slot_copy.get(slot)
         with self._lock:
-            self._reads_queued += 1
+            self._queued["read"] += 1
         future = self._reader.submit(self._read, key, slot, fingerprint, copy)
         self._slot_io[slot] = (future, True)
         return future
 
     def _read(self, key: bytes, slot: int, fingerprint: bytes, copy: Handle | None) -> Any:
-        try:
-            if copy is not None:
-                copy.wait()  # a copy still reading the slot must finish before it is overwritten
-            t0 = time.perf_counter()
-            header = self._need_store().get(key, self.arena.buffer(slot), fingerprint=fingerprint)
-            self._account(("l3", "l2"), header.payload_len, time.perf_counter() - t0, 1)
-            return header
-        except BaseException:
-            with self._lock:
-                self._read_errors += 1
-            raise
-        finally:
-            with self._lock:
-                self._reads_queued -= 1
+        def get() -> Any:
+            return self._need_store().get(key, self.arena.buffer(slot), fingerprint=fingerprint)
+
+        return self._l3_job("read", copy, get)
 
     def _need_store(self) -> Any:
         if self.store is None:
@@ -814,11 +812,11 @@ class TransferEngine:
                     )
                     for src, dst in DIRECTIONS
                 ),
-                l3_write_queue=self._writes_queued,
-                l3_read_queue=self._reads_queued,
+                l3_write_queue=self._queued["write"],
+                l3_read_queue=self._queued["read"],
                 shed_writes=self._shed,
-                l3_write_errors=self._write_errors,
-                l3_read_errors=self._read_errors,
+                l3_write_errors=self._failed["write"],
+                l3_read_errors=self._failed["read"],
                 staging_bytes=self.staging_bytes,
             )
 
