@@ -113,23 +113,12 @@ def query(base: str, expr: str) -> list[dict]:
 
 def test_dashboard_and_recording_rules_return_data(tmp_path: Path) -> None:
     from prometheus_client import start_http_server
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     from kvtier import CacheConfig, TieredCache
+    from kvtier.server.model import build_default
     from ops.exporter import make_registry
 
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=256,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=4096,
-        )
-    ).eval()
+    model = build_default("cpu").model  # the server's built-in random Llama
     l3_root = tmp_path / "l3"
     cache = TieredCache(
         CacheConfig(

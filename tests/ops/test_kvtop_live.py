@@ -83,23 +83,11 @@ def _serve(registry: Any, cache: Any) -> Any:
 @contextmanager
 def live_exporter(tmp: Path) -> Iterator[Live]:
     """The exporter (cache + host collectors, l3_root set) on 127.0.0.1, workload running."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from kvtier import CacheConfig, TieredCache
+    from kvtier.server.model import build_default
     from ops.exporter import make_registry
 
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=256,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=4096,
-        )
-    ).eval()
+    model = build_default("cpu").model  # the server's built-in random Llama
     cache = TieredCache(
         CacheConfig(
             l3_root=tmp / "l3",
