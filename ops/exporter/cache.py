@@ -44,34 +44,35 @@ class CacheCollector(Collector):
         return iter(())
 
 
+# (family class, name, help, TierStats field): one sample per tier
+_TIER_FAMILIES = (
+    (GaugeMetricFamily, "kvtier_tier_capacity_bytes", "Byte budget of the tier.", "capacity_bytes"),
+    (GaugeMetricFamily, "kvtier_tier_used_bytes", "Bytes of KV held in the tier.", "used_bytes"),
+    (GaugeMetricFamily, "kvtier_tier_chunks", "Chunks held in the tier.", "chunks"),
+    (CounterMetricFamily, "kvtier_tier_hits", "Chunks served from the tier on restore.", "hits"),
+    (
+        CounterMetricFamily,
+        "kvtier_tier_misses",
+        "Chunks looked up in the tier and not found.",
+        "misses",
+    ),
+    (CounterMetricFamily, "kvtier_tier_evictions", "Chunks evicted from the tier.", "evictions"),
+)
+# (counter name, help, TransferStats field): one sample per (src, dst)
+_TRANSFER_FAMILIES = (
+    ("kvtier_transfer_bytes", "Bytes copied between tiers.", "bytes"),
+    ("kvtier_transfer_seconds", "Seconds spent copying between tiers.", "seconds"),
+    ("kvtier_transfer_operations", "Copies between tiers.", "ops"),
+)
+
+
 def families(snap: CacheSnapshot) -> Iterator[Metric]:
     """Every cache family for one snapshot; always the same names, even for an idle cache."""
-    tier_capacity = GaugeMetricFamily(
-        "kvtier_tier_capacity_bytes", "Byte budget of the tier.", labels=["tier"]
-    )
-    tier_used = GaugeMetricFamily(
-        "kvtier_tier_used_bytes", "Bytes of KV held in the tier.", labels=["tier"]
-    )
-    tier_chunks = GaugeMetricFamily(
-        "kvtier_tier_chunks", "Chunks held in the tier.", labels=["tier"]
-    )
-    tier_hits = CounterMetricFamily(
-        "kvtier_tier_hits", "Chunks served from the tier on restore.", labels=["tier"]
-    )
-    tier_misses = CounterMetricFamily(
-        "kvtier_tier_misses", "Chunks looked up in the tier and not found.", labels=["tier"]
-    )
-    tier_evictions = CounterMetricFamily(
-        "kvtier_tier_evictions", "Chunks evicted from the tier.", labels=["tier"]
-    )
-    for t in snap.tiers:
-        tier_capacity.add_metric([t.tier], t.capacity_bytes)
-        tier_used.add_metric([t.tier], t.used_bytes)
-        tier_chunks.add_metric([t.tier], t.chunks)
-        tier_hits.add_metric([t.tier], t.hits)
-        tier_misses.add_metric([t.tier], t.misses)
-        tier_evictions.add_metric([t.tier], t.evictions)
-    yield from (tier_capacity, tier_used, tier_chunks, tier_hits, tier_misses, tier_evictions)
+    for cls, name, doc, field in _TIER_FAMILIES:
+        family = cls(name, doc, labels=["tier"])
+        for t in snap.tiers:
+            family.add_metric([t.tier], getattr(t, field))
+        yield family
 
     sessions = GaugeMetricFamily(
         "kvtier_sessions", "Sessions by state (active, idle, hibernated).", labels=["state"]
@@ -80,20 +81,11 @@ def families(snap: CacheSnapshot) -> Iterator[Metric]:
         sessions.add_metric([state], count)
     yield sessions
 
-    moved = CounterMetricFamily(
-        "kvtier_transfer_bytes", "Bytes copied between tiers.", labels=["src", "dst"]
-    )
-    spent = CounterMetricFamily(
-        "kvtier_transfer_seconds", "Seconds spent copying between tiers.", labels=["src", "dst"]
-    )
-    ops = CounterMetricFamily(
-        "kvtier_transfer_operations", "Copies between tiers.", labels=["src", "dst"]
-    )
-    for x in snap.transfers:
-        moved.add_metric([x.src, x.dst], x.bytes)
-        spent.add_metric([x.src, x.dst], x.seconds)
-        ops.add_metric([x.src, x.dst], x.ops)
-    yield from (moved, spent, ops)
+    for name, doc, field in _TRANSFER_FAMILIES:
+        counter = CounterMetricFamily(name, doc, labels=["src", "dst"])
+        for x in snap.transfers:
+            counter.add_metric([x.src, x.dst], getattr(x, field))
+        yield counter
 
     queues = GaugeMetricFamily(
         "kvtier_queue_depth", "Jobs waiting in a transfer queue.", labels=["queue"]
