@@ -164,7 +164,7 @@ def measure(step: Callable[[], None], seconds: float, mode: str, root: Path) -> 
         load.join()
     if pinned:  # undo the isolation for the next mode
         os.sched_setaffinity(0, allowed)
-        l3_io._background_cpus = None
+        l3_io.forget_isolation()
     return times, count[0]
 
 

@@ -57,6 +57,17 @@ def background_thread(nice: bool = True) -> None:
         pass
 
 
+def background_cpus() -> set[int] | None:
+    """The CPUs `isolate_caller` left for background disk work, or None (any CPU)."""
+    return _background_cpus
+
+
+def forget_isolation() -> None:
+    """Let later background threads run anywhere again (threads already placed stay)."""
+    global _background_cpus
+    _background_cpus = None
+
+
 def core_siblings(cpu: int) -> set[int]:
     """`cpu` and the other hardware threads of its core (SMT siblings), from sysfs."""
     path = f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list"

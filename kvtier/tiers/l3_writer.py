@@ -60,7 +60,8 @@ class WriterProcess:
             os.close(from_child_w)
         self._tx = Connection(to_child_w, readable=False)
         self._rx = Connection(from_child_r, writable=False)
-        cpus = sorted(l3_io._background_cpus) if l3_io._background_cpus else None
+        background = l3_io.background_cpus()
+        cpus = sorted(background) if background else None
         self._tx.send(("init", slabs, threads, cpus))
         self._send_lock = threading.Lock()
         self._pending: dict[int, Future[ChunkHeader]] = {}

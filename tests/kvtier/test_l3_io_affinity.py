@@ -27,7 +27,7 @@ def test_too_few_cpus_changes_nothing() -> None:
     before = os.sched_getaffinity(0)
     assert l3_io.isolate_caller(min_cpus=len(before) + 1) is None
     assert os.sched_getaffinity(0) == before
-    assert l3_io._background_cpus is None
+    assert l3_io.background_cpus() is None
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
@@ -48,7 +48,7 @@ def test_caller_and_pool_threads_are_kept_apart() -> None:
         t.start()
         t.join()
     finally:
-        l3_io._background_cpus = None
+        l3_io.forget_isolation()
     assert seen["caller"] == seen["mine"]
     assert seen["pool"] == seen["rest"]
     assert not seen["mine"] & seen["rest"]
