@@ -55,6 +55,10 @@ class WriterProcess:
             self._proc = subprocess.Popen(
                 cmd, pass_fds=[to_child_r, from_child_w, *fds], env=env, stdin=subprocess.DEVNULL
             )
+        except BaseException:
+            os.close(to_child_w)
+            os.close(from_child_r)
+            raise
         finally:
             os.close(to_child_r)
             os.close(from_child_w)
