@@ -91,12 +91,30 @@ class Codec:
             created=time.time(),
         )
 
-    def encode(self, chunk: Tensor, out: Tensor | None = None) -> Tensor:
-        """Encode `chunk` [L, P, n, H, D]; returns a flat uint8 tensor of payload_bytes(n)."""
+    def scratch_elems(self, ntokens: int) -> int:
+        """float32 elements of the work buffer `encode`/`decode` take as `scratch` (0: none)."""
+        return 0
+
+    def encode(
+        self, chunk: Tensor, out: Tensor | None = None, scratch: Tensor | None = None
+    ) -> Tensor:
+        """Encode `chunk` [L, P, n, H, D]; returns a flat uint8 tensor of payload_bytes(n).
+
+        `scratch`, a float32 tensor of at least scratch_elems(n) elements on the chunk's
+        device, is the only work memory used when given: the transfer engine passes one it
+        allocated once, so encoding on a side stream allocates nothing from the model's pool.
+        """
         raise NotImplementedError
 
-    def decode(self, payload: Tensor, ntokens: int, out: Tensor | None = None) -> Tensor:
-        """Decode a payload of `ntokens` tokens into [L, P, n, H, D] in the model's dtype."""
+    def decode(
+        self,
+        payload: Tensor,
+        ntokens: int,
+        out: Tensor | None = None,
+        scratch: Tensor | None = None,
+    ) -> Tensor:
+        """Decode a payload of `ntokens` tokens into [L, P, n, H, D] in the model's dtype
+        (`scratch` as for `encode`)."""
         raise NotImplementedError
 
     def _check_chunk(self, chunk: Tensor) -> int:
@@ -131,7 +149,9 @@ class NativeCodec(Codec):
 
     name = "native"
 
-    def encode(self, chunk: Tensor, out: Tensor | None = None) -> Tensor:
+    def encode(
+        self, chunk: Tensor, out: Tensor | None = None, scratch: Tensor | None = None
+    ) -> Tensor:
         import torch
 
         self._check_chunk(chunk)
@@ -142,7 +162,13 @@ class NativeCodec(Codec):
         out.copy_(flat)
         return out
 
-    def decode(self, payload: Tensor, ntokens: int, out: Tensor | None = None) -> Tensor:
+    def decode(
+        self,
+        payload: Tensor,
+        ntokens: int,
+        out: Tensor | None = None,
+        scratch: Tensor | None = None,
+    ) -> Tensor:
         payload = self._check_payload(payload, ntokens)
         shape = self.geometry.chunk_shape(ntokens)
         dtype = self.geometry.torch_dtype()
@@ -187,10 +213,48 @@ class QuantCodec(Codec):
         # V granularity (2 = token)
         return struct.pack("<BBBBB", _PARAMS_VERSION, self.code, 1, 1, 2)
 
-    def _quantize(self, x: Tensor, scale: Tensor) -> Tensor:
-        return (x / scale).round_().clamp_(-self.qmax, self.qmax).to(self._code_dtype())
+    def scratch_elems(self, ntokens: int) -> int:
+        g = self.geometry
+        return g.num_layers * ntokens * g.num_kv_heads * g.head_dim  # one plane in float32
 
-    def encode(self, chunk: Tensor, out: Tensor | None = None) -> Tensor:
+    def _work(self, scratch: Tensor | None, like: Tensor) -> Tensor:
+        """A float32 buffer shaped like one plane `like` [L, n, H, D]: `scratch`, or a new one."""
+        import torch
+
+        n = like.numel()
+        if scratch is None:
+            return torch.empty(like.shape, dtype=torch.float32, device=like.device)
+        if scratch.dtype != torch.float32 or scratch.numel() < n or scratch.device != like.device:
+            raise ConfigError(
+                f"{self.name} scratch must be float32 with >= {n} elements on {like.device}, "
+                f"got {scratch.dtype} {scratch.numel()} on {scratch.device}; size it with "
+                "scratch_elems()"
+            )
+        return scratch.view(-1)[:n].view(like.shape)
+
+    def _round(self, work: Tensor) -> None:
+        work.round_()  # int8 codes are integers; fp8 rounds in the cast instead
+
+    def _quantize(self, x: Tensor, scale: Tensor, work: Tensor, codes: Tensor) -> None:
+        """codes = clamp(round(x / scale)), computed in `work` (float32)."""
+        import torch
+
+        torch.div(x, scale, out=work)
+        self._round(work)
+        work.clamp_(-self.qmax, self.qmax)
+        codes.copy_(work)
+
+    def _scale(self, x: Tensor, dim: int) -> Tensor:
+        """absmax of x over `dim` / qmax, in float32 and never 0 (aminmax: no |x| temporary)."""
+        import torch
+
+        lo, hi = torch.aminmax(x, dim=dim)
+        tiny = torch.finfo(torch.float32).tiny
+        return torch.maximum(hi.float(), lo.float().neg_()).clamp_(min=tiny).div_(self.qmax)
+
+    def encode(
+        self, chunk: Tensor, out: Tensor | None = None, scratch: Tensor | None = None
+    ) -> Tensor:
         import torch
 
         ntokens = self._check_chunk(chunk)
@@ -199,22 +263,27 @@ class QuantCodec(Codec):
             out = torch.empty(n_codes + n_k + n_v, dtype=torch.uint8, device=chunk.device)
         out = out[: n_codes + n_k + n_v]
         codes = out[: chunk.numel()].view(self._code_dtype()).view(chunk.shape)
-        x = chunk.float()
-        tiny = torch.finfo(torch.float32).tiny
+        work = self._work(scratch, chunk[:, 0])
         # K (plane 0): one scale per (layer, head, dim), the absmax over the chunk's tokens.
-        k = x[:, 0]
-        k_scale = k.abs().amax(dim=1).clamp_(min=tiny) / self.qmax  # [L, H, D]
-        codes[:, 0] = self._quantize(k, k_scale.unsqueeze(1))
+        k = chunk[:, 0]
+        k_scale = self._scale(k, 1)  # [L, H, D]
+        self._quantize(k, k_scale.unsqueeze(1), work, codes[:, 0])
         _as_f32(out[n_codes : n_codes + n_k]).copy_(k_scale.reshape(-1))
         if n_v:
             # V (plane 1): one scale per (layer, token, head), the absmax over the head dim.
-            v = x[:, 1]
-            v_scale = v.abs().amax(dim=-1).clamp_(min=tiny) / self.qmax  # [L, n, H]
-            codes[:, 1] = self._quantize(v, v_scale.unsqueeze(-1))
+            v = chunk[:, 1]
+            v_scale = self._scale(v, -1)  # [L, n, H]
+            self._quantize(v, v_scale.unsqueeze(-1), work, codes[:, 1])
             _as_f32(out[n_codes + n_k :]).copy_(v_scale.reshape(-1))
         return out
 
-    def decode(self, payload: Tensor, ntokens: int, out: Tensor | None = None) -> Tensor:
+    def decode(
+        self,
+        payload: Tensor,
+        ntokens: int,
+        out: Tensor | None = None,
+        scratch: Tensor | None = None,
+    ) -> Tensor:
         import torch
 
         payload = self._check_payload(payload, ntokens)
@@ -227,15 +296,19 @@ class QuantCodec(Codec):
         dtype = g.torch_dtype()
         if out is None:
             out = torch.empty(shape, dtype=dtype, device=payload.device)
+        work = self._work(scratch, codes[:, 0])
         k_scale = _as_f32(payload[n_codes : n_codes + n_k]).view(
             g.num_layers, 1, g.num_kv_heads, g.head_dim
         )
-        out[:, 0] = codes[:, 0].float() * k_scale
+        # float8 takes part in no type promotion: widen the codes first, then scale in place
+        work.copy_(codes[:, 0])
+        out[:, 0].copy_(work.mul_(k_scale))
         if n_v:
             v_scale = _as_f32(payload[n_codes + n_k :]).view(
                 g.num_layers, ntokens, g.num_kv_heads, 1
             )
-            out[:, 1] = codes[:, 1].float() * v_scale
+            work.copy_(codes[:, 1])
+            out[:, 1].copy_(work.mul_(v_scale))
         return out
 
 
@@ -250,8 +323,8 @@ class Fp8Codec(QuantCodec):
 
         return torch.float8_e4m3fn
 
-    def _quantize(self, x: Tensor, scale: Tensor) -> Tensor:
-        return (x / scale).clamp_(-self.qmax, self.qmax).to(self._code_dtype())
+    def _round(self, work: Tensor) -> None:
+        pass  # the cast to e4m3 rounds to its own grid
 
 
 def _round_up(value: int, multiple: int) -> int:

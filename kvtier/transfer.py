@@ -126,6 +126,11 @@ class _Stage:
             if rows
             else None
         )
+        # the codec's float32 work buffer: quantizing allocates nothing on the side streams
+        scratch = engine.codec.scratch_elems(engine.chunk_tokens)
+        self.scratch = (
+            torch.empty(scratch, dtype=torch.float32, device=engine.device) if scratch else None
+        )
         self.ready: Any = torch.cuda.Event() if engine.cuda else None
         self.free: Any = torch.cuda.Event() if engine.cuda else None
         self._views: dict[tuple[int, int, bool], list[torch.Tensor]] = {}
@@ -133,7 +138,8 @@ class _Stage:
     @property
     def nbytes(self) -> int:
         rows = 0 if self.rows is None else self.rows.numel()
-        return self.chunks.numel() * self.chunks.element_size() + rows
+        scratch = 0 if self.scratch is None else self.scratch.numel() * 4
+        return self.chunks.numel() * self.chunks.element_size() + rows + scratch
 
     def staged(self, count: int, length: int) -> torch.Tensor:
         """The first `count` chunks of `length` tokens: [count, L, P, length, H, D]."""
@@ -261,8 +267,9 @@ class TransferEngine:
                     for stage in stages:  # the allocator must see their use on the side streams
                         for stream in self._streams[direction]:
                             stage.chunks.record_stream(stream)
-                            if stage.rows is not None:
-                                stage.rows.record_stream(stream)
+                            for extra in (stage.rows, stage.scratch):
+                                if extra is not None:
+                                    extra.record_stream(stream)
                     self._stages[direction] = stages
         elif not codec.lossless:
             self._stages = {_DOWN: [_Stage(self, rows=False)], _UP: [_Stage(self, rows=False)]}
@@ -359,7 +366,8 @@ class TransferEngine:
                 if not self.codec.lossless:
                     staged = stage.staged(count, length)
                     for c in range(count):
-                        self.codec.encode(staged[c], out=stage.payload(c, length, size))
+                        out = stage.payload(c, length, size)
+                        self.codec.encode(staged[c], out=out, scratch=stage.scratch)
                 stage.ready.record(gather)
             copy.wait_event(stage.ready)
             with torch.cuda.stream(copy):
@@ -400,7 +408,8 @@ class TransferEngine:
             _copy_all(stage.planes(count, length, fused), views)
             staged = stage.staged(count, length)
             for c in range(count):  # encode straight into the slot
-                moved += self.codec.encode(staged[c], out=self.arena.view(slots[index + c])).numel()
+                out = self.arena.view(slots[index + c])
+                moved += self.codec.encode(staged[c], out=out, scratch=stage.scratch).numel()
         return moved
 
     def restore(
@@ -480,7 +489,7 @@ class TransferEngine:
                         staged = stage.staged(count, length)
                         for c in range(count):
                             payload = stage.payload(c, length, size)
-                            self.codec.decode(payload, length, out=staged[c])
+                            self.codec.decode(payload, length, out=staged[c], scratch=stage.scratch)
                     views, fused = self._l1_views(layers, block, start + index * n, count, length)
                     _copy_all(views, stage.planes(count, length, fused))
                     stage.free.record(scatter)
@@ -522,7 +531,8 @@ class TransferEngine:
             for c in range(count):
                 slot = slots[index + c]
                 self._settle_io(slot, strict=True)
-                self.codec.decode(self.arena.view(slot)[:size], length, out=staged[c])
+                payload = self.arena.view(slot)[:size]
+                self.codec.decode(payload, length, out=staged[c], scratch=stage.scratch)
                 moved += size
             _copy_all(views, stage.planes(count, length, fused))
         return moved

@@ -94,6 +94,22 @@ def test_zeros_and_out_buffers() -> None:
         assert torch.equal(dst, zeros)
 
 
+@pytest.mark.parametrize("name", ["int8", "fp8"])
+def test_scratch_gives_the_same_bytes_and_is_checked(name: str) -> None:
+    codec = make_codec(name, GQA)
+    chunk = _chunk(GQA, 32, seed=4)
+    scratch = torch.full((codec.scratch_elems(32) + 3,), float("nan"))  # stale contents
+    payload = codec.encode(chunk, scratch=scratch)
+    assert torch.equal(payload, codec.encode(chunk))
+    back = codec.decode(payload, 32, scratch=scratch)
+    assert torch.equal(back, codec.decode(payload, 32))
+    with pytest.raises(ConfigError, match="scratch_elems"):
+        codec.encode(chunk, scratch=torch.zeros(codec.scratch_elems(32) - 1))
+    with pytest.raises(ConfigError, match="float32"):
+        codec.decode(payload, 32, scratch=torch.zeros(codec.scratch_elems(32), dtype=torch.half))
+    assert make_codec("native", GQA).scratch_elems(32) == 0
+
+
 def test_payload_inside_a_larger_buffer_at_an_odd_offset() -> None:
     codec = make_codec("int8", GQA)
     chunk = _chunk(GQA, 3)

@@ -199,7 +199,9 @@ def test_groups_and_a_partial_chunk_at_an_offset(codec: str, group: int) -> None
     assert torch.equal(got, want)
     for k, v in dst:  # nothing written outside the range
         assert not k[:, :, : start + 2].any() and not v[:, :, start + 2 + ntokens :].any()
-    assert eng.staging_bytes == (0 if codec == "native" else 2 * group * G.chunk_bytes(CHUNK))
+    scratch = 4 * eng.codec.scratch_elems(CHUNK)  # the codec's float32 work buffer
+    want_staging = 2 * (group * G.chunk_bytes(CHUNK) + scratch)
+    assert eng.staging_bytes == (0 if codec == "native" else want_staging)
     eng.close()
     assert eng.staging_bytes == 0
 
@@ -315,6 +317,29 @@ def test_cuda_quantized_codec_matches_the_codec(codec: str) -> None:
         src, 3, n
     ).float().norm()
     assert 0 < rel < (0.02 if codec == "int8" else 0.08)
+    eng.close()
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_quantizing_allocates_no_plane_sized_temporaries() -> None:
+    """The codec works in the engine's own scratch: nothing chunk-sized is allocated on the
+    side streams, where the caching allocator would keep it away from the model."""
+    eng = _gpu_engine("int8", group=4)
+    n = 8 * GPU_CHUNK
+    src = _gpu_layers(n, 13)
+    dst = [(torch.zeros_like(k), torch.zeros_like(v)) for k, v in src]
+    slots = _slots(eng.arena, 8)
+    eng.offload_range(src, 0, n, slots)
+    eng.restore_range(slots, n, dst, 0).wait()  # warm-up: the views and small scale tensors
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    eng.offload_range(src, 0, n, slots)
+    eng.restore_range(slots, n, dst, 0).wait()
+    torch.cuda.synchronize()
+    plane = GPU_G.chunk_bytes(GPU_CHUNK) // 2 // GPU_G.element_size * 4  # one plane in float32
+    assert torch.cuda.max_memory_allocated() - base < plane // 4
     eng.close()
 
 
