@@ -9,11 +9,18 @@ Configurations, each run on the same workload (same seeds):
   dynamic     all KV on the GPU (transformers DynamicCache kept per session)
   offloaded   transformers' own offloading cache kept per session (KV in host RAM)
   recompute   no cache kept between turns: every turn re-runs prefill of the whole context
-  kvtier      kvtier TieredCache, codec native (L1 budget = the KV cap, L2 pinned, L3 on disk)
+  kvtier      kvtier TieredCache, codec native (L1 budget = the KV cap, L2 pinned, L3 on disk;
+              the default l3_writer "auto": file writes from the writer process on a GPU)
   kvtier-int8 the same with the int8 cold-tier codec
   kvtier-wb   kvtier native with the write_back policy (a diagnostic: no write-through I/O)
-  kvtier-process  kvtier native with L3 file writes from the writer process (l3_writer
-              "process"; a diagnostic: the default writes from threads in this process)
+  kvtier-threads  kvtier native with L3 file writes from threads of this process (a
+              diagnostic: l3_writer "threads")
+
+For every returning turn the bench also records the serving thread's on-CPU fraction (thread
+CPU time / wall time). The decode loop is bound by this thread launching kernels and it spins
+while it waits for the GPU, so the fraction stays near 1 unless the thread is kept off its core
+(another process, or the interpreter lock held by a thread of this process): a slow turn with a
+low fraction was slowed on the host, a slow turn with a fraction near 1 on the GPU.
 
 The first turn of a session ingests its prompt (prefill only); returning turns are timed for
 TTFT and decode steps.
@@ -66,6 +73,26 @@ class Result:
     restore_s: list[float] = field(default_factory=list)  # returning turns: in restore()
     alloc_retries: int = 0
     l1_oom: int = 0
+    turn_at: list[float] = field(default_factory=list)  # returning turns: seconds into the run
+    on_cpu: list[float] = field(default_factory=list)  # returning turns: thread CPU / wall
+    oom_info: list[str] = field(default_factory=list)  # GPU memory at each OOM
+
+
+def memory_at_oom(cache: object) -> str:
+    """Where the GPU memory was when an allocation failed."""
+    mib = 2**20
+    line = (
+        f"allocated {torch.cuda.memory_allocated() / mib:.0f} MiB, reserved "
+        f"{torch.cuda.memory_reserved() / mib:.0f} MiB"
+    )
+    if cache is not None:
+        l1 = cache.l1  # type: ignore[attr-defined]
+        line += f", kvtier L1 {l1.used_bytes / mib:.0f} of {l1.budget_bytes / mib:.0f} MiB"
+        pool = getattr(l1, "_pool", None)
+        if pool is not None:
+            held = sum(seg["total_size"] for seg in pool.snapshot())
+            line += f", kvtier pool segments {held / mib:.0f} MiB"
+    return line
 
 
 def workload(n_sessions: int, turns: int, system_len: int, seed: int) -> list[list[list[int]]]:
@@ -103,7 +130,7 @@ class Runner:
         tmp,
         codec="native",
         policy="write_through",
-        writer="threads",
+        writer="auto",
     ):
         self.name, self.model, self.device = name, model, device
         self.decode_tokens = decode_tokens
@@ -131,6 +158,7 @@ class Runner:
         returning = self._returning(sid)
         sync(dev)
         t0 = time.perf_counter()
+        cpu0 = time.thread_time()
         if self.cache is not None:
             s = self.cache.session(f"agent-{sid}", tenant="fleet")
             try:
@@ -168,6 +196,7 @@ class Runner:
                     res.steps.append(time.perf_counter() - t1)
                     out.append(tok)
         except torch.cuda.OutOfMemoryError:
+            res.oom_info.append(memory_at_oom(self.cache))
             res.ooms += 1
             res.failed += 1
             if self.cache is not None:
@@ -190,6 +219,10 @@ class Runner:
         (res.ttft_return if returning else res.ttft_first).append(ttft)
         if returning and self.cache is not None:
             res.restore_s.append(spent)
+        if returning:
+            now = time.perf_counter()
+            res.turn_at.append(now - self.t_start)
+            res.on_cpu.append((time.thread_time() - cpu0) / max(now - t0, 1e-9))
         res.turns += 1
         res.generated += len(out)
         self.history[sid] = new
@@ -203,7 +236,7 @@ class Runner:
         if self.device.startswith("cuda"):
             torch.cuda.reset_peak_memory_stats()
             torch.cuda.reset_accumulated_memory_stats()
-        t_start = time.perf_counter()
+        t_start = self.t_start = time.perf_counter()
         order_rng = random.Random(1)
         for turn in range(len(plan[0])):
             order = list(range(len(plan)))
@@ -326,7 +359,7 @@ def main() -> None:
         res = Result(name)
         codec = "int8" if name.endswith("int8") else "native"
         policy = "write_back" if name.endswith("-wb") else "write_through"
-        writer = "process" if name.endswith("-process") else "threads"
+        writer = "threads" if name.endswith("-threads") else "auto"
         try:
             runner = Runner(
                 name, model, dev, args.decode_tokens, kv_budget, tmp, codec, policy, writer
@@ -375,6 +408,20 @@ def main() -> None:
         print(
             f"{r.name:>12} wall={r.wall:.1f} {ph} alloc_retries={r.alloc_retries} l1_oom={r.l1_oom}"
         )
+    print("serving thread on-CPU fraction of returning turns (P50, P10), and of the slow ones")
+    print("(TTFT > 2x the configuration's median): how many, their median fraction, when (s):")
+    for r in results:
+        if r.on_cpu:
+            slow = [i for i, t in enumerate(r.ttft_return) if t > 2 * pct(r.ttft_return, 0.5)]
+            frac = [r.on_cpu[i] for i in slow]
+            when = ",".join(f"{r.turn_at[i]:.0f}" for i in slow[:12])
+            print(
+                f"{r.name:>12} on-CPU {pct(r.on_cpu, 0.5):.2f}/{pct(r.on_cpu, 0.1):.2f}  "
+                f"slow {len(slow)}: on-CPU {pct(frac, 0.5):.2f} at {when}"
+            )
+    for r in results:
+        for line in r.oom_info[:3]:
+            print(f"{r.name:>12} OOM at: {line}")
     by = {r.name: r for r in results}
     if "recompute" in by and "kvtier" in by:
         ratio = pct(by["recompute"].ttft_return, 0.99) / pct(by["kvtier"].ttft_return, 0.99)

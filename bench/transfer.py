@@ -4,8 +4,9 @@ Qwen2-7B geometry (28 layers, 4 KV heads of 128, bf16, 256-token chunks), 2K and
 sessions. Figures: offload (L1 -> L2), restore (L2 -> L1), both at once, and SSD -> L1 through
 the L3 store. Ceilings: a pinned 1 GiB copy each way, both ways at once on two streams, and a raw
 O_DIRECT read of the same bytes from the same directory with as many threads as the engine's L3
-pool. On a machine without CUDA the L1 "device" is the CPU and the ceilings are memcpy (one
-thread; two threads for "both").
+pool; beside each ceiling, the same copy made once over just the figure's bytes. Each call is
+waited for as the cache waits for a restore (`Handle.wait(spin=True)`). On a machine without
+CUDA the L1 "device" is the CPU and the ceilings are memcpy (one thread; two for "both").
 
     PYTHONPATH=. python3 bench/transfer.py --out DIR [--dir L3DIR] [--sessions 2048,8192]
         [--groups auto]   (chunks per staging group; a list gives one set of rows each)
@@ -206,18 +207,18 @@ class Bench:
         eng.offload_range(src, 0, tokens, up, block=sb).wait()  # the restore's source
 
         def offload() -> None:
-            eng.offload_range(src, 0, tokens, down, block=sb).wait()
+            eng.offload_range(src, 0, tokens, down, block=sb).wait(spin=True)
 
         def restore() -> None:
-            eng.restore_range(up, tokens, dst, 0, block=db).wait()
+            eng.restore_range(up, tokens, dst, 0, block=db).wait(spin=True)
 
         if self.cuda:
 
             def duplex() -> None:
                 a = eng.offload_range(src, 0, tokens, down, block=sb)
                 b = eng.restore_range(up, tokens, dst, 0, block=db)
-                a.wait()
-                b.wait()
+                a.wait(spin=True)
+                b.wait(spin=True)
 
         else:
             duplex = both(offload, restore)
@@ -314,7 +315,8 @@ class Bench:
         def load() -> None:
             for k, s in zip(keys, slots, strict=True):
                 eng.read_l3(k, s, fingerprint)
-            eng.restore_range(slots, tokens, dst, 0, block=self.block(dst)).wait()  # reads first
+            # the L3 reads land first; then wait as the cache does before a forward
+            eng.restore_range(slots, tokens, dst, 0, block=self.block(dst)).wait(spin=True)
 
         nbytes = QWEN2_7B.chunk_bytes(tokens)
         rate = nbytes / timed(load, self.sync, self.reps)

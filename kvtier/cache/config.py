@@ -11,7 +11,7 @@ WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 CODECS = ("native", "int8", "fp8")
 
 
-L3_WRITERS = ("process", "threads")
+L3_WRITERS = ("auto", "process", "threads")
 
 
 @dataclass
@@ -37,8 +37,10 @@ class CacheConfig:
     l3_write_queue: int = 64
     l3_threads: int = 4
     # "threads": L3 file writes from threads of this process; "process": from a child
-    # process reading L2 from shared memory (Linux; see kvtier.tiers.l3_writer)
-    l3_writer: str = "threads"
+    # process reading L2 from shared memory (Linux; see kvtier.tiers.l3_writer); "auto":
+    # process with a CUDA model (whose decode loop is bound by this interpreter launching
+    # kernels, which writer threads slow down), threads on the CPU
+    l3_writer: str = "auto"
     session_ttl_s: float | None = None
     cost_model: bool = True  # False: always load the longest cached prefix
     load_margin: float = 1.0  # load a prefix only if load_time * margin < recompute_time

@@ -92,7 +92,10 @@ class TieredCache:
         self.l3 = L3Store(
             config.l3_root, keep_page_cache=config.keep_page_cache, max_bytes=config.l3_max_bytes
         )
-        want_process = config.l3_writer == "process" and hasattr(os, "memfd_create")
+        writer = config.l3_writer
+        if writer == "auto":
+            writer = "process" if self.device.type == "cuda" else "threads"
+        want_process = writer == "process" and hasattr(os, "memfd_create")
         try:
             self.l2, self.engine = self._build_l2(config, slot_bytes, want_process)
         except (BudgetError, OSError) as exc:
@@ -391,7 +394,9 @@ class TieredCache:
         tokens = sum(e.tokens for _, e in usable)
         slots = [e.l2_slot for _, e in usable]
         layers, block = s.bufs.layers, s.bufs.block
-        self.engine.restore_range(slots, tokens, layers, 0, block=block).wait()  # type: ignore[arg-type]
+        # spin: the forward waits for these bytes, and waking from a blocking wait costs more
+        handle = self.engine.restore_range(slots, tokens, layers, 0, block=block)  # type: ignore[arg-type]
+        handle.wait(spin=True)
         t_l2 = time.perf_counter() - t1
         for _, e in usable:
             self._l2_policy.touch(e.key)

@@ -68,7 +68,7 @@ class ServerConfig:
     chunk_tokens: int = 256
     codec: str = "native"
     write_policy: str = "write_through"
-    l3_writer: str = "threads"  # "threads" or "process" (L3 file writes in a child process)
+    l3_writer: str = "auto"  # "process" (L3 file writes in a child) with CUDA, else "threads"
     isolate_cpus: bool = True  # generation threads on a core of their own, disk work elsewhere
     max_concurrency: int = 8  # sessions generating at once
     max_queue: int = 256  # requests waiting for a slot; beyond it: 429 at once
@@ -81,8 +81,10 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
             raise ConfigError(f"port: {self.port} is not a TCP port; use 1..65535")
-        if self.l3_writer not in ("process", "threads"):
-            raise ConfigError(f"l3_writer: {self.l3_writer!r} is unknown; use process or threads")
+        if self.l3_writer not in ("auto", "process", "threads"):
+            raise ConfigError(
+                f"l3_writer: {self.l3_writer!r} is unknown; use auto, process or threads"
+            )
         if self.cache not in ("tiered", "none"):
             raise ConfigError(f"cache: {self.cache!r} is unknown; use 'tiered' or 'none'")
         for name in ("max_concurrency", "chunk_tokens", "max_tokens_limit", "prefill_step"):

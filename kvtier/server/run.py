@@ -53,8 +53,9 @@ def options(f: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--write-policy", help="write_through, write_through_selective, write_back."),
         click.option(
             "--l3-writer",
-            type=click.Choice(["process", "threads"]),
-            help="Where L3 file writes run: threads (default) or a child process.",
+            type=click.Choice(["auto", "process", "threads"]),
+            help="Where L3 file writes run: a child process or threads of the server; auto "
+            "(default) picks the process with a CUDA model, threads on the CPU.",
         ),
         click.option(
             "--isolate-cpus/--no-isolate-cpus",

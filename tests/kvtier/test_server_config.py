@@ -51,7 +51,7 @@ def test_bad_values_name_the_setting(tmp_path: Path) -> None:
 
 def test_writer_and_isolation_settings() -> None:
     default = ServerConfig.load(env={})
-    assert default.l3_writer == "threads" and default.isolate_cpus is True
+    assert default.l3_writer == "auto" and default.isolate_cpus is True
     c = ServerConfig.load(env={"KVTIER_L3_WRITER": "process", "KVTIER_ISOLATE_CPUS": "0"})
     assert c.l3_writer == "process" and c.isolate_cpus is False
 

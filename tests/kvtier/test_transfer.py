@@ -263,7 +263,10 @@ def test_cuda_round_trip_is_bit_exact(group: int, pin: bool | None, fused: bool)
         dst = _layout([(torch.full_like(k, 7.0), torch.full_like(v, 7.0)) for k, v in src], fused)
         eng.offload_range(src, 5, ntokens, slots)  # no wait: ordered
         handle = eng.restore_range(slots, ntokens, dst, 9)
-        handle.wait_stream()  # the current stream reads dst only after the restore
+        if round_ == 0:
+            handle.wait_stream()  # the current stream reads dst only after the restore
+        else:
+            handle.wait(spin=round_ == 1)  # the host waits: spinning, then sleeping
         assert torch.equal(_span(dst, 9, ntokens), _span(src, 5, ntokens))
         for k, v in dst:
             assert (k[:, :, :9] == 7).all() and (v[:, :, 9 + ntokens :] == 7).all()
