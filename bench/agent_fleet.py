@@ -20,7 +20,9 @@ For every returning turn the bench also records the serving thread's on-CPU frac
 CPU time / wall time). The decode loop is bound by this thread launching kernels and it spins
 while it waits for the GPU, so the fraction stays near 1 unless the thread is kept off its core
 (another process, or the interpreter lock held by a thread of this process): a slow turn with a
-low fraction was slowed on the host, a slow turn with a fraction near 1 on the GPU.
+low fraction was slowed on the host, a slow turn with a fraction near 1 on the GPU or by a
+slower core. For the last, each returning turn is followed by a fixed pure-Python loop, the
+"probe" (about 0.5 ms): a core running slower (clock, or a hypervisor taking it) slows it too.
 
 The first turn of a session ingests its prompt (prefill only); returning turns are timed for
 TTFT and decode steps.
@@ -72,10 +74,21 @@ class Result:
     phases: dict[str, float] = field(default_factory=dict)  # seconds spent per phase
     restore_s: list[float] = field(default_factory=list)  # returning turns: in restore()
     alloc_retries: int = 0
+    device_mallocs: int = 0  # cudaMalloc + cudaFree calls during the run (each syncs the GPU)
     l1_oom: int = 0
     turn_at: list[float] = field(default_factory=list)  # returning turns: seconds into the run
     on_cpu: list[float] = field(default_factory=list)  # returning turns: thread CPU / wall
+    probe: list[float] = field(default_factory=list)  # returning turns: the probe, seconds
     oom_info: list[str] = field(default_factory=list)  # GPU memory at each OOM
+
+
+def probe(n: int = 20000) -> float:
+    """Seconds a fixed pure-Python loop takes: this core's speed for the serving thread now."""
+    t0 = time.perf_counter()
+    x = 0
+    for i in range(n):
+        x += i
+    return time.perf_counter() - t0
 
 
 def memory_at_oom(cache: object) -> str:
@@ -150,8 +163,8 @@ class Runner:
                 ),
                 model,
             )
-            # same total GPU cap for everyone: kvtier's staging buffers come out of its KV budget
-            self.cache.l1.budget_bytes -= self.cache.engine.staging_bytes
+            # l1_bytes is all of kvtier's GPU memory (its staging buffers come out of it), so
+            # every configuration has the same KV cap
 
     def turn(self, sid: int, ids: torch.Tensor, res: Result) -> None:
         model, dev = self.model, self.device
@@ -223,6 +236,7 @@ class Runner:
             now = time.perf_counter()
             res.turn_at.append(now - self.t_start)
             res.on_cpu.append((time.thread_time() - cpu0) / max(now - t0, 1e-9))
+            res.probe.append(probe())
         res.turns += 1
         res.generated += len(out)
         self.history[sid] = new
@@ -259,7 +273,9 @@ class Runner:
         res.wall = time.perf_counter() - t_start
         if self.device.startswith("cuda"):
             res.peak_bytes = torch.cuda.max_memory_allocated()
-            res.alloc_retries = torch.cuda.memory_stats().get("num_alloc_retries", 0)
+            stats = torch.cuda.memory_stats()
+            res.alloc_retries = stats.get("num_alloc_retries", 0)
+            res.device_mallocs = stats.get("num_device_alloc", 0) + stats.get("num_device_free", 0)
         if self.cache is not None:
             snap = self.cache.stats()
             res.decisions = dict(snap.restore_decisions)
@@ -402,11 +418,13 @@ def main() -> None:
                 f"{pct(r.restore_s, 0.99) * 1e3:.1f}  forward {pct(rest, 0.5) * 1e3:.1f}/"
                 f"{pct(rest, 0.99) * 1e3:.1f}"
             )
-    print("seconds per phase, allocator retries (torch) and L1 OOM retries (kvtier):")
+    print("seconds per phase, allocator retries and cudaMalloc+cudaFree calls (torch), L1 OOM")
+    print("retries (kvtier):")
     for r in results:
         ph = " ".join(f"{k}={v:.1f}" for k, v in r.phases.items())
         print(
-            f"{r.name:>12} wall={r.wall:.1f} {ph} alloc_retries={r.alloc_retries} l1_oom={r.l1_oom}"
+            f"{r.name:>12} wall={r.wall:.1f} {ph} alloc_retries={r.alloc_retries} "
+            f"mallocs={r.device_mallocs} l1_oom={r.l1_oom}"
         )
     print("serving thread on-CPU fraction of returning turns (P50, P10), and of the slow ones")
     print("(TTFT > 2x the configuration's median): how many, their median fraction, when (s):")
@@ -414,10 +432,12 @@ def main() -> None:
         if r.on_cpu:
             slow = [i for i, t in enumerate(r.ttft_return) if t > 2 * pct(r.ttft_return, 0.5)]
             frac = [r.on_cpu[i] for i in slow]
+            slow_probe = pct([r.probe[i] for i in slow], 0.5) * 1e3
             when = ",".join(f"{r.turn_at[i]:.0f}" for i in slow[:12])
             print(
                 f"{r.name:>12} on-CPU {pct(r.on_cpu, 0.5):.2f}/{pct(r.on_cpu, 0.1):.2f}  "
-                f"slow {len(slow)}: on-CPU {pct(frac, 0.5):.2f} at {when}"
+                f"probe {pct(r.probe, 0.5) * 1e3:.2f} ms  slow {len(slow)}: on-CPU "
+                f"{pct(frac, 0.5):.2f} probe {slow_probe:.2f} ms at {when}"
             )
     for r in results:
         for line in r.oom_info[:3]:

@@ -33,6 +33,7 @@ from kvtier.cache.stats import Counters, build_snapshot
 from kvtier.codecs import make_codec
 from kvtier.errors import (
     BudgetError,
+    ConfigError,
     FingerprintMismatch,
     KvbinFormatError,
     L1BudgetExceeded,
@@ -110,6 +111,13 @@ class TieredCache:
             except BaseException:
                 self.l3.close()
                 raise
+        try:
+            self._claim_l1()
+        except BaseException:
+            self.engine.close()
+            self.l2.close()
+            self.l3.close()
+            raise
         self._cost = CostModel(
             config.initial_bandwidth,
             config.initial_prefill_s_per_token,
@@ -132,6 +140,20 @@ class TieredCache:
         self._closed = False
         self._published = False  # set once a prefix is published to every tenant
         self._load_hibernated()
+
+    def _claim_l1(self) -> None:
+        """On a GPU, l1_bytes is all of kvtier's device memory: the engine's staging buffers
+        come out of it, and the rest is claimed for L1 now (`L1Pool.reserve`)."""
+        if self.device.type != "cuda":
+            return
+        staging = self.engine.staging_bytes
+        if staging >= self.l1.budget_bytes:
+            raise ConfigError(
+                f"l1_bytes ({self.l1.budget_bytes}) must exceed the transfer engine's staging "
+                f"buffers ({staging} bytes); raise l1_bytes"
+            )
+        self.l1.budget_bytes -= staging
+        self.l1.reserve()
 
     # -- sessions -------------------------------------------------------------------------------
 

@@ -11,8 +11,12 @@ decode step writes one token into spare room, and only every ``chunk_tokens`` to
 buffer move to a larger allocation (never a ``torch.cat`` per token).
 
 On CUDA, kvtier's buffers come from a dedicated ``torch.cuda.MemPool`` so that session churn
-fragments kvtier's own segments, never the blocks the model's activations use. On the CPU the
-same code uses ordinary tensors.
+fragments kvtier's own segments, never the blocks the model's activations use, and `reserve`
+claims the whole budget for that pool at start. Without it the pool grew one cudaMalloc at a
+time while sessions arrived, squeezing the model's cached blocks under a memory cap: on the
+H200 fleet bench the first cache of a process decoded 2-3x slower than every later one, which
+found the pool already grown (docs/benchmarks.md, "Agent fleet"). On the CPU the same code
+uses ordinary tensors.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvtier.errors import L1BudgetExceeded
+from kvtier.errors import BudgetError, L1BudgetExceeded
 from kvtier.geometry import KVGeometry
 
 log = logging.getLogger("kvtier.l1")
@@ -119,6 +123,28 @@ class L1Pool:
         if self._pool is not None:
             return sum(seg["total_size"] for seg in self._pool.snapshot())
         return self.used_bytes
+
+    def reserve(self) -> None:
+        """Claim the whole budget from the CUDA allocator now, for kvtier's pool alone.
+
+        One allocation of `budget_bytes` is made in the pool and freed again: the pool keeps
+        the segment, and session buffers are then carved out of it without another cudaMalloc
+        (each one synchronizes the device, and under a memory cap it pushes out the model's
+        cached blocks). A budget the GPU cannot hold fails here, at start, not mid-turn. A
+        no-op on the CPU.
+        """
+        if self._pool is None:
+            return
+        try:
+            with self._in_pool():
+                claim = torch.empty(self.budget_bytes, dtype=torch.uint8, device=self.device)
+        except torch.OutOfMemoryError as exc:
+            free, _total = torch.cuda.mem_get_info(self.device)
+            raise BudgetError(
+                f"L1 budget of {self.budget_bytes} bytes does not fit on {self.device} "
+                f"({free} bytes free); lower l1_bytes or load a smaller model"
+            ) from exc
+        del claim
 
     # -- allocation ----------------------------------------------------------------------------
 

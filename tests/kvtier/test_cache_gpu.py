@@ -11,6 +11,7 @@ from test_cache_exact import greedy
 from transformers import DynamicCache
 
 from kvtier import CacheConfig, TieredCache
+from kvtier.errors import BudgetError
 
 pytestmark = [
     pytest.mark.gpu,
@@ -61,6 +62,10 @@ def test_cuda_l1_budget_and_oom_safety(tmp_path: Path) -> None:
         CacheConfig(l3_root=tmp_path, l1_bytes=4 * per_session, l2_bytes=64 << 20, chunk_tokens=64),
         model,
     )
+    staging = cache.engine.staging_bytes  # comes out of l1_bytes; the rest is claimed at start
+    assert cache.l1.budget_bytes == 4 * per_session - staging
+    claimed = cache.l1.reserved_bytes()
+    assert claimed >= cache.l1.budget_bytes
     for i in range(12):
         ids = torch.randint(1, 250, (1, 1900), device="cuda")
         s = cache.session(f"s{i}", tenant="t")
@@ -70,4 +75,15 @@ def test_cuda_l1_budget_and_oom_safety(tmp_path: Path) -> None:
         s.commit(ids)
         assert cache.l1.used_bytes <= cache.l1.budget_bytes
     assert cache.stats().tier("l1").evictions >= 8
+    assert cache.l1.reserved_bytes() == claimed  # every session fit in the claimed segment
     cache.close()
+
+
+def test_cuda_l1_budget_larger_than_the_gpu_fails_at_start(tmp_path: Path) -> None:
+    model = tiny_llama().cuda()
+    _free, total = torch.cuda.mem_get_info()
+    with pytest.raises(BudgetError, match="lower l1_bytes"):
+        TieredCache(
+            CacheConfig(l3_root=tmp_path, l1_bytes=2 * total, l2_bytes=64 << 20, chunk_tokens=64),
+            model,
+        )
