@@ -67,7 +67,9 @@ def test_cuda_l1_budget_and_oom_safety(tmp_path: Path) -> None:
     claimed = cache.l1.reserved_bytes()
     assert claimed >= cache.l1.budget_bytes
     for i in range(12):
-        ids = torch.randint(1, 250, (1, 1900), device="cuda")
+        # > 1 MiB per session: the allocator's large blocks, carved from the claimed segment
+        # (blocks up to 1 MiB come from small 2 MiB segments of their own)
+        ids = torch.randint(1, 250, (1, 2100), device="cuda")
         s = cache.session(f"s{i}", tenant="t")
         pkv = s.restore(ids)
         with torch.no_grad():
