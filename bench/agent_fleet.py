@@ -37,6 +37,7 @@ import argparse
 import gc
 import json
 import random
+import shutil
 import sys
 import tempfile
 import time
@@ -76,6 +77,8 @@ class Result:
     alloc_retries: int = 0
     device_mallocs: int = 0  # cudaMalloc + cudaFree calls during the run (each syncs the GPU)
     l1_oom: int = 0
+    l3_written: int = 0  # bytes kvtier wrote to L3 during the run
+    l3_lost: str = ""  # kvtier's shed writes and I/O errors
     turn_at: list[float] = field(default_factory=list)  # returning turns: seconds into the run
     on_cpu: list[float] = field(default_factory=list)  # returning turns: thread CPU / wall
     probe: list[float] = field(default_factory=list)  # returning turns: the probe, seconds
@@ -280,10 +283,14 @@ class Runner:
             snap = self.cache.stats()
             res.decisions = dict(snap.restore_decisions)
             res.l1_oom = snap.oom_retries
+            res.l3_written = sum(t.bytes for t in snap.transfers if (t.src, t.dst) == ("l2", "l3"))
+            res.l3_lost = f"shed={snap.shed_writes} io_errors={snap.io_errors}"
 
     def close(self) -> None:
         if self.cache is not None:
             self.cache.close()
+            # every configuration starts with the same free disk
+            shutil.rmtree(self.cache.config.l3_root, ignore_errors=True)
         self.caches.clear()
         gc.collect()
         if self.device.startswith("cuda"):
@@ -373,6 +380,8 @@ def main() -> None:
             print("offloaded: skipped (transformers' offloading needs CUDA streams)")
             continue
         res = Result(name)
+        free = shutil.disk_usage(tmp).free
+        print(f"{name}: {free / 1e9:.0f} GB free in the L3 directory's file system", flush=True)
         codec = "int8" if name.endswith("int8") else "native"
         policy = "write_back" if name.endswith("-wb") else "write_through"
         writer = "threads" if name.endswith("-threads") else "auto"
@@ -388,7 +397,12 @@ def main() -> None:
         finally:
             runner.close()
         results.append(res)
-        print(f"{name}: {res.turns} turns in {res.wall:.1f}s, {res.ooms} OOM", flush=True)
+        l3 = f", L3 {res.l3_written / 1e9:.2f} GB written, {res.l3_lost}" if res.l3_lost else ""
+        print(
+            f"{name}: {res.turns} turns in {res.wall:.1f}s, {res.ooms} OOM, step P50 "
+            f"{pct(res.steps, 0.5) * 1e3:.1f} ms{l3}",
+            flush=True,
+        )
 
     attempted = args.sessions * args.turns
     print(
@@ -425,6 +439,7 @@ def main() -> None:
         print(
             f"{r.name:>12} wall={r.wall:.1f} {ph} alloc_retries={r.alloc_retries} "
             f"mallocs={r.device_mallocs} l1_oom={r.l1_oom}"
+            + (f" l3_GB={r.l3_written / 1e9:.2f} {r.l3_lost}" if r.l3_lost else "")
         )
     print("serving thread on-CPU fraction of returning turns (P50, P10), and of the slow ones")
     print("(TTFT > 2x the configuration's median): how many, their median fraction, when (s):")
