@@ -375,7 +375,16 @@ def main() -> None:
     with torch.no_grad():
         model(torch.tensor([plan[0][0][:512]], device=dev), logits_to_keep=1)
     results = []
-    for name in args.configs.split(","):
+    names = args.configs.split(",")
+    first_kvtier = next((i for i, n in enumerate(names) if n.startswith("kvtier")), len(names))
+    if any(not n.startswith("kvtier") for n in names[first_kvtier:]):
+        print(
+            "warning: kvtier's L1 pool keeps its GPU memory after its cache closes (it lives as "
+            "long as the process); configurations after the first kvtier one have less. List "
+            "the kvtier configurations last.",
+            flush=True,
+        )
+    for name in names:
         if name == "offloaded" and not dev.startswith("cuda"):
             print("offloaded: skipped (transformers' offloading needs CUDA streams)")
             continue
