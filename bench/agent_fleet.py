@@ -286,6 +286,30 @@ class Runner:
             res.l3_written = sum(t.bytes for t in snap.transfers if (t.src, t.dst) == ("l2", "l3"))
             res.l3_lost = f"shed={snap.shed_writes} io_errors={snap.io_errors}"
 
+    def profile_turn(self, plan, decode_tokens: int) -> str:
+        """One more returning turn, after the measured run, under torch.profiler: the ops that
+        took the serving thread's time, and the device's. Its samples are not kept."""
+        sid = next((s for s in sorted(self.history) if s in self.seen), None)
+        if sid is None:
+            return "(no returning session to profile)\n"
+        from torch.profiler import ProfilerActivity, profile
+
+        add = torch.tensor([plan[sid][-1][:64]], device=self.device)
+        ids = torch.cat([self.history[sid], add], dim=1)
+        activities = [ProfilerActivity.CPU]
+        if self.device.startswith("cuda"):
+            activities.append(ProfilerActivity.CUDA)
+        scratch = Result(self.name)
+        self.decode_tokens = decode_tokens
+        with profile(activities=activities) as prof:
+            self.turn(sid, ids, scratch)
+        table = prof.key_averages()
+        cpu = table.table(sort_by="self_cpu_time_total", row_limit=12)
+        text = f"{self.name}: one turn of session {sid}, {len(scratch.steps)} decode steps\n{cpu}"
+        if self.device.startswith("cuda"):
+            text += table.table(sort_by="self_cuda_time_total", row_limit=8)
+        return text
+
     def close(self) -> None:
         if self.cache is not None:
             self.cache.close()
@@ -340,6 +364,12 @@ def main() -> None:
     ap.add_argument("--time-limit", type=float, default=75.0, help="seconds per configuration")
     ap.add_argument("--out", default=None)
     ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="after each configuration's run, one more turn (32 decode steps) under "
+        "torch.profiler; its top ops go to DIR/profiles.txt (or stdout without --out)",
+    )
+    ap.add_argument(
         "--no-isolate",
         action="store_true",
         help="leave the decode thread unpinned (default: a core of its own, L3 threads elsewhere)",
@@ -375,6 +405,7 @@ def main() -> None:
     with torch.no_grad():
         model(torch.tensor([plan[0][0][:512]], device=dev), logits_to_keep=1)
     results = []
+    profiles: list[str] = []
     names = args.configs.split(",")
     first_kvtier = next((i for i, n in enumerate(names) if n.startswith("kvtier")), len(names))
     if any(not n.startswith("kvtier") for n in names[first_kvtier:]):
@@ -403,6 +434,8 @@ def main() -> None:
             continue
         try:
             runner.run(plan, res, args.time_limit)
+            if args.profile:
+                profiles.append(runner.profile_turn(plan, 32))
         finally:
             runner.close()
         results.append(res)
@@ -473,9 +506,13 @@ def main() -> None:
     if "dynamic" in by and "kvtier" in by:
         ratio = pct(by["kvtier"].steps, 0.99) / pct(by["dynamic"].steps, 0.99)
         print(f"step p99 kvtier / dynamic = {ratio:.3f} (target <= 1.1)")
+    if profiles and not args.out:
+        print("\n".join(profiles))
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
+        if profiles:
+            (out / "profiles.txt").write_text("\n".join(profiles))
         plot(results, out / "agent_fleet.png")
         (out / "agent_fleet.json").write_text(
             json.dumps(

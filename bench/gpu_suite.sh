@@ -6,6 +6,8 @@
 #
 #   bash bench/gpu_suite.sh [OUT]          # about 9 minutes on an H200
 #   STEPS="tests transfer" bash bench/gpu_suite.sh
+#   FLEET_CONFIGS=recompute,kvtier,kvtier FLEET_SECONDS=30 FLEET_PROFILE=1 STEPS=fleet \
+#     bash bench/gpu_suite.sh    # the fleet only, with one profiled turn per configuration
 #
 # bench/restart.py also needs the server's packages (fastapi, uvicorn, pydantic, ...); it is
 # skipped with a message when they cannot be imported.
@@ -46,7 +48,8 @@ for step in $STEPS; do
     fleet)
       mkdir -p "$OUT/fleet"
       timeout 400 python3 bench/agent_fleet.py --out "$OUT/fleet" --time-limit "${FLEET_SECONDS:-48}" \
-        ${FLEET_CONFIGS:+--configs "$FLEET_CONFIGS"} 2>&1 | quiet >"$OUT/fleet.txt" ;;
+        ${FLEET_CONFIGS:+--configs "$FLEET_CONFIGS"} ${FLEET_PROFILE:+--profile} 2>&1 | quiet \
+        >"$OUT/fleet.txt" ;;
     restart)
       if python3 -c "import fastapi, uvicorn" 2>/dev/null; then
         timeout 200 python3 bench/restart.py --device cuda --repeat 3 --png "$OUT/restart.png" \
