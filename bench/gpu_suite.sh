@@ -48,7 +48,7 @@ for step in $STEPS; do
     fleet)
       mkdir -p "$OUT/fleet"
       timeout 400 python3 bench/agent_fleet.py --out "$OUT/fleet" --time-limit "${FLEET_SECONDS:-48}" \
-        ${FLEET_CONFIGS:+--configs "$FLEET_CONFIGS"} ${FLEET_PROFILE:+--profile} 2>&1 | quiet \
+        ${FLEET_CONFIGS:+--configs "$FLEET_CONFIGS"} ${FLEET_PROFILE:+--profile} ${FLEET_SYNC:+--sync "$FLEET_SYNC"} 2>&1 | quiet \
         >"$OUT/fleet.txt" ;;
     restart)
       if python3 -c "import fastapi, uvicorn" 2>/dev/null; then
