@@ -104,10 +104,7 @@ def memory_at_oom(cache: object) -> str:
     if cache is not None:
         l1 = cache.l1  # type: ignore[attr-defined]
         line += f", kvtier L1 {l1.used_bytes / mib:.0f} of {l1.budget_bytes / mib:.0f} MiB"
-        pool = getattr(l1, "_pool", None)
-        if pool is not None:
-            held = sum(seg["total_size"] for seg in pool.snapshot())
-            line += f", kvtier pool segments {held / mib:.0f} MiB"
+        line += f", kvtier pool reserved {l1.reserved_bytes() / mib:.0f} MiB"
     return line
 
 

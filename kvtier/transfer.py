@@ -131,9 +131,11 @@ class EngineStats:
 
 class _Stage:
     """One staging buffer: `group` chunks in the model dtype, plus encoded payload rows for a
-    quantizing codec on the GPU. `ready` marks the end of its producer, `free` of its consumer."""
+    quantizing codec on the GPU. `ready` marks the end of its producer, `free` of its consumer.
+    `scratch` is the codec's float32 work buffer, shared by the stages of one direction (one
+    stream runs all their encodes, or decodes, one after another)."""
 
-    def __init__(self, engine: TransferEngine, rows: bool) -> None:
+    def __init__(self, engine: TransferEngine, rows: bool, scratch: torch.Tensor | None) -> None:
         g = engine.geometry
         self.geometry = g
         self.chunk_elems = g.chunk_bytes(engine.chunk_tokens) // g.element_size
@@ -148,20 +150,16 @@ class _Stage:
             if rows
             else None
         )
-        # the codec's float32 work buffer: quantizing allocates nothing on the side streams
-        scratch = engine.codec.scratch_elems(engine.chunk_tokens)
-        self.scratch = (
-            torch.empty(scratch, dtype=torch.float32, device=engine.device) if scratch else None
-        )
+        self.scratch = scratch
         self.ready: Any = torch.cuda.Event() if engine.cuda else None
         self.free: Any = torch.cuda.Event() if engine.cuda else None
         self._views: dict[tuple[int, int, bool], list[torch.Tensor]] = {}
 
     @property
     def nbytes(self) -> int:
+        """Bytes of this stage's own buffers (the shared scratch is counted by the engine)."""
         rows = 0 if self.rows is None else self.rows.numel()
-        scratch = 0 if self.scratch is None else self.scratch.numel() * 4
-        return self.chunks.numel() * self.chunks.element_size() + rows + scratch
+        return self.chunks.numel() * self.chunks.element_size() + rows
 
     def staged(self, count: int, length: int) -> torch.Tensor:
         """The first `count` chunks of `length` tokens: [count, L, P, length, H, D]."""
@@ -285,16 +283,19 @@ class TransferEngine:
                     torch.cuda.Stream(self.device),
                 )
                 for direction in (_DOWN, _UP):
-                    stages = [_Stage(self, rows=not codec.lossless) for _ in range(2)]
-                    for stage in stages:  # the allocator must see their use on the side streams
+                    scratch = self._codec_scratch()
+                    stages = [_Stage(self, not codec.lossless, scratch) for _ in range(2)]
+                    # the allocator must see their use on the side streams
+                    for t in (scratch, *(b for s in stages for b in (s.chunks, s.rows))):
                         for stream in self._streams[direction]:
-                            stage.chunks.record_stream(stream)
-                            for extra in (stage.rows, stage.scratch):
-                                if extra is not None:
-                                    extra.record_stream(stream)
+                            if t is not None:
+                                t.record_stream(stream)
                     self._stages[direction] = stages
         elif not codec.lossless:
-            self._stages = {_DOWN: [_Stage(self, rows=False)], _UP: [_Stage(self, rows=False)]}
+            self._stages = {
+                _DOWN: [_Stage(self, False, self._codec_scratch())],
+                _UP: [_Stage(self, False, self._codec_scratch())],
+            }
         self._writer = ThreadPoolExecutor(
             max(1, l3_threads),
             thread_name_prefix="kvtier-l3w",
@@ -318,10 +319,21 @@ class TransferEngine:
         """Where this engine's L3 file writes run: "process" or "threads"."""
         return "threads" if self._proc is None else "process"
 
+    def _codec_scratch(self) -> torch.Tensor | None:
+        """The codec's float32 work buffer for one direction, so that quantizing allocates
+        nothing on the side streams; None for the native codec."""
+        elems = self.codec.scratch_elems(self.chunk_tokens)
+        return torch.empty(elems, dtype=torch.float32, device=self.device) if elems else None
+
     @property
     def staging_bytes(self) -> int:
         """Device (or host, on CPU) memory the staging buffers hold, for the L1 budget."""
-        return sum(stage.nbytes for stages in self._stages.values() for stage in stages)
+        total = 0
+        for stages in self._stages.values():
+            total += sum(stage.nbytes for stage in stages)
+            if stages and stages[0].scratch is not None:  # one per direction
+                total += stages[0].scratch.numel() * stages[0].scratch.element_size()
+        return total
 
     # ---- L1 <-> L2 ---------------------------------------------------------------------------
 
