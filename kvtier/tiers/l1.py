@@ -12,11 +12,9 @@ buffer move to a larger allocation (never a ``torch.cat`` per token).
 
 On CUDA, kvtier's buffers come from a dedicated ``torch.cuda.MemPool`` so that session churn
 fragments kvtier's own segments, never the blocks the model's activations use, and `reserve`
-claims the whole budget for that pool at start. Without it the pool grew one cudaMalloc at a
-time while sessions arrived, squeezing the model's cached blocks under a memory cap: on the
-H200 fleet bench the first cache of a process decoded 2-3x slower than every later one, which
-found the pool already grown (docs/benchmarks.md, "Agent fleet"). On the CPU the same code
-uses ordinary tensors.
+claims the whole budget for that pool at start: sessions are then carved out of one segment
+instead of growing the pool one cudaMalloc (a device-wide synchronization) at a time, and a
+budget the GPU cannot hold fails at start. On the CPU the same code uses ordinary tensors.
 """
 
 from __future__ import annotations
