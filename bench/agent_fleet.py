@@ -144,13 +144,14 @@ class Runner:
         codec="native",
         policy="write_through",
         writer="auto",
+        sync_stream=False,
     ):
         self.name, self.model, self.device = name, model, device
+        self.sync_stream = sync_stream  # time the model's stream only (--sync stream)
         self.decode_tokens = decode_tokens
         self.kv_budget = kv_budget
         self.caches: dict[int, object] = {}
         self.cache = None
-        self.sync_stream = False
         if name.startswith("kvtier"):
             self.cache = TieredCache(
                 CacheConfig(
@@ -309,9 +310,12 @@ class Runner:
         if self.device.startswith("cuda"):
             activities.append(ProfilerActivity.CUDA)
         scratch = Result(self.name)
-        self.decode_tokens = decode_tokens
-        with profile(activities=activities) as prof:
-            self.turn(sid, ids, scratch)
+        measured, self.decode_tokens = self.decode_tokens, decode_tokens
+        try:
+            with profile(activities=activities) as prof:
+                self.turn(sid, ids, scratch)
+        finally:
+            self.decode_tokens = measured
         table = prof.key_averages()
         cpu = table.table(sort_by="self_cpu_time_total", row_limit=12)
         text = f"{self.name}: one turn of session {sid}, {len(scratch.steps)} decode steps\n{cpu}"
@@ -443,12 +447,20 @@ def main() -> None:
         writer = "threads" if name.endswith("-threads") else "auto"
         try:
             runner = Runner(
-                name, model, dev, args.decode_tokens, kv_budget, tmp, codec, policy, writer
+                name,
+                model,
+                dev,
+                args.decode_tokens,
+                kv_budget,
+                tmp,
+                codec,
+                policy,
+                writer,
+                sync_stream=args.sync == "stream",
             )
         except Exception as exc:  # report it and go on with the other configurations
             print(f"{name}: could not start: {type(exc).__name__}: {exc}", flush=True)
             continue
-        runner.sync_stream = args.sync == "stream"
         try:
             runner.run(plan, res, args.time_limit)
             if args.profile:
