@@ -40,6 +40,7 @@ import random
 import shutil
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -83,6 +84,70 @@ class Result:
     on_cpu: list[float] = field(default_factory=list)  # returning turns: thread CPU / wall
     probe: list[float] = field(default_factory=list)  # returning turns: the probe, seconds
     oom_info: list[str] = field(default_factory=list)  # GPU memory at each OOM
+    launch: list[float] = field(default_factory=list)  # per decode step: until forward returns
+    gpu: list[tuple[float, ...]] = field(default_factory=list)  # GpuSampler samples
+
+
+# NVML clock-event reasons that slow the SM clock under load (power cap, thermal, hardware)
+_SLOWDOWN = 0x4 | 0x8 | 0x20 | 0x40 | 0x80
+
+
+class GpuSampler:
+    """NVML readings every `period` seconds from a thread: (seconds into the run, SM clock MHz,
+    GPU utilization %, power W, clock-event reason bits). A window where every configuration's
+    step slows can then be told apart: the GPU clocking down (reasons, clock), or busy with
+    work not ours (utilization while we wait on the host)."""
+
+    def __init__(self, period: float = 0.2) -> None:
+        from ops.collectors.nvml import nvml_query
+
+        self.query = nvml_query
+        self.period = period
+        self.handle = nvml_query("nvmlDeviceGetHandleByIndex", torch.cuda.current_device())
+        self.samples: list[tuple[float, ...]] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def processes(self) -> int:
+        """Compute processes NVML lists on this GPU (ours included; -1 where it cannot say)."""
+        procs = self.query("nvmlDeviceGetComputeRunningProcesses", self.handle, default=None)
+        return -1 if procs is None else len(procs)
+
+    def _reasons(self) -> int:
+        for fn in (
+            "nvmlDeviceGetCurrentClocksEventReasons",
+            "nvmlDeviceGetCurrentClocksThrottleReasons",
+        ):
+            value = self.query(fn, self.handle, default=None)
+            if value is not None:
+                return int(value)
+        return -1
+
+    def _loop(self, t0: float) -> None:
+        while not self._stop.wait(self.period):
+            util = self.query("nvmlDeviceGetUtilizationRates", self.handle, default=None)
+            power = self.query("nvmlDeviceGetPowerUsage", self.handle, default=None)
+            self.samples.append(
+                (
+                    time.perf_counter() - t0,
+                    float(self.query("nvmlDeviceGetClockInfo", self.handle, 1, default=-1)),
+                    float(util.gpu) if util is not None else -1.0,
+                    power / 1000 if power is not None else -1.0,
+                    float(self._reasons()),
+                )
+            )
+
+    def start(self, t0: float) -> None:
+        self.samples = []
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._loop, args=(t0,), daemon=True)
+        self._thread.start()
+
+    def stop(self) -> list[tuple[float, ...]]:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        return self.samples
 
 
 def probe(n: int = 20000) -> float:
@@ -145,9 +210,11 @@ class Runner:
         policy="write_through",
         writer="auto",
         sync_stream=False,
+        sampler=None,
     ):
         self.name, self.model, self.device = name, model, device
         self.sync_stream = sync_stream  # time the model's stream only (--sync stream)
+        self.sampler = sampler  # GpuSampler, or None (CPU)
         self.decode_tokens = decode_tokens
         self.kv_budget = kv_budget
         self.caches: dict[int, object] = {}
@@ -207,6 +274,7 @@ class Runner:
                     t1 = time.perf_counter()
                     logits = model(tok, past_key_values=pkv, logits_to_keep=1).logits
                     tok = logits[:, -1:].argmax(-1)
+                    res.launch.append(time.perf_counter() - t1)
                     self.sync()
                     res.steps.append(time.perf_counter() - t1)
                     out.append(tok)
@@ -264,6 +332,8 @@ class Runner:
             torch.cuda.reset_peak_memory_stats()
             torch.cuda.reset_accumulated_memory_stats()
         t_start = self.t_start = time.perf_counter()
+        if self.sampler is not None:
+            self.sampler.start(t_start)
         order_rng = random.Random(1)
         for turn in range(len(plan[0])):
             order = list(range(len(plan)))
@@ -284,6 +354,8 @@ class Runner:
                         (time.perf_counter() - t_start, torch.cuda.memory_allocated())
                     )
         res.wall = time.perf_counter() - t_start
+        if self.sampler is not None:
+            res.gpu = list(self.sampler.stop())
         if self.device.startswith("cuda"):
             res.peak_bytes = torch.cuda.max_memory_allocated()
             stats = torch.cuda.memory_stats()
@@ -424,6 +496,9 @@ def main() -> None:
     # warm-up: kernels and allocator, outside every measurement
     with torch.no_grad():
         model(torch.tensor([plan[0][0][:512]], device=dev), logits_to_keep=1)
+    sampler = GpuSampler() if dev.startswith("cuda") else None
+    if sampler is not None:
+        print(f"compute processes on this GPU (ours included): {sampler.processes()}")
     results = []
     profiles: list[str] = []
     names = args.configs.split(",")
@@ -457,6 +532,7 @@ def main() -> None:
                 policy,
                 writer,
                 sync_stream=args.sync == "stream",
+                sampler=sampler,
             )
         except Exception as exc:  # report it and go on with the other configurations
             print(f"{name}: could not start: {type(exc).__name__}: {exc}", flush=True)
@@ -524,6 +600,29 @@ def main() -> None:
                 f"{r.name:>12} on-CPU {pct(r.on_cpu, 0.5):.2f}/{pct(r.on_cpu, 0.1):.2f}  "
                 f"probe {pct(r.probe, 0.5) * 1e3:.2f} ms  slow {len(slow)}: on-CPU "
                 f"{pct(frac, 0.5):.2f} probe {slow_probe:.2f} ms at {when}"
+            )
+    print("decode steps: host time until forward returns (launch) P50/P99 ms against the step:")
+    for r in results:
+        if r.launch:
+            print(
+                f"{r.name:>12} launch {pct(r.launch, 0.5) * 1e3:.1f}/{pct(r.launch, 0.99) * 1e3:.1f}"
+                f"  step {pct(r.steps, 0.5) * 1e3:.1f}/{pct(r.steps, 0.99) * 1e3:.1f}"
+            )
+    if any(r.gpu for r in results):
+        print("GPU (NVML every 0.2 s): SM clock P50/P10/min MHz, utilization P50 %, power P50 W,")
+        print("samples with a power/thermal/hardware clock slowdown; SM clock at the slow turns:")
+    for r in results:
+        if r.gpu:
+            clock = [g[1] for g in r.gpu]
+            slowed = sum(1 for g in r.gpu if g[4] >= 0 and int(g[4]) & _SLOWDOWN)
+            slow = [
+                r.turn_at[i] for i, t in enumerate(r.ttft_return) if t > 2 * pct(r.ttft_return, 0.5)
+            ]
+            at_slow = [min(r.gpu, key=lambda g, w=w: abs(g[0] - w))[1] for w in slow]
+            print(
+                f"{r.name:>12} SM {pct(clock, 0.5):.0f}/{pct(clock, 0.1):.0f}/{min(clock):.0f}  "
+                f"util {pct([g[2] for g in r.gpu], 0.5):.0f}  power {pct([g[3] for g in r.gpu], 0.5):.0f}  "
+                f"slowdown {slowed}/{len(r.gpu)}  slow turns' SM {pct(at_slow, 0.5):.0f}"
             )
     for r in results:
         for line in r.oom_info[:3]:
