@@ -406,6 +406,44 @@ class Runner:
             torch.cuda.empty_cache()
 
 
+DIAGNOSTICS_HELP = """per configuration, over its returning turns:
+  host   the serving thread's on-CPU fraction P50/P10, the probe P50, and the slow turns
+         (TTFT > 2x the median): how many, their on-CPU fraction and probe, when (s)
+  launch decode steps: host time until forward returns P50/P99 ms, against the step P50/P99
+  gpu    NVML every 0.2 s: SM clock P50/P10/min MHz, utilization P50 %, power P50 W, samples
+         with a power/thermal/hardware clock slowdown, SM clock at the slow turns"""
+
+
+def diagnostics(r: Result) -> list[str]:
+    """Where one configuration's time went, on the host and on the GPU (DIAGNOSTICS_HELP)."""
+    lines = []
+    slow = [i for i, t in enumerate(r.ttft_return) if t > 2 * pct(r.ttft_return, 0.5)]
+    if r.on_cpu:
+        when = ",".join(f"{r.turn_at[i]:.0f}" for i in slow[:12])
+        lines.append(
+            f"{r.name:>12} host   on-CPU {pct(r.on_cpu, 0.5):.2f}/{pct(r.on_cpu, 0.1):.2f}  "
+            f"probe {pct(r.probe, 0.5) * 1e3:.2f} ms  slow {len(slow)}: on-CPU "
+            f"{pct([r.on_cpu[i] for i in slow], 0.5):.2f} probe "
+            f"{pct([r.probe[i] for i in slow], 0.5) * 1e3:.2f} ms at {when}"
+        )
+    if r.launch:
+        lines.append(
+            f"{r.name:>12} launch {pct(r.launch, 0.5) * 1e3:.1f}/{pct(r.launch, 0.99) * 1e3:.1f}"
+            f"  step {pct(r.steps, 0.5) * 1e3:.1f}/{pct(r.steps, 0.99) * 1e3:.1f}"
+        )
+    if r.gpu:
+        clock = [g[1] for g in r.gpu]
+        slowed = sum(1 for g in r.gpu if g[4] >= 0 and int(g[4]) & _SLOWDOWN)
+        at_slow = [min(r.gpu, key=lambda g, i=i: abs(g[0] - r.turn_at[i]))[1] for i in slow]
+        lines.append(
+            f"{r.name:>12} gpu    SM {pct(clock, 0.5):.0f}/{pct(clock, 0.1):.0f}/{min(clock):.0f}"
+            f"  util {pct([g[2] for g in r.gpu], 0.5):.0f}  power "
+            f"{pct([g[3] for g in r.gpu], 0.5):.0f}  slowdown {slowed}/{len(r.gpu)}  "
+            f"slow turns' SM {pct(at_slow, 0.5):.0f}"
+        )
+    return lines
+
+
 def plot(results: list[Result], out: Path) -> None:
     import matplotlib
 
@@ -541,6 +579,9 @@ def main() -> None:
             runner.run(plan, res, args.time_limit)
             if args.profile:
                 profiles.append(runner.profile_turn(plan, 32))
+                if args.out:  # as it goes: a run cut short keeps what it has
+                    Path(args.out).mkdir(parents=True, exist_ok=True)
+                    (Path(args.out) / "profiles.txt").write_text("\n".join(profiles))
         finally:
             runner.close()
         results.append(res)
@@ -550,6 +591,7 @@ def main() -> None:
             f"{pct(res.steps, 0.5) * 1e3:.1f} ms{l3}",
             flush=True,
         )
+        print("\n".join(diagnostics(res)), flush=True)
 
     attempted = args.sessions * args.turns
     print(
@@ -588,42 +630,9 @@ def main() -> None:
             f"mallocs={r.device_mallocs} l1_oom={r.l1_oom}"
             + (f" l3_GB={r.l3_written / 1e9:.2f} {r.l3_lost}" if r.l3_lost else "")
         )
-    print("serving thread on-CPU fraction of returning turns (P50, P10), and of the slow ones")
-    print("(TTFT > 2x the configuration's median): how many, their median fraction, when (s):")
+    print(DIAGNOSTICS_HELP)
     for r in results:
-        if r.on_cpu:
-            slow = [i for i, t in enumerate(r.ttft_return) if t > 2 * pct(r.ttft_return, 0.5)]
-            frac = [r.on_cpu[i] for i in slow]
-            slow_probe = pct([r.probe[i] for i in slow], 0.5) * 1e3
-            when = ",".join(f"{r.turn_at[i]:.0f}" for i in slow[:12])
-            print(
-                f"{r.name:>12} on-CPU {pct(r.on_cpu, 0.5):.2f}/{pct(r.on_cpu, 0.1):.2f}  "
-                f"probe {pct(r.probe, 0.5) * 1e3:.2f} ms  slow {len(slow)}: on-CPU "
-                f"{pct(frac, 0.5):.2f} probe {slow_probe:.2f} ms at {when}"
-            )
-    print("decode steps: host time until forward returns (launch) P50/P99 ms against the step:")
-    for r in results:
-        if r.launch:
-            print(
-                f"{r.name:>12} launch {pct(r.launch, 0.5) * 1e3:.1f}/{pct(r.launch, 0.99) * 1e3:.1f}"
-                f"  step {pct(r.steps, 0.5) * 1e3:.1f}/{pct(r.steps, 0.99) * 1e3:.1f}"
-            )
-    if any(r.gpu for r in results):
-        print("GPU (NVML every 0.2 s): SM clock P50/P10/min MHz, utilization P50 %, power P50 W,")
-        print("samples with a power/thermal/hardware clock slowdown; SM clock at the slow turns:")
-    for r in results:
-        if r.gpu:
-            clock = [g[1] for g in r.gpu]
-            slowed = sum(1 for g in r.gpu if g[4] >= 0 and int(g[4]) & _SLOWDOWN)
-            slow = [
-                r.turn_at[i] for i, t in enumerate(r.ttft_return) if t > 2 * pct(r.ttft_return, 0.5)
-            ]
-            at_slow = [min(r.gpu, key=lambda g, w=w: abs(g[0] - w))[1] for w in slow]
-            print(
-                f"{r.name:>12} SM {pct(clock, 0.5):.0f}/{pct(clock, 0.1):.0f}/{min(clock):.0f}  "
-                f"util {pct([g[2] for g in r.gpu], 0.5):.0f}  power {pct([g[3] for g in r.gpu], 0.5):.0f}  "
-                f"slowdown {slowed}/{len(r.gpu)}  slow turns' SM {pct(at_slow, 0.5):.0f}"
-            )
+        print("\n".join(diagnostics(r)))
     for r in results:
         for line in r.oom_info[:3]:
             print(f"{r.name:>12} OOM at: {line}")

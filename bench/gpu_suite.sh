@@ -47,7 +47,8 @@ for step in $STEPS; do
       rm -rf .l3interf ;;
     fleet)
       mkdir -p "$OUT/fleet"
-      timeout 400 python3 bench/agent_fleet.py --out "$OUT/fleet" --time-limit "${FLEET_SECONDS:-48}" \
+      n=$(echo "${FLEET_CONFIGS:-dynamic,offloaded,recompute,kvtier,kvtier-int8}" | tr , '\n' | wc -l)
+      timeout $((90 + n * (${FLEET_SECONDS:-48} + 25))) python3 bench/agent_fleet.py --out "$OUT/fleet" --time-limit "${FLEET_SECONDS:-48}" \
         ${FLEET_CONFIGS:+--configs "$FLEET_CONFIGS"} ${FLEET_PROFILE:+--profile} ${FLEET_SYNC:+--sync "$FLEET_SYNC"} 2>&1 | quiet \
         >"$OUT/fleet.txt" ;;
     restart)
