@@ -56,6 +56,7 @@ from transformers import DynamicCache
 from kvtier import CacheConfig, TieredCache
 from kvtier.errors import L1BudgetExceeded
 from kvtier.geometry import KVGeometry
+from kvtier.integrations.hf import set_cudnn_attention
 from kvtier.tiers.l3_io import isolate_caller
 
 
@@ -500,6 +501,12 @@ def main() -> None:
         "torch.profiler; its top ops go to DIR/profiles.txt (or stdout without --out)",
     )
     ap.add_argument(
+        "--cudnn-attention",
+        action="store_true",
+        help="leave PyTorch's cuDNN SDPA backend on (default: off, as in kvtier serve; it builds "
+        "a plan per new sequence length, which slows every configuration until warm)",
+    )
+    ap.add_argument(
         "--no-isolate",
         action="store_true",
         help="leave the decode thread unpinned (default: a core of its own, L3 threads elsewhere)",
@@ -509,6 +516,7 @@ def main() -> None:
         cpus = isolate_caller()
         print(f"decode thread on CPUs {sorted(cpus[0])}" if cpus else "decode thread unpinned")
     dev = args.device
+    set_cudnn_attention(args.cudnn_attention)
     shape = args.shape or ("qwen2-7b" if dev.startswith("cuda") else "qwen2-mini")
     dtype = torch.bfloat16 if dev.startswith("cuda") else torch.float32
     model = build(shape, dev, dtype)

@@ -16,7 +16,7 @@ cd "$(dirname "$0")/.."
 OUT="${1:-${OUT:-gpu-out}}"
 mkdir -p "$OUT"
 export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-STEPS="${STEPS:-tests transfer l3 ttft decode collectors interference fleet restart}"
+STEPS="${STEPS:-tests transfer l3 ttft decode attention collectors interference fleet restart}"
 quiet() { grep -v -E "FutureWarning|forward_call|return func|past_key_values"; }
 
 for step in $STEPS; do
@@ -37,6 +37,8 @@ for step in $STEPS; do
       timeout 200 python3 bench/ttft.py --contexts 2048,8192 --reps 3 2>&1 | quiet >"$OUT/ttft.txt" ;;
     decode)
       timeout 90 python3 bench/decode.py --context 2048 --steps 64 --rounds 3 2>&1 | quiet >"$OUT/decode.txt" ;;
+    attention)
+      timeout 60 python3 bench/attention_shapes.py >"$OUT/attention.txt" 2>&1 ;;
     collectors)
       timeout 60 python3 bench/collectors.py >"$OUT/collectors.txt" 2>&1 ;;
     interference)
@@ -49,7 +51,7 @@ for step in $STEPS; do
       mkdir -p "$OUT/fleet"
       n=$(echo "${FLEET_CONFIGS:-dynamic,offloaded,recompute,kvtier,kvtier-int8}" | tr , '\n' | wc -l)
       timeout $((90 + n * (${FLEET_SECONDS:-48} + 25))) python3 bench/agent_fleet.py --out "$OUT/fleet" --time-limit "${FLEET_SECONDS:-48}" \
-        ${FLEET_CONFIGS:+--configs "$FLEET_CONFIGS"} ${FLEET_PROFILE:+--profile} ${FLEET_SYNC:+--sync "$FLEET_SYNC"} 2>&1 | quiet \
+        ${FLEET_CONFIGS:+--configs "$FLEET_CONFIGS"} ${FLEET_PROFILE:+--profile} ${FLEET_SYNC:+--sync "$FLEET_SYNC"} ${FLEET_CUDNN:+--cudnn-attention} 2>&1 | quiet \
         >"$OUT/fleet.txt" ;;
     restart)
       if python3 -c "import fastapi, uvicorn" 2>/dev/null; then
