@@ -119,10 +119,9 @@ def set_cudnn_attention(enabled: bool) -> None:
     turn), so with cuDNN on, attention costs about 1.5 ms of host time per layer per call until
     the plan cache holds every length: the agent fleet's decode step took 2-3x longer until it
     had run for minutes (docs/benchmarks.md, "Attention backends"). Off, SDPA uses flash or
-    memory-efficient attention, which need no plan. A no-op without CUDA.
+    memory-efficient attention, which need no plan. Without CUDA only the flag changes.
     """
-    if torch.cuda.is_available():
-        torch.backends.cuda.enable_cudnn_sdp(enabled)
+    torch.backends.cuda.enable_cudnn_sdp(enabled)
 
 
 def generate(

@@ -100,6 +100,11 @@ class State:
 
 
 def _load(config: ServerConfig) -> ServedModel:
+    from kvtier.integrations.hf import set_cudnn_attention
+
+    # before the first forward: SDPA picks its backend per call, and cuDNN's builds a plan for
+    # every new sequence length, which a cache-served session meets at almost every call
+    set_cudnn_attention(config.cudnn_attention)
     if config.model is None:
         return build_default(config.device, seed=config.seed)
     return load_local(config.model, config.device)

@@ -70,6 +70,7 @@ class ServerConfig:
     write_policy: str = "write_through"
     l3_writer: str = "auto"  # "process" (L3 file writes in a child) with CUDA, else "threads"
     isolate_cpus: bool = True  # generation threads on a core of their own, disk work elsewhere
+    cudnn_attention: bool = False  # PyTorch's cuDNN SDPA: a plan per new length (see set_cudnn_...)
     max_concurrency: int = 8  # sessions generating at once
     max_queue: int = 256  # requests waiting for a slot; beyond it: 429 at once
     queue_timeout: float = 30.0  # longest wait for a slot before 429 + Retry-After
@@ -150,6 +151,10 @@ def _from_toml(path: Path) -> dict[str, Any]:
     return dict(table)
 
 
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
 def _coerce(name: str, value: Any) -> Any:
     """Turn a flag, environment string or TOML value into the field's type, or say what's wrong."""
     if name in _SIZES:
@@ -161,14 +166,20 @@ def _coerce(name: str, value: Any) -> Any:
         if name == "device":
             return str(value)
         if isinstance(default, bool):
-            return value if isinstance(value, bool) else str(value).lower() in ("1", "true", "yes")
+            if isinstance(value, bool):
+                return value
+            word = str(value).strip().lower()
+            if word not in _TRUE + _FALSE:
+                raise ValueError(word)
+            return word in _TRUE
         if isinstance(default, int):
             return int(value)
         if isinstance(default, float):
             return float(value)
     except (TypeError, ValueError):
+        kind = "true/false (or yes/no, on/off, 1/0)" if isinstance(default, bool) else None
         raise ConfigError(
-            f"{name}: cannot read {value!r} as {type(default).__name__} "
+            f"{name}: cannot read {value!r} as {kind or type(default).__name__} "
             f"(flag --{name.replace('_', '-')}, variable {ENV_PREFIX}{name.upper()})"
         ) from None
     return str(value)

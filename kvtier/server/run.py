@@ -63,6 +63,12 @@ def options(f: Callable[..., Any]) -> Callable[..., Any]:
             help="With a CUDA model, generation threads on a core of their own and disk work "
             "on the others (default on; a no-op below 4 CPUs or on the CPU).",
         ),
+        click.option(
+            "--cudnn-attention/--no-cudnn-attention",
+            default=None,
+            help="Let PyTorch's attention use cuDNN (default off: it builds a plan for every new "
+            "sequence length, and a served session meets one at almost every call).",
+        ),
         click.option("--max-concurrency", type=int, help="Sessions generating at once."),
         click.option("--max-queue", type=int, help="Requests that may wait for a slot."),
         click.option("--queue-timeout", type=float, help="Seconds a request waits before 429."),

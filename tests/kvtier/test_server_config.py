@@ -56,6 +56,25 @@ def test_writer_and_isolation_settings() -> None:
     assert c.l3_writer == "process" and c.isolate_cpus is False
 
 
+def test_cudnn_attention_is_off_unless_asked() -> None:
+    import torch
+
+    from kvtier.server.app import _load
+
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    try:
+        for wanted in (True, False):
+            _load(ServerConfig.load(flags={"cudnn_attention": wanted, "device": "cpu"}, env={}))
+            assert torch.backends.cuda.cudnn_sdp_enabled() is wanted
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(before)
+    assert ServerConfig.load(env={}).cudnn_attention is False
+    assert ServerConfig.load(flags={"cudnn_attention": True}, env={}).cudnn_attention is True
+    assert ServerConfig.load(env={"KVTIER_CUDNN_ATTENTION": "yes"}).cudnn_attention is True
+    with pytest.raises(ConfigError, match="cudnn_attention"):
+        ServerConfig.load(env={"KVTIER_CUDNN_ATTENTION": "maybe"})
+
+
 def test_default_l3_root_is_private_under_user_data_dir() -> None:
     root = default_l3_root()
     assert not str(root).startswith("/tmp")
