@@ -8,6 +8,7 @@
 #   STEPS="tests transfer" bash bench/gpu_suite.sh
 #   FLEET_CONFIGS=recompute,kvtier,kvtier FLEET_SECONDS=30 FLEET_PROFILE=1 STEPS=fleet \
 #     bash bench/gpu_suite.sh    # the fleet only, with one profiled turn per configuration
+# Other fleet settings: FLEET_SYNC=stream, FLEET_CUDNN=1 (cuDNN attention on), FLEET_SESSIONS=N.
 #
 # bench/restart.py also needs the server's packages (fastapi, uvicorn, pydantic, ...); it is
 # skipped with a message when they cannot be imported.
@@ -51,7 +52,7 @@ for step in $STEPS; do
       mkdir -p "$OUT/fleet"
       n=$(echo "${FLEET_CONFIGS:-dynamic,offloaded,recompute,kvtier,kvtier-int8}" | tr , '\n' | wc -l)
       timeout $((90 + n * (${FLEET_SECONDS:-48} + 25))) python3 bench/agent_fleet.py --out "$OUT/fleet" --time-limit "${FLEET_SECONDS:-48}" \
-        ${FLEET_CONFIGS:+--configs "$FLEET_CONFIGS"} ${FLEET_PROFILE:+--profile} ${FLEET_SYNC:+--sync "$FLEET_SYNC"} ${FLEET_CUDNN:+--cudnn-attention} 2>&1 | quiet \
+        ${FLEET_CONFIGS:+--configs "$FLEET_CONFIGS"} ${FLEET_PROFILE:+--profile} ${FLEET_SYNC:+--sync "$FLEET_SYNC"} ${FLEET_CUDNN:+--cudnn-attention} ${FLEET_SESSIONS:+--sessions "$FLEET_SESSIONS"} 2>&1 | quiet \
         >"$OUT/fleet.txt" ;;
     restart)
       if python3 -c "import fastapi, uvicorn" 2>/dev/null; then
