@@ -76,3 +76,25 @@ def test_a_turned_down_tier_is_probed_again() -> None:
     for _ in range(10):  # the probes found a fast disk after all: 2.9 GB/s
         m.observe_load("l3", 14_700_000, 0.005)
     assert m.plan(seg) == 1
+
+
+def test_the_first_prefill_sample_replaces_the_guess() -> None:
+    # the H200 case: the default 1 ms/token guess, a 7B prefill of 2,048 tokens in 55 ms
+    m = CostModel({"l2": 10e9, "l3": 1e9}, prefill_s_per_token=1e-3)
+    m.observe_prefill(2048, 0.055)
+    assert m.prefill_s_per_token == pytest.approx(0.055 / 2048)
+    # 8 chunks of 14.7 MB from L3 at 1 GB/s (118 ms) against 55 ms of prefill: recompute
+    assert m.plan([("l3", 14_700_000, 256)] * 8) == 0
+    assert m.plan([("l2", 14_700_000, 256)] * 8) == 8  # 12 ms from L2: load
+
+
+def test_short_forwards_do_not_move_the_prefill_estimate() -> None:
+    m = CostModel({"l3": 1e9}, prefill_s_per_token=1e-3)
+    m.observe_prefill(2048, 0.055)
+    for _ in range(30):  # returning turns: 100 tokens in 20 ms, bound by launching kernels
+        m.observe_prefill(100, 0.020)
+    assert m.prefill_s_per_token == pytest.approx(0.055 / 2048)
+    assert m.plan([("l3", 14_700_000, 256)] * 8) == 0
+    for _ in range(30):  # long prefills that really got slower do move it
+        m.observe_prefill(2048, 0.5)
+    assert m.prefill_s_per_token == pytest.approx(0.5 / 2048, rel=0.01)
