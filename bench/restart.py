@@ -35,7 +35,7 @@ def free_port() -> int:
 
 
 def start(
-    args: argparse.Namespace, l3: Path, port: int, log: Path
+    args: argparse.Namespace, l3: Path, port: int, log: Path, client: httpx.Client
 ) -> tuple[subprocess.Popen, float, float]:
     """Start a server; return it, seconds to ready (incl. model load), and the ready instant."""
     cmd = [sys.executable, "-m", "kvtier.server", "--port", str(port), "--l3-root", str(l3)]
@@ -54,7 +54,7 @@ def start(
             tail = log.read_text(errors="replace")[-3000:]
             raise SystemExit(f"server exited {proc.returncode}; the end of {log}:\n{tail}")
         try:
-            if httpx.get(url, timeout=1).status_code == 200:
+            if client.get(url, timeout=1).status_code == 200:
                 ready = time.perf_counter()
                 return proc, ready - t0, ready
         except httpx.HTTPError:
@@ -116,8 +116,9 @@ def main() -> None:
     convo = [{"role": "system", "content": system}, {"role": "user", "content": "open it"}]
     sid = {"X-Session-ID": "bench-2k", "X-Tenant": "bench"}
 
-    proc, load_s, _ = start(args, l3, port, log)
-    r = httpx.post(
+    client = httpx.Client()
+    proc, load_s, _ = start(args, l3, port, log, client)
+    r = client.post(
         url + "/v1/chat/completions",
         headers=sid,
         timeout=120,
@@ -130,20 +131,19 @@ def main() -> None:
         {"role": "user", "content": "and now?"},
     ]
     rows = []
-    client = httpx.Client()
     for cycle in range(args.repeat):
         ceiling, src_l1, _ = first_token(client, url, convo, sid)  # warm server, session in L1
         # Wait until write-through has made the session's full chunks durable in L3.
         want = prompt_tokens // 256
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
-            info = {s["session_id"]: s for s in httpx.get(url + "/v1/sessions").json()["data"]}
+            info = {s["session_id"]: s for s in client.get(url + "/v1/sessions").json()["data"]}
             if info.get("bench-2k", {}).get("chunks_l3", 0) >= want:
                 break
             time.sleep(0.05)
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-        proc, load_s, ready = start(args, l3, port, log)
+        proc, load_s, ready = start(args, l3, port, log, client)
         since_send, source, cached = first_token(client, url, convo, sid)
         after_ready = time.perf_counter() - ready
         probe = {"X-Tenant": f"recompute-{cycle}"}
