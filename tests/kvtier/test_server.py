@@ -157,6 +157,24 @@ def test_error_messages_say_what_to_do(server: Server) -> None:
     assert "at most" in r.json()["error"]["message"]
 
 
+def test_idle_keep_alive_outlives_the_clients(server: Server) -> None:
+    # httpx drops a pooled connection after 5 s idle; the server must keep it longer, or a
+    # request sent as the server closes it fails (a race seen under load)
+    with httpx.Client(limits=httpx.Limits(keepalive_expiry=30)) as c:
+        first = c.get(server.url + "/healthz", extensions={"trace": _trace(seen := [])})
+        time.sleep(6)  # past uvicorn's default of 5 s
+        second = c.get(server.url + "/healthz", extensions={"trace": _trace(seen)})
+    assert first.status_code == second.status_code == 200
+    assert seen.count("connection.connect_tcp.complete") == 1  # the second reused the first
+
+
+def _trace(events: list[str]):
+    def trace(name: str, info: dict) -> None:
+        events.append(name)
+
+    return trace
+
+
 def test_one_session_served_in_order(client: openai.OpenAI) -> None:
     results: list[tuple[float, float]] = []
 
