@@ -649,6 +649,10 @@ def main() -> None:
         for line in r.oom_info[:3]:
             print(f"{r.name:>12} OOM at: {line}")
     base = {r.name: r for r in results if not r.name.startswith("kvtier")}
+    if "recompute" in base and "dynamic" in base and base["dynamic"].ttft_return:
+        # all KV on the GPU restores nothing: its TTFT is the forward alone, the floor for any cache
+        ratio = pct(base["recompute"].ttft_return, 0.99) / pct(base["dynamic"].ttft_return, 0.99)
+        print(f"TTFT p99 recompute / dynamic = {ratio:.2f} (about the most a cache can reach)")
     for i, r in enumerate(results):  # every kvtier row, a configuration run twice included
         if not r.name.startswith("kvtier"):
             continue
