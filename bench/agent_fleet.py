@@ -109,6 +109,18 @@ class GpuSampler:
         self.query = nvml_query
         self.period = period
         self.handle = nvml_query("nvmlDeviceGetHandleByIndex", torch.cuda.current_device())
+        # the clock-event reasons call, under its newer name where this pynvml has it
+        self.reasons_fn = next(
+            (
+                fn
+                for fn in (
+                    "nvmlDeviceGetCurrentClocksEventReasons",
+                    "nvmlDeviceGetCurrentClocksThrottleReasons",
+                )
+                if nvml_query(fn, self.handle, default=None) is not None
+            ),
+            None,
+        )
         self.samples: list[tuple[float, ...]] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -119,14 +131,10 @@ class GpuSampler:
         return -1 if procs is None else len(procs)
 
     def _reasons(self) -> int:
-        for fn in (
-            "nvmlDeviceGetCurrentClocksEventReasons",
-            "nvmlDeviceGetCurrentClocksThrottleReasons",
-        ):
-            value = self.query(fn, self.handle, default=None)
-            if value is not None:
-                return int(value)
-        return -1
+        if self.reasons_fn is None:
+            return -1
+        value = self.query(self.reasons_fn, self.handle, default=None)
+        return -1 if value is None else int(value)
 
     def _loop(self, t0: float) -> None:
         while not self._stop.wait(self.period):

@@ -114,12 +114,12 @@ class KvtierCache(Cache):
 def set_cudnn_attention(enabled: bool) -> None:
     """Let PyTorch's scaled_dot_product_attention use its cuDNN backend, or not (process-wide).
 
-    cuDNN attention builds an execution plan for every new (query, key) length and caches it. A
-    served session meets a new length at almost every call (each decode step, each returning
-    turn), so with cuDNN on, attention costs about 1.5 ms of host time per layer per call until
-    the plan cache holds every length: the agent fleet's decode step took 2-3x longer until it
-    had run for minutes (docs/benchmarks.md, "Attention backends"). Off, SDPA uses flash or
-    memory-efficient attention, which need no plan. Without CUDA only the flag changes.
+    cuDNN attention builds an execution plan for every new (query, key) length and caches it:
+    about 39 ms of host time on an H200 host, once per forward. A served session meets a new
+    length at almost every call (each decode step, each returning turn), so with cuDNN on the
+    agent fleet's decode step took 2-3x longer until the process had seen most lengths, minutes
+    in (docs/benchmarks.md, "Agent fleet", run G). Off, SDPA uses flash or memory-efficient
+    attention, which need no plan. Without CUDA only the flag changes.
     """
     torch.backends.cuda.enable_cudnn_sdp(enabled)
 

@@ -70,7 +70,7 @@ class ServerConfig:
     write_policy: str = "write_through"
     l3_writer: str = "auto"  # "process" (L3 file writes in a child) with CUDA, else "threads"
     isolate_cpus: bool = True  # generation threads on a core of their own, disk work elsewhere
-    cudnn_attention: bool = False  # PyTorch's cuDNN SDPA: a plan per new length (see set_cudnn_...)
+    cudnn_attention: bool = False  # PyTorch's cuDNN SDPA; off: it plans every new length anew
     max_concurrency: int = 8  # sessions generating at once
     max_queue: int = 256  # requests waiting for a slot; beyond it: 429 at once
     queue_timeout: float = 30.0  # longest wait for a slot before 429 + Retry-After
