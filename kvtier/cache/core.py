@@ -54,6 +54,7 @@ from kvtier.tiers.l2 import HostArena
 from kvtier.tiers.l3 import L3Store, SessionRecord
 from kvtier.transfer import TransferEngine
 from kvtier.types import RestoreSource, SessionState
+from kvtier.weights import weights_digest
 
 log = logging.getLogger("kvtier.cache")
 
@@ -84,7 +85,11 @@ class TieredCache:
         self.geometry = KVGeometry.from_config(model.config, dtype=dtype)
         model_id = config.model_id or getattr(model.config, "_name_or_path", "") or "unnamed"
         self.fingerprint = model_fingerprint(
-            model.config, self.geometry, model_id=model_id, codec=config.codec
+            model.config,
+            self.geometry,
+            model_id=model_id,
+            codec=config.codec,
+            weights_digest=weights_digest(model),
         )
         self.codec = make_codec(config.codec, self.geometry)
         l1_bytes = config.l1_bytes or _default_l1_bytes(self.device)
