@@ -43,8 +43,8 @@ from kvtier.kvbin import ChunkHeader
 from kvtier.tiers import l3_io
 from kvtier.tiers.l3 import write_chunk_file
 
-# A chunk's write (14.7 MB, fdatasync'ed) takes well under a second; one that has had no answer
-# in two minutes means a child that is stuck, not a slow disk.
+# A write is one chunk's file and one fdatasync; a child that has not answered one in two
+# minutes is stuck (stopped, deadlocked, or hung in the kernel), not merely slow.
 WRITE_TIMEOUT = 120.0
 _POLL = 0.2  # seconds between checks that the child is still alive, while a write waits
 _REAP_TIMEOUT = 10.0
