@@ -296,36 +296,30 @@ class HostArena:
 
     def _map_slab(self, nbytes: int) -> _Slab:
         nbytes = -(-nbytes // self._page) * self._page
-        prot = mmap.PROT_READ | mmap.PROT_WRITE
+        hint = "raise vm.nr_hugepages" if self.hugepages else "lower l2_bytes"
         fd: int | None = None
-        if self._hugetlbfs is not None or self.shared:
-            if self._hugetlbfs is not None:
-                fd = os.open(self._hugetlbfs, os.O_RDWR | os.O_TMPFILE, 0o600)
-            else:
-                huge = getattr(os, "MFD_HUGETLB", 4) if self.hugepages else 0
-                fd = os.memfd_create("kvtier-l2", os.MFD_CLOEXEC | huge)
-            os.ftruncate(fd, nbytes)
-            flags = mmap.MAP_SHARED | _MAP_POPULATE
-            address = libc.mmap(None, nbytes, prot, flags, fd, 0)
-        else:
-            flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_POPULATE
-            if self.hugepages:
-                flags |= _MAP_HUGETLB
-            address = libc.mmap(None, nbytes, prot, flags, -1, 0)
-        if address is None or address == _MAP_FAILED:
-            err = ctypes.get_errno()
+        try:  # the slab's file (shared) is closed on every way out but success
+            fd = self._slab_file(nbytes, hint)
+            address = self._mmap(nbytes, fd)
+            if address is None or address == _MAP_FAILED:
+                err = ctypes.get_errno()
+                raise BudgetError(
+                    f"mapping an L2 slab of {nbytes} bytes failed: {os.strerror(err)}; {hint}"
+                )
+        except BaseException:
             if fd is not None:
                 os.close(fd)
-            hint = "raise vm.nr_hugepages" if self.hugepages else "lower l2_bytes"
-            raise BudgetError(
-                f"mapping an L2 slab of {nbytes} bytes failed: {os.strerror(err)}; {hint}"
-            )
+            raise
         mapping = _Mapping(address, nbytes, fd)
-        array = (ctypes.c_uint8 * nbytes).from_address(address)
-        # Tensors made from `array` keep it alive; the mapping (and its registration) goes when
-        # the last of them does, so a view that outlives close() never points at unmapped or
-        # stale-registered memory.
-        weakref.finalize(array, mapping.release)
+        try:
+            array = (ctypes.c_uint8 * nbytes).from_address(address)
+            # Tensors made from `array` keep it alive; the mapping (and its registration) goes
+            # when the last of them does, so a view that outlives close() never points at
+            # unmapped or stale-registered memory.
+            weakref.finalize(array, mapping.release)
+        except BaseException:
+            mapping.release()  # no finalizer owns it yet: unmap and close now
+            raise
         slab = _Slab(mapping, torch.frombuffer(array, dtype=torch.uint8))
         del array
         try:
@@ -341,6 +335,37 @@ class HostArena:
             slab.tensor = torch.empty(0, dtype=torch.uint8)  # unmaps it now (no view exists)
             raise
         return slab
+
+    def _slab_file(self, nbytes: int, hint: str) -> int | None:
+        """A file of `nbytes` for a shared slab (memfd or hugetlbfs), or None (anonymous)."""
+        if self._hugetlbfs is None and not self.shared:
+            return None
+        if self._hugetlbfs is not None:
+            fd = os.open(self._hugetlbfs, os.O_RDWR | os.O_TMPFILE, 0o600)
+        else:
+            huge = getattr(os, "MFD_HUGETLB", 4) if self.hugepages else 0
+            fd = os.memfd_create("kvtier-l2", os.MFD_CLOEXEC | huge)
+        try:
+            os.ftruncate(fd, nbytes)
+        except OSError as exc:
+            os.close(fd)
+            raise BudgetError(
+                f"sizing the shared L2 slab file to {nbytes} bytes failed: {exc}; {hint}"
+            ) from exc
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def _mmap(self, nbytes: int, fd: int | None) -> Any:
+        """mmap a slab: of the file `fd` (MAP_SHARED), else anonymous (MAP_PRIVATE)."""
+        prot = mmap.PROT_READ | mmap.PROT_WRITE
+        if fd is not None:
+            return libc.mmap(None, nbytes, prot, mmap.MAP_SHARED | _MAP_POPULATE, fd, 0)
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_POPULATE
+        if self.hugepages:
+            flags |= _MAP_HUGETLB
+        return libc.mmap(None, nbytes, prot, flags, -1, 0)
 
     def _register(self, mapping: _Mapping, host: CudaHost) -> None:
         """Pin the slab with cudaHostRegister, or fail with a BudgetError (never unpinned)."""

@@ -15,8 +15,10 @@ the directory fsync and the index commit stay in the serving process's store (`L
 with `writer=`), which keeps the one-writer lock and the index. The child runs at nice 10 on
 the CPUs `l3_io.isolate_caller` left for background work.
 
-If the child dies, every write in flight fails with `StoreIOError`, later writes fail at once,
-and nothing stored is lost (a put that failed left no file and no index row).
+If the child dies, or leaves a write unanswered for `WRITE_TIMEOUT` seconds (it is then
+killed), every write in flight fails with `StoreIOError`, later writes fail at once, and
+nothing stored is lost (a put that failed left no file and no index row). A child whose
+construction fails part-way is killed and reaped before the error is raised.
 
     python3 -m kvtier.tiers.l3_writer --rx FD --tx FD   # started by WriterProcess only
 """
@@ -24,26 +26,45 @@ and nothing stored is lost (a put that failed left no file and no index row).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import mmap
 import os
 import subprocess
 import sys
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+import time
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from multiprocessing.connection import Connection
 from typing import Any
 
-from kvtier.errors import StoreIOError
+from kvtier.errors import ConfigError, StoreIOError
 from kvtier.kvbin import ChunkHeader
 from kvtier.tiers import l3_io
 from kvtier.tiers.l3 import write_chunk_file
 
+# A write is one chunk's file and one fdatasync; a child that has not answered one in two
+# minutes is stuck (stopped, deadlocked, or hung in the kernel), not merely slow.
+WRITE_TIMEOUT = 120.0
+_POLL = 0.2  # seconds between checks that the child is still alive, while a write waits
+_REAP_TIMEOUT = 10.0
+
 
 class WriterProcess:
-    """The serving process's handle on one writer child (see the module docstring)."""
+    """The serving process's handle on one writer child (see the module docstring).
 
-    def __init__(self, slabs: list[tuple[int, int]], threads: int = 4) -> None:
+    A write waits at most `timeout` seconds for the child's answer. A child that has exited
+    is noticed within `_POLL` seconds even while its pipes stay open; one that does not
+    answer in time is killed and reaped. Either way the write, and every later one, fails
+    with `StoreIOError`.
+    """
+
+    def __init__(
+        self, slabs: list[tuple[int, int]], threads: int = 4, timeout: float = WRITE_TIMEOUT
+    ) -> None:
+        if timeout <= 0:
+            raise ConfigError(f"the L3 writer's timeout must be positive, got {timeout} s")
+        self.timeout = float(timeout)
         to_child_r, to_child_w = os.pipe()
         from_child_r, from_child_w = os.pipe()
         fds = [fd for fd, _ in slabs]
@@ -62,20 +83,32 @@ class WriterProcess:
         finally:
             os.close(to_child_r)
             os.close(from_child_w)
-        self._tx = Connection(to_child_w, readable=False)
-        self._rx = Connection(from_child_r, writable=False)
-        background = l3_io.background_cpus()
-        cpus = sorted(background) if background else None
-        self._tx.send(("init", slabs, threads, cpus))
-        self._send_lock = threading.Lock()
-        self._pending: dict[int, Future[ChunkHeader]] = {}
-        self._ids = itertools.count()
-        self._lock = threading.Lock()
-        self._dead: str | None = None
-        self._receiver = threading.Thread(
-            target=self._receive, name="kvtier-l3writer-rx", daemon=True
-        )
-        self._receiver.start()
+        tx: Connection | None = None
+        rx: Connection | None = None
+        try:
+            self._tx = tx = Connection(to_child_w, readable=False)
+            self._rx = rx = Connection(from_child_r, writable=False)
+            background = l3_io.background_cpus()
+            cpus = sorted(background) if background else None
+            self._tx.send(("init", slabs, threads, cpus))
+            self._send_lock = threading.Lock()
+            self._pending: dict[int, Future[ChunkHeader]] = {}
+            self._ids = itertools.count()
+            self._lock = threading.Lock()
+            self._dead: str | None = None
+            self._receiver = threading.Thread(
+                target=self._receive, name="kvtier-l3writer-rx", daemon=True
+            )
+            self._receiver.start()
+        except BaseException:  # no child, no pipe outlives a failed construction
+            for conn, fd in ((tx, to_child_w), (rx, from_child_r)):
+                if conn is not None:
+                    conn.close()
+                else:
+                    os.close(fd)
+            self._proc.kill()
+            self._proc.wait()
+            raise
 
     @property
     def pid(self) -> int:
@@ -91,7 +124,8 @@ class WriterProcess:
         direct: bool,
         keep_page_cache: bool,
     ) -> ChunkHeader:
-        """Have the child write the chunk at (slab, offset) to `tmp`; blocks until it has."""
+        """Have the child write the chunk at (slab, offset) to `tmp`; blocks until it has, the
+        child is gone, or `timeout` seconds have passed (then the child is stopped)."""
         future: Future[ChunkHeader] = Future()
         with self._lock:
             if self._dead is not None:
@@ -104,7 +138,36 @@ class WriterProcess:
                                keep_page_cache))  # fmt: skip
         except OSError as exc:
             self._fail(f"sending to it failed: {exc}")
-        return future.result()
+        try:
+            self._await(future)
+            return future.result()
+        except StoreIOError:
+            if self._proc.poll() is not None:  # gone: nothing writes `tmp` any more
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp)
+            raise
+
+    def _await(self, future: Future[ChunkHeader]) -> None:
+        """Wait until `future` is done; fail it (and every write) if the child has exited or
+        has not answered within `timeout` seconds."""
+        deadline = time.monotonic() + self.timeout
+        while True:
+            left = deadline - time.monotonic()
+            wait([future], timeout=max(0.0, min(_POLL, left)))
+            if future.done():
+                return
+            code = self._proc.poll()
+            if code is not None:  # exited, though its pipe may still be open elsewhere
+                self._fail(f"exit status {code}")
+            elif left <= _POLL:
+                self._stop(f"no answer to a write within {self.timeout:g} s; it was killed")
+
+    def _stop(self, why: str) -> None:
+        """Fail every write, then kill the child that stopped answering and reap it."""
+        self._fail(why)  # first: the pipe's EOF after the kill would name another cause
+        self._proc.kill()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self._proc.wait(_REAP_TIMEOUT)  # a child stuck in the kernel may take a while
 
     def _receive(self) -> None:
         l3_io.background_thread(False)  # off the serving thread's core (it may have made us)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import os
 import shutil
@@ -368,3 +369,54 @@ def test_cuda_arenas_come_and_go_at_the_same_address() -> None:
     assert torch.equal(b.view(1), device.cpu())
     a.close()
     b.close()
+
+
+def _open_fds() -> set[str]:
+    gc.collect()  # a slab dropped by a failed constructor is released by its finalizer
+    return set(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="shared slabs need memfd_create")
+@pytest.mark.parametrize("fail_at", [1, 2])  # the first slab's ftruncate, or the second's
+def test_a_failed_ftruncate_closes_the_shared_slab_file(
+    monkeypatch: pytest.MonkeyPatch, fail_at: int
+) -> None:
+    real = os.ftruncate
+    calls = []
+
+    def ftruncate(fd: int, size: int) -> None:
+        calls.append(fd)
+        if len(calls) == fail_at:
+            raise OSError(28, "No space left on device")
+        real(fd, size)
+
+    HostArena(ALIGN, 4 * ALIGN, pin=False, shared=True, slab_bytes=2 * ALIGN).close()  # warm up
+    before = _open_fds()
+    monkeypatch.setattr(os, "ftruncate", ftruncate)
+    for _ in range(3):
+        calls.clear()
+        with pytest.raises(BudgetError, match=r"sizing the shared L2 slab file.*lower l2_bytes"):
+            HostArena(ALIGN, 4 * ALIGN, pin=False, shared=True, slab_bytes=2 * ALIGN)
+        assert len(calls) == fail_at
+    assert _open_fds() == before  # neither the failed slab's memfd nor an earlier slab's
+
+
+@pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="shared slabs need memfd_create")
+def test_a_failed_shared_mmap_closes_the_slab_file(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvtier.tiers import l2
+
+    real = l2.libc
+
+    class Libc:  # the real libc, but mmap of a shared slab raises as a bad ctypes call would
+        def __getattr__(self, name: str) -> object:
+            return getattr(real, name)
+
+        def mmap(self, *args: object) -> int:
+            raise ctypes.ArgumentError("argument 5: wrong type")
+
+    HostArena(ALIGN, 4 * ALIGN, pin=False, shared=True).close()
+    before = _open_fds()
+    monkeypatch.setattr(l2, "libc", Libc())
+    with pytest.raises(ctypes.ArgumentError):
+        HostArena(ALIGN, 4 * ALIGN, pin=False, shared=True)
+    assert _open_fds() == before

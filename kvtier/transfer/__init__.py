@@ -1,0 +1,227 @@
+"""The transfer engine: the one owner of every copy between the tiers (DESIGN.md section 6).
+
+`TransferEngine` composes two movers that share only the per-slot ordering and the totals:
+
+- `kvtier.transfer.device.DeviceMover`: L1 <-> L2, CUDA streams, staging buffers and events
+  (`kvtier.transfer.staging`: `Handle`, the staging buffers; `kvtier.transfer.layout`: the
+  L1 views a copy moves and the checks of a range);
+- `kvtier.transfer.disk.DiskMover`: L2 <-> L3, the thread pools, the writer child process
+  (kvtier.tiers.l3_writer), the bounded write queue and its shedding;
+- `kvtier.transfer.accounting`: bytes, seconds and copies per direction, `EngineStats`.
+
+A device copy on a slot first settles the disk's I/O on it (a restore waits for the slot's
+L3 read just before that chunk's copy, and a failed read raises there); an L3 job first
+waits for the device copy still using its slot.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+
+from kvtier.codecs import Codec
+from kvtier.errors import ConfigError
+from kvtier.geometry import KVGeometry
+from kvtier.tiers.l2 import HostArena
+from kvtier.tiers.l3_writer import WriterProcess
+from kvtier.transfer.accounting import DIRECTIONS, Accounts, EngineStats
+from kvtier.transfer.device import GROUP_BYTES, MAX_GROUP, DeviceMover
+from kvtier.transfer.disk import DiskMover
+from kvtier.transfer.layout import Layers
+from kvtier.transfer.staging import Handle
+
+__all__ = [
+    "DIRECTIONS",
+    "GROUP_BYTES",
+    "MAX_GROUP",
+    "EngineStats",
+    "Handle",
+    "Layers",
+    "TransferEngine",
+    "WriterProcess",
+]
+
+
+class TransferEngine:
+    """Moves chunks L1 <-> L2 (streams and events) and L2 <-> L3 (thread pools, O_DIRECT)."""
+
+    def __init__(
+        self,
+        geometry: KVGeometry,
+        chunk_tokens: int,
+        device: torch.device | str,
+        arena: HostArena,
+        l3_store: Any | None,
+        codec: Codec,
+        *,
+        l3_write_queue: int = 64,
+        l3_threads: int = 4,
+        group_chunks: int | None = None,
+        writer_process: bool = False,
+    ) -> None:
+        self._accounts = Accounts()
+        self._closed = False
+        self._device = DeviceMover(
+            geometry,
+            chunk_tokens,
+            device,
+            arena,
+            codec,
+            self._accounts,
+            self._settle_io,
+            group_chunks=group_chunks,
+        )
+        self.geometry = geometry
+        self.chunk_tokens = self._device.chunk_tokens
+        self.device = self._device.device
+        self.arena = arena
+        self.store = l3_store
+        self.codec = codec
+        self.group_chunks = self._device.group_chunks
+        self.cuda = self._device.cuda
+        self.l3_write_queue = int(l3_write_queue)
+        proc: WriterProcess | None = None
+        if writer_process and l3_store is not None:
+            if not arena.shared:
+                raise ConfigError("writer_process needs an L2 arena built with shared=True")
+            proc = WriterProcess(arena.slabs(), threads=l3_threads)
+        self._disk = DiskMover(
+            arena,
+            l3_store,
+            self._accounts,
+            self._device.last_copy,
+            l3_write_queue=l3_write_queue,
+            l3_threads=l3_threads,
+            proc=proc,
+        )
+
+    def _settle_io(self, slot: int, strict: bool = False) -> None:
+        self._disk.settle_io(slot, strict)
+
+    @property
+    def _proc(self) -> WriterProcess | None:
+        """The writer child, when L3 file writes run in one."""
+        return self._disk._proc
+
+    @property
+    def l3_writer(self) -> str:
+        """Where this engine's L3 file writes run: "process" or "threads"."""
+        return "threads" if self._proc is None else "process"
+
+    @property
+    def staging_bytes(self) -> int:
+        """Device (or host, on CPU) memory the staging buffers hold, for the L1 budget."""
+        return self._device.staging_bytes
+
+    # ---- L1 <-> L2 ---------------------------------------------------------------------------
+
+    def offload(
+        self,
+        layers: Layers,
+        start: int,
+        ntokens: int,
+        slot: int,
+        *,
+        block: torch.Tensor | None = None,
+    ) -> Handle:
+        """Copy tokens [start, start+ntokens) of every layer into L2 `slot` (one chunk)."""
+        return self._device.offload(layers, start, ntokens, slot, block=block)
+
+    def offload_range(
+        self,
+        layers: Layers,
+        start: int,
+        ntokens: int,
+        slots: Sequence[int],
+        *,
+        block: torch.Tensor | None = None,
+    ) -> Handle:
+        """Copy tokens [start, start+ntokens) into consecutive chunks, one per slot
+        (`DeviceMover.offload_range`)."""
+        return self._device.offload_range(layers, start, ntokens, slots, block=block)
+
+    def restore(
+        self,
+        slot: int,
+        ntokens: int,
+        layers: Layers,
+        start: int,
+        *,
+        block: torch.Tensor | None = None,
+    ) -> Handle:
+        """Copy the chunk in L2 `slot` into tokens [start, start+ntokens) of every layer."""
+        return self._device.restore(slot, ntokens, layers, start, block=block)
+
+    def restore_range(
+        self,
+        slots: Sequence[int],
+        ntokens: int,
+        layers: Layers,
+        start: int,
+        *,
+        block: torch.Tensor | None = None,
+    ) -> Handle:
+        """Copy consecutive chunks back into the L1 layers (`DeviceMover.restore_range`)."""
+        return self._device.restore_range(slots, ntokens, layers, start, block=block)
+
+    # ---- L2 <-> L3 ---------------------------------------------------------------------------
+
+    def write_l3(self, slot: int, header: Any) -> Future[Any] | None:
+        """Queue the chunk in `slot` for a durable L3 write; None when shed (queue full)."""
+        return self._disk.write_l3(slot, header)
+
+    def read_l3(self, key: bytes, slot: int, fingerprint: bytes) -> Future[Any]:
+        """Read chunk `key` from L3 into `slot` (O_DIRECT); the future yields its ChunkHeader
+        (`DiskMover.read_l3`)."""
+        return self._disk.read_l3(key, slot, fingerprint)
+
+    def busy(self, slot: int) -> bool:
+        """Whether a copy or L3 I/O on `slot` may still be running (do not free it yet)."""
+        return self._device.copy_busy(slot) or self._disk.io_busy(slot)
+
+    def forget(self, slot: int) -> None:
+        """Wait for everything on `slot`, then drop its tracking (call before freeing it)."""
+        self._device.forget(slot)
+        self._disk.settle_io(slot)
+
+    def flush(self) -> None:
+        """Wait until every queued L3 write has finished (successfully or not)."""
+        self._disk.flush()
+
+    # ---- accounting, lifetime ----------------------------------------------------------------
+
+    def stats(self) -> EngineStats:
+        self._accounts.collect_timings()
+        with self._accounts.lock:
+            write_q, read_q, shed, write_errors, read_errors = self._disk.counts()
+            return EngineStats(
+                transfers=self._accounts.transfers(),
+                l3_write_queue=write_q,
+                l3_read_queue=read_q,
+                shed_writes=shed,
+                l3_write_errors=write_errors,
+                l3_read_errors=read_errors,
+                staging_bytes=self.staging_bytes,
+            )
+
+    def synchronize(self) -> None:
+        """Wait for every device copy issued so far."""
+        self._device.synchronize()
+
+    def close(self) -> None:
+        """Finish queued L3 writes (never drop stored data), then stop. Safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        self._device.close()
+        self._disk.close()
+        self._device.free()
+
+    def __enter__(self) -> TransferEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

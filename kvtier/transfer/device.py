@@ -1,0 +1,482 @@
+"""The device mover: every copy between the L1 views and the L2 slots (DESIGN.md section 6).
+
+GPU <-> host moves chunks in groups of `group_chunks`. Restore copies a group from its pinned
+L2 slots into one contiguous device staging buffer `[G, layer, k|v, token, head, dim]` on a
+copy stream, then scatters the whole group into the per-layer L1 buffers on a second stream,
+one copy per layer and plane. Two staging buffers per direction alternate, guarded by events,
+so the PCIe copy of group g+1 runs while group g is scattered. Offload is the mirror: gather a
+group on a gather stream, then one device-to-host copy per chunk on the copy stream while the
+next group is gathered. Quantizing codecs encode (decode) each chunk in the staging buffer, on
+the device, before the copy down (after the copy up). The two directions share no stream,
+buffer or lock, so one session goes down while another comes up. The staging memory is
+allocated once, at construction, and reported as `staging_bytes`.
+
+On a CPU device the same code runs synchronously; with the native codec it gathers straight
+into the slot and scatters straight from it (no staging copy).
+
+The disk mover's I/O on a slot is settled through the `settle_io` callable it is given: a
+restore waits there for the slot's L3 read, and a failed read raises there.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+
+from kvtier.codecs import Codec
+from kvtier.errors import ConfigError
+from kvtier.geometry import KVGeometry
+from kvtier.tiers.l2 import HostArena
+from kvtier.transfer.accounting import Accounts
+from kvtier.transfer.layout import Layers, check_range, l1_views
+from kvtier.transfer.staging import Handle, _copy_all, _done_event, _planes, _Stage
+
+_DOWN, _UP = ("l1", "l2"), ("l2", "l1")
+GROUP_BYTES = 128 << 20  # default bound of one staging buffer (four per engine on a GPU)
+# Beyond 4 chunks a group no longer pays: on the H200 a 2K-token session (8 chunks) moved at
+# 0.88 of the copy ceiling with groups of 4 and 0.79 with 8, whose one group nothing overlaps,
+# and 8K sessions were the same either way (docs/benchmarks.md, "Transfer").
+MAX_GROUP = 4
+
+
+class DeviceMover:
+    """Moves chunks L1 <-> L2: CUDA streams, staging buffers and events (or CPU copies)."""
+
+    def __init__(
+        self,
+        geometry: KVGeometry,
+        chunk_tokens: int,
+        device: torch.device | str,
+        arena: HostArena,
+        codec: Codec,
+        accounts: Accounts,
+        settle_io: Callable[[int, bool], None],
+        *,
+        group_chunks: int | None = None,
+    ) -> None:
+        if chunk_tokens <= 0:
+            raise ConfigError(f"chunk_tokens must be positive, got {chunk_tokens}")
+        if group_chunks is None:
+            per_chunk = max(1, geometry.chunk_bytes(chunk_tokens))
+            group_chunks = max(1, min(MAX_GROUP, GROUP_BYTES // per_chunk))
+        if group_chunks <= 0:
+            raise ConfigError(f"group_chunks must be positive, got {group_chunks}")
+        if codec.geometry != geometry:
+            raise ConfigError(
+                "the codec was made for another KVGeometry; use make_codec(name, geometry)"
+            )
+        need = codec.payload_bytes(chunk_tokens)
+        if need > arena.slot_bytes:
+            raise ConfigError(
+                f"a {codec.name} chunk of {chunk_tokens} tokens needs {need} bytes but L2 slots "
+                f"hold {arena.slot_bytes}; size the arena with slot_bytes >= payload_bytes"
+            )
+        self.geometry = geometry
+        self.chunk_tokens = int(chunk_tokens)
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.arena = arena
+        self.codec = codec
+        self.group_chunks = int(group_chunks)
+        self.cuda = self.device.type == "cuda"
+        self._accounts = accounts
+        self._settle = settle_io  # (slot, strict): the disk mover's I/O on the slot is done
+        self._closed = False
+        self._slot_copy: dict[int, Handle] = {}  # slot -> last device copy touching it
+        # Per direction: an issue lock (held only while launching), streams, staging buffers.
+        self._issue = {_DOWN: threading.Lock(), _UP: threading.Lock()}
+        self._streams: dict[tuple[str, str], tuple[Any, Any]] = {
+            _DOWN: (None, None),
+            _UP: (None, None),
+        }
+        self._stages: dict[tuple[str, str], list[_Stage]] = {_DOWN: [], _UP: []}
+        self._turn = {_DOWN: 0, _UP: 0}
+        if self.cuda:
+            with torch.cuda.device(self.device):
+                # (device-side stream, copy stream): gather + D2H down, H2D + scatter up
+                self._streams[_DOWN] = (
+                    torch.cuda.Stream(self.device),
+                    torch.cuda.Stream(self.device),
+                )
+                self._streams[_UP] = (
+                    torch.cuda.Stream(self.device),
+                    torch.cuda.Stream(self.device),
+                )
+                for direction in (_DOWN, _UP):
+                    scratch = self._codec_scratch()
+                    stages = [_Stage(self, not codec.lossless, scratch) for _ in range(2)]
+                    # the allocator must see their use on the side streams
+                    for t in (scratch, *(b for s in stages for b in (s.chunks, s.rows))):
+                        for stream in self._streams[direction]:
+                            if t is not None:
+                                t.record_stream(stream)
+                    self._stages[direction] = stages
+        elif not codec.lossless:
+            self._stages = {
+                _DOWN: [_Stage(self, False, self._codec_scratch())],
+                _UP: [_Stage(self, False, self._codec_scratch())],
+            }
+
+    def _codec_scratch(self) -> torch.Tensor | None:
+        """The codec's float32 work buffer for one direction, so that quantizing allocates
+        nothing on the side streams; None for the native codec."""
+        elems = self.codec.scratch_elems(self.chunk_tokens)
+        return torch.empty(elems, dtype=torch.float32, device=self.device) if elems else None
+
+    @property
+    def staging_bytes(self) -> int:
+        """Device (or host, on CPU) memory the staging buffers hold, for the L1 budget."""
+        total = 0
+        for stages in self._stages.values():
+            total += sum(stage.nbytes for stage in stages)
+            if stages and stages[0].scratch is not None:  # one per direction
+                total += stages[0].scratch.numel() * stages[0].scratch.element_size()
+        return total
+
+    # ---- L1 <-> L2 ---------------------------------------------------------------------------
+
+    def offload(
+        self,
+        layers: Layers,
+        start: int,
+        ntokens: int,
+        slot: int,
+        *,
+        block: torch.Tensor | None = None,
+    ) -> Handle:
+        """Copy tokens [start, start+ntokens) of every layer into L2 `slot` (one chunk)."""
+        return self.offload_range(layers, start, ntokens, [slot], block=block)
+
+    def offload_range(
+        self,
+        layers: Layers,
+        start: int,
+        ntokens: int,
+        slots: Sequence[int],
+        *,
+        block: torch.Tensor | None = None,
+    ) -> Handle:
+        """Copy tokens [start, start+ntokens) into consecutive chunks, one per slot.
+
+        Every chunk but the last is full. The device side gathers `group_chunks` chunks per
+        copy (one for all layers and planes when `layers` are views of one L1Pool block, else
+        one per layer and plane); each chunk then goes down in one copy into its slot. `block`
+        is that block (`SessionBuffers.block`), which spares finding it again.
+        """
+        block = self._check_range(layers, start, ntokens, slots, block)
+        for slot in slots:
+            self._settle_io(slot)  # an L3 write still reading the slot finishes first
+        with self._issue[_DOWN]:
+            if self.cuda:
+                handle = self._offload_cuda(layers, block, start, ntokens, slots)
+            else:
+                t0 = time.perf_counter()
+                moved = self._offload_cpu(layers, block, start, ntokens, slots)
+                handle = Handle(direction=_DOWN)
+                self._account(_DOWN, moved, time.perf_counter() - t0, len(slots))
+            for slot in slots:
+                self._slot_copy[slot] = handle
+        return handle
+
+    def _offload_cuda(
+        self,
+        layers: Layers,
+        block: torch.Tensor | None,
+        start: int,
+        ntokens: int,
+        slots: Sequence[int],
+    ) -> Handle:
+        gather, copy = self._streams[_DOWN]
+        gather.wait_stream(torch.cuda.current_stream(self.device))  # L1 holds its final values
+        begin = torch.cuda.Event(enable_timing=True)
+        end = _done_event()
+        begin.record(gather)
+        moved = 0
+        n = self.chunk_tokens
+        for index, count, length in self._groups(ntokens, len(slots), self.group_chunks):
+            stage = self._next_stage(_DOWN)
+            size = self.codec.payload_bytes(length)
+            gather.wait_event(stage.free)  # its previous chunks have gone down
+            with torch.cuda.stream(gather):
+                views, fused = self._l1_views(layers, block, start + index * n, count, length)
+                _copy_all(stage.planes(count, length, fused), views)
+                if not self.codec.lossless:
+                    staged = stage.staged(count, length)
+                    for c in range(count):
+                        out = stage.payload(c, length, size)
+                        self.codec.encode(staged[c], out=out, scratch=stage.scratch)
+                stage.ready.record(gather)
+            copy.wait_event(stage.ready)
+            with torch.cuda.stream(copy):
+                for c in range(count):
+                    slot = slots[index + c]
+                    self._after(slot, _UP, copy)  # a restore still reading the slot
+                    dst = self.arena.view(slot)[:size]
+                    dst.copy_(stage.payload(c, length, size), non_blocking=True)
+                    moved += size
+                stage.free.record(copy)
+        end.record(copy)
+        for pair in layers:
+            for t in pair:
+                t.record_stream(gather)
+        self._timing(_DOWN, begin, end, moved, len(slots))
+        return Handle(end, keep=(layers,), direction=_DOWN, device=self.device)
+
+    def _offload_cpu(
+        self,
+        layers: Layers,
+        block: torch.Tensor | None,
+        start: int,
+        ntokens: int,
+        slots: Sequence[int],
+    ) -> int:
+        n = self.chunk_tokens
+        moved = 0
+        native = self.codec.lossless
+        group = 1 if native else self.group_chunks
+        for index, count, length in self._groups(ntokens, len(slots), group):
+            views, fused = self._l1_views(layers, block, start + index * n, count, length)
+            if native:  # gather straight into the slot, no staging copy
+                chunk = self._slot_chunk(slots[index], length).unsqueeze(0)
+                _copy_all(_planes(chunk, fused), views)
+                moved += self.geometry.chunk_bytes(length)
+                continue
+            stage = self._stages[_DOWN][0]
+            _copy_all(stage.planes(count, length, fused), views)
+            staged = stage.staged(count, length)
+            for c in range(count):  # encode straight into the slot
+                out = self.arena.view(slots[index + c])
+                moved += self.codec.encode(staged[c], out=out, scratch=stage.scratch).numel()
+        return moved
+
+    def restore(
+        self,
+        slot: int,
+        ntokens: int,
+        layers: Layers,
+        start: int,
+        *,
+        block: torch.Tensor | None = None,
+    ) -> Handle:
+        """Copy the chunk in L2 `slot` into tokens [start, start+ntokens) of every layer."""
+        return self.restore_range([slot], ntokens, layers, start, block=block)
+
+    def restore_range(
+        self,
+        slots: Sequence[int],
+        ntokens: int,
+        layers: Layers,
+        start: int,
+        *,
+        block: torch.Tensor | None = None,
+    ) -> Handle:
+        """Copy consecutive chunks (every one full but the last) back into the L1 layers.
+
+        A slot with an L3 read in flight is waited for just before its own copy, so a restore
+        issued right after `read_l3` overlaps the disk with the copies. A failed read raises
+        its error here (the chunks before it may already be in L1; the caller recomputes).
+        `block` as for `offload_range`.
+        """
+        block = self._check_range(layers, start, ntokens, slots, block)
+        with self._issue[_UP]:
+            if self.cuda:
+                return self._restore_cuda(slots, ntokens, layers, block, start)
+            t0 = time.perf_counter()
+            handle = Handle(direction=_UP)
+            try:
+                moved = self._restore_cpu(slots, ntokens, layers, block, start)
+            finally:
+                for slot in slots:
+                    self._slot_copy[slot] = handle
+            self._account(_UP, moved, time.perf_counter() - t0, len(slots))
+            return handle
+
+    def _restore_cuda(
+        self,
+        slots: Sequence[int],
+        ntokens: int,
+        layers: Layers,
+        block: torch.Tensor | None,
+        start: int,
+    ) -> Handle:
+        scatter, copy = self._streams[_UP]
+        scatter.wait_stream(torch.cuda.current_stream(self.device))  # L1 is free to overwrite
+        begin = torch.cuda.Event(enable_timing=True)
+        end = _done_event()
+        begin.record(copy)
+        moved = 0
+        n = self.chunk_tokens
+        try:
+            for index, count, length in self._groups(ntokens, len(slots), self.group_chunks):
+                stage = self._next_stage(_UP)
+                size = self.codec.payload_bytes(length)
+                copy.wait_event(stage.free)  # its previous group has been scattered
+                with torch.cuda.stream(copy):
+                    for c in range(count):
+                        slot = slots[index + c]
+                        self._settle_io(slot, strict=True)
+                        self._after(slot, _DOWN, copy)  # an offload still filling the slot
+                        src = self.arena.view(slot)[:size]
+                        stage.payload(c, length, size).copy_(src, non_blocking=True)
+                        moved += size
+                    stage.ready.record(copy)
+                scatter.wait_event(stage.ready)
+                with torch.cuda.stream(scatter):
+                    if not self.codec.lossless:
+                        staged = stage.staged(count, length)
+                        for c in range(count):
+                            payload = stage.payload(c, length, size)
+                            self.codec.decode(payload, length, out=staged[c], scratch=stage.scratch)
+                    views, fused = self._l1_views(layers, block, start + index * n, count, length)
+                    _copy_all(views, stage.planes(count, length, fused))
+                    stage.free.record(scatter)
+        finally:
+            scatter.wait_stream(copy)  # `end` covers every copy issued, even after an error
+            end.record(scatter)
+            for pair in layers:
+                for t in pair:
+                    t.record_stream(scatter)
+            handle = Handle(end, keep=(layers,), direction=_UP, device=self.device)
+            for slot in slots:
+                self._slot_copy[slot] = handle
+        self._timing(_UP, begin, end, moved, len(slots))
+        return handle
+
+    def _restore_cpu(
+        self,
+        slots: Sequence[int],
+        ntokens: int,
+        layers: Layers,
+        block: torch.Tensor | None,
+        start: int,
+    ) -> int:
+        n = self.chunk_tokens
+        moved = 0
+        native = self.codec.lossless
+        group = 1 if native else self.group_chunks
+        for index, count, length in self._groups(ntokens, len(slots), group):
+            size = self.codec.payload_bytes(length)
+            views, fused = self._l1_views(layers, block, start + index * n, count, length)
+            if native:  # scatter straight from the slot
+                self._settle_io(slots[index], strict=True)
+                chunk = self._slot_chunk(slots[index], length).unsqueeze(0)
+                _copy_all(views, _planes(chunk, fused))
+                moved += size
+                continue
+            stage = self._stages[_UP][0]
+            staged = stage.staged(count, length)
+            for c in range(count):
+                slot = slots[index + c]
+                self._settle_io(slot, strict=True)
+                payload = self.arena.view(slot)[:size]
+                self.codec.decode(payload, length, out=staged[c], scratch=stage.scratch)
+                moved += size
+            _copy_all(views, stage.planes(count, length, fused))
+        return moved
+
+    # ---- groups, views -----------------------------------------------------------------------
+
+    def _groups(self, ntokens: int, nslots: int, group: int) -> Iterator[tuple[int, int, int]]:
+        """(first chunk, chunks, tokens per chunk): full chunks by `group`, the partial alone."""
+        n = self.chunk_tokens
+        full = ntokens // n
+        index = 0
+        while index < full:
+            count = min(group, full - index)
+            yield index, count, n
+            index += count
+        if full < nslots:
+            yield full, 1, ntokens - full * n
+
+    def _next_stage(self, direction: tuple[str, str]) -> _Stage:
+        stages = self._stages[direction]
+        turn = self._turn[direction]
+        self._turn[direction] = (turn + 1) % len(stages)
+        return stages[turn]
+
+    def _after(self, slot: int, direction: tuple[str, str], stream: torch.cuda.Stream) -> None:
+        """Order `stream` after the last copy of the other direction on `slot` (GPU-side)."""
+        handle = self._slot_copy.get(slot)
+        if handle is not None and handle.direction == direction and handle._event is not None:
+            stream.wait_event(handle._event)
+
+    def _slot_chunk(self, slot: int, length: int) -> torch.Tensor:
+        shape = self.geometry.chunk_shape(length)
+        nbytes = self.geometry.chunk_bytes(length)
+        return self.arena.view(slot)[:nbytes].view(self.geometry.torch_dtype()).view(shape)
+
+    def _l1_views(
+        self, layers: Layers, block: torch.Tensor | None, first: int, count: int, length: int
+    ) -> tuple[list[torch.Tensor], bool]:
+        """Tokens [first, first + count*length) of every layer and plane (`layout.l1_views`)."""
+        return l1_views(self.geometry, layers, block, first, count, length)
+
+    def _check_range(
+        self,
+        layers: Layers,
+        start: int,
+        ntokens: int,
+        slots: Sequence[int],
+        block: torch.Tensor | None,
+    ) -> torch.Tensor | None:
+        """Refuse a range that does not fit, or any once closed (`layout.check_range`)."""
+        if self._closed:
+            raise ConfigError("the transfer engine is closed")
+        return check_range(
+            self.geometry, self.chunk_tokens, self.device, layers, start, ntokens, slots, block
+        )
+
+    # ---- slots, accounting, lifetime ---------------------------------------------------------
+
+    def _settle_io(self, slot: int, strict: bool = False) -> None:
+        self._settle(slot, strict)
+
+    def last_copy(self, slot: int) -> Handle | None:
+        """The last device copy issued on `slot`, if it is still tracked."""
+        return self._slot_copy.get(slot)
+
+    def copy_busy(self, slot: int) -> bool:
+        """Whether a device copy on `slot` may still be running."""
+        copy = self._slot_copy.get(slot)
+        return copy is not None and not copy.done()
+
+    def forget(self, slot: int) -> None:
+        """Wait for the last device copy on `slot`, then drop its tracking."""
+        copy = self._slot_copy.pop(slot, None)
+        if copy is not None:
+            copy.wait()
+
+    def _account(self, direction: tuple[str, str], nbytes: int, seconds: float, ops: int) -> None:
+        self._accounts.account(direction, nbytes, seconds, ops)
+
+    def _timing(
+        self,
+        direction: tuple[str, str],
+        begin: torch.cuda.Event,
+        end: torch.cuda.Event,
+        nbytes: int,
+        ops: int,
+    ) -> None:
+        self._accounts.timing(direction, begin, end, nbytes, ops)
+
+    def synchronize(self) -> None:
+        """Wait for every device copy issued so far."""
+        for streams in self._streams.values():
+            for stream in streams:
+                if stream is not None:
+                    stream.synchronize()
+
+    def close(self) -> None:
+        """Refuse new copies and wait for those issued."""
+        self._closed = True
+        self.synchronize()
+
+    def free(self) -> None:
+        """Drop the slots' tracking and the staging buffers (after `close`)."""
+        self._slot_copy.clear()
+        self._stages = {_DOWN: [], _UP: []}
