@@ -773,7 +773,7 @@ class L3Store:
             path = self.path(row.header.key, row.tier)
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
-            dirs.add(path.parent)
+                dirs.add(path.parent)
             keys.append(row.header.key)
         for d in dirs:
             l3_io.fsync_dir(d)
