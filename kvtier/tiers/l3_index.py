@@ -171,8 +171,20 @@ class Index:
         else:
             self._conn = sqlite3.connect(str(self.path), check_same_thread=False, timeout=30)
             self.path.chmod(0o600)
+        # Chunk lookups of a writable index use a connection of their own: in WAL mode it
+        # reads the last commit without waiting for a commit in progress (its fsync) on the
+        # writing connection, so a restore's reads never queue behind puts or touches.
+        self._lookup: sqlite3.Connection | None = None
+        self._lookup_lock = threading.Lock()
+        try:
+            self._setup()
+        except BaseException:
+            self._conn.close()
+            raise
+
+    def _setup(self) -> None:
         self.db.execute("PRAGMA busy_timeout = 30000")
-        if not read_only:
+        if not self.read_only:
             self.db.execute("PRAGMA journal_mode = WAL")
             # FULL: a committed put survives power loss, not only a process crash.
             self.db.execute("PRAGMA synchronous = FULL")
@@ -184,6 +196,9 @@ class Index:
                 f"L3 index {self.path} has schema version {version}, this kvtier uses "
                 f"{SCHEMA_VERSION}: open the store once for writing to migrate it, or upgrade"
             )
+        if not self.read_only:
+            self._lookup = sqlite3.connect(str(self.path), check_same_thread=False, timeout=30)
+            self._lookup.execute("PRAGMA query_only = 1")
 
     def _open_read_only(self) -> sqlite3.Connection:
         """Open without ever writing. With no -wal file no writer is running and the database is
@@ -226,9 +241,11 @@ class Index:
                     raise
 
     def close(self) -> None:
-        with self._lock:
+        with self._lock, self._lookup_lock:
             self._closed = True
             self._conn.close()
+            if self._lookup is not None:
+                self._lookup.close()
 
     # ---- chunks ------------------------------------------------------------------------------
 
@@ -239,10 +256,15 @@ class Index:
             self.db.executemany(_PUT_ROW, values)
 
     def get_chunk(self, key: bytes) -> ChunkRow | None:
-        with self._lock:
-            row = self.db.execute(
-                f"SELECT {_ROW_COLS} FROM chunks WHERE key = ?", (bytes(key),)
-            ).fetchone()
+        sql = f"SELECT {_ROW_COLS} FROM chunks WHERE key = ?"
+        if self._lookup is None:
+            with self._lock:
+                row = self.db.execute(sql, (bytes(key),)).fetchone()
+        else:
+            with self._lookup_lock:
+                if self._closed:
+                    raise StoreError("L3 store is closed; open a new L3Store")
+                row = self._lookup.execute(sql, (bytes(key),)).fetchone()
         return _row(row) if row else None
 
     def delete_chunks(self, keys: Iterable[bytes]) -> None:

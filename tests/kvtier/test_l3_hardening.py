@@ -165,3 +165,26 @@ def test_a_put_at_the_cap_does_work_independent_of_the_index_size(tmp_path: Path
         assert evicted == [oldest]
         assert big.stats().evictions == 1 and big.stats().chunks == 6000
         assert big_steps <= 2 * small_steps + 5, (small_steps, big_steps)
+
+
+def test_a_read_does_not_wait_for_a_commit_on_the_writing_connection(tmp_path: Path) -> None:
+    with L3Store(tmp_path / "l3") as store:
+        h = header(size=SIZE)
+        store.put(h, payload_for(h.key, SIZE))
+        busy, release = threading.Event(), threading.Event()
+
+        def committing() -> None:  # holds the writing connection as a commit's fsync would
+            with store.index._lock:
+                busy.set()
+                release.wait(10)
+
+        t = threading.Thread(target=committing)
+        t.start()
+        try:
+            busy.wait(10)
+            t0 = time.perf_counter()
+            assert store.get_bytes(h.key, fingerprint=FP)[1] == payload_for(h.key, SIZE)
+            assert time.perf_counter() - t0 < 2
+        finally:
+            release.set()
+            t.join()
