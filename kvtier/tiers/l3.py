@@ -148,6 +148,7 @@ class L3Store:
         self._closed = False
         self._evict_listeners: list[EvictListener] = []
         self._touch_pending = False  # a background flush of access times is queued
+        self._warned_cold = False
         self._prepare_root()
         try:
             self.index = Index(self.root, read_only=read_only)
@@ -544,8 +545,20 @@ class L3Store:
                 return os.open(path, os.O_RDONLY | os.O_CLOEXEC), path, row is not None
             except FileNotFoundError:
                 continue
-        if row and not self.read_only:
+        if row and row.tier == "hot" and not self.read_only:
             self.index.delete_chunks([key])  # the file is gone: the files are the truth
+        elif row:
+            # A cold file may be missing only because the cold root is not the one it was moved
+            # to: keep the row (fsck drops it if the file is really gone) and say so once.
+            with self._lock:
+                warned, self._warned_cold = self._warned_cold, True
+            if not warned:
+                log.warning(
+                    "L3 cold chunk %s has no file under %s; if cold chunks were moved elsewhere, "
+                    "set the cold root (l3_cold_root / --cold-dir) to that directory",
+                    _hex(key),
+                    self._dirs["cold"],
+                )
         self._count("misses")
         raise ChunkNotFound(f"chunk {_hex(key)} is not in L3")
 

@@ -290,6 +290,11 @@ class Index:
         for row in rows:
             yield _row(row)
 
+    def any_cold_key(self) -> bytes | None:
+        with self._lock:
+            row = self.db.execute("SELECT key FROM chunks WHERE tier = 'cold' LIMIT 1").fetchone()
+        return None if row is None else bytes(row[0])
+
     def totals(self) -> tuple[int, int]:
         """(chunks, bytes) currently indexed (kept by triggers: no scan)."""
         with self._lock:

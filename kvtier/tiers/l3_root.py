@@ -103,6 +103,8 @@ def resolve_cold_root(
     want = None if given is None else Path(given).expanduser().absolute()
     recorded = index.get_meta(COLD_ROOT_KEY)
     have = None if recorded is None else (Path(recorded) if recorded else default)
+    if have is None and want is not None and not _same(want, default):
+        have = _unrecorded_cold_root(index, default, want)
     if want is None:
         return have or default
     if have is None or adopt or _same(want, have):
@@ -116,6 +118,19 @@ def resolve_cold_root(
         f"{want}, record that with `kvtier l3 fsck --root {root} --cold-dir {want} "
         "--adopt-cold-root`"
     )
+
+
+def _unrecorded_cold_root(index: Index, default: Path, want: Path) -> Path | None:
+    """For a store that recorded no cold root (made before it was recorded): <root>/cold if a
+    cold chunk is found there and not under `want`, so that naming `want` does not hide the
+    chunks already cold; else None (nothing to lose: `want` is recorded)."""
+    key = index.any_cold_key()
+    if key is None:
+        return None
+    name = Path(key.hex()[:2]) / f"{key.hex()}.kvbin"
+    if (default / name).exists() and not (want / name).exists():
+        return default
+    return None
 
 
 def _same(a: Path, b: Path) -> bool:

@@ -13,7 +13,7 @@ from l3_helpers import FP, header, payload_for
 
 from kvtier.cache.config import CacheConfig
 from kvtier.cli.l3 import command
-from kvtier.errors import StoreError
+from kvtier.errors import ChunkNotFound, StoreError
 from kvtier.server.config import ServerConfig
 from kvtier.tiers.l3 import L3Store
 from kvtier.tiers.l3_maint import fsck
@@ -127,3 +127,38 @@ def test_serve_has_the_cold_root_flag() -> None:
 
     result = CliRunner().invoke(cmd, ["--l3-cold-root", "/srv/cold"])
     assert result.exit_code == 0 and "/srv/cold" in result.output
+
+
+def _forget_recorded_cold_root(root: Path) -> None:
+    """Make the store look like one from before the cold root was recorded."""
+    with L3Store(root) as store, store.index.db:
+        store.index.db.execute("DELETE FROM meta")
+
+
+def test_a_store_without_a_recorded_cold_root_loses_no_rows(tmp_path: Path) -> None:
+    root, cold = tmp_path / "l3", tmp_path / "cold"
+    chunks = fill(root, 2)
+    assert (
+        run("migrate", "--root", str(root), "--cold-dir", str(cold), "--older-than", "1h")[0] == 0
+    )
+    _forget_recorded_cold_root(root)
+    with L3Store(root) as store:  # not told where the cold chunks went
+        with pytest.raises(ChunkNotFound):
+            store.get_bytes(chunks[0][0], fingerprint=FP)
+        assert store.contains(chunks[0][0])  # the row is kept: the file may be elsewhere
+    with L3Store(root, cold_dir=cold) as store:  # configured: found, and recorded
+        for key, data in chunks:
+            assert store.get_bytes(key, fingerprint=FP)[1] == data
+    with L3Store(root) as store:
+        assert store.dir("cold") == cold
+
+
+def test_naming_a_new_cold_root_does_not_hide_chunks_already_cold(tmp_path: Path) -> None:
+    root = tmp_path / "l3"
+    chunks = fill(root, 1)
+    assert run("migrate", "--root", str(root), "--older-than", "1h")[0] == 0
+    _forget_recorded_cold_root(root)
+    with pytest.raises(StoreError, match="keeps its cold chunks in"):
+        L3Store(root, cold_dir=tmp_path / "new")
+    with L3Store(root) as store:
+        assert store.get_bytes(chunks[0][0], fingerprint=FP)[1] == chunks[0][1]
