@@ -89,6 +89,7 @@ def test_gc_reports_the_chunks_it_deletes(tmp_path: Path) -> None:
         report = gc(store, older_than_s=0, now=2e10)
         assert report.chunks == 3
         assert sorted(seen) == sorted(k for k in keys if k != keys[1])
+        assert store.stats().evictions == 3  # counted for the snapshot's L3 evictions
         # A delete the caller asked for is not reported.
         store.delete(keys[1])
         assert len(seen) == 3
