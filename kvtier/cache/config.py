@@ -30,6 +30,9 @@ class CacheConfig:
     selective_min_hits: int = 2  # write_through_selective: write a chunk once seen this often
     l2_policy: str = "lru"
     l3_max_bytes: int | None = None
+    # Where `kvtier l3 migrate` puts cold chunks; None: the one recorded in the store, else
+    # <l3_root>/cold. A store refuses to open with another cold root than it recorded.
+    l3_cold_root: str | Path | None = None
     l3_read_bytes_per_s: float | None = None  # throttle L3 reads (shared disks, tests)
     keep_page_cache: bool = False
     model_id: str | None = None

@@ -96,7 +96,10 @@ class TieredCache:
         self.l1 = L1Pool(self.geometry, l1_bytes, self.device, self.chunk_tokens)
         slot_bytes = self.codec.payload_bytes(self.chunk_tokens)
         self.l3 = L3Store(
-            config.l3_root, keep_page_cache=config.keep_page_cache, max_bytes=config.l3_max_bytes
+            config.l3_root,
+            keep_page_cache=config.keep_page_cache,
+            max_bytes=config.l3_max_bytes,
+            cold_dir=config.l3_cold_root,
         )
         writer = config.l3_writer
         if writer == "auto":

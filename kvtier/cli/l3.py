@@ -45,16 +45,62 @@ root_option = click.option(
     help="L3 store directory (env KVTIER_L3_ROOT).",
 )
 json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
-cold_option = click.option(
-    "--cold-dir", type=click.Path(file_okay=False), default=None, help="Cold tier directory."
-)
 
 
-def _open(root: str, *, read_only: bool, cold_dir: str | None = None) -> L3Store:
+def cold_options(f: Any) -> Any:
+    """--cold-dir and --adopt-cold-root, for the commands that open the store writable."""
+    f = click.option(
+        "--adopt-cold-root",
+        is_flag=True,
+        help="Record --cold-dir as the store's cold root although another one is recorded "
+        "(after moving the cold files there).",
+    )(f)
+    return click.option(
+        "--cold-dir",
+        type=click.Path(file_okay=False),
+        default=None,
+        envvar="KVTIER_L3_COLD_ROOT",
+        help="Cold tier directory (env KVTIER_L3_COLD_ROOT). Recorded in the store the first "
+        "time; left out, the recorded one (default <root>/cold) is used.",
+    )(f)
+
+
+FSCK_OPERATIONAL_ERROR = 8  # as fsck(8): the check could not run (store in use, bad root)
+FSCK_USAGE_ERROR = 16  # as fsck(8); click's usual 2 would read as "problems left"
+
+
+def _open(
+    root: str,
+    *,
+    read_only: bool,
+    cold_dir: str | None = None,
+    adopt: bool = False,
+    exit_code: int = 1,
+) -> L3Store:
+    with _failing_cleanly(exit_code):
+        return L3Store(root, read_only=read_only, cold_dir=cold_dir, adopt_cold_root=adopt)
+
+
+@contextmanager
+def _failing_cleanly(exit_code: int = 1) -> Iterator[None]:
+    """A store error: its one-line message on stderr and `exit_code`, no traceback."""
     try:
-        return L3Store(root, read_only=read_only, cold_dir=cold_dir)
+        yield
     except StoreError as exc:
-        raise click.ClickException(str(exc)) from None
+        error = click.ClickException(" ".join(str(exc).split()))
+        setattr(error, "exit_code", exit_code)  # noqa: B010 (a ClassVar in the stubs)
+        raise error from None
+
+
+class _FsckCommand(click.Command):
+    """fsck's exit status speaks of the store (0/1/2): a usage error exits 16, as fsck(8)."""
+
+    def make_context(self, *args: Any, **kwargs: Any) -> click.Context:
+        try:
+            return super().make_context(*args, **kwargs)
+        except click.UsageError as exc:
+            setattr(exc, "exit_code", FSCK_USAGE_ERROR)  # noqa: B010 (a ClassVar in the stubs)
+            raise
 
 
 @contextmanager
@@ -154,6 +200,7 @@ def stat_command(root: str, as_json: bool) -> None:
         "used_bytes": stats.used_bytes,
         "capacity_bytes": stats.capacity_bytes,
         "sessions": stats.sessions,
+        "cold_root": str(store.dir("cold")),
         "tiers": tiers,
     }
     lines = [
@@ -161,34 +208,53 @@ def stat_command(root: str, as_json: bool) -> None:
         f"chunks     {stats.chunks}",
         f"used       {_human(stats.used_bytes)} of {_human(stats.capacity_bytes)}",
         f"sessions   {stats.sessions}",
+        f"cold root  {store.dir('cold')}",
     ]
     lines += [f"{name:10} {t['chunks']} chunks, {_human(t['bytes'])}" for name, t in tiers.items()]
     _emit(data, as_json, "\n".join(lines))
 
 
-@command.command("fsck")
+@command.command("fsck", cls=_FsckCommand)
 @root_option
 @json_option
 @click.option("--rebuild", is_flag=True, help="Rebuild the chunk index from file headers alone.")
 @click.option("--check", "check_only", is_flag=True, help="Report problems; repair nothing.")
-@cold_option
+@cold_options
 def fsck_command(
-    root: str, as_json: bool, rebuild: bool, check_only: bool, cold_dir: str | None
+    root: str,
+    as_json: bool,
+    rebuild: bool,
+    check_only: bool,
+    cold_dir: str | None,
+    adopt_cold_root: bool,
 ) -> None:
     """Verify every chunk (header, checksums, size) and reconcile the index with the files.
 
-    Exit status: 0 clean, 1 problems found and all repaired or quarantined, 2 problems left.
+    Damaged chunks are quarantined; a hibernated session that referenced one keeps the prefix
+    before it (the rest is recomputed on restore). Needs the store to itself unless --check.
+
+    \b
+    Exit status (like fsck(8), where 1 means "errors corrected"):
+      0  clean: nothing to repair
+      1  problems found and all repaired; the next run exits 0
+      2  problems left: found with --check, or not repairable; see LEFT
+      8  operational error: the check could not run (store in use, unsafe root)
+     16  usage error (a bad option)
     """
     from kvtier.tiers.l3_maint import fsck
 
     with (
-        _open(root, read_only=check_only, cold_dir=cold_dir) as store,
+        _open(
+            root,
+            read_only=check_only,
+            cold_dir=cold_dir,
+            adopt=adopt_cold_root,
+            exit_code=FSCK_OPERATIONAL_ERROR,
+        ) as store,
         _progress("fsck", not as_json) as progress,
+        _failing_cleanly(FSCK_OPERATIONAL_ERROR),
     ):
-        try:
-            report = fsck(store, rebuild=rebuild, repair=not check_only, progress=progress)
-        except StoreError as exc:
-            raise click.ClickException(str(exc)) from None
+        report = fsck(store, rebuild=rebuild, repair=not check_only, progress=progress)
     data = {**asdict(report), "repaired": report.repaired, "exit_code": report.exit_code}
     lines = [
         f"files checked   {report.files} ({report.ok} ok)",
@@ -196,8 +262,10 @@ def fsck_command(
         f"index repaired  {report.indexed} added, {report.stale_rows} stale rows removed"
         + (" (index rebuilt from headers)" if rebuild else ""),
         f"temp removed    {report.temp_removed}",
+        f"sessions cut    {len(report.sessions_truncated)}",
     ]
     lines += [f"  quarantined: {q}" for q in report.quarantined]
+    lines += [f"  session cut: {q}" for q in report.sessions_truncated]
     lines += [f"  LEFT: {p}" for p in report.left]
     lines.append(["clean", "problems found and repaired", "problems left"][report.exit_code])
     _emit(data, as_json, "\n".join(lines))
@@ -208,15 +276,21 @@ def fsck_command(
 @root_option
 @json_option
 @click.option("--older-than", default="7d", show_default=True, help="Idle time, e.g. 12h, 7d.")
-@cold_option
-def migrate_command(root: str, as_json: bool, older_than: str, cold_dir: str | None) -> None:
-    """Move chunks idle longer than --older-than from hot to cold (copy, fsync, then unlink)."""
+@cold_options
+def migrate_command(
+    root: str, as_json: bool, older_than: str, cold_dir: str | None, adopt_cold_root: bool
+) -> None:
+    """Move chunks idle longer than --older-than from hot to cold (copy, fsync, then unlink).
+
+    The cold root is recorded in the store, so the cache and later commands find the chunks
+    there without being told."""
     from kvtier.tiers.l3_maint import migrate
 
     seconds = parse_duration(older_than)
     with (
-        _open(root, read_only=False, cold_dir=cold_dir) as store,
+        _open(root, read_only=False, cold_dir=cold_dir, adopt=adopt_cold_root) as store,
         _progress("migrate", not as_json) as progress,
+        _failing_cleanly(),
     ):
         report = migrate(store, seconds, progress=progress)
     _emit(asdict(report), as_json, f"moved {report.chunks} chunks ({_human(report.bytes)}) to cold")
@@ -234,9 +308,14 @@ def migrate_command(root: str, as_json: bool, older_than: str, cold_dir: str | N
 @click.option(
     "--max-bytes", default=None, help="Then evict unreferenced LRU chunks to this size (e.g. 500G)."
 )
-@cold_option
+@cold_options
 def gc_command(
-    root: str, as_json: bool, older_than: str, max_bytes: str | None, cold_dir: str | None
+    root: str,
+    as_json: bool,
+    older_than: str,
+    max_bytes: str | None,
+    cold_dir: str | None,
+    adopt_cold_root: bool,
 ) -> None:
     """Delete chunks no session references: idle past --older-than, then LRU down to --max-bytes.
     Expired unpinned sessions (past their TTL) are dropped first."""
@@ -245,8 +324,9 @@ def gc_command(
     seconds = parse_duration(older_than)
     cap = parse_size(max_bytes) if max_bytes else None
     with (
-        _open(root, read_only=False, cold_dir=cold_dir) as store,
+        _open(root, read_only=False, cold_dir=cold_dir, adopt=adopt_cold_root) as store,
         _progress("gc", not as_json) as progress,
+        _failing_cleanly(),
     ):
         report = gc(store, older_than_s=seconds, max_bytes=cap, progress=progress)
     _emit(

@@ -83,6 +83,7 @@ class TieredBackend:
         self.cache = TieredCache(
             CacheConfig(
                 l3_root=config.l3_root,
+                l3_cold_root=config.l3_cold_root,
                 l1_bytes=config.l1_bytes,
                 l2_bytes=config.l2_bytes,
                 chunk_tokens=config.chunk_tokens,

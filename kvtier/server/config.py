@@ -57,6 +57,7 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     l3_root: Path = field(default_factory=default_l3_root)
+    l3_cold_root: Path | None = None  # cold chunks (kvtier l3 migrate); None: as recorded
     model: Path | None = None  # a local Hugging Face directory; None = the built-in random model
     model_id: str | None = None  # identity in the cache fingerprint; None = the directory name
     served_model_name: str = "default"
@@ -161,7 +162,7 @@ def _coerce(name: str, value: Any) -> Any:
         return parse_size(value, name)
     default = _FIELDS[name].default
     try:
-        if name in ("l3_root", "model"):
+        if name in ("l3_root", "l3_cold_root", "model"):
             return Path(value).expanduser()
         if name == "device":
             return str(value)

@@ -34,6 +34,12 @@ def options(f: Callable[..., Any]) -> Callable[..., Any]:
             help="Directory of the SSD tier (default: a private dir under the user's data dir).",
         ),
         click.option(
+            "--l3-cold-root",
+            type=click.Path(file_okay=False, path_type=Path),
+            help="Where `kvtier l3 migrate` puts cold chunks (default: as recorded in the "
+            "store, else <l3-root>/cold).",
+        ),
+        click.option(
             "--model",
             type=click.Path(file_okay=False, path_type=Path),
             help="Local Hugging Face model directory (default: built-in random Llama).",

@@ -11,13 +11,11 @@ from __future__ import annotations
 import collections
 import contextlib
 import errno
-import fcntl
 import itertools
 import logging
 import os
 import shutil
 import sqlite3
-import stat
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -35,14 +33,14 @@ from kvtier.errors import (
     StoreError,
     StoreFullError,
     StoreIOError,
-    UnsafeRootError,
 )
 from kvtier.kvbin import HEADER_SIZE, ChunkHeader
 from kvtier.tiers import l3_io
 from kvtier.tiers.l3_commit import GroupCommit
 from kvtier.tiers.l3_index import ChunkRow, Index, SessionRecord
+from kvtier.tiers.l3_root import COLD_ROOT_KEY, StoreInUse, check_safe, resolve_cold_root, take_lock
 
-__all__ = ["L3Stats", "L3Store", "SessionRecord"]
+__all__ = ["L3Stats", "L3Store", "SessionRecord", "StoreInUse"]
 
 log = logging.getLogger(__name__)
 TIERS = ("hot", "cold")
@@ -109,9 +107,14 @@ class L3Store:
         read_only: bool = False,
         direct_io: bool = True,
         cold_dir: str | os.PathLike[str] | None = None,
+        adopt_cold_root: bool = False,
         checksum: str | None = None,
         io_threads: int = 4,
     ) -> None:
+        """`cold_dir`: where cold chunks live (default `<root>/cold`). It is recorded in the
+        index by the first writable open that names one (or by the first migrate); later opens
+        that name none use the recorded one, and one naming another is refused (StoreError)
+        unless `adopt_cold_root` (the files were moved there) records it instead."""
         self.root = Path(root)
         self.keep_page_cache = keep_page_cache
         self.max_bytes = max_bytes
@@ -130,7 +133,7 @@ class L3Store:
         self.io_threads = io_threads
         self.read_piece = READ_PIECE
         self.read_window = READ_WINDOW
-        self._dirs = {"hot": self.root / "hot", "cold": Path(cold_dir or self.root / "cold")}
+        self._dirs = {"hot": self.root / "hot", "cold": self.root / "cold"}
         self._quarantine = self.root / "quarantine"
         self._counts = dict.fromkeys(_COUNTERS, 0)
         self._seconds = {"read_seconds": 0.0, "write_seconds": 0.0}
@@ -143,32 +146,50 @@ class L3Store:
         self._commit: GroupCommit[list[_Written]] = GroupCommit(self._apply)
         self._lockfd: int | None = None
         self._closed = False
+        self._evict_listeners: list[EvictListener] = []
+        self._touch_pending = False  # a background flush of access times is queued
+        self._warned_cold = False
         self._prepare_root()
-        self.index = Index(self.root, read_only=read_only)
-        if not read_only:
-            self._sweep_temp_files()
+        try:
+            self.index = Index(self.root, read_only=read_only)
+            try:
+                self._dirs["cold"] = resolve_cold_root(
+                    self.index, self.root, cold_dir, writable=not read_only, adopt=adopt_cold_root
+                )
+                if not read_only:
+                    self._make_dirs()
+                    self._sweep_temp_files()
+            except BaseException:
+                self.index.close()
+                raise
+        except BaseException:
+            if self._lockfd is not None:
+                os.close(self._lockfd)
+                self._lockfd = None
+            raise
 
     # ---- setup -------------------------------------------------------------------------------
 
     def _prepare_root(self) -> None:
+        """Check the root (creating it private when writable) and take the writer lock."""
         if not self.read_only:
             self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
-        _check_safe(self.root, writable=not self.read_only)
-        if self.read_only:
-            return
+        check_safe(self.root, writable=not self.read_only)
+        if not self.read_only:
+            self._lockfd = take_lock(self.root)
+
+    def _make_dirs(self) -> None:
         for d in (*self._dirs.values(), self._quarantine):
             d.mkdir(mode=0o700, parents=True, exist_ok=True)
-            _check_safe(d, writable=True)
-        self._lockfd = os.open(self.root / ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.flock(self._lockfd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(self._lockfd)
-            self._lockfd = None
-            raise StoreError(
-                f"another process (or another L3Store in this one) has {self.root} open for "
-                "writing; close it first, or open this one with read_only=True"
-            ) from None
+            check_safe(d, writable=True)
+
+    def record_cold_root(self) -> None:
+        """Record the cold root in use unless one is (before chunks are moved there)."""
+        self._check_writable()
+        if self.index.get_meta(COLD_ROOT_KEY) is None:
+            cold = self._dirs["cold"]
+            default = os.path.realpath(self.root / "cold") == os.path.realpath(cold)
+            self.index.set_meta(COLD_ROOT_KEY, "" if default else str(cold.absolute()))
 
     def _sweep_temp_files(self) -> None:
         """Remove temp files a crashed writer left (we hold the writer lock, so none is live)."""
@@ -192,6 +213,27 @@ class L3Store:
         if self._lockfd is not None:
             os.close(self._lockfd)
             self._lockfd = None
+
+    def add_evict_listener(self, fn: EvictListener) -> None:
+        """Call `fn(keys)` after the store deleted chunks on its own: the size cap of a put,
+        and `gc` (TTL / retention / LRU down to a size). Not for `delete` (the caller asked)
+        nor for a read that fails (its typed error says so). `fn` runs in the thread that
+        deleted, after the files and index rows are gone and outside the store's locks, so it
+        may call back into the store; an exception from it is logged and otherwise ignored."""
+        with self._lock:
+            self._evict_listeners.append(fn)
+
+    def _notify_evicted(self, keys: list[bytes]) -> None:
+        """Tell the evict listeners about `keys` (call with none of the store's locks held)."""
+        if not keys:
+            return
+        with self._lock:
+            listeners = list(self._evict_listeners)
+        for fn in listeners:
+            try:
+                fn(list(keys))
+            except Exception:
+                log.exception("L3 evict listener %r failed; the store carries on", fn)
 
     def __enter__(self) -> L3Store:
         return self
@@ -455,6 +497,7 @@ class L3Store:
                 self._count("evictions", len(victims))
             with self._lock:
                 self._reserved += need
+        self._notify_evicted([r.header.key for r in victims])
 
     def _check_writable(self) -> None:
         if self.read_only:
@@ -502,8 +545,20 @@ class L3Store:
                 return os.open(path, os.O_RDONLY | os.O_CLOEXEC), path, row is not None
             except FileNotFoundError:
                 continue
-        if row and not self.read_only:
+        if row and row.tier == "hot" and not self.read_only:
             self.index.delete_chunks([key])  # the file is gone: the files are the truth
+        elif row:
+            # A cold file may be missing only because the cold root is not the one it was moved
+            # to: keep the row (fsck drops it if the file is really gone) and say so once.
+            with self._lock:
+                warned, self._warned_cold = self._warned_cold, True
+            if not warned:
+                log.warning(
+                    "L3 cold chunk %s has no file under %s; if cold chunks were moved elsewhere, "
+                    "set the cold root (l3_cold_root / --cold-dir) to that directory",
+                    _hex(key),
+                    self._dirs["cold"],
+                )
         self._count("misses")
         raise ChunkNotFound(f"chunk {_hex(key)} is not in L3")
 
@@ -537,15 +592,16 @@ class L3Store:
             self._counts[route] += 1
             self._counts["bytes_read"] += size
             self._seconds["read_seconds"] += elapsed
+            flush = False
             if not self.read_only:
                 self._touched[header.key] = time.time()
-                flush = len(self._touched) >= _TOUCH_BATCH
-            else:
-                flush = False
+                flush = len(self._touched) >= _TOUCH_BATCH and not self._touch_pending
+                self._touch_pending |= flush
         if not indexed and not self.read_only:
             self.index.put_chunks([ChunkRow(header, _tier_of(path), size, time.time())])
         if flush:
-            self._flush_touches()
+            # The commit (an fsync) runs on a background thread, never on a restore's path.
+            self._pool("touch", 1).submit(self._flush_touches_later)
         return header
 
     def _read_verified(
@@ -730,11 +786,17 @@ class L3Store:
             path = self.path(row.header.key, row.tier)
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
-            dirs.add(path.parent)
+                dirs.add(path.parent)
             keys.append(row.header.key)
         for d in dirs:
             l3_io.fsync_dir(d)
         self.index.delete_chunks(keys)
+
+    def _flush_touches_later(self) -> None:
+        with self._lock:
+            self._touch_pending = False
+        with contextlib.suppress(StoreError):  # closed meanwhile: close() flushed them
+            self._flush_touches()
 
     def _flush_touches(self) -> None:
         with self._lock:
@@ -834,28 +896,8 @@ def _fsync_file(path: Path) -> None:
         os.close(fd)
 
 
-def _check_safe(path: Path, *, writable: bool) -> None:
-    """Refuse a directory that another user owns or that anyone may write to."""
-    try:
-        st = os.stat(path)
-    except FileNotFoundError:
-        raise StoreError(
-            f"L3 root {path} does not exist; create it or open the store writable"
-        ) from None
-    if not stat.S_ISDIR(st.st_mode):
-        raise UnsafeRootError(f"L3 root {path} is not a directory; point the store at a directory")
-    euid = os.geteuid()
-    if st.st_uid != euid and (writable or euid != 0):
-        raise UnsafeRootError(
-            f"L3 directory {path} is owned by uid {st.st_uid}, not by this user (uid {euid}); "
-            f"run as its owner or `chown -R {euid} {path}`"
-        )
-    if st.st_mode & stat.S_IWOTH:
-        raise UnsafeRootError(
-            f"L3 directory {path} is world-writable (mode {stat.S_IMODE(st.st_mode):o}): anyone "
-            f"could plant chunks; run `chmod 700 {path}`"
-        )
-
+EvictListener = Callable[[list[bytes]], None]
+"""Called with the keys of chunks the store deleted by itself (see `add_evict_listener`)."""
 
 TempWriter = Callable[[ChunkHeader, str, bool, bool], ChunkHeader]
 """(header, temp path, O_DIRECT wanted, keep page cache) -> the header as written."""

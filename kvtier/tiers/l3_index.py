@@ -18,7 +18,7 @@ from kvtier.kvbin import KEY_SIZE, ChunkHeader
 from kvtier.types import SessionState
 
 INDEX_NAME = "index.sqlite"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 SESSION_STATES = frozenset(s.value for s in SessionState)
 
 
@@ -60,7 +60,8 @@ class ChunkRow:
     last_access: float
 
 
-_V1 = """
+_V1 = (
+    """
 CREATE TABLE chunks (
     key BLOB PRIMARY KEY,
     tier TEXT NOT NULL,
@@ -81,8 +82,10 @@ CREATE TABLE chunks (
     compression TEXT NOT NULL,
     checksum TEXT NOT NULL,
     payload_crc INTEGER NOT NULL
-) WITHOUT ROWID;
-CREATE INDEX chunks_lru ON chunks (last_access);
+) WITHOUT ROWID
+""",
+    "CREATE INDEX chunks_lru ON chunks (last_access)",
+    """
 CREATE TABLE sessions (
     id INTEGER PRIMARY KEY,
     session_id TEXT NOT NULL,
@@ -95,28 +98,58 @@ CREATE TABLE sessions (
     last_active REAL NOT NULL,
     state TEXT NOT NULL,
     UNIQUE (session_id, tenant)
-);
+)
+""",
+    """
 CREATE TABLE session_chunks (
     session INTEGER NOT NULL REFERENCES sessions (id) ON DELETE CASCADE,
     key BLOB NOT NULL,
     PRIMARY KEY (session, key)
-) WITHOUT ROWID;
-CREATE INDEX session_chunks_key ON session_chunks (key);
-"""
+) WITHOUT ROWID
+""",
+    "CREATE INDEX session_chunks_key ON session_chunks (key)",
+)
+# v2: a key/value table for the store's settings (the cold root), and the chunk count and byte
+# total kept by triggers, so that a put under a size cap does not scan the chunk table.
+_V2 = (
+    "CREATE TABLE meta (name TEXT PRIMARY KEY, value TEXT NOT NULL) WITHOUT ROWID",
+    "CREATE TABLE totals (id INTEGER PRIMARY KEY CHECK (id = 0), "
+    "chunks INTEGER NOT NULL, bytes INTEGER NOT NULL)",
+    "INSERT INTO totals SELECT 0, count(*), coalesce(sum(size), 0) FROM chunks",
+    "CREATE TRIGGER chunks_added AFTER INSERT ON chunks BEGIN "
+    "UPDATE totals SET chunks = chunks + 1, bytes = bytes + NEW.size; END",
+    "CREATE TRIGGER chunks_removed AFTER DELETE ON chunks BEGIN "
+    "UPDATE totals SET chunks = chunks - 1, bytes = bytes - OLD.size; END",
+    "CREATE TRIGGER chunks_resized AFTER UPDATE OF size ON chunks BEGIN "
+    "UPDATE totals SET bytes = bytes - OLD.size + NEW.size; END",
+)
+
+
+def _steps(statements: tuple[str, ...]) -> Callable[[sqlite3.Connection], None]:
+    """A migration step running `statements` one `execute` each, inside the caller's
+    transaction (`executescript` would commit it first and make the step non-atomic)."""
+
+    def step(db: sqlite3.Connection) -> None:
+        for statement in statements:
+            db.execute(statement)
+
+    return step
 
 
 # MIGRATIONS[i] upgrades schema version i to i + 1. Append; never edit a released step.
-def _to_v1(db: sqlite3.Connection) -> None:
-    db.executescript(_V1)
-
-
-MIGRATIONS: tuple[Callable[[sqlite3.Connection], None], ...] = (_to_v1,)
+MIGRATIONS: tuple[Callable[[sqlite3.Connection], None], ...] = (_steps(_V1), _steps(_V2))
 
 _HEADER_COLS = (
     "parent, fingerprint, tenant, tokens, layers, kv_heads, head_dim, dtype, codec, "
     "codec_params, payload_len, created, compression, checksum, payload_crc"
 )
 _ROW_COLS = f"key, tier, size, last_access, {_HEADER_COLS}"
+# An upsert, not INSERT OR REPLACE: REPLACE deletes the old row without firing the delete
+# trigger that keeps `totals` right.
+_PUT_ROW = (
+    f"INSERT INTO chunks ({_ROW_COLS}) VALUES ({', '.join('?' * 19)}) ON CONFLICT (key) DO UPDATE "
+    "SET " + ", ".join(f"{c.strip()} = excluded.{c.strip()}" for c in _ROW_COLS.split(",")[1:])
+)
 
 
 class Index:
@@ -138,8 +171,20 @@ class Index:
         else:
             self._conn = sqlite3.connect(str(self.path), check_same_thread=False, timeout=30)
             self.path.chmod(0o600)
+        # Chunk lookups of a writable index use a connection of their own: in WAL mode it
+        # reads the last commit without waiting for a commit in progress (its fsync) on the
+        # writing connection, so a restore's reads never queue behind puts or touches.
+        self._lookup: sqlite3.Connection | None = None
+        self._lookup_lock = threading.Lock()
+        try:
+            self._setup()
+        except BaseException:
+            self._conn.close()
+            raise
+
+    def _setup(self) -> None:
         self.db.execute("PRAGMA busy_timeout = 30000")
-        if not read_only:
+        if not self.read_only:
             self.db.execute("PRAGMA journal_mode = WAL")
             # FULL: a committed put survives power loss, not only a process crash.
             self.db.execute("PRAGMA synchronous = FULL")
@@ -151,6 +196,9 @@ class Index:
                 f"L3 index {self.path} has schema version {version}, this kvtier uses "
                 f"{SCHEMA_VERSION}: open the store once for writing to migrate it, or upgrade"
             )
+        if not self.read_only:
+            self._lookup = sqlite3.connect(str(self.path), check_same_thread=False, timeout=30)
+            self._lookup.execute("PRAGMA query_only = 1")
 
     def _open_read_only(self) -> sqlite3.Connection:
         """Open without ever writing. With no -wal file no writer is running and the database is
@@ -193,9 +241,11 @@ class Index:
                     raise
 
     def close(self) -> None:
-        with self._lock:
+        with self._lock, self._lookup_lock:
             self._closed = True
             self._conn.close()
+            if self._lookup is not None:
+                self._lookup.close()
 
     # ---- chunks ------------------------------------------------------------------------------
 
@@ -203,16 +253,18 @@ class Index:
         """Insert or replace rows in one transaction (one WAL fsync for a batch)."""
         values = [_row_values(row) for row in rows]
         with self._lock, self.db:
-            self.db.executemany(
-                f"INSERT OR REPLACE INTO chunks ({_ROW_COLS}) VALUES ({', '.join('?' * 19)})",
-                values,
-            )
+            self.db.executemany(_PUT_ROW, values)
 
     def get_chunk(self, key: bytes) -> ChunkRow | None:
-        with self._lock:
-            row = self.db.execute(
-                f"SELECT {_ROW_COLS} FROM chunks WHERE key = ?", (bytes(key),)
-            ).fetchone()
+        sql = f"SELECT {_ROW_COLS} FROM chunks WHERE key = ?"
+        if self._lookup is None:
+            with self._lock:
+                row = self.db.execute(sql, (bytes(key),)).fetchone()
+        else:
+            with self._lookup_lock:
+                if self._closed:
+                    raise StoreError("L3 store is closed; open a new L3Store")
+                row = self._lookup.execute(sql, (bytes(key),)).fetchone()
         return _row(row) if row else None
 
     def delete_chunks(self, keys: Iterable[bytes]) -> None:
@@ -238,13 +290,28 @@ class Index:
         for row in rows:
             yield _row(row)
 
-    def totals(self) -> tuple[int, int]:
-        """(chunks, bytes) currently indexed."""
+    def any_cold_key(self) -> bytes | None:
         with self._lock:
+            row = self.db.execute("SELECT key FROM chunks WHERE tier = 'cold' LIMIT 1").fetchone()
+        return None if row is None else bytes(row[0])
+
+    def totals(self) -> tuple[int, int]:
+        """(chunks, bytes) currently indexed (kept by triggers: no scan)."""
+        with self._lock:
+            n, size = self.db.execute("SELECT chunks, bytes FROM totals").fetchone()
+        return int(n), int(size)
+
+    def recount(self) -> bool:
+        """Recompute the totals from the chunk table; True if they were wrong (fsck)."""
+        with self._lock, self.db:
             n, size = self.db.execute(
                 "SELECT count(*), coalesce(sum(size), 0) FROM chunks"
             ).fetchone()
-        return int(n), int(size)
+            cur = self.db.execute(
+                "UPDATE totals SET chunks = ?, bytes = ? WHERE chunks != ? OR bytes != ?",
+                (n, size, n, size),
+            )
+        return cur.rowcount > 0
 
     def referenced(self, key: bytes) -> bool:
         with self._lock:
@@ -253,19 +320,47 @@ class Index:
             ).fetchone()
         return row is not None
 
-    def unreferenced_lru(self, older_than: float | None = None) -> list[ChunkRow]:
-        """Chunks no session references, least recently used first."""
-        cond = "" if older_than is None else "AND c.last_access < ?"
-        args: tuple[float, ...] = () if older_than is None else (older_than,)
+    def unreferenced_lru(
+        self, older_than: float | None = None, *, batch: int = 64
+    ) -> Iterator[ChunkRow]:
+        """Chunks no session references, least recently used first, fetched `batch` at a time
+        (a caller that stops early never loads the rest of the table)."""
         cols = ", ".join(f"c.{c.strip()}" for c in _ROW_COLS.split(","))
+        after: tuple[float, bytes] | None = None
+        while True:
+            cond, args = "", list[object]()
+            if older_than is not None:
+                cond, args = "AND c.last_access < ? ", [older_than]
+            if after is not None:
+                cond += "AND (c.last_access, c.key) > (?, ?) "
+                args += list(after)
+            with self._lock:
+                rows = self.db.execute(
+                    f"SELECT {cols} FROM chunks c WHERE NOT EXISTS "
+                    f"(SELECT 1 FROM session_chunks s WHERE s.key = c.key) {cond}"
+                    "ORDER BY c.last_access, c.key LIMIT ?",
+                    (*args, batch),
+                ).fetchall()
+            for r in rows:
+                yield _row(r)
+            if len(rows) < batch:
+                return
+            after = (rows[-1][3], rows[-1][0])
+
+    # ---- settings ----------------------------------------------------------------------------
+
+    def get_meta(self, name: str) -> str | None:
         with self._lock:
-            rows = self.db.execute(
-                f"SELECT {cols} FROM chunks c WHERE NOT EXISTS "
-                f"(SELECT 1 FROM session_chunks s WHERE s.key = c.key) {cond} "
-                "ORDER BY c.last_access",
-                args,
-            ).fetchall()
-        return [_row(r) for r in rows]
+            row = self.db.execute("SELECT value FROM meta WHERE name = ?", (name,)).fetchone()
+        return None if row is None else str(row[0])
+
+    def set_meta(self, name: str, value: str) -> None:
+        with self._lock, self.db:
+            self.db.execute(
+                "INSERT INTO meta (name, value) VALUES (?, ?) "
+                "ON CONFLICT (name) DO UPDATE SET value = excluded.value",
+                (name, value),
+            )
 
     def clear_chunks(self) -> None:
         with self._lock, self.db:

@@ -11,7 +11,7 @@ import contextlib
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from kvtier import kvbin
@@ -24,9 +24,20 @@ from kvtier.tiers.l3_index import ChunkRow
 Progress = Callable[[int, int], None]
 
 
+EXIT_CODES = (
+    (0, "clean: nothing to repair"),
+    (
+        1,
+        "problems found and all repaired (damaged chunks quarantined, index and session "
+        "records fixed); the next run exits 0",
+    ),
+    (2, "problems left: found with --check, or not repairable (unexpected files); see LEFT"),
+)
+
+
 @dataclass
 class FsckReport:
-    """What fsck found. `exit_code`: 0 clean, 1 problems found and all repaired, 2 some left."""
+    """What fsck found. `exit_code`: see EXIT_CODES (0 clean, 1 all repaired, 2 some left)."""
 
     files: int = 0
     ok: int = 0
@@ -34,12 +45,21 @@ class FsckReport:
     indexed: int = 0  # good files that had no index row and got one
     stale_rows: int = 0  # index rows whose file was missing, removed
     temp_removed: int = 0
+    sessions_truncated: list[str] = field(default_factory=list)  # "session: kept n of m chunks"
+    totals_fixed: bool = False
     rebuilt: bool = False
     left: list[str] = field(default_factory=list)  # problems not repaired
 
     @property
     def repaired(self) -> int:
-        return len(self.quarantined) + self.indexed + self.stale_rows + self.temp_removed
+        return (
+            len(self.quarantined)
+            + self.indexed
+            + self.stale_rows
+            + self.temp_removed
+            + len(self.sessions_truncated)
+            + self.totals_fixed
+        )
 
     @property
     def exit_code(self) -> int:
@@ -146,12 +166,39 @@ def fsck(
             report.stale_rows += len(stale)
         else:
             report.left.extend(f"{k.hex()}: indexed but no file" for k in stale)
-    for session_id, tenant, key in store.index.dangling_references():
-        report.left.append(
-            f"session {session_id[:40]!r} (tenant {tenant[:40]!r}) references missing chunk "
-            f"{key.hex()}: that part will be recomputed on restore"
-        )
+    if repair:
+        report.totals_fixed = store.index.recount()
+    _check_sessions(store, report, repair)
     return report
+
+
+def _check_sessions(store: L3Store, report: FsckReport, repair: bool) -> None:
+    """A session whose record names a chunk that is gone keeps the prefix before it: its chunk
+    keys and token ids are cut at the first missing chunk (the rest is recomputed on restore)."""
+    dangling = {(sid, tenant) for sid, tenant, _ in store.index.dangling_references()}
+    for session_id, tenant in sorted(dangling):
+        rec = store.index.load_session(session_id, tenant)
+        if rec is None:
+            continue
+        name = f"session {session_id[:40]!r} (tenant {tenant[:40]!r})"
+        kept, tokens = 0, 0
+        for key in rec.chunk_keys:
+            row = store.index.get_chunk(key)
+            if row is None:
+                break
+            kept, tokens = kept + 1, tokens + row.header.tokens
+        tokens = min(tokens, len(rec.token_ids) // 4)
+        what = (
+            f"{name} references missing chunk {rec.chunk_keys[kept].hex()}: keeps its first "
+            f"{kept} of {len(rec.chunk_keys)} chunks ({tokens} tokens)"
+        )
+        if not repair:
+            report.left.append(what)
+            continue
+        store.index.save_session(
+            replace(rec, chunk_keys=rec.chunk_keys[:kept], token_ids=rec.token_ids[: 4 * tokens])
+        )
+        report.sessions_truncated.append(what)
 
 
 @dataclass
@@ -170,6 +217,7 @@ def migrate(
     """Move chunks not used for `older_than_s` from hot to cold: copy, fsync, rename, then unlink
     (cold may be another filesystem). A crash leaves the chunk in hot, cold, or both, never none."""
     store._check_writable()
+    store.record_cold_root()  # from now on reads and later runs look for them there
     store._flush_touches()
     cutoff = (time.time() if now is None else now) - older_than_s
     rows = [r for r in store.index.iter_chunks() if r.tier == "hot" and r.last_access < cutoff]
@@ -266,6 +314,7 @@ def gc(
     for start in range(0, len(rows), 256):
         batch = rows[start : start + 256]
         store._delete_rows(batch)
+        store._notify_evicted([r.header.key for r in batch])
         if progress:
             progress(start + len(batch), len(rows))
     report.chunks = len(rows)

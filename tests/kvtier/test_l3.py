@@ -29,6 +29,7 @@ from kvtier.errors import (
 )
 from kvtier.tiers import l3_io
 from kvtier.tiers.l3 import L3Store, SessionRecord
+from kvtier.tiers.l3_index import SCHEMA_VERSION
 
 
 @pytest.fixture
@@ -426,7 +427,7 @@ def test_schema_version_and_newer_index_refused(tmp_path: Path) -> None:
     root = tmp_path / "l3"
     L3Store(root).close()
     db = sqlite3.connect(root / "index.sqlite")
-    assert db.execute("PRAGMA user_version").fetchone()[0] == 1
+    assert db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
     assert db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
     db.execute("PRAGMA user_version = 99")
     db.commit()

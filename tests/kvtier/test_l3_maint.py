@@ -79,8 +79,11 @@ def test_fsck_reindexes_orphans_and_drops_stale_rows(tmp_path: Path) -> None:
         assert (report.indexed, report.stale_rows, report.exit_code) == (1, 1, 1)
         assert store.contains(k1) and not store.contains(k2)
         store.save_session(SessionRecord("s", "t", FP, b"", (k2,), False, None, 0.0, "idle"))
-        report = fsck(store)
+        report = fsck(store, repair=False)
         assert report.exit_code == 2 and "references missing chunk" in report.left[0]
+        report = fsck(store)  # the record is cut before the missing chunk
+        assert report.exit_code == 1 and "references missing chunk" in report.sessions_truncated[0]
+        assert fsck(store).exit_code == 0
 
 
 def test_migrate_moves_idle_chunks_to_cold(tmp_path: Path) -> None:
