@@ -52,7 +52,9 @@ class BatchRunner:
         if max_seq_len is None:
             max_seq_len = int(getattr(model.config, "max_position_embeddings", 0) or 0)
             if max_seq_len <= 0:
-                raise ConfigError("the model config names no max_position_embeddings: pass max_seq_len")
+                raise ConfigError(
+                    "the model config names no max_position_embeddings: pass max_seq_len"
+                )
         self.model = model
         self.pool = pool
         self.backend = backend
@@ -129,6 +131,30 @@ class BatchRunner:
 
         Raises `PoolExhausted` (nothing changed) when the pool cannot hold the new tokens.
         """
+        ctx = self.prepare(batch)
+        b, total = ctx.num_seqs, int(ctx.slot_mapping.shape[0])
+        with torch.inference_mode(), paged_context(ctx):
+            out = self.model(
+                input_ids=self.input_ids[:, :total],
+                position_ids=self.position_ids[:, :total],
+                use_cache=False,
+                logits_to_keep=self.last_index[:b],
+            )
+        self.advance(batch)
+        logits: torch.Tensor = out.logits[0]
+        return logits
+
+    @staticmethod
+    def advance(batch: Sequence[SeqInput]) -> None:
+        """Count the step's tokens as written (after the forward stored their K/V)."""
+        for item in batch:
+            item.seq.length += len(item.tokens)
+
+    def prepare(self, batch: Sequence[SeqInput]) -> PagedContext:
+        """Reserve pages, fill the step's input buffers and return the forward context.
+
+        `self.input_ids[:, :T]` and `self.position_ids[:, :T]` hold the flattened input after it.
+        """
         total = self._check(batch)
         self.reserve(batch)
         if self._copied is not None:
@@ -145,9 +171,7 @@ class BatchRunner:
             old = seq.length
             ids[t : t + n] = item.tokens
             pos[t : t + n] = range(old, old + n)
-            slots[t : t + n] = [
-                seq.pages[p // page] * page + p % page for p in range(old, old + n)
-            ]
+            slots[t : t + n] = [seq.pages[p // page] * page + p % page for p in range(old, old + n)]
             t += n
             cu[i + 1] = t
             lens[i] = old + n
@@ -180,14 +204,4 @@ class BatchRunner:
             page_counts=page_counts,
             backend=self.backend,
         )
-        with torch.inference_mode(), paged_context(ctx):
-            out = self.model(
-                input_ids=self.input_ids[:, :total],
-                position_ids=self.position_ids[:, :total],
-                use_cache=False,
-                logits_to_keep=self.last_index[:b],
-            )
-        for item in batch:
-            item.seq.length += len(item.tokens)
-        logits: torch.Tensor = out.logits[0]
-        return logits
+        return ctx
