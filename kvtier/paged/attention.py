@@ -131,7 +131,7 @@ def paged_attention_forward(
         raise KvtierError("paged attention is for inference: call the model in eval mode")
     if kwargs.get("softcap") is not None:
         raise KvtierError("paged attention does not implement logit softcapping")
-    layer = module.layer_idx  # type: ignore[attr-defined]
+    layer = int(getattr(module, "layer_idx"))  # noqa: B009  (set by every transformers attention)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     k_cache, v_cache = ctx.pool.layer_cache(layer)
     write_kv(k_cache, v_cache, key[0].transpose(0, 1), value[0].transpose(0, 1), ctx.slot_mapping)

@@ -130,10 +130,12 @@ class PagePool:
             raise ValueError(f"cannot allocate {n} pages")
         if n > len(self._free):
             return None
-        pages = [self._free.pop() for _ in range(n)]
-        for p in pages:
-            self._refs[p] = 1
-        return pages
+        return [self._take() for _ in range(n)]
+
+    def _take(self) -> int:
+        page = self._free.pop()
+        self._refs[page] = 1
+        return page
 
     def share(self, pages: Sequence[int]) -> list[int]:
         """Add a reference to each page (a second sequence now holds them); returns a new table."""
@@ -192,13 +194,13 @@ class PagePool:
         if new_tokens > 0 and self._tail_is_shared(seq):
             index = seq.length // self.page_size
             old = seq.pages[index]
-            (new,) = self.alloc(1) or ()
+            new = self._take()
             self.kv[:, :, new].copy_(self.kv[:, :, old])
             self.free([old])
             seq.pages[index] = new
         grow = self.pages_for(seq.length + new_tokens) - len(seq.pages)
         if grow > 0:
-            seq.pages.extend(self.alloc(grow) or ())
+            seq.pages.extend(self._take() for _ in range(grow))
         return True
 
     def release(self, seq: PagedSequence) -> None:

@@ -25,7 +25,7 @@ def _partial_kernel(
     V,
     BT,
     LENS,
-    O,
+    PART,
     LSE,
     scale,
     split_len,
@@ -109,7 +109,7 @@ def _partial_kernel(
     out = acc / tl.where(nonempty, l_sum, 1.0)[:, None]
     lse = tl.where(nonempty, m + tl.log(tl.where(nonempty, l_sum, 1.0)), float("-inf"))
     tl.store(
-        O + b * stride_ob + heads[:, None] * stride_oh + s * stride_os + d[None, :],
+        PART + b * stride_ob + heads[:, None] * stride_oh + s * stride_os + d[None, :],
         out,
         mask=gmask[:, None] & dmask[None, :],
     )
@@ -118,7 +118,7 @@ def _partial_kernel(
 
 @triton.jit
 def _reduce_kernel(
-    O,
+    PART,
     LSE,
     OUT,
     num_splits,
@@ -143,7 +143,7 @@ def _reduce_kernel(
     top = tl.max(lse, 0)
     w = tl.where(smask, tl.exp(lse - top), 0.0)
     o = tl.load(
-        O + b * stride_ob + h * stride_oh + s[:, None] * stride_os + d[None, :],
+        PART + b * stride_ob + h * stride_oh + s[:, None] * stride_os + d[None, :],
         mask=smask[:, None] & dmask[None, :],
         other=0.0,
     )

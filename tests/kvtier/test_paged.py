@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
+from conftest import MODELS
 from transformers import DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.models.llama.modeling_llama import eager_attention_forward
@@ -19,8 +20,6 @@ from kvtier.errors import KvtierError
 from kvtier.geometry import KVGeometry
 from kvtier.paged import BatchRunner, PagedSequence, PagePool, PoolExhausted, SeqInput
 from kvtier.paged.attention import paged_attention_forward, paged_context
-
-from conftest import MODELS
 
 
 def _paged(name: str, pages: int = 256, page_size: int = 16) -> BatchRunner:
@@ -59,13 +58,19 @@ def test_paged_attention_equals_sdpa_and_eager(name: str) -> None:
     seqs = [PagedSequence() for _ in range(3)]
     past = [0, 13, 30]  # tokens already in the pool
     new = [11, 6, 1]
-    full_k = [torch.randn(1, kv_heads, p + n, dim, generator=g) for p, n in zip(past, new)]
-    full_v = [torch.randn(1, kv_heads, p + n, dim, generator=g) for p, n in zip(past, new)]
-    full_q = [torch.randn(1, heads, p + n, dim, generator=g) for p, n in zip(past, new)]
+    full_k = [
+        torch.randn(1, kv_heads, p + n, dim, generator=g) for p, n in zip(past, new, strict=False)
+    ]
+    full_v = [
+        torch.randn(1, kv_heads, p + n, dim, generator=g) for p, n in zip(past, new, strict=False)
+    ]
+    full_q = [
+        torch.randn(1, heads, p + n, dim, generator=g) for p, n in zip(past, new, strict=False)
+    ]
 
     def run(items: list[SeqInput], parts: list[slice]) -> torch.Tensor:
         ctx = runner.prepare(items)
-        cat = lambda xs: torch.cat([x[:, :, s] for x, s in zip(xs, parts)], dim=2)  # noqa: E731
+        cat = lambda xs: torch.cat([x[:, :, s] for x, s in zip(xs, parts, strict=False)], dim=2)  # noqa: E731
         idx = [seqs.index(item.seq) for item in items]
         q, k, v = (cat([t[i] for i in idx]) for t in (full_q, full_k, full_v))
         with paged_context(ctx):
@@ -76,12 +81,12 @@ def test_paged_attention_equals_sdpa_and_eager(name: str) -> None:
     warm = [i for i in range(3) if past[i]]
     run([SeqInput(seqs[i], [0] * past[i]) for i in warm], [slice(0, past[i]) for i in warm])
     out = run(
-        [SeqInput(s, [0] * n) for s, n in zip(seqs, new)],
-        [slice(p, p + n) for p, n in zip(past, new)],
+        [SeqInput(s, [0] * n) for s, n in zip(seqs, new, strict=False)],
+        [slice(p, p + n) for p, n in zip(past, new, strict=False)],
     )
     assert out.shape == (1, sum(new), heads, dim)
     start = 0
-    for i, (p, n) in enumerate(zip(past, new)):
+    for i, (p, n) in enumerate(zip(past, new, strict=False)):
         q = full_q[i][:, :, p:]
         allowed = torch.arange(p + n)[None, :] <= torch.arange(p, p + n)[:, None]
         want, _ = sdpa_attention_forward(
@@ -142,7 +147,7 @@ def _serve(runner: BatchRunner, sessions: list[_Session], budget: int) -> list[i
         if batch:
             logits = runner.step([SeqInput(s.seq, tokens) for s, tokens in batch])
             sizes.append(len(batch))
-            for (s, tokens), row in zip(batch, logits):
+            for (s, tokens), row in zip(batch, logits, strict=False):
                 if not s.decoding:
                     s.fed += len(tokens)
                     if not s.decoding:
@@ -176,7 +181,9 @@ def test_batched_greedy_equals_each_session_alone(name: str) -> None:
 def test_batched_greedy_other_page_sizes(page_size: int) -> None:
     runner = _paged("llama", pages=4096 // page_size, page_size=page_size)
     reference = MODELS["llama"]()
-    sessions = [_Session(p, 6, j) for p, j in zip(_prompts(11, [3, 70, 21]), [0, 1, 1])]
+    sessions = [
+        _Session(p, 6, j) for p, j in zip(_prompts(11, [3, 70, 21]), [0, 1, 1], strict=False)
+    ]
     _serve(runner, sessions, budget=32)
     for s in sessions:
         assert s.out == _greedy_alone(reference, s.prompt, s.new)
@@ -206,7 +213,7 @@ def test_shared_prefix_copy_on_write(name: str) -> None:
             tokens.append(int(runner.step([SeqInput(seq, [tokens[-1]])])[0].argmax()))
         outs[first] = tokens
     for first, tokens in outs.items():
-        assert tokens == _greedy_alone(reference, prompt + [first], 6)
+        assert tokens == _greedy_alone(reference, [*prompt, first], 6)
     runner.release(base)
     runner.release(fork)
     assert pool.num_free == pool.num_pages
