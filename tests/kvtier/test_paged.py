@@ -7,6 +7,7 @@ token budget next to decode tokens, and prefixes shared copy-on-write.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 
 import pytest
@@ -22,24 +23,30 @@ from kvtier.paged import BatchRunner, PagedSequence, PagePool, PoolExhausted, Se
 from kvtier.paged.attention import paged_attention_forward, paged_context
 
 
-def _paged(name: str, pages: int = 256, page_size: int = 16) -> BatchRunner:
-    model = MODELS[name]()
+def _paged(
+    name: str, pages: int = 256, page_size: int = 16, device: str = "cpu", backend: str = "auto"
+) -> BatchRunner:
+    model = MODELS[name]().to(device)
     geo = KVGeometry.from_config(model.config)
-    pool = PagePool(geo, pages * page_size * geo.bytes_per_token, page_size=page_size)
-    return BatchRunner(model, pool, max_batch=16, max_tokens=64, max_seq_len=512)
+    budget = pages * page_size * geo.bytes_per_token
+    pool = PagePool(geo, budget, page_size=page_size, device=device)
+    return BatchRunner(model, pool, max_batch=16, max_tokens=64, max_seq_len=512, backend=backend)
 
 
 def _greedy_alone(model: torch.nn.Module, prompt: list[int], new: int) -> list[int]:
     """Each session alone, through transformers' own DynamicCache (SDPA attention)."""
     cache = DynamicCache(config=model.config)
-    ids = torch.tensor([prompt])
+    # transformers renamed `past_key_values` to `cache`; older releases know only the first.
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    device = next(model.parameters()).device
+    ids = torch.tensor([prompt], device=device)
     out: list[int] = []
     with torch.inference_mode():
         for _ in range(new):
-            logits = model(input_ids=ids, cache=cache, use_cache=True).logits
+            logits = model(input_ids=ids, use_cache=True, **{name: cache}).logits
             token = int(logits[0, -1].argmax())
             out.append(token)
-            ids = torch.tensor([[token]])
+            ids = torch.tensor([[token]], device=device)
     return out
 
 
