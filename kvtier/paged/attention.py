@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import os
 from collections.abc import Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -171,7 +172,9 @@ def attend(
             backend = "triton"
         else:
             backend = "reference"
-    if backend in ("triton", "varlen") and not cuda:
+    # Triton's CPU interpreter (TRITON_INTERPRET=1) runs the kernel on CPU tensors, for tests.
+    interpreted = backend == "triton" and os.environ.get("TRITON_INTERPRET") == "1"
+    if backend in ("triton", "varlen") and not (cuda or (interpreted and sliding_window is None)):
         raise KvtierError(
             f"paged attention backend {backend!r} needs CUDA tensors and no sliding window; "
             "use 'reference' or 'auto'"

@@ -215,7 +215,7 @@ def paged_decode(
     if block_n is None:
         block_n = 64 if dim <= 128 else 32
     if num_splits is None:
-        sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+        sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 2
         num_splits = choose_splits(batch, kv_heads, max_len, block_n, sms)
     split_len = -(-max(max_len, 1) // num_splits)
     split_len = -(-split_len // block_n) * block_n

@@ -9,8 +9,6 @@ import torch
 from conftest import MODELS
 from test_paged import _greedy_alone, _paged, _prompts, _serve, _Session
 
-from kvtier.paged import PagedSequence, SeqInput
-
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
@@ -41,20 +39,3 @@ def test_cuda_batched_greedy_equals_each_session_alone(name: str) -> None:
     _serve(runner, sessions, budget=24)
     for s in sessions:
         assert s.out == _greedy_alone(reference, s.prompt, s.new)
-
-
-def test_triton_backend_in_the_model() -> None:
-    """Prefill through the reference path, then decode steps through the Triton kernel."""
-    runner = _paged("qwen2", device="cuda", backend="reference")
-    reference = MODELS["qwen2"]().cuda()
-    prompts = _prompts(9, [20, 33, 9])
-    seqs = [PagedSequence() for _ in prompts]
-    logits = runner.step([SeqInput(s, p) for s, p in zip(seqs, prompts, strict=True)])
-    outs = [[int(row.argmax())] for row in logits]
-    runner.backend = "triton"
-    for _ in range(7):
-        logits = runner.step([SeqInput(s, [o[-1]]) for s, o in zip(seqs, outs, strict=True)])
-        for o, row in zip(outs, logits, strict=True):
-            o.append(int(row.argmax()))
-    for p, o in zip(prompts, outs, strict=True):
-        assert o == _greedy_alone(reference, p, 8)

@@ -69,3 +69,27 @@ def test_triton_decode_matches_reference(dtype, page, heads, kv_heads, dim, spli
     want = _reference(q, k_cache, v_cache, table, batch_lens, scale)
     tol = {torch.bfloat16: 2e-2, torch.float16: 3e-3, torch.float32: 1e-4}[dtype]
     torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+def test_triton_backend_in_the_model(name: str) -> None:
+    """Prefill through the reference path, then batched decode steps through the kernel."""
+    pytest.importorskip("triton")
+    from conftest import MODELS
+    from test_paged import _greedy_alone, _paged, _prompts
+
+    from kvtier.paged import PagedSequence, SeqInput
+
+    runner = _paged(name, device=DEVICE, backend="reference", page_size=4)
+    reference = MODELS[name]().to(DEVICE)
+    prompts = _prompts(9, [20, 33, 9])
+    seqs = [PagedSequence() for _ in prompts]
+    logits = runner.step([SeqInput(s, p) for s, p in zip(seqs, prompts, strict=True)])
+    outs = [[int(row.argmax())] for row in logits]
+    runner.backend = "triton"
+    for _ in range(5):
+        logits = runner.step([SeqInput(s, [o[-1]]) for s, o in zip(seqs, outs, strict=True)])
+        for o, row in zip(outs, logits, strict=True):
+            o.append(int(row.argmax()))
+    for p, o in zip(prompts, outs, strict=True):
+        assert o == _greedy_alone(reference, p, 6)
