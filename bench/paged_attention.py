@@ -144,15 +144,25 @@ def flex_paged(case: Case) -> Callable[[], torch.Tensor]:
     logical[case.table.flatten().long()] = torch.arange(
         case.table.shape[1], device="cuda", dtype=torch.int32
     ).repeat(case.batch)
+    owner = torch.empty(pages, dtype=torch.int32, device="cuda")
+    owner[case.table.flatten().long()] = torch.arange(
+        case.batch, device="cuda", dtype=torch.int32
+    ).repeat_interleave(case.table.shape[1])
     lens = case.lens
 
     def mask_mod(b, h, q_idx, kv_idx):  # type: ignore[no-untyped-def]
-        return logical[kv_idx // page] * page + kv_idx % page < lens[b]
+        # The block mask already limits each sequence to its pages; the mask also says so,
+        # for the partial last page and for paths that apply mask_mod densely.
+        page_id = kv_idx // page
+        return (owner[page_id] == b) & (logical[page_id] * page + kv_idx % page < lens[b])
 
     num = torch.full((case.batch, 1, 1), case.table.shape[1], dtype=torch.int32, device="cuda")
+    # kv_indices must be as wide as the KV length in blocks; entries past kv_num_blocks are unused
+    indices = torch.zeros(case.batch, 1, 1, pages, dtype=torch.int32, device="cuda")
+    indices[:, 0, 0, : case.table.shape[1]] = case.table
     block_mask = BlockMask.from_kv_blocks(
         num,
-        case.table.view(case.batch, 1, 1, -1),
+        indices,
         BLOCK_SIZE=(1, page),
         mask_mod=mask_mod,
         seq_lengths=(1, pages * page),
