@@ -265,7 +265,8 @@ def main() -> None:
             f"{sec / ceiling:9.2f} {err:12.2e}"
         )
     if args.sweep:
-        print(f"\ntriton page-size sweep (same data; ceiling {ceiling and ceiling * 1e6:.1f} us)")
+        top = f"{ceiling * 1e6:.1f} us" if ceiling is not None else "not measured"
+        print(f"\ntriton page-size sweep (same data; ceiling {top})")
         print(f"{'page':>6} {'us/call':>9} {'ms/step':>9} {'max abs err':>12}")
         for page in (8, 16, 32, 64, 128, 256):
             swept = Case(*shape, page)
