@@ -17,6 +17,7 @@ CUDA = torch.cuda.is_available()
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cuda" if CUDA else "cpu"
 pytestmark = [
+    pytest.mark.gpu,
     pytest.mark.skipif(not (CUDA or INTERPRET), reason="needs CUDA or TRITON_INTERPRET=1"),
 ]
 
