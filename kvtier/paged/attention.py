@@ -27,6 +27,7 @@ Backends (`PagedContext.backend`):
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import os
 from collections.abc import Iterator
@@ -103,6 +104,7 @@ def current_context() -> PagedContext:
     return ctx
 
 
+@functools.cache
 def varlen_block_table_supported() -> bool:
     """Whether the installed torch has `varlen_attn` with a `block_table=` argument."""
     try:
@@ -199,6 +201,7 @@ def attend(
     return reference_paged(ctx, q, k_cache, v_cache, scale, sliding_window)
 
 
+@functools.cache
 def _triton_available() -> bool:
     try:
         import triton  # noqa: F401
