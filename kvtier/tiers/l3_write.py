@@ -99,8 +99,8 @@ class ChunkWriter:
         view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
         if header.payload_len != len(view):
             raise KvbinFormatError(
-                f"chunk {hex_key(header.key)}: header says payload_len={header.payload_len} but the "
-                f"payload has {len(view)} bytes; set payload_len=len(payload)"
+                f"chunk {hex_key(header.key)}: header says payload_len={header.payload_len} "
+                f"but the payload has {len(view)} bytes; set payload_len=len(payload)"
             )
         header = replace(header, checksum=header.checksum or self.checksum)
         header.validate()
@@ -230,8 +230,8 @@ class ChunkWriter:
         if exc.errno in (errno.ENOSPC, errno.EDQUOT):
             self._counters.count("full_errors")
             return StoreFullError(
-                f"{what}: L3 filesystem under {self._layout.root} is full; nothing was stored. Free "
-                "space (kvtier l3 gc --max-bytes ...) or move the store to a larger device"
+                f"{what}: L3 filesystem under {self._layout.root} is full; nothing was stored. "
+                "Free space (kvtier l3 gc --max-bytes ...) or move the store to a larger device"
             )
         self._counters.count("io_errors")
         return StoreIOError(f"{what}: write failed ({exc}); nothing was stored")
