@@ -143,6 +143,7 @@ class L3Store:
         self._commit: GroupCommit[list[_Written]] = GroupCommit(self._apply)
         self._lockfd: int | None = None
         self._closed = False
+        self._evict_listeners: list[EvictListener] = []
         self._prepare_root()
         self.index = Index(self.root, read_only=read_only)
         if not read_only:
@@ -192,6 +193,27 @@ class L3Store:
         if self._lockfd is not None:
             os.close(self._lockfd)
             self._lockfd = None
+
+    def add_evict_listener(self, fn: EvictListener) -> None:
+        """Call `fn(keys)` after the store deleted chunks on its own: the size cap of a put,
+        and `gc` (TTL / retention / LRU down to a size). Not for `delete` (the caller asked)
+        nor for a read that fails (its typed error says so). `fn` runs in the thread that
+        deleted, after the files and index rows are gone and outside the store's locks, so it
+        may call back into the store; an exception from it is logged and otherwise ignored."""
+        with self._lock:
+            self._evict_listeners.append(fn)
+
+    def _notify_evicted(self, keys: list[bytes]) -> None:
+        """Tell the evict listeners about `keys` (call with none of the store's locks held)."""
+        if not keys:
+            return
+        with self._lock:
+            listeners = list(self._evict_listeners)
+        for fn in listeners:
+            try:
+                fn(list(keys))
+            except Exception:
+                log.exception("L3 evict listener %r failed; the store carries on", fn)
 
     def __enter__(self) -> L3Store:
         return self
@@ -455,6 +477,7 @@ class L3Store:
                 self._count("evictions", len(victims))
             with self._lock:
                 self._reserved += need
+        self._notify_evicted([r.header.key for r in victims])
 
     def _check_writable(self) -> None:
         if self.read_only:
@@ -856,6 +879,9 @@ def _check_safe(path: Path, *, writable: bool) -> None:
             f"could plant chunks; run `chmod 700 {path}`"
         )
 
+
+EvictListener = Callable[[list[bytes]], None]
+"""Called with the keys of chunks the store deleted by itself (see `add_evict_listener`)."""
 
 TempWriter = Callable[[ChunkHeader, str, bool, bool], ChunkHeader]
 """(header, temp path, O_DIRECT wanted, keep page cache) -> the header as written."""

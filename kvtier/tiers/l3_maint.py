@@ -266,6 +266,7 @@ def gc(
     for start in range(0, len(rows), 256):
         batch = rows[start : start + 256]
         store._delete_rows(batch)
+        store._notify_evicted([r.header.key for r in batch])
         if progress:
             progress(start + len(batch), len(rows))
     report.chunks = len(rows)
