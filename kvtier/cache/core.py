@@ -107,11 +107,8 @@ class TieredCache(LifecycleMixin):
                 self._header,
                 self.counters,
             )
-            add_listener = getattr(self.l3, "add_evict_listener", None)
-            if add_listener is not None:
-                add_listener(self.directory.on_l3_evicted)
-            else:  # a store without eviction reports: a failed read still forgets the chunk
-                log.warning("this L3 store does not report evictions")
+            # the store reports what its size cap and gc delete; see ChunkDirectory
+            self.l3.add_evict_listener(self.directory.on_l3_evicted)
             self._bg = ThreadPoolExecutor(1, thread_name_prefix="kvtier-records")
             undo.callback(self._bg.shutdown, wait=True)
             self._load_hibernated()
@@ -424,7 +421,9 @@ class TieredCache(LifecycleMixin):
                 counters=self.counters.copy(),
                 l1_budget=self.l1.budget_bytes,
                 l1_used=self.l1.used_bytes,
-                l1_chunks=sum(-(-len(s.tokens) // C) for s in self._sessions.values() if s.resident),
+                l1_chunks=sum(
+                    -(-len(s.tokens) // C) for s in self._sessions.values() if s.resident
+                ),
                 l2_slots=self.l2.n_slots,
                 l2_free=self.l2.free_slots,
                 l2_slot_bytes=self.l2.slot_bytes,

@@ -148,9 +148,7 @@ class ChunkDirectory:
             return 0
         keep = live()
         dead = [
-            k
-            for k, e in self.entries.items()
-            if k not in keep and e.l2_slot is None and not e.busy
+            k for k, e in self.entries.items() if k not in keep and e.l2_slot is None and not e.busy
         ]
         for k in dead:
             del self.entries[k]

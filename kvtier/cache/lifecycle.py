@@ -108,15 +108,19 @@ class LifecycleMixin:
             s.chunk_keys.append(parent)
         d = self.directory
         policy = self.config.write_policy
-        for i in range(s.flushed, n_full):
+        # Evicting, every chunk is checked again: L3 may have dropped one (size cap) after L2
+        # let its copy go, and L1 holds the last copy now.
+        for i in range(0 if evicting else s.flushed, n_full):
             e = d.ensure(s.chunk_keys[i], s.chunk_keys[i - 1] if i else ZERO_KEY, C)
-            e.seen += 1
+            e.seen += i >= s.flushed
             if d.stored(e):
                 continue  # already stored once (prefix shared with another session)
             if not (
                 evicting
                 or policy == "write_through"
-                or (policy == "write_through_selective" and e.seen >= self.config.selective_min_hits)
+                or (
+                    policy == "write_through_selective" and e.seen >= self.config.selective_min_hits
+                )
             ):
                 continue
             if not self._write_down(s, i * C, e, tenant=s.tenant) and evicting:
@@ -180,6 +184,7 @@ class LifecycleMixin:
             if s.state is SessionState.ACTIVE:
                 raise SessionError("cannot hibernate a session while a request is running on it")
             if s.resident:
+                self.directory.drain_evictions()
                 self._write_completed_chunks(s, evicting=True)
                 self._write_tail(s)
                 self._release_l1(s)
