@@ -229,6 +229,8 @@ class TieredCache(LifecycleMixin):
         return fut
 
     def _record_done(self, fut: Future[Any]) -> None:
+        if fut.cancelled():
+            return
         exc = fut.exception()
         if exc is not None:
             log.error("session record write failed: %s", exc)

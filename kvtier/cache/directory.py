@@ -94,6 +94,9 @@ class ChunkDirectory:
         self._n = counters
         self._evicted: collections.deque[list[bytes]] = collections.deque()
         self._sweep_at = 256
+        # sightings of reclaimed chunks (bounded, oldest forgotten first)
+        self._seen: collections.OrderedDict[bytes, int] = collections.OrderedDict()
+        self._seen_max = max(4096, 4 * arena.n_slots)
 
     # -- read API (sessions, snapshots) ---------------------------------------------------------
 
@@ -124,6 +127,7 @@ class ChunkDirectory:
         e = self.entries.get(key)
         if e is None:
             e = self.entries[key] = Chunk(key=key, parent=parent, tokens=tokens)
+            e.seen = self._seen.pop(key, 0)
         return e
 
     def stored(self, e: Chunk) -> bool:
@@ -151,7 +155,12 @@ class ChunkDirectory:
             k for k, e in self.entries.items() if k not in keep and e.l2_slot is None and not e.busy
         ]
         for k in dead:
-            del self.entries[k]
+            seen = self.entries.pop(k).seen
+            if seen:  # write_through_selective counts sightings across sessions
+                self._seen[k] = seen
+                self._seen.move_to_end(k)
+        while len(self._seen) > self._seen_max:
+            self._seen.popitem(last=False)
         self._sweep_at = max(256, 2 * len(self.entries))
         return len(dead)
 
@@ -244,7 +253,8 @@ class ChunkDirectory:
                     continue
                 if e.l3_write is not None:
                     self.settle_write(e, e.l3_write)  # done (busy ones are excluded)
-                if e.key not in self.l3_tokens and not self._write_back(e):
+                    self.drain_evictions()
+                if e.key not in self.l3_tokens and (durable_only or not self._write_back(e)):
                     exclude.extra.add(e.key)
                     continue
                 self.free_slot(e)
