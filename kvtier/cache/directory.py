@@ -23,7 +23,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-from kvtier.errors import StoreFullError
+from kvtier.errors import ChunkNotFound, FingerprintMismatch, KvbinFormatError, StoreFullError
 from kvtier.policy import EvictionPolicy
 from kvtier.tiers.l2 import HostArena
 from kvtier.transfer import TransferEngine
@@ -90,6 +90,7 @@ class ChunkDirectory:
         self.entries: dict[bytes, Chunk] = {}
         self.l3_tokens = l3_tokens  # key -> tokens of this model's chunks believed in L3
         self.writing: set[bytes] = set()  # keys with an L2 -> L3 write in flight
+        self.reading: set[bytes] = set()  # keys with an L3 -> L2 read in flight
         self._header = header
         self._n = counters
         self._evicted: collections.deque[list[bytes]] = collections.deque()
@@ -205,7 +206,8 @@ class ChunkDirectory:
             log.warning("L3 write of %s failed: %s", e.key.hex(), exc)
 
     def reap_writes(self) -> None:
-        """Harvest finished L2 -> L3 writes (only chunks with a write in flight)."""
+        """Harvest finished L2 -> L3 writes and L3 -> L2 reads (only chunks with one in
+        flight), and the store's evictions."""
         self.drain_evictions()
         for key in list(self.writing):
             e = self.entries.get(key)
@@ -214,7 +216,51 @@ class ChunkDirectory:
                 self.writing.discard(key)
             elif fut.done():
                 self.settle_write(e, fut)
+        self.reap_reads()
         self.drain_evictions()
+
+    def reap_reads(self) -> None:
+        for key in list(self.reading):
+            e = self.entries.get(key)
+            rfut = e.l3_read if e is not None else None
+            if e is None or rfut is None:
+                self.reading.discard(key)
+            elif rfut.done():
+                self.settle_read(e, rfut)
+
+    # -- L3 reads --------------------------------------------------------------------------------
+
+    def start_read(self, e: Chunk, fingerprint: bytes) -> Future[Any] | None:
+        """Reserve an L2 slot for `e` and start reading it from L3 (or join the read in
+        flight); None if L2 has no free slot."""
+        if e.l3_read is not None:
+            return e.l3_read
+        slot = self.alloc()
+        if slot is None:
+            return None
+        e.l2_slot = slot  # reserved: usable once the read succeeded
+        e.l3_read = self.engine.read_l3(e.key, slot, fingerprint)
+        self.reading.add(e.key)
+        self.policy.touch(e.key)
+        return e.l3_read
+
+    def settle_read(self, e: Chunk, fut: Future[Any]) -> None:
+        """Publish a finished L3 -> L2 read (idempotent). A chunk that is gone or corrupt is
+        forgotten, so no later restore tries it again."""
+        if e.l3_read is not fut:
+            return
+        e.l3_read = None
+        self.reading.discard(e.key)
+        exc = fut.exception()
+        if exc is None:
+            self.policy.touch(e.key)
+            return
+        if e.l2_slot is not None:
+            self.free_slot(e)
+        if isinstance(exc, (ChunkNotFound, KvbinFormatError, FingerprintMismatch)):
+            self._n.checksum_failures += isinstance(exc, KvbinFormatError)
+            self.forget_l3(e.key)
+        log.warning("L3 read of %s failed (%s); recomputing from there", e.key.hex(), exc)
 
     # -- L2 slots ----------------------------------------------------------------------------------
 
@@ -240,6 +286,7 @@ class ChunkDirectory:
         slot = self.arena.alloc()
         if slot is not None:
             return slot
+        self.reap_reads()  # a finished prefetch nobody used yet is an ordinary L2 copy
         self.drain_evictions()
         for durable_only in (True, False):
             exclude = _Busy(self, durable_only)

@@ -21,7 +21,6 @@ from typing import TYPE_CHECKING, Any
 
 from kvtier.cache.directory import Chunk
 from kvtier.cache.keys import ZERO_KEY, chunk_key
-from kvtier.errors import ChunkNotFound, FingerprintMismatch, KvbinFormatError
 from kvtier.types import RestoreSource
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -69,34 +68,11 @@ def locate(cache: TieredCache, key: bytes) -> tuple[Chunk | None, str]:
 
 
 def settle_read(cache: TieredCache, e: Chunk, fut: Future[Any]) -> None:
-    """Publish a finished L3 -> L2 read (idempotent). A chunk that is gone or corrupt is
-    forgotten, so no later restore tries it again."""
-    if e.l3_read is not fut:
-        return
-    e.l3_read = None
-    exc = fut.exception()
-    if exc is None:
-        cache.directory.policy.touch(e.key)
-        return
-    if e.l2_slot is not None:
-        cache.directory.free_slot(e)
-    if isinstance(exc, (ChunkNotFound, KvbinFormatError, FingerprintMismatch)):
-        cache.counters.checksum_failures += isinstance(exc, KvbinFormatError)
-        cache.directory.forget_l3(e.key)
-    log.warning("L3 read of %s failed (%s); recomputing from there", e.key.hex(), exc)
+    cache.directory.settle_read(e, fut)
 
 
 def start_read(cache: TieredCache, e: Chunk) -> Future[Any] | None:
-    """Reserve an L2 slot for `e` and start reading it from L3; None if L2 has no free slot."""
-    if e.l3_read is not None:
-        return e.l3_read
-    slot = cache.directory.alloc()
-    if slot is None:
-        return None
-    e.l2_slot = slot  # reserved: usable once the read succeeded
-    e.l3_read = cache.engine.read_l3(e.key, slot, cache.fingerprint)
-    cache.directory.policy.touch(e.key)
-    return e.l3_read
+    return cache.directory.start_read(e, cache.fingerprint)
 
 
 def plan(cache: TieredCache, s: Session, want: list[int]) -> RestorePlan | None:

@@ -335,3 +335,17 @@ def test_eviction_never_lists_a_chunk_stored_nowhere(tmp_path: Path, model, monk
     assert got == len(rec.token_ids) // 4 and got >= CHUNK
     s.abort()
     again.close()
+
+
+def test_an_unused_prefetch_does_not_hold_l2_slots(tmp_path: Path, model):
+    slot = 2 * 2 * 2 * 16 * CHUNK * 4
+    cache = TieredCache(cfg(tmp_path, l2_bytes=2 * slot), model)
+    p = turn(model, cache, "p", ids_of(2 * CHUNK, 1))
+    p.hibernate()
+    cache.evict_l2()
+    p.prefetch()  # both slots now hold p's chunks; nobody restores p
+    time.sleep(0.2)
+    q = turn(model, cache, "q", ids_of(2 * CHUNK, 2))
+    cache.flush()
+    assert q.info().chunks_l3 == 2  # written through L2: the prefetched slots were reusable
+    cache.close()
