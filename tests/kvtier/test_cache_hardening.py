@@ -349,3 +349,71 @@ def test_an_unused_prefetch_does_not_hold_l2_slots(tmp_path: Path, model):
     cache.flush()
     assert q.info().chunks_l3 == 2  # written through L2: the prefetched slots were reusable
     cache.close()
+
+
+# -- concurrency: many threads, every restored byte checked ------------------------------------
+
+
+def _kv(ids: list[int], start: int, layer: int, g) -> torch.Tensor:
+    """The K of tokens [start, len(ids)): a function of token id, position and layer only,
+    so any correctly restored prefix holds exactly these values."""
+    vals = torch.tensor([ids[p] + p / 4096 + layer for p in range(start, len(ids))])
+    return vals.view(1, 1, -1, 1).expand(1, g.num_kv_heads, -1, g.head_dim).contiguous()
+
+
+def test_concurrent_sessions_restore_exactly_what_was_written(tmp_path: Path, model):
+    import random
+
+    cache = TieredCache(
+        cfg(tmp_path, l1_bytes=640 << 10, l2_bytes=24 * 8192, l3_read_bytes_per_s=20e6), model
+    )
+    g = cache.geometry
+    system = [int(x) for x in ids_of(2 * CHUNK, 99)[0]]
+    errors: list[BaseException] = []
+    restored = [0]
+
+    def worker(tid: int) -> None:
+        rng = random.Random(tid)
+        history: dict[str, list[int]] = {}
+        try:
+            for _ in range(25):
+                sid = f"w{tid}-{rng.randrange(3)}"
+                ids = history.get(sid) or (system if rng.random() < 0.5 else [])
+                if len(ids) > 160:
+                    ids = system
+                ids = ids + [rng.randrange(1, 250) for _ in range(rng.randrange(1, 40))]
+                s = cache.session(sid, tenant="t")
+                pkv = s.restore(torch.tensor([ids]))
+                n = pkv.get_seq_length()
+                restored[0] += n
+                for layer in range(g.num_layers):
+                    k = pkv.layers[layer].keys
+                    assert k is not None and torch.equal(k[:, :, :n], _kv(ids[:n], 0, layer, g))
+                for layer in range(g.num_layers):
+                    new = _kv(ids, n, layer, g)
+                    pkv.update(new, -new, layer)
+                s.commit(ids)
+                history[sid] = ids
+                r = rng.random()
+                if r < 0.3:
+                    s.hibernate()
+                elif r < 0.4:
+                    cache.evict_l2()
+                elif r < 0.5:
+                    cache.stats()
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(120)
+    assert not errors, errors
+    assert restored[0] > 0
+    assert all(e.pins == 0 for e in cache.directory.entries.values())
+    snap = cache.stats()
+    assert snap.tier("l1").evictions > 0  # type: ignore[union-attr]
+    decisions = dict(snap.restore_decisions)
+    assert decisions["l2"] + decisions["l3"] > 0  # restores from below L1 ran concurrently
+    cache.close()
