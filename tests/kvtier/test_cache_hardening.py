@@ -401,7 +401,7 @@ def test_concurrent_sessions_restore_exactly_what_was_written(tmp_path: Path, mo
                     cache.evict_l2()
                 elif r < 0.5:
                     cache.stats()
-        except BaseException as exc:  # noqa: BLE001 - reported below
+        except BaseException as exc:  # reported below
             errors.append(exc)
 
     threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
