@@ -49,7 +49,7 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return i
 
 
-def locate(cache: TieredCache, key: bytes) -> tuple[Chunk | None, str]:
+def locate(cache: TieredCache, key: bytes, parent: bytes = ZERO_KEY) -> tuple[Chunk | None, str]:
     """Where `key` can be loaded from: "l2" (a ready slot, or a read in flight that the
     restore waits for outside the lock) or "l3" (a file). Never waits."""
     d = cache.directory
@@ -64,7 +64,7 @@ def locate(cache: TieredCache, key: bytes) -> tuple[Chunk | None, str]:
     tokens = d.l3_tokens.get(key)
     if tokens is None:
         return None, ""
-    return d.ensure(key, ZERO_KEY, tokens), "l3"
+    return d.ensure(key, parent, tokens), "l3"
 
 
 def settle_read(cache: TieredCache, e: Chunk, fut: Future[Any]) -> None:
@@ -96,7 +96,7 @@ def plan(cache: TieredCache, s: Session, want: list[int]) -> RestorePlan | None:
         entry: Chunk | None = None
         src = ""
         if len(toks) == C:
-            entry, src = locate(cache, cache.key_for(parent, toks, s))
+            entry, src = locate(cache, cache.key_for(parent, toks, s), parent)
         if (
             entry is None
             and tail
@@ -104,7 +104,7 @@ def plan(cache: TieredCache, s: Session, want: list[int]) -> RestorePlan | None:
             and chunk_key(parent, toks[:tail], s.ns) == s.tail_key
         ):
             # the session's own hibernated partial tail, at the end of its stored prefix
-            entry, src = locate(cache, s.tail_key)
+            entry, src = locate(cache, s.tail_key, parent)
         if entry is None:
             n.misses["l3"] += 1
             break
