@@ -93,6 +93,7 @@ class CacheSnapshot:
     shed_writes: int = 0
     io_errors: int = 0
     oom_retries: int = 0
+    record_errors: int = 0  # session records that could not be saved or deleted in L3
     sessions: tuple[SessionInfo, ...] = field(default=(), compare=False)
 
     def tier(self, name: str) -> TierStats | None:

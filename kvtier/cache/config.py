@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvtier.errors import ConfigError
+from kvtier.policy import POLICIES
 
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 CODECS = ("native", "int8", "fp8")
@@ -74,4 +75,21 @@ class CacheConfig:
             raise ConfigError("load_margin must be positive")
         if self.l3_writer not in L3_WRITERS:
             raise ConfigError(f"l3_writer {self.l3_writer!r} is not one of {L3_WRITERS}")
+        if self.l2_policy not in POLICIES:
+            raise ConfigError(f"l2_policy {self.l2_policy!r} is not one of {sorted(POLICIES)}")
+        if self.l3_max_bytes is not None and self.l3_max_bytes <= 0:
+            raise ConfigError("l3_max_bytes must be positive (or None for no cap)")
+        if self.l3_write_queue < 1:
+            raise ConfigError(f"l3_write_queue must be >= 1, got {self.l3_write_queue}")
+        if self.l3_threads < 1:
+            raise ConfigError(f"l3_threads must be >= 1, got {self.l3_threads}")
+        if self.session_ttl_s is not None and self.session_ttl_s < 0:
+            raise ConfigError("session_ttl_s must be >= 0 (or None: sessions never expire)")
+        if self.initial_prefill_s_per_token <= 0:
+            raise ConfigError("initial_prefill_s_per_token must be positive")
+        bad = {k: v for k, v in self.initial_bandwidth.items() if not v or v <= 0}
+        if bad:
+            raise ConfigError(f"initial_bandwidth values must be positive, got {bad}")
+        if not str(self.l3_root):
+            raise ConfigError("l3_root must name a directory")
         self.l3_root = Path(self.l3_root)

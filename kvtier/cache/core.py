@@ -1,82 +1,63 @@
-"""TieredCache and Session: the orchestrator of DESIGN.md sections 3 and 6.
+"""TieredCache: the orchestrator of the tiers (L1 GPU, L2 pinned host, L3 SSD).
 
 Data model
 - A session's KV lives in L1 while it is resident (`SessionBuffers`, exact attention reads it).
-- Every *full* chunk of a session has a content key (`keys.chain`). The chunk directory maps a key
-  to where copies exist: an L2 slot and/or an L3 file. Equal prefixes share one entry.
+- Every *full* chunk of a session has a content key (`keys.chain`). The `ChunkDirectory` maps
+  a key to where copies exist: an L2 slot and/or an L3 file. Equal prefixes share one entry.
 - A session's tail (tokens after its last full chunk) is written as a partial chunk only when
   the session leaves L1 (hibernate or eviction), so the session resumes whole.
 
-Threading: one re-entrant lock guards all metadata. The model's forward runs outside it; a
+Threading: one re-entrant lock guards the metadata (sessions, directory, counters). It is held
+only for bookkeeping and for starting transfers, never across a wait for the disk: restore
+(`kvtier.cache.restore`) and hibernate plan under the lock, wait for reads, throttle sleeps,
+copies and fsyncs outside it, and publish under it again; `stats()` copies numbers under the
+lock and asks the store and the engine outside it. The model's forward runs outside it; a
 session is never evicted while a request is running on it (state ACTIVE).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
 import time
 from array import array
-from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from kvtier.cache import restore as _restore
 from kvtier.cache.config import CacheConfig
 from kvtier.cache.costmodel import CostModel
-from kvtier.cache.keys import SHARED_TENANT, ZERO_KEY, chunk_key, namespace
-from kvtier.cache.session import Session, _as_list
-from kvtier.cache.stats import Counters, build_snapshot
+from kvtier.cache.directory import Chunk, ChunkDirectory
+from kvtier.cache.keys import SHARED_TENANT, TENANT_MAX_BYTES, chunk_key, namespace
+from kvtier.cache.lifecycle import LifecycleMixin
+from kvtier.cache.session import Session
+from kvtier.cache.stats import Counters, SnapshotInputs, build_snapshot
 from kvtier.codecs import make_codec
-from kvtier.errors import (
-    BudgetError,
-    ConfigError,
-    FingerprintMismatch,
-    KvbinFormatError,
-    L1BudgetExceeded,
-    SessionError,
-    StoreError,
-    StoreFullError,
-)
+from kvtier.errors import BudgetError, ConfigError, L1BudgetExceeded, SessionError
 from kvtier.geometry import KVGeometry, model_fingerprint, normalize_dtype
 from kvtier.integrations.hf import KvtierCache
 from kvtier.kvbin import ChunkHeader
 from kvtier.policy import make_policy
-from kvtier.snapshot import (
-    RESTORE_BUCKETS,
-    CacheSnapshot,
-)
+from kvtier.snapshot import RESTORE_BUCKETS, CacheSnapshot
 from kvtier.tiers.l1 import L1Pool
 from kvtier.tiers.l2 import HostArena
 from kvtier.tiers.l3 import L3Store, SessionRecord
 from kvtier.transfer import TransferEngine
-from kvtier.types import RestoreSource, SessionState
+from kvtier.types import SessionState
 from kvtier.weights import weights_digest
 
 log = logging.getLogger("kvtier.cache")
 
 
-@dataclass(eq=False)
-class _Chunk:
-    """Where copies of one chunk exist. L1 copies belong to sessions, not to this entry."""
-
-    key: bytes
-    parent: bytes
-    tokens: int
-    l2_slot: int | None = None
-    in_l3: bool = False
-    l3_write: Future | None = None  # in-flight L2 -> L3 write
-    l3_read: Future | None = None  # in-flight L3 -> L2 prefetch
-    seen: int = 0
-
-
-class TieredCache:
+class TieredCache(LifecycleMixin):
     """KV cache of many sessions across GPU memory (L1), pinned host RAM (L2) and SSD (L3)."""
 
     def __init__(self, config: CacheConfig, model: Any) -> None:
+        config.__post_init__()  # settings changed after construction are checked again
         self.config = config
         self.chunk_tokens = config.chunk_tokens
         self.model = model
@@ -92,62 +73,94 @@ class TieredCache:
             weights_digest=weights_digest(model),
         )
         self.codec = make_codec(config.codec, self.geometry)
-        l1_bytes = config.l1_bytes or _default_l1_bytes(self.device)
-        self.l1 = L1Pool(self.geometry, l1_bytes, self.device, self.chunk_tokens)
+        self._lock = threading.RLock()
+        self._idle = threading.Condition(self._lock)  # notified when a restore publishes
+        self._restoring = 0  # restores between their plan and their publish
+        self._closed = False
+        self._sessions: dict[tuple[str, str], Session] = {}
+        self.counters = Counters()
+        # Every resource is released again if a later step fails (reopening the root works).
+        with contextlib.ExitStack() as undo:
+            l1_bytes = config.l1_bytes or _default_l1_bytes(self.device)
+            self.l1 = L1Pool(self.geometry, l1_bytes, self.device, self.chunk_tokens)
+            self.l3 = L3Store(
+                config.l3_root,
+                keep_page_cache=config.keep_page_cache,
+                max_bytes=config.l3_max_bytes,
+                cold_dir=config.l3_cold_root,
+            )
+            undo.callback(self.l3.close)
+            self.l2, self.engine = self._build_tiers(config, undo)
+            self._claim_l1()
+            self.cost = CostModel(
+                config.initial_bandwidth,
+                config.initial_prefill_s_per_token,
+                margin=config.load_margin,
+            )
+            # Keys (-> token count) of this model's chunks in L3, loaded once: the hot path
+            # never queries the SQLite index, whose writers hold its lock across a commit.
+            l3_tokens: dict[bytes, int] = {}
+            self._published = False  # some prefix is published to every tenant
+            for row in self.l3.index.iter_chunks():
+                if row.header.fingerprint == self.fingerprint:
+                    l3_tokens[row.header.key] = row.header.tokens
+                    self._published |= row.header.tenant == SHARED_TENANT
+            self.directory = ChunkDirectory(
+                self.l2,
+                self.engine,
+                make_policy(config.l2_policy),
+                l3_tokens,
+                self._header,
+                self.counters,
+            )
+            # the store reports what its size cap and gc delete; see ChunkDirectory
+            self.l3.add_evict_listener(self.directory.on_l3_evicted)
+            self._bg = ThreadPoolExecutor(1, thread_name_prefix="kvtier-records")
+            undo.callback(self._bg.shutdown, wait=True)
+            self._load_hibernated()
+            undo.pop_all()
+
+    def _build_tiers(
+        self, config: CacheConfig, undo: contextlib.ExitStack
+    ) -> tuple[HostArena, TransferEngine]:
+        """The L2 arena and the transfer engine, with the L3 writer process if asked for."""
         slot_bytes = self.codec.payload_bytes(self.chunk_tokens)
-        self.l3 = L3Store(
-            config.l3_root,
-            keep_page_cache=config.keep_page_cache,
-            max_bytes=config.l3_max_bytes,
-            cold_dir=config.l3_cold_root,
-        )
         writer = config.l3_writer
         if writer == "auto":
             writer = "process" if self.device.type == "cuda" else "threads"
         want_process = writer == "process" and hasattr(os, "memfd_create")
         try:
-            self.l2, self.engine = self._build_l2(config, slot_bytes, want_process)
+            return self._build_l2(config, slot_bytes, want_process, undo)
         except (BudgetError, OSError) as exc:
             if not want_process:
-                self.l3.close()
                 raise
             # Shared memory or the child could not be had here: the same cache with writer
             # threads (write-through then competes with decode for this interpreter).
             log.warning("L3 writer process unavailable (%s); writing L3 from threads", exc)
-            try:
-                self.l2, self.engine = self._build_l2(config, slot_bytes, False)
-            except BaseException:
-                self.l3.close()
-                raise
+            return self._build_l2(config, slot_bytes, False, undo)
+
+    def _build_l2(
+        self, config: CacheConfig, slot_bytes: int, writer_process: bool, undo: Any
+    ) -> tuple[HostArena, TransferEngine]:
+        arena = HostArena(slot_bytes, config.l2_bytes, pin=config.pin_memory, shared=writer_process)
         try:
-            self._claim_l1()
+            engine = TransferEngine(
+                self.geometry,
+                self.chunk_tokens,
+                self.device,
+                arena,
+                self.l3,
+                self.codec,
+                l3_write_queue=config.l3_write_queue,
+                l3_threads=config.l3_threads,
+                writer_process=writer_process,
+            )
         except BaseException:
-            self.engine.close()
-            self.l2.close()
-            self.l3.close()
+            arena.close()
             raise
-        self._cost = CostModel(
-            config.initial_bandwidth,
-            config.initial_prefill_s_per_token,
-            margin=config.load_margin,
-        )
-        self._l2_policy = make_policy(config.l2_policy)
-        self._lock = threading.RLock()
-        self._chunks: dict[bytes, _Chunk] = {}
-        self._writing: set[bytes] = set()  # keys with an L2 -> L3 write in flight
-        self._sessions: dict[tuple[str, str], Session] = {}
-        self._n = Counters()
-        # Keys (-> token count) of this model's chunks in L3, loaded once: the hot path never
-        # queries the SQLite index, whose writers hold its lock across an fsync'd commit.
-        self._l3_tokens: dict[bytes, int] = {
-            row.header.key: row.header.tokens
-            for row in self.l3.index.iter_chunks()
-            if row.header.fingerprint == self.fingerprint
-        }
-        self._bg = ThreadPoolExecutor(1, thread_name_prefix="kvtier-records")
-        self._closed = False
-        self._published = False  # set once a prefix is published to every tenant
-        self._load_hibernated()
+        undo.callback(arena.close)
+        undo.callback(engine.close)  # runs first: the engine uses the arena
+        return arena, engine
 
     def _claim_l1(self) -> None:
         """On a GPU, l1_bytes is all of kvtier's device memory: the engine's staging buffers
@@ -165,32 +178,11 @@ class TieredCache:
 
     # -- sessions -------------------------------------------------------------------------------
 
-    def _build_l2(
-        self, config: CacheConfig, slot_bytes: int, writer_process: bool
-    ) -> tuple[HostArena, TransferEngine]:
-        """The L2 arena and the transfer engine (shared L2 + writer process, or neither)."""
-        arena = HostArena(slot_bytes, config.l2_bytes, pin=config.pin_memory, shared=writer_process)
-        try:
-            engine = TransferEngine(
-                self.geometry,
-                self.chunk_tokens,
-                self.device,
-                arena,
-                self.l3,
-                self.codec,
-                l3_write_queue=config.l3_write_queue,
-                l3_threads=config.l3_threads,
-                writer_process=writer_process,
-            )
-        except BaseException:
-            arena.close()
-            raise
-        return arena, engine
-
     def session(self, session_id: str, tenant: str = "default") -> Session:
         """Open a session, or find it again (also after a restart, from L3)."""
         if not isinstance(session_id, str) or not session_id:
             raise SessionError("session_id must be a non-empty string")
+        _check_tenant(tenant)
         with self._lock:
             self._check_open()
             key = (tenant, session_id)
@@ -209,24 +201,17 @@ class TieredCache:
             if rec.fingerprint != self.fingerprint:
                 continue
             s = Session(self, rec.session_id, rec.tenant)
-            self._adopt_record(s, rec)
+            s.tokens = list(array("i", rec.token_ids))
+            n_full = len(s.tokens) // self.chunk_tokens
+            keys = list(rec.chunk_keys)
+            s.chunk_keys = keys[:n_full]
+            s.tail_key = keys[n_full] if len(keys) > n_full else None
+            s.flushed = n_full
+            s.pinned = rec.pinned
+            s.ttl_s = rec.ttl_s
+            s.last_active = rec.last_active
+            s.state = SessionState.HIBERNATED
             self._sessions[(rec.tenant, rec.session_id)] = s
-
-    def _adopt_record(self, s: Session, rec: SessionRecord) -> None:
-        s.tokens = list(array("i", rec.token_ids))
-        n_full = len(s.tokens) // self.chunk_tokens
-        keys = list(rec.chunk_keys)
-        s.chunk_keys = keys[:n_full]
-        s.tail_key = keys[n_full] if len(keys) > n_full else None
-        s.flushed = n_full
-        s.pinned = rec.pinned
-        s.ttl_s = rec.ttl_s
-        s.last_active = rec.last_active
-        s.state = SessionState.HIBERNATED
-
-    def _save_record(self, s: Session) -> None:
-        """Save now; through the record thread so it lands after every save queued earlier."""
-        self._bg.submit(self.l3.save_session, self._record(s)).result()
 
     def _record(self, s: Session) -> SessionRecord:
         keys = tuple(s.chunk_keys) + ((s.tail_key,) if s.tail_key else ())
@@ -242,9 +227,25 @@ class TieredCache:
             state=s.state.value,
         )
 
-    # -- restore --------------------------------------------------------------------------------
+    def _submit_record(self, fn: Any, *args: Any) -> Future[Any]:
+        """Save or delete a record on the record thread (in order); a failure is logged and
+        counted (`CacheSnapshot.record_errors`), never lost."""
+        fut = self._bg.submit(fn, *args)
+        fut.add_done_callback(self._record_done)
+        return fut
 
-    def _restore(self, s: Session, ids: list[int]) -> KvtierCache:
+    def _record_done(self, fut: Future[Any]) -> None:
+        if fut.cancelled():
+            return
+        exc = fut.exception()
+        if exc is not None:
+            log.error("session record write failed: %s", exc)
+            with self.counters.guard:
+                self.counters.record_errors += 1
+
+    # -- the host API that `Session` calls (session.SessionHost) --------------------------------
+
+    def restore_session(self, s: Session, ids: list[int]) -> KvtierCache:
         if not ids:
             raise SessionError("restore needs at least one input token")
         t0 = time.perf_counter()
@@ -261,85 +262,56 @@ class TieredCache:
             s.state = SessionState.ACTIVE
             s.last_active = time.time()
             try:
-                source = self._assemble(s, ids[:-1])  # leave the last token to compute
+                plan = _restore.plan(self, s, ids[:-1])  # leave the last token to compute
             except BaseException:
                 s.state = SessionState.IDLE if s.resident else SessionState.HIBERNATED
                 raise
-            s.restore_source = source
-            self._n.decisions[source] += 1
-            self._record_latency(source, time.perf_counter() - t0)
-            return KvtierCache(s)  # type: ignore[arg-type]  # resident: bufs is set
+            if plan is None:
+                return self._restored(s, "l1", t0)
+            self._restoring += 1
+        try:
+            _restore.load(self, s, plan)  # reads, throttle and copies: outside the lock
+        except BaseException:
+            with self._lock:
+                self._restoring -= 1
+                self._idle.notify_all()
+                plan.usable = 0
+                _restore.publish(self, s, plan)
+                s.state = SessionState.IDLE
+            raise
+        with self._lock:
+            self._restoring -= 1
+            self._idle.notify_all()
+            return self._restored(s, _restore.publish(self, s, plan), t0)
 
-    def _assemble(self, s: Session, want: list[int]) -> str:
-        """Fill the session's L1 with the longest worthwhile cached prefix of `want`."""
-        C = self.chunk_tokens
-        if s.resident:
-            common = _common_prefix(s.tokens, want)
-            if common > 0:
-                self._truncate(s, common)
-                self._n.hits["l1"] += 1
-                self._n.restored_tokens["l1"] += common
-                return RestoreSource.L1.value
-            self._truncate(s, 0)
-        # Not resident (or nothing in common): look the prefix up chunk by chunk.
-        segments: list[tuple[str, _Chunk]] = []
-        parent = ZERO_KEY
-        tail = self._tail_len(s) if s.tail_key is not None else 0
-        for i in range(len(want) // C + 1):
-            toks = want[i * C : (i + 1) * C]
-            entry = None
-            if len(toks) == C:
-                key = self._key_for(parent, toks, s)
-                entry, src = self._locate(key)
-            if (
-                entry is None
-                and tail
-                and len(toks) >= tail
-                and chunk_key(parent, toks[:tail], s.ns) == s.tail_key
-            ):
-                # the session's own hibernated partial tail, at the end of its stored prefix
-                entry, src = self._locate(s.tail_key)
-            if entry is None:
-                self._n.misses["l3"] += 1
-                break
-            segments.append((src, entry))
-            parent = entry.key
-            if entry.tokens < C:
-                break
-        if self.config.cost_model:
-            plan = self._cost.plan(
-                [(src, self.codec.payload_bytes(e.tokens), e.tokens) for src, e in segments]
-            )
-            segments = segments[:plan]
-        loaded_tokens = sum(e.tokens for _, e in segments)
-        self._alloc_l1(s, max(len(want) + 1, loaded_tokens))
-        s.tokens, s.chunk_keys, s.flushed, s.tail_key = [], [], 0, None
-        segments = self._load_segments(s, segments)
-        pos = 0
-        deepest = RestoreSource.RECOMPUTE.value
-        for src, entry in segments:
-            if entry.tokens == C:
-                s.chunk_keys.append(entry.key)
-            pos += entry.tokens
-            self._n.hits[src] += 1
-            self._n.restored_tokens[src] += entry.tokens
-            if deepest == RestoreSource.RECOMPUTE.value or src == "l3":
-                deepest = src
-        s.flushed = len(s.chunk_keys)
-        s.tokens = want[:pos]
-        s.lengths[:] = [pos] * len(s.lengths)
-        if pos > len(want):  # cannot happen: segments follow `want`
-            raise AssertionError("restored more tokens than asked for")
-        self._n.restored_tokens[RestoreSource.RECOMPUTE.value] += len(want) + 1 - pos
-        return deepest
+    def _restored(self, s: Session, source: str, t0: float) -> KvtierCache:
+        s.restore_source = source
+        self.counters.decisions[source] += 1
+        self._record_latency(source, time.perf_counter() - t0)
+        return KvtierCache(s)  # type: ignore[arg-type]  # resident: bufs is set
 
-    def _tail_len(self, s: Session) -> int:
-        return len(s.tokens) % self.chunk_tokens
+    def prefetch_session(self, s: Session) -> None:
+        with self._lock:
+            _restore.prefetch(self, s)
 
-    def _key_for(self, parent: bytes, toks: list[int], s: Session) -> bytes:
+    def grow_session(self, s: Session, tokens: int) -> None:
+        """More L1 room during a forward (evicts idle sessions under the lock if needed)."""
+        assert s.bufs is not None
+        bufs = s.bufs
+        need = self.l1.bytes_for(self.l1.round_up(tokens))
+        keep = max(s.lengths) if s.lengths else 0  # layers already written in this forward
+        self._with_room(need, lambda: self.l1.grow(bufs, tokens, keep), exclude=s)
+
+    def chunk_counts(self, keys: list[bytes]) -> tuple[int, int]:
+        """(chunks in L2, chunks in L3) among `keys` (for `Session.info`)."""
+        with self._lock:
+            return self.directory.count(keys)
+
+    def key_for(self, parent: bytes, toks: list[int], s: Session) -> bytes:
         """Key of a full chunk: the shared namespace's if that prefix was published."""
         shared = chunk_key(parent, toks, self._shared_ns)
-        if shared in self._chunks or (self._published and shared in self._l3_tokens):
+        d = self.directory
+        if d.get(shared) is not None or (self._published and d.in_l3(shared)):
             return shared
         return chunk_key(parent, toks, s.ns)
 
@@ -347,222 +319,18 @@ class TieredCache:
     def _shared_ns(self) -> bytes:
         return namespace(self.fingerprint, SHARED_TENANT)
 
-    def _locate(self, key: bytes) -> tuple[_Chunk | None, str]:
-        entry = self._chunks.get(key)
-        if entry is not None and entry.l3_read is not None:
-            self._finish_prefetch(entry)
-        if entry is not None and entry.l2_slot is not None:
-            return entry, "l2"
-        self._n.misses["l2"] += 1
-        if entry is not None and entry.in_l3:
-            return entry, "l3"
-        tokens = self._l3_tokens.get(key)
-        if tokens is None:
-            return None, ""
-        entry = self._chunks.setdefault(key, _Chunk(key=key, parent=ZERO_KEY, tokens=tokens))
-        self._set_in_l3(entry, True)
-        return entry, "l3"
-
-    def _load_segments(
-        self, s: Session, segments: list[tuple[str, _Chunk]]
-    ) -> list[tuple[str, _Chunk]]:
-        """Copy the planned chunks into L1; returns the prefix of `segments` that loaded.
-
-        L3 chunks are first read into L2 slots, all reads in flight at once; a chunk that fails
-        its checksum or fingerprint ends the prefix there (the rest is recomputed). Then one
-        ranged L2 -> L1 copy moves the whole prefix.
-        """
-        assert s.bufs is not None
-        t0 = time.perf_counter()
-        reads: list[tuple[_Chunk, int, Future]] = []
-        for src, entry in segments:
-            if src != "l3":
-                continue
-            slot = self._alloc_l2()
-            if slot is None:
-                break
-            reads.append((entry, slot, self.engine.read_l3(entry.key, slot, self.fingerprint)))
-        l3_bytes = 0
-        ok_l3 = 0
-        failed = False
-        for entry, slot, fut in reads:
-            try:
-                if failed:
-                    raise StoreError("an earlier chunk of this prefix failed")
-                fut.result()
-            except (KvbinFormatError, FingerprintMismatch) as exc:
-                log.warning("chunk %s unusable (%s); recomputing from there", entry.key.hex(), exc)
-                self._n.checksum_failures += isinstance(exc, KvbinFormatError)
-                self._set_in_l3(entry, False)
-                self._chunks.pop(entry.key, None)
-                self._free_slot(slot)
-                failed = True
-                continue
-            except StoreError as exc:
-                if not failed:
-                    log.warning("L3 read of %s failed: %s", entry.key.hex(), exc)
-                self._free_slot(slot)
-                failed = True
-                continue
-            entry.l2_slot = slot
-            self._l2_policy.touch(entry.key)
-            l3_bytes += self.codec.payload_bytes(entry.tokens)
-            ok_l3 += 1
-        t_l3 = time.perf_counter() - t0
-        if l3_bytes:
-            self._throttle_l3(l3_bytes, t_l3)
-            t_l3 = time.perf_counter() - t0
-        # keep the leading run of segments whose data is now in L2
-        usable: list[tuple[str, _Chunk]] = []
-        for src, entry in segments:
-            if entry.l2_slot is None:
-                break
-            usable.append((src, entry))
-        if not usable:
-            return usable
-        t1 = time.perf_counter()
-        tokens = sum(e.tokens for _, e in usable)
-        slots = [e.l2_slot for _, e in usable]
-        layers, block = s.bufs.layers, s.bufs.block
-        # spin: the forward waits for these bytes, and waking from a blocking wait costs more
-        handle = self.engine.restore_range(slots, tokens, layers, 0, block=block)  # type: ignore[arg-type]
-        handle.wait(spin=True)
-        t_l2 = time.perf_counter() - t1
-        for _, e in usable:
-            self._l2_policy.touch(e.key)
-        l2_bytes = sum(self.codec.payload_bytes(e.tokens) for _, e in usable)
-        if ok_l3:
-            self._cost.observe_load("l3", l3_bytes, t_l3 + t_l2 * l3_bytes / l2_bytes)
-        if ok_l3 < len(usable):
-            l2_only = l2_bytes - l3_bytes
-            self._cost.observe_load("l2", l2_only, t_l2 * l2_only / l2_bytes)
-        return usable
-
-    def _free_slot(self, slot: int) -> None:
-        self.engine.forget(slot)
-        self.l2.free(slot)
-
-    def _throttle_l3(self, nbytes: int, elapsed: float) -> None:
-        rate = self.config.l3_read_bytes_per_s
-        if rate:
-            time.sleep(max(0.0, nbytes / rate - elapsed))
-
-    # -- commit and the write policies ----------------------------------------------------------
-
-    def _commit(self, s: Session, ids: list[int]) -> None:
-        with self._lock:
-            if s.state is not SessionState.ACTIVE or s.bufs is None:
-                raise SessionError("commit() must follow restore() on the same session")
-            self._resolve_prefill(s)
-            kv_len = min(s.lengths) if s.lengths else 0
-            if len(ids) < kv_len:
-                kv_len = len(ids)
-            s.tokens = ids[:kv_len]
-            s.lengths[:] = [kv_len] * len(s.lengths)
-            self._write_completed_chunks(s)
-            s.state = SessionState.IDLE
-            s.last_active = time.time()
-
-    def _abort(self, s: Session) -> None:
-        with self._lock:
-            s._prefill = None
-            if s.resident:
-                s.lengths[:] = [len(s.tokens)] * len(s.lengths)
-                s.state = SessionState.IDLE
-            elif s.state is SessionState.ACTIVE:
-                s.state = SessionState.HIBERNATED
-
-    def _resolve_prefill(self, s: Session) -> None:
-        timer, s._prefill = s._prefill, None
-        if timer is not None and (secs := timer.seconds()) is not None:
-            # The timer spans layer 0 to the last layer's attention; scale for the last layer.
-            layers = len(s.lengths)
-            self._cost.observe_prefill(timer.tokens, secs * layers / max(1, layers - 1))
-
-    def _write_completed_chunks(self, s: Session, *, evicting: bool = False) -> None:
-        """Key every newly completed full chunk and apply the write policy to it."""
-        C = self.chunk_tokens
-        n_full = len(s.tokens) // C
-        parent = s.chunk_keys[-1] if s.chunk_keys else ZERO_KEY
-        for i in range(len(s.chunk_keys), n_full):
-            toks = s.tokens[i * C : (i + 1) * C]
-            parent = self._key_for(parent, toks, s)
-            s.chunk_keys.append(parent)
-        for i in range(s.flushed, n_full):
-            key = s.chunk_keys[i]
-            entry = self._chunks.get(key)
-            if entry is None:
-                entry = self._chunks[key] = _Chunk(
-                    key=key, parent=s.chunk_keys[i - 1] if i else ZERO_KEY, tokens=C
-                )
-                entry.in_l3 = key in self._l3_tokens
-            entry.seen += 1
-            if entry.l2_slot is not None or entry.in_l3 or entry.l3_write is not None:
-                continue  # already stored once (prefix shared with another session)
-            policy = self.config.write_policy
-            if (
-                evicting
-                or policy == "write_through"
-                or (
-                    policy == "write_through_selective"
-                    and entry.seen >= self.config.selective_min_hits
-                )
-            ):
-                self._write_down(s, i * C, entry, tenant=s.tenant)
-        # Only chunks that were written (or already stored) count as flushed.
-        while s.flushed < n_full:
-            e = self._chunks.get(s.chunk_keys[s.flushed])
-            if e is None or (e.l2_slot is None and not e.in_l3 and e.l3_write is None):
-                break
-            s.flushed += 1
-
-    def _write_down(self, s: Session, pos: int, entry: _Chunk, *, tenant: str) -> None:
-        """L1 -> L2 now (one D2H copy), then L2 -> L3 queued (shed if the queue is full)."""
-        assert s.bufs is not None
-        slot = self._alloc_l2()
-        if slot is None:
-            # L2 is all in flight: write straight through a temporary staging buffer.
-            log.debug("L2 full of in-flight chunks; chunk %s not cached", entry.key.hex())
-            return
-        self.engine.offload(s.bufs.layers, pos, entry.tokens, slot, block=s.bufs.block)
-        entry.l2_slot = slot
-        self._l2_policy.touch(entry.key)
-        self._queue_l3_write(entry, tenant)
-
-    def _queue_l3_write(self, entry: _Chunk, tenant: str) -> None:
-        if entry.in_l3 or entry.l3_write is not None or entry.l2_slot is None:
-            return
-        header = self._header(entry, tenant)
-        entry.l3_write = self.engine.write_l3(entry.l2_slot, header)  # None: shed (counted)
-        if entry.l3_write is not None:
-            self._writing.add(entry.key)
-
-    def _header(self, entry: _Chunk, tenant: str) -> ChunkHeader:
+    def _header(self, entry: Chunk) -> ChunkHeader:
         return self.codec.header(
             entry.key,
             entry.tokens,
             fingerprint=self.fingerprint,
-            tenant=tenant[:64],
+            tenant=entry.tenant,
             parent=entry.parent,
         )
 
     def _reap(self) -> None:
-        """Harvest finished background transfers and expired sessions (called under the lock)."""
-        for key in list(self._writing):  # only chunks with a write in flight, not every chunk
-            entry = self._chunks.get(key)
-            fut = entry.l3_write if entry is not None else None
-            if fut is not None and not fut.done():
-                continue
-            self._writing.discard(key)
-            if entry is not None and fut is not None:
-                entry.l3_write = None
-                exc = fut.exception()
-                if exc is None:
-                    self._set_in_l3(entry, True)
-                elif isinstance(exc, StoreFullError):
-                    self._n.l3_full += 1
-                else:
-                    log.warning("L3 write of %s failed: %s", entry.key.hex(), exc)
+        """Harvest finished writes, L3 evictions and expired sessions; reclaim dead entries."""
+        self.directory.reap_writes()
         now = time.time()
         for s in list(self._sessions.values()):
             if (
@@ -570,24 +338,31 @@ class TieredCache:
                 and s.state is not SessionState.ACTIVE
                 and now - s.last_active > s.ttl_s
             ):
-                self._close(s)
+                self.close_session(s)
+        self.directory.sweep(self._live_keys)
 
-    # -- L1 admission and eviction ----------------------------------------------------------------
+    def _live_keys(self) -> set[bytes]:
+        live: set[bytes] = set()
+        for s in self._sessions.values():
+            live.update(s.chunk_keys)
+            if s.tail_key is not None:
+                live.add(s.tail_key)
+        return live
 
-    def _alloc_l1(self, s: Session, tokens: int) -> None:
+    # -- L1 admission and eviction (the only places that allocate L1) --------------------------
+
+    def alloc_l1(self, s: Session, tokens: int) -> None:
         if s.bufs is not None:
-            self._grow(s, tokens)
+            self.grow_session(s, tokens)
             return
         need = self.l1.bytes_for(self.l1.round_up(tokens))
         s.bufs = self._with_room(need, lambda: self.l1.allocate(tokens), exclude=s)
         s.lengths = [0] * self.geometry.num_layers
 
-    def _grow(self, s: Session, tokens: int) -> None:
-        assert s.bufs is not None
-        bufs = s.bufs
-        need = self.l1.bytes_for(self.l1.round_up(tokens))
-        keep = max(s.lengths) if s.lengths else 0  # layers already written in this forward
-        self._with_room(need, lambda: self.l1.grow(bufs, tokens, keep), exclude=s)
+    def _release_l1(self, s: Session) -> None:
+        if s.bufs is not None:
+            self.l1.release(s.bufs)
+            s.bufs, s.lengths = None, []
 
     def _with_room(self, need: int, alloc: Any, exclude: Session) -> Any:
         """Run `alloc`, evicting idle sessions (unpinned first, LRU) while L1 is short."""
@@ -597,7 +372,7 @@ class TieredCache:
                     if self.l1.free_bytes >= need:
                         return alloc()
                 except torch.cuda.OutOfMemoryError:
-                    self._n.oom_retries += 1
+                    self.counters.oom_retries += 1
                     if not self._evict_one(exclude):
                         raise L1BudgetExceeded(
                             "the GPU ran out of memory for L1 and no idle session is left to "
@@ -623,267 +398,61 @@ class TieredCache:
         if not candidates:
             return False
         victim = min(candidates, key=lambda s: (s.pinned, s.last_active))
-        self._hibernate(victim, wait=False)
-        self._n.evictions["l1"] += 1
+        self.hibernate_session(victim, wait=False)
+        self.counters.evictions["l1"] += 1
         return True
 
-    def _hibernate(self, s: Session, *, wait: bool) -> None:
-        with self._lock:
-            if s.state is SessionState.ACTIVE:
-                raise SessionError("cannot hibernate a session while a request is running on it")
-            if s.resident:
-                assert s.bufs is not None
-                self._write_completed_chunks(s, evicting=True)
-                self._write_tail(s)
-                self.l1.release(s.bufs)
-                s.bufs, s.lengths = None, []
-            s.state = SessionState.HIBERNATED
-            if wait:
-                self._flush_session(s)
-                self._save_record(s)
-            else:  # an admission eviction: keep the SQLite commit off the request's path
-                self._bg.submit(self.l3.save_session, self._record(s))
+    # -- stats ------------------------------------------------------------------------------------
 
-    def _write_tail(self, s: Session) -> None:
-        C = self.chunk_tokens
-        t = len(s.tokens) % C
-        if t == 0:
-            s.tail_key = None
-            return
-        parent = s.chunk_keys[-1] if s.chunk_keys else ZERO_KEY
-        key = chunk_key(parent, s.tokens[-t:], s.ns)
-        s.tail_key = key
-        entry = self._chunks.get(key)
-        if entry is None:
-            entry = self._chunks[key] = _Chunk(key=key, parent=parent, tokens=t)
-            entry.in_l3 = key in self._l3_tokens
-        if entry.l2_slot is None and not entry.in_l3:
-            self._write_down(s, len(s.tokens) - t, entry, tenant=s.tenant)
-
-    def _flush_session(self, s: Session) -> None:
-        """Wait until the session's chunks are durable in L3 (or known to be shed)."""
-        keys = [*s.chunk_keys] + ([s.tail_key] if s.tail_key else [])
-        for key in keys:
-            entry = self._chunks.get(key)
-            if entry is None:
-                continue
-            if not entry.in_l3 and entry.l3_write is None and entry.l2_slot is not None:
-                self._queue_l3_write(entry, s.tenant)
-            if entry.l3_write is not None:
-                try:
-                    entry.l3_write.result()
-                    self._set_in_l3(entry, True)
-                except StoreFullError:
-                    self._n.l3_full += 1
-                except Exception as exc:  # counted by the store; the chunk stays in L2
-                    log.warning("L3 write of %s failed: %s", key.hex(), exc)
-                entry.l3_write = None
-                self._writing.discard(key)
-
-    # -- L2 slots -------------------------------------------------------------------------------
-
-    def _alloc_l2(self) -> int | None:
-        slot = self.l2.alloc()
-        busy: set[bytes] = set()
-        while slot is None:
-            victim = self._l2_policy.victim(exclude=busy)
-            if victim is None:
-                return None
-            entry = self._chunks.get(victim)  # type: ignore[call-overload]
-            if entry is None or entry.l2_slot is None:
-                self._l2_policy.remove(victim)
-                continue
-            if entry.l3_write is not None and not entry.l3_write.done():
-                busy.add(entry.key)
-                continue
-            self._reap_entry(entry)
-            if not entry.in_l3:
-                # write-back: the only copy is in L2; make it durable before dropping it
-                fut = self.engine.write_l3(entry.l2_slot, self._header(entry, ""))
-                if fut is not None:
-                    try:
-                        fut.result()
-                        self._set_in_l3(entry, True)
-                    except Exception as exc:
-                        log.warning("write-back of %s failed: %s", entry.key.hex(), exc)
-            self._free_slot(entry.l2_slot)
-            entry.l2_slot = None
-            self._l2_policy.remove(victim)
-            self._n.evictions["l2"] += 1
-            slot = self.l2.alloc()
-        return slot
-
-    def _set_in_l3(self, entry: _Chunk, durable: bool) -> None:
-        entry.in_l3 = durable
-        if durable:
-            self._l3_tokens[entry.key] = entry.tokens
-        else:
-            self._l3_tokens.pop(entry.key, None)
-
-    def _reap_entry(self, entry: _Chunk) -> None:
-        fut = entry.l3_write
-        if fut is not None and fut.done():
-            entry.l3_write = None
-            self._writing.discard(entry.key)
-            self._set_in_l3(entry, fut.exception() is None)
-
-    # -- prefetch / close -----------------------------------------------------------------------
-
-    def _prefetch(self, s: Session) -> None:
-        with self._lock:
-            keys = [*s.chunk_keys] + ([s.tail_key] if s.tail_key else [])
-            for key in keys:
-                entry, src = self._locate(key)
-                if entry is None:
-                    break
-                if src != "l3" or entry.l3_read is not None:
-                    continue
-                slot = self._alloc_l2()
-                if slot is None:
-                    break
-                entry.l2_slot = slot  # reserved; usable once the read finishes
-                entry.l3_read = self.engine.read_l3(key, slot, self.fingerprint)
-                self._l2_policy.touch(key)
-                self._n.hits["l3"] += 0
-
-    def _finish_prefetch(self, entry: _Chunk) -> None:
-        fut, entry.l3_read = entry.l3_read, None
-        assert fut is not None
-        try:
-            fut.result()
-        except Exception as exc:
-            log.warning("prefetch of %s failed: %s", entry.key.hex(), exc)
-            if entry.l2_slot is not None:
-                self._free_slot(entry.l2_slot)
-                self._l2_policy.remove(entry.key)
-            entry.l2_slot = None
-            if isinstance(exc, (KvbinFormatError, FingerprintMismatch)):
-                self._n.checksum_failures += 1
-                self._set_in_l3(entry, False)
-
-    def _close(self, s: Session) -> None:
-        with self._lock:
-            if s.state is SessionState.ACTIVE:
-                raise SessionError("cannot close a session while a request is running on it")
-            if s.bufs is not None:
-                self.l1.release(s.bufs)
-                s.bufs, s.lengths = None, []
-            s.state = SessionState.CLOSED
-            self._sessions.pop((s.tenant, s.session_id), None)
-            # through the record thread, so it lands after any save queued before it
-            self._bg.submit(self.l3.delete_session, s.session_id, s.tenant)
-
-    # -- sharing ---------------------------------------------------------------------------------
-
-    def publish_shared(self, input_ids: torch.Tensor | Sequence[int], session: Session) -> int:
-        """Publish the full chunks of a resident session's prefix to every tenant.
-
-        Returns the number of chunks published. Use it for system prompts and tool schemas
-        that are not secret; everything else stays per tenant.
-        """
-        ids = _as_list(input_ids)
-        with self._lock:
-            if not session.resident:
-                raise SessionError("publish_shared needs a resident session holding the prefix")
-            common = _common_prefix(session.tokens, ids)
-            C = self.chunk_tokens
-            parent = ZERO_KEY
-            n = 0
-            for i in range(common // C):
-                key = chunk_key(parent, ids[i * C : (i + 1) * C], self._shared_ns)
-                entry = self._chunks.get(key)
-                if entry is None:
-                    entry = self._chunks[key] = _Chunk(key=key, parent=parent, tokens=C)
-                    self._write_down(session, i * C, entry, tenant=SHARED_TENANT)
-                parent = key
-                n += 1
-            self._published = True
-            return n
-
-    def evict_l2(self) -> int:
-        """Drop every L2 copy that is durable in L3 (frees host RAM); returns chunks dropped."""
-        with self._lock:
-            self.engine.flush()
-            self._reap()
-            dropped = 0
-            for entry in self._chunks.values():
-                if entry.l2_slot is not None and entry.in_l3 and entry.l3_read is None:
-                    self._free_slot(entry.l2_slot)
-                    self._l2_policy.remove(entry.key)
-                    entry.l2_slot = None
-                    self._n.evictions["l2"] += 1
-                    dropped += 1
-            return dropped
-
-    # -- lifecycle and stats -------------------------------------------------------------------
-
-    def flush(self) -> None:
-        """Wait for every queued L3 write."""
-        with self._lock:
-            self.engine.flush()
-            self._reap()
-
-    def close(self) -> None:
-        """Hibernate every resident session to L3, then release every resource. Idempotent."""
-        with self._lock:
-            if self._closed:
-                return
-            for s in list(self._sessions.values()):
-                if s.state is SessionState.ACTIVE:
-                    self._abort(s)
-                if s.resident:
-                    self._hibernate(s, wait=False)
-            self.engine.flush()
-            self._reap()
-            for s in list(self._sessions.values()):
-                if s.state is SessionState.HIBERNATED:
-                    self._flush_session(s)
-                    self._save_record(s)
-            self._closed = True
-            self._bg.shutdown(wait=True)
-            self.engine.close()
-            self.l2.close()
-            self.l3.close()
-
-    def __enter__(self) -> TieredCache:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise SessionError("this TieredCache is closed")
-
-    def _truncate(self, s: Session, n: int) -> None:
+    def truncate(self, s: Session, n: int) -> None:
         s.tokens = s.tokens[:n]
         s.lengths[:] = [n] * len(s.lengths)
-        C = self.chunk_tokens
-        del s.chunk_keys[n // C :]
+        del s.chunk_keys[n // self.chunk_tokens :]
         s.flushed = min(s.flushed, len(s.chunk_keys))
         s.tail_key = None
 
     def _record_latency(self, src: str, seconds: float) -> None:
-        counts = self._n.latency[src]
+        counts = self.counters.latency[src]
         for i, bound in enumerate(RESTORE_BUCKETS):
             if seconds <= bound:
                 counts[i] += 1
-        self._n.latency_sum[src] += seconds
-        self._n.latency_count[src] += 1
+        self.counters.latency_sum[src] += seconds
+        self.counters.latency_count[src] += 1
 
     def stats(self) -> CacheSnapshot:
-        """A frozen snapshot of every tier, session and counter (DESIGN.md section 7)."""
+        """A frozen snapshot of every tier, session and counter. Never waits for I/O: the
+        numbers are copied under the lock; the store and the engine are asked outside it."""
         with self._lock:
             self._reap()
-            return build_snapshot(self)
+            C = self.chunk_tokens
+            inputs = SnapshotInputs(
+                counters=self.counters.copy(),
+                l1_budget=self.l1.budget_bytes,
+                l1_used=self.l1.used_bytes,
+                l1_chunks=sum(
+                    -(-len(s.tokens) // C) for s in self._sessions.values() if s.resident
+                ),
+                l2_slots=self.l2.n_slots,
+                l2_free=self.l2.free_slots,
+                l2_slot_bytes=self.l2.slot_bytes,
+                sessions=tuple(s.info() for s in self._sessions.values()),
+            )
+        return build_snapshot(inputs, self.l3.stats(), self.engine.stats())
 
 
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+def _check_tenant(tenant: str) -> None:
+    if not isinstance(tenant, str) or not tenant:
+        raise SessionError("tenant must be a non-empty string")
+    if tenant == SHARED_TENANT:
+        raise SessionError(
+            f"tenant {SHARED_TENANT!r} is reserved for published prefixes; use another name"
+        )
+    size = len(tenant.encode("utf-8", "surrogatepass"))
+    if size > TENANT_MAX_BYTES or "\x00" in tenant:
+        raise SessionError(
+            f"tenant names are at most {TENANT_MAX_BYTES} UTF-8 bytes without NUL (this one is "
+            f"{size} bytes); use a shorter name or a hash of it"
+        )
 
 
 def _default_l1_bytes(device: torch.device) -> int:
@@ -891,3 +460,6 @@ def _default_l1_bytes(device: torch.device) -> int:
         free, _total = torch.cuda.mem_get_info(device)
         return free // 2
     return 1 << 30
+
+
+__all__ = ["Session", "TieredCache"]

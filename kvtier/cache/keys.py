@@ -13,7 +13,10 @@ from array import array
 from collections.abc import Sequence
 
 ZERO_KEY = bytes(16)
-SHARED_TENANT = "\x00shared"  # the namespace of explicitly published prefixes
+# The tenant of explicitly published prefixes. It must fit a .kvbin header (UTF-8, no NUL);
+# `TieredCache.session` refuses it as a client tenant name.
+SHARED_TENANT = "kvtier#shared"  # "#": outside the server's tenant alphabet
+TENANT_MAX_BYTES = 64  # a .kvbin header holds at most this many UTF-8 bytes of tenant
 
 
 def namespace(fingerprint: bytes, tenant: str) -> bytes:

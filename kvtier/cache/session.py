@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -14,8 +14,27 @@ from kvtier.tiers.l1 import SessionBuffers
 from kvtier.types import RestoreSource, SessionState
 
 if TYPE_CHECKING:  # pragma: no cover
-    from kvtier.cache.core import TieredCache
+    from kvtier.cache.config import CacheConfig
+    from kvtier.geometry import KVGeometry
     from kvtier.integrations.hf import KvtierCache
+
+
+class SessionHost(Protocol):
+    """What a `Session` needs from its cache (`TieredCache` implements it)."""
+
+    config: CacheConfig
+    fingerprint: bytes
+    chunk_tokens: int
+    geometry: KVGeometry
+
+    def restore_session(self, s: Session, ids: list[int]) -> KvtierCache: ...
+    def commit_session(self, s: Session, ids: list[int]) -> None: ...
+    def abort_session(self, s: Session) -> None: ...
+    def hibernate_session(self, s: Session, *, wait: bool = True) -> None: ...
+    def prefetch_session(self, s: Session) -> None: ...
+    def close_session(self, s: Session) -> None: ...
+    def grow_session(self, s: Session, tokens: int) -> None: ...
+    def chunk_counts(self, keys: list[bytes]) -> tuple[int, int]: ...
 
 
 class _PrefillTimer:
@@ -52,7 +71,7 @@ class _PrefillTimer:
 class Session:
     """One conversation's KV. Get it with `TieredCache.session(id, tenant=...)`."""
 
-    def __init__(self, cache: TieredCache, session_id: str, tenant: str) -> None:
+    def __init__(self, cache: SessionHost, session_id: str, tenant: str) -> None:
         self._cache = cache
         self.session_id = session_id
         self.tenant = tenant
@@ -74,7 +93,7 @@ class Session:
 
     def ensure_capacity(self, tokens: int) -> None:
         assert self.bufs is not None
-        self._cache._grow(self, tokens)
+        self._cache.grow_session(self, tokens)
 
     def on_forward(self, layer_idx: int, new_tokens: int) -> None:
         """Time the first multi-token forward after a restore: that is the prefill."""
@@ -92,23 +111,23 @@ class Session:
 
         At least the last input token is left to compute, so the model produces its logits.
         """
-        return self._cache._restore(self, _as_list(input_ids))
+        return self._cache.restore_session(self, as_list(input_ids))
 
     def commit(self, token_ids: torch.Tensor | Sequence[int]) -> None:
         """Record which token ids the session's KV now covers (prompt + generated)."""
-        self._cache._commit(self, _as_list(token_ids))
+        self._cache.commit_session(self, as_list(token_ids))
 
     def abort(self) -> None:
         """Forget KV written since the last commit (a failed or cancelled request)."""
-        self._cache._abort(self)
+        self._cache.abort_session(self)
 
     def hibernate(self) -> None:
         """Push the KV down to L2/L3 and free L1 (the agent is waiting on a tool)."""
-        self._cache._hibernate(self, wait=True)
+        self._cache.hibernate_session(self, wait=True)
 
     def prefetch(self) -> None:
         """Start loading the session's chunks from L3 into L2 (the tool call is returning)."""
-        self._cache._prefetch(self)
+        self._cache.prefetch_session(self)
 
     def pin(self, pinned: bool = True) -> None:
         """Pinned sessions are evicted from L1 last."""
@@ -120,17 +139,20 @@ class Session:
 
     def close(self) -> None:
         """Forget the session: free its L1 and its record (shared chunks stay cached)."""
-        self._cache._close(self)
+        self._cache.close_session(self)
 
     @property
     def resident(self) -> bool:
         return self.bufs is not None
 
     def info(self) -> SessionInfo:
+        return self._info(self._cache.chunk_counts(self._keys()))
+
+    def _keys(self) -> list[bytes]:
+        return [*self.chunk_keys] + ([self.tail_key] if self.tail_key else [])
+
+    def _info(self, counts: tuple[int, int]) -> SessionInfo:
         c = self._cache
-        keys = [*self.chunk_keys] + ([self.tail_key] if self.tail_key else [])
-        l2 = sum(1 for k in keys if (e := c._chunks.get(k)) is not None and e.l2_slot is not None)
-        l3 = sum(1 for k in keys if k in c._l3_tokens)
         l1 = (len(self.tokens) + c.chunk_tokens - 1) // c.chunk_tokens if self.resident else 0
         return SessionInfo(
             session_id=self.session_id,
@@ -140,13 +162,13 @@ class Session:
             tokens=len(self.tokens),
             bytes=len(self.tokens) * c.geometry.bytes_per_token,
             chunks_l1=l1,
-            chunks_l2=l2,
-            chunks_l3=l3,
+            chunks_l2=counts[0],
+            chunks_l3=counts[1],
             last_active=self.last_active,
         )
 
 
-def _as_list(ids: torch.Tensor | Sequence[int]) -> list[int]:
+def as_list(ids: torch.Tensor | Sequence[int]) -> list[int]:
     if isinstance(ids, torch.Tensor):
         if ids.dim() == 2:
             if ids.shape[0] != 1:

@@ -1,21 +1,26 @@
-"""Counters of a TieredCache and the CacheSnapshot built from them (DESIGN.md section 7)."""
+"""Counters of a TieredCache and the CacheSnapshot built from them.
+
+The cache copies its numbers into `SnapshotInputs` under its lock; `build_snapshot` assembles
+the snapshot from those and from the store's and the engine's own stats, taken outside the
+lock (the store's come from its SQLite index). Nothing here reads the cache itself.
+"""
 
 from __future__ import annotations
 
+import copy
+import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any
 
 from kvtier.snapshot import (
     RESTORE_BUCKETS,
     CacheSnapshot,
     RestoreHistogram,
+    SessionInfo,
     TierStats,
 )
 from kvtier.types import RestoreSource, SessionState
-
-if TYPE_CHECKING:  # pragma: no cover
-    from kvtier.cache.core import TieredCache
 
 
 @dataclass
@@ -41,55 +46,79 @@ class Counters:
     checksum_failures: int = 0
     oom_retries: int = 0
     l3_full: int = 0
+    record_errors: int = 0  # session record saves/deletes that failed (counted off the lock)
+    guard: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def copy(self) -> Counters:
+        with self.guard:
+            return Counters(
+                **{
+                    k: copy.deepcopy(getattr(self, k))
+                    for k in self.__dataclass_fields__
+                    if k != "guard"
+                }
+            )
 
 
-def build_snapshot(cache: TieredCache) -> CacheSnapshot:
-    """Assemble the snapshot; the caller holds the cache's lock."""
-    C = cache.chunk_tokens
-    l1_chunks = sum(-(-len(s.tokens) // C) for s in cache._sessions.values() if s.resident)
-    l3 = cache.l3.stats()
-    eng = cache.engine.stats()
+@dataclass(frozen=True)
+class SnapshotInputs:
+    """The cache's own numbers, copied under its lock."""
+
+    counters: Counters
+    l1_budget: int
+    l1_used: int
+    l1_chunks: int
+    l2_slots: int
+    l2_free: int
+    l2_slot_bytes: int
+    sessions: tuple[SessionInfo, ...]
+
+
+def build_snapshot(inp: SnapshotInputs, l3: Any, eng: Any) -> CacheSnapshot:
+    """Assemble the snapshot from copied numbers and the store's/engine's stats."""
+    n = inp.counters
+    l2_used = inp.l2_slots - inp.l2_free
     tiers = (
         TierStats(
             "l1",
-            cache.l1.budget_bytes,
-            cache.l1.used_bytes,
-            l1_chunks,
-            cache._n.hits["l1"],
-            cache._n.misses["l1"],
-            cache._n.evictions["l1"],
+            inp.l1_budget,
+            inp.l1_used,
+            inp.l1_chunks,
+            n.hits["l1"],
+            n.misses["l1"],
+            n.evictions["l1"],
         ),
         TierStats(
             "l2",
-            cache.l2.n_slots * cache.l2.slot_bytes,
-            (cache.l2.n_slots - cache.l2.free_slots) * cache.l2.slot_bytes,
-            cache.l2.n_slots - cache.l2.free_slots,
-            cache._n.hits["l2"],
-            cache._n.misses["l2"],
-            cache._n.evictions["l2"],
+            inp.l2_slots * inp.l2_slot_bytes,
+            l2_used * inp.l2_slot_bytes,
+            l2_used,
+            n.hits["l2"],
+            n.misses["l2"],
+            n.evictions["l2"],
         ),
         TierStats(
             "l3",
             l3.capacity_bytes,
             l3.used_bytes,
             l3.chunks,
-            cache._n.hits["l3"],
-            cache._n.misses["l3"],
-            cache._n.evictions["l3"],
+            n.hits["l3"],
+            n.misses["l3"],
+            n.evictions["l3"],
         ),
     )
     by_state: dict[str, int] = {st.value: 0 for st in SessionState if st.value != "closed"}
-    for s in cache._sessions.values():
-        by_state[s.state.value] = by_state.get(s.state.value, 0) + 1
-    by_state["pinned"] = sum(1 for s in cache._sessions.values() if s.pinned)
+    for s in inp.sessions:
+        by_state[s.state] = by_state.get(s.state, 0) + 1
+    by_state["pinned"] = sum(1 for s in inp.sessions if s.pinned)
     hist = tuple(
         RestoreHistogram(
             src=src,
-            buckets=tuple(cache._n.latency[src]),
-            count=cache._n.latency_count[src],
-            sum_seconds=cache._n.latency_sum[src],
+            buckets=tuple(n.latency[src]),
+            count=n.latency_count[src],
+            sum_seconds=n.latency_sum[src],
         )
-        for src in cache._n.latency
+        for src in n.latency
     )
     return CacheSnapshot(
         taken_at=time.time(),
@@ -97,12 +126,13 @@ def build_snapshot(cache: TieredCache) -> CacheSnapshot:
         sessions_by_state=tuple(sorted(by_state.items())),
         transfers=tuple(eng.transfers),
         queue_depths=(("l3_read", eng.l3_read_queue), ("l3_write", eng.l3_write_queue)),
-        restore_decisions=tuple(sorted(cache._n.decisions.items())),
-        restored_tokens=tuple(sorted(cache._n.restored_tokens.items())),
+        restore_decisions=tuple(sorted(n.decisions.items())),
+        restored_tokens=tuple(sorted(n.restored_tokens.items())),
         restore_latency=hist,
-        checksum_failures=cache._n.checksum_failures + l3.checksum_failures,
+        checksum_failures=n.checksum_failures + l3.checksum_failures,
         shed_writes=eng.shed_writes,
         io_errors=l3.io_errors,
-        oom_retries=cache._n.oom_retries,
-        sessions=tuple(s.info() for s in cache._sessions.values()),
+        oom_retries=n.oom_retries,
+        record_errors=n.record_errors,
+        sessions=inp.sessions,
     )

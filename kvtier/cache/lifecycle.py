@@ -1,0 +1,308 @@
+"""Commit, the write policies, hibernate, close and sharing: the write side of TieredCache.
+
+Hibernate is two-phase like restore: under the lock the session's chunks are copied down to
+L2 and their L3 writes queued, and L1 is freed; the wait for those writes (their fsyncs) and
+the record's commit happen outside the lock; the write results are published under it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from kvtier.cache.directory import Chunk, ChunkDirectory
+from kvtier.cache.keys import SHARED_TENANT, ZERO_KEY, chunk_key
+from kvtier.cache.restore import common_prefix
+from kvtier.cache.session import Session, as_list
+from kvtier.errors import SessionError
+from kvtier.types import SessionState
+
+if TYPE_CHECKING:  # pragma: no cover
+    from kvtier.cache.config import CacheConfig
+    from kvtier.cache.costmodel import CostModel
+    from kvtier.cache.stats import Counters
+    from kvtier.tiers.l2 import HostArena
+    from kvtier.tiers.l3 import L3Store, SessionRecord
+    from kvtier.transfer import TransferEngine
+
+log = logging.getLogger("kvtier.cache")
+
+
+class LifecycleMixin:
+    """The write side of `TieredCache` (see the module docstring)."""
+
+    config: CacheConfig
+    chunk_tokens: int
+    directory: ChunkDirectory
+    counters: Counters
+    cost: CostModel
+    engine: TransferEngine
+    l2: HostArena
+    l3: L3Store
+    _lock: threading.RLock
+    _idle: threading.Condition
+    _restoring: int
+    _closed: bool
+    _published: bool
+    _sessions: dict[tuple[str, str], Session]
+    _bg: ThreadPoolExecutor
+
+    if TYPE_CHECKING:  # pragma: no cover
+
+        def _reap(self) -> None: ...
+        def _record(self, s: Session) -> SessionRecord: ...
+        def _submit_record(self, fn: Any, *args: Any) -> Future[Any]: ...
+        def _release_l1(self, s: Session) -> None: ...
+        def key_for(self, parent: bytes, toks: list[int], s: Session) -> bytes: ...
+        @property
+        def _shared_ns(self) -> bytes: ...
+
+    # -- commit and the write policies ----------------------------------------------------------
+
+    def commit_session(self, s: Session, ids: list[int]) -> None:
+        with self._lock:
+            if s.state is not SessionState.ACTIVE or s.bufs is None:
+                raise SessionError("commit() must follow restore() on the same session")
+            self._resolve_prefill(s)
+            kv_len = min(s.lengths) if s.lengths else 0
+            if len(ids) < kv_len:
+                kv_len = len(ids)
+            s.tokens = ids[:kv_len]
+            s.lengths[:] = [kv_len] * len(s.lengths)
+            self._write_completed_chunks(s)
+            s.state = SessionState.IDLE
+            s.last_active = time.time()
+
+    def abort_session(self, s: Session) -> None:
+        with self._lock:
+            s._prefill = None
+            if s.resident:
+                s.lengths[:] = [len(s.tokens)] * len(s.lengths)
+                s.state = SessionState.IDLE
+            elif s.state is SessionState.ACTIVE:
+                s.state = SessionState.HIBERNATED
+
+    def _resolve_prefill(self, s: Session) -> None:
+        timer, s._prefill = s._prefill, None
+        if timer is not None and (secs := timer.seconds()) is not None:
+            # The timer spans layer 0 to the last layer's attention; scale for the last layer.
+            layers = len(s.lengths)
+            self.cost.observe_prefill(timer.tokens, secs * layers / max(1, layers - 1))
+
+    def _write_completed_chunks(self, s: Session, *, evicting: bool = False) -> None:
+        """Key every newly completed full chunk and apply the write policy to it.
+
+        When evicting, a chunk that finds no L2 slot (every slot in flight) ends the session's
+        stored prefix there: the session keeps only what is stored somewhere."""
+        C = self.chunk_tokens
+        n_full = len(s.tokens) // C
+        parent = s.chunk_keys[-1] if s.chunk_keys else ZERO_KEY
+        for i in range(len(s.chunk_keys), n_full):
+            parent = self.key_for(parent, s.tokens[i * C : (i + 1) * C], s)
+            s.chunk_keys.append(parent)
+        d = self.directory
+        policy = self.config.write_policy
+        # Evicting, every chunk is checked again: L3 may have dropped one (size cap) after L2
+        # let its copy go, and L1 holds the last copy now.
+        for i in range(0 if evicting else s.flushed, n_full):
+            e = d.ensure(s.chunk_keys[i], s.chunk_keys[i - 1] if i else ZERO_KEY, C)
+            e.seen += i >= s.flushed
+            if d.stored(e):
+                continue  # already stored once (prefix shared with another session)
+            if not (
+                evicting
+                or policy == "write_through"
+                or (
+                    policy == "write_through_selective" and e.seen >= self.config.selective_min_hits
+                )
+            ):
+                continue
+            if not self._write_down(s, i * C, e, tenant=s.tenant) and evicting:
+                log.warning(
+                    "L2 has no free slot for chunk %s while evicting; session %r keeps %d tokens",
+                    e.key.hex(),
+                    s.session_id[:64],
+                    i * C,
+                )
+                self._cut(s, i * C)
+                return
+        # Only chunks that were written (or already stored) count as flushed.
+        while s.flushed < n_full:
+            e2 = d.get(s.chunk_keys[s.flushed])
+            if e2 is None or not d.stored(e2):
+                break
+            s.flushed += 1
+
+    def _cut(self, s: Session, n: int) -> None:
+        """Keep only the first `n` tokens (a multiple of the chunk size) of the session."""
+        s.tokens = s.tokens[:n]
+        del s.chunk_keys[n // self.chunk_tokens :]
+        s.flushed = min(s.flushed, len(s.chunk_keys))
+        s.lengths[:] = [n] * len(s.lengths)
+        s.tail_key = None
+
+    def _write_down(self, s: Session, pos: int, e: Chunk, *, tenant: str) -> bool:
+        """L1 -> L2 now (one D2H copy), then L2 -> L3 queued (shed if the queue is full).
+        False if L2 has no slot that is not in flight (the chunk is not stored)."""
+        assert s.bufs is not None
+        slot = self.directory.alloc()
+        if slot is None:
+            return False
+        self.engine.offload(s.bufs.layers, pos, e.tokens, slot, block=s.bufs.block)
+        e.l2_slot = slot
+        e.tenant = tenant
+        self.directory.policy.touch(e.key)
+        self.directory.queue_write(e)
+        return True
+
+    def _write_tail(self, s: Session) -> None:
+        C = self.chunk_tokens
+        t = len(s.tokens) % C
+        if t == 0:
+            s.tail_key = None
+            return
+        parent = s.chunk_keys[-1] if s.chunk_keys else ZERO_KEY
+        key = chunk_key(parent, s.tokens[-t:], s.ns)
+        e = self.directory.ensure(key, parent, t)
+        if not self.directory.stored(e) and not self._write_down(
+            s, len(s.tokens) - t, e, tenant=s.tenant
+        ):
+            self._cut(s, len(s.tokens) - t)  # the tail is recomputed on resume
+            return
+        s.tail_key = key
+
+    # -- hibernate / close ------------------------------------------------------------------------
+
+    def hibernate_session(self, s: Session, *, wait: bool = True) -> None:
+        with self._lock:
+            if s.state is SessionState.ACTIVE:
+                raise SessionError("cannot hibernate a session while a request is running on it")
+            if s.resident:
+                self.directory.drain_evictions()
+                self._write_completed_chunks(s, evicting=True)
+                self._write_tail(s)
+                self._release_l1(s)
+            s.state = SessionState.HIBERNATED
+            if not wait:  # an admission eviction: keep the SQLite commit off the request's path
+                self._submit_record(self.l3.save_session, self._record(s))
+                return
+            writes = self._queue_session_writes(s)
+        for _, fut in writes:  # the fsyncs: outside the lock
+            fut.exception()
+        with self._lock:
+            for e, fut in writes:
+                self.directory.settle_write(e, fut)
+            if self._closed or s.state is not SessionState.HIBERNATED:
+                return  # closed (close saved it) or restored again meanwhile
+            saved = self._submit_record(self.l3.save_session, self._record(s))
+        saved.exception()  # in order after every record queued before it; errors are counted
+
+    def _queue_session_writes(self, s: Session) -> list[tuple[Chunk, Future[Any]]]:
+        """Queue L3 writes of the session's chunks that only L2 holds; returns the writes in
+        flight on its chunks."""
+        d = self.directory
+        d.reap_writes()
+        writes = []
+        for key in [*s.chunk_keys] + ([s.tail_key] if s.tail_key else []):
+            e = d.get(key)
+            if e is None:
+                continue
+            if not d.in_l3(key) and e.l3_write is None and e.l2_slot is not None:
+                d.queue_write(e)
+            if e.l3_write is not None:
+                writes.append((e, e.l3_write))
+        return writes
+
+    def close_session(self, s: Session) -> None:
+        with self._lock:
+            if s.state is SessionState.ACTIVE:
+                raise SessionError("cannot close a session while a request is running on it")
+            self._release_l1(s)
+            s.state = SessionState.CLOSED
+            self._sessions.pop((s.tenant, s.session_id), None)
+            # through the record thread, so it lands after any save queued before it
+            self._submit_record(self.l3.delete_session, s.session_id, s.tenant)
+
+    # -- sharing ---------------------------------------------------------------------------------
+
+    def publish_shared(self, input_ids: torch.Tensor | Sequence[int], session: Session) -> int:
+        """Publish the full chunks of a resident session's prefix to every tenant.
+
+        Returns the number of chunks published. Use it for system prompts and tool schemas
+        that are not secret; everything else stays per tenant. Published chunks are written to
+        L3 under the shared tenant, so a restarted cache serves them too.
+        """
+        ids = as_list(input_ids)
+        with self._lock:
+            if not session.resident:
+                raise SessionError("publish_shared needs a resident session holding the prefix")
+            common = common_prefix(session.tokens, ids)
+            C = self.chunk_tokens
+            parent = ZERO_KEY
+            n = 0
+            for i in range(common // C):
+                key = chunk_key(parent, ids[i * C : (i + 1) * C], self._shared_ns)
+                e = self.directory.ensure(key, parent, C)
+                if not self.directory.stored(e):
+                    self._write_down(session, i * C, e, tenant=SHARED_TENANT)
+                parent = key
+                n += 1
+            self._published = True
+            return n
+
+    def evict_l2(self) -> int:
+        """Drop every L2 copy that is durable in L3 (frees host RAM); returns chunks dropped."""
+        self.engine.flush()  # waits for the disk: outside the lock
+        with self._lock:
+            self._reap()
+            return self.directory.drop_l2_durable()
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    def flush(self) -> None:
+        """Wait for every queued L3 write."""
+        self.engine.flush()
+        with self._lock:
+            self._reap()
+
+    def close(self) -> None:
+        """Hibernate every resident session to L3, then release every resource. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            while self._restoring:  # let restores in their load phase publish first
+                self._idle.wait()
+            for s in list(self._sessions.values()):
+                if s.state is SessionState.ACTIVE:
+                    self.abort_session(s)
+                if s.resident:
+                    self.hibernate_session(s, wait=False)
+            self.engine.flush()
+            self._reap()
+            for s in list(self._sessions.values()):
+                if s.state is SessionState.HIBERNATED:
+                    for e, fut in self._queue_session_writes(s):
+                        fut.exception()
+                        self.directory.settle_write(e, fut)
+                    self._submit_record(self.l3.save_session, self._record(s))
+            self._closed = True
+            self._bg.shutdown(wait=True)
+            self.engine.close()
+            self.l2.close()
+            self.l3.close()
+
+    def __enter__(self) -> Any:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise SessionError("this TieredCache is closed")

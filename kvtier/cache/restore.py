@@ -1,0 +1,220 @@
+"""Restore, in three phases so that the cache's lock is never held across I/O.
+
+1. plan (under the lock): find the longest cached prefix, let the cost model cut it, pin every
+   chunk of it (nobody frees or reuses a pinned chunk's L2 slot), make room in L1, reserve L2
+   slots for the L3 chunks and start their reads.
+2. load (outside the lock): wait for the L3 reads, sleep out the read throttle, copy the usable
+   prefix L2 -> L1 and wait for that copy.
+3. publish (under the lock): settle the reads (a chunk that failed to read is forgotten, its
+   slot freed), unpin, and set the session's tokens and keys.
+
+A session is ACTIVE from phase 1 to its commit, so no one evicts or restores it meanwhile.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from kvtier.cache.directory import Chunk
+from kvtier.cache.keys import ZERO_KEY, chunk_key
+from kvtier.types import RestoreSource
+
+if TYPE_CHECKING:  # pragma: no cover
+    from kvtier.cache.core import TieredCache
+    from kvtier.cache.session import Session
+
+log = logging.getLogger("kvtier.cache")
+
+
+@dataclass
+class RestorePlan:
+    want: list[int]
+    segments: list[tuple[str, Chunk]]
+    reads: dict[int, Future[Any]] = field(default_factory=dict)  # segment index -> its L3 read
+    usable: int = 0  # leading segments whose bytes reached L1
+    l3_bytes: int = 0
+    t_l3: float = 0.0
+    t_l2: float = 0.0
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def locate(cache: TieredCache, key: bytes, parent: bytes = ZERO_KEY) -> tuple[Chunk | None, str]:
+    """Where `key` can be loaded from: "l2" (a ready slot, or a read in flight that the
+    restore waits for outside the lock) or "l3" (a file). Never waits."""
+    d = cache.directory
+    e = d.get(key)
+    if e is not None and e.l3_read is not None and e.l3_read.done():
+        settle_read(cache, e, e.l3_read)
+    if e is not None and e.l2_slot is not None and e.l3_read is None:
+        return e, "l2"
+    cache.counters.misses["l2"] += 1
+    if e is not None and e.l3_read is not None:
+        return e, "l2"  # a prefetch is bringing it into L2; the restore waits for it
+    tokens = d.l3_tokens.get(key)
+    if tokens is None:
+        return None, ""
+    return d.ensure(key, parent, tokens), "l3"
+
+
+def settle_read(cache: TieredCache, e: Chunk, fut: Future[Any]) -> None:
+    cache.directory.settle_read(e, fut)
+
+
+def start_read(cache: TieredCache, e: Chunk) -> Future[Any] | None:
+    return cache.directory.start_read(e, cache.fingerprint)
+
+
+def plan(cache: TieredCache, s: Session, want: list[int]) -> RestorePlan | None:
+    """Phase 1 (under the lock). None: served from L1, nothing to load."""
+    C = cache.chunk_tokens
+    n = cache.counters
+    if s.resident:
+        common = common_prefix(s.tokens, want)
+        if common > 0:
+            cache.truncate(s, common)
+            n.hits["l1"] += 1
+            n.restored_tokens["l1"] += common
+            return None
+        cache.truncate(s, 0)
+    n.misses["l1"] += 1
+    segments: list[tuple[str, Chunk]] = []
+    parent = ZERO_KEY
+    tail = len(s.tokens) % C if s.tail_key is not None else 0
+    for i in range(len(want) // C + 1):
+        toks = want[i * C : (i + 1) * C]
+        entry: Chunk | None = None
+        src = ""
+        if len(toks) == C:
+            entry, src = locate(cache, cache.key_for(parent, toks, s), parent)
+        if (
+            entry is None
+            and tail
+            and len(toks) >= tail
+            and chunk_key(parent, toks[:tail], s.ns) == s.tail_key
+        ):
+            # the session's own hibernated partial tail, at the end of its stored prefix
+            entry, src = locate(cache, s.tail_key, parent)
+        if entry is None:
+            n.misses["l3"] += 1
+            break
+        segments.append((src, entry))
+        parent = entry.key
+        if entry.tokens < C:
+            break
+    if cache.config.cost_model:
+        payload = cache.codec.payload_bytes
+        keep = cache.cost.plan([(src, payload(e.tokens), e.tokens) for src, e in segments])
+        segments = segments[:keep]
+    p = RestorePlan(want, segments)
+    for _, e in segments:
+        e.pins += 1
+    try:
+        loaded = sum(e.tokens for _, e in segments)
+        cache.alloc_l1(s, max(len(want) + 1, loaded))
+        s.tokens, s.chunk_keys, s.flushed, s.tail_key = [], [], 0, None
+        for i, (src, e) in enumerate(segments):
+            if src != "l3" and e.l3_read is None:
+                continue
+            fut = start_read(cache, e)
+            if fut is None:  # L2 is all in flight: load the prefix before this chunk
+                for _, rest in segments[i:]:
+                    rest.pins -= 1
+                del segments[i:]
+                break
+            p.reads[i] = fut
+    except BaseException:
+        unpin(p)
+        raise
+    return p
+
+
+def unpin(p: RestorePlan) -> None:
+    for _, e in p.segments:
+        e.pins -= 1
+    p.segments = []
+
+
+def load(cache: TieredCache, s: Session, p: RestorePlan) -> None:
+    """Phase 2 (outside the lock): wait for the reads, throttle, copy L2 -> L1."""
+    assert s.bufs is not None
+    t0 = time.perf_counter()
+    usable = len(p.segments)
+    for i, fut in p.reads.items():  # in segment order
+        if fut.exception() is not None:
+            usable = min(usable, i)
+            break
+    p.l3_bytes = sum(
+        cache.codec.payload_bytes(p.segments[i][1].tokens) for i in p.reads if i < usable
+    )
+    p.t_l3 = time.perf_counter() - t0
+    rate = cache.config.l3_read_bytes_per_s
+    if p.l3_bytes and rate:
+        time.sleep(max(0.0, p.l3_bytes / rate - p.t_l3))
+        p.t_l3 = time.perf_counter() - t0
+    p.usable = usable
+    if not usable:
+        return
+    chunks = [e for _, e in p.segments[:usable]]
+    slots = [e.l2_slot for e in chunks]  # pinned and read: stable without the lock
+    t1 = time.perf_counter()
+    tokens = sum(e.tokens for e in chunks)
+    layers, block = s.bufs.layers, s.bufs.block
+    # spin: the forward waits for these bytes, and waking from a blocking wait costs more
+    handle = cache.engine.restore_range(slots, tokens, layers, 0, block=block)  # type: ignore[arg-type]
+    handle.wait(spin=True)
+    p.t_l2 = time.perf_counter() - t1
+
+
+def publish(cache: TieredCache, s: Session, p: RestorePlan) -> str:
+    """Phase 3 (under the lock): settle the reads, unpin, set the session; returns the
+    deepest tier the prefix came from."""
+    for i, fut in p.reads.items():
+        settle_read(cache, p.segments[i][1], fut)
+    usable = p.segments[: p.usable]
+    unpin(p)
+    C = cache.chunk_tokens
+    n = cache.counters
+    pos = 0
+    deepest = RestoreSource.RECOMPUTE.value
+    for src, e in usable:
+        if e.tokens == C:
+            s.chunk_keys.append(e.key)
+        pos += e.tokens
+        n.hits[src] += 1
+        n.restored_tokens[src] += e.tokens
+        if deepest == RestoreSource.RECOMPUTE.value or src == "l3":
+            deepest = src
+        cache.directory.policy.touch(e.key)
+    s.flushed = len(s.chunk_keys)
+    s.tokens = p.want[:pos]
+    s.lengths[:] = [pos] * len(s.lengths)
+    n.restored_tokens[RestoreSource.RECOMPUTE.value] += len(p.want) + 1 - pos
+    if usable:
+        l2_bytes = sum(cache.codec.payload_bytes(e.tokens) for _, e in usable)
+        if p.l3_bytes:
+            cache.cost.observe_load("l3", p.l3_bytes, p.t_l3 + p.t_l2 * p.l3_bytes / l2_bytes)
+        if p.l3_bytes < l2_bytes:
+            l2_only = l2_bytes - p.l3_bytes
+            cache.cost.observe_load("l2", l2_only, p.t_l2 * l2_only / l2_bytes)
+    return deepest
+
+
+def prefetch(cache: TieredCache, s: Session) -> None:
+    """Start L3 -> L2 reads of the session's chunks (under the lock; never waits)."""
+    for key in [*s.chunk_keys] + ([s.tail_key] if s.tail_key else []):
+        e, src = locate(cache, key)
+        if e is None:
+            break
+        if src == "l3" and start_read(cache, e) is None:
+            break
