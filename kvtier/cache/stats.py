@@ -104,7 +104,7 @@ def build_snapshot(inp: SnapshotInputs, l3: Any, eng: Any) -> CacheSnapshot:
             l3.chunks,
             n.hits["l3"],
             n.misses["l3"],
-            n.evictions["l3"],
+            l3.evictions,  # the store counts what its size cap and gc delete
         ),
     )
     by_state: dict[str, int] = {st.value: 0 for st in SessionState if st.value != "closed"}
