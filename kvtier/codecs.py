@@ -1,4 +1,4 @@
-"""Cold-tier codecs: how a chunk is stored in L2/L3 (DESIGN.md section 4).
+"""Cold-tier codecs: how a chunk is stored in L2/L3 (docs/architecture.md, "Tiers").
 
 A codec turns a chunk tensor `[layer, k|v, token, kv_head, dim]` in the model's dtype into one
 flat uint8 payload and back. It runs on the device that holds the chunk (the GPU in production),

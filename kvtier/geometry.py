@@ -1,6 +1,7 @@
 """KV geometry of a model: how many bytes one token costs, derived from its transformers config.
 
-Every size, budget and capacity plan in kvtier goes through `KVGeometry` (DESIGN.md section 2).
+Every size, budget and capacity plan in kvtier goes through `KVGeometry`
+(docs/architecture.md, "KV geometry").
 The usual `2 x layers x hidden x bytes` formula is wrong for grouped-query and latent attention;
 here the count uses KV heads (GQA/MQA) or the compressed latent (MLA). No torch at import: the
 dtype is a string, mapped to a torch dtype only where a tensor is made.
@@ -266,7 +267,9 @@ def model_fingerprint(
     codec: str,
     weights_digest: bytes | None = None,
 ) -> bytes:
-    """16 bytes naming everything that makes stored KV incompatible (DESIGN.md section 3).
+    """16 bytes naming everything that makes stored KV incompatible.
+
+    See docs/architecture.md, "Chunks and their keys".
 
     Covers the model id, layers, KV heads, head dims, rope theta and scaling, sliding window,
     KV dtype, storage codec, .kvbin format version and an optional weights digest. It is a

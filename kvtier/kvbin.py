@@ -1,4 +1,6 @@
-"""The .kvbin v1 chunk format (DESIGN.md section 5): a pure codec of the 4096-byte header.
+"""The .kvbin v1 chunk format: a pure codec of the 4096-byte header.
+
+See docs/architecture.md, "Formats", and docs/kvbin-format.md.
 
 A file is this header followed by the payload, padded with zeros to a multiple of 4096 so that
 the payload can be read with O_DIRECT straight into an aligned buffer. docs/kvbin-format.md

@@ -1,4 +1,6 @@
-"""The observability contract (DESIGN.md section 7): frozen, pure snapshot types.
+"""The observability contract: frozen, pure snapshot types.
+
+See docs/architecture.md, "Observability".
 
 `TieredCache.stats()` returns a `CacheSnapshot`. The exporter turns it into Prometheus metrics and
 kvtop renders it. This module imports nothing but the standard library's typing helpers so that

@@ -1,4 +1,6 @@
-"""The recommended host settings of a kvtier host: the one source of truth (DESIGN.md section 8).
+"""The recommended host settings of a kvtier host: the one source of truth.
+
+See docs/architecture.md, "Host tuning".
 
 The Ansible role's defaults (ansible/roles/kvtier_host/defaults/main.yml) are generated from this
 module (`python -m ops.tuning > ansible/roles/kvtier_host/defaults/main.yml`, checked by a test)

@@ -1,4 +1,4 @@
-"""The layering rule of DESIGN.md section 1 is enforced by import-linter (`make layering`).
+"""The layering rule (docs/architecture.md, "Layering") is enforced by import-linter (`make layering`).
 
 These tests show that the checker really fails on a violation: they copy the packages into a
 temporary tree, plant one bad module, and run lint-imports there.

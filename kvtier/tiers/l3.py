@@ -1,4 +1,4 @@
-"""L3: the SSD tier. One checksummed .kvbin file per chunk plus an SQLite index (DESIGN.md §4-5).
+"""L3: the SSD tier. One checksummed .kvbin file per chunk plus an SQLite index (docs/architecture.md, Tiers and Formats).
 
 Layout: `<root>/{hot,cold}/<2 hex>/<key>.kvbin`, `<root>/index.sqlite`, `<root>/quarantine/`.
 Writes are temp file + fdatasync + rename + directory fsync, so a `put` that returned survives

@@ -1,4 +1,6 @@
-"""The transfer engine: the one owner of every copy between the tiers (DESIGN.md section 6).
+"""The transfer engine: the one owner of every copy between the tiers.
+
+See docs/architecture.md, "Movement and policy".
 
 `TransferEngine` composes two movers that share only the per-slot ordering and the totals:
 

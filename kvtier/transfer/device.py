@@ -1,4 +1,6 @@
-"""The device mover: every copy between the L1 views and the L2 slots (DESIGN.md section 6).
+"""The device mover: every copy between the L1 views and the L2 slots.
+
+See docs/architecture.md, "Movement and policy".
 
 GPU <-> host moves chunks in groups of `group_chunks`. Restore copies a group from its pinned
 L2 slots into one contiguous device staging buffer `[G, layer, k|v, token, head, dim]` on a

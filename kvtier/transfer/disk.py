@@ -1,4 +1,6 @@
-"""The disk mover: every copy between the L2 slots and the L3 store (DESIGN.md section 6).
+"""The disk mover: every copy between the L2 slots and the L3 store.
+
+See docs/architecture.md, "Movement and policy".
 
 Two thread pools (writes, reads) call the L3 store, whose O_DIRECT I/O goes straight between
 the pinned slots and the .kvbin files. With a `WriterProcess` the writes' file work runs in a

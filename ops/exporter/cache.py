@@ -2,7 +2,8 @@
 
 The snapshot function is called once per scrape and nothing is kept between scrapes, so two
 Prometheus servers scraping the same process see the same numbers (client_python's
-gc_collector pattern). Metric names and labels follow DESIGN.md section 7 and docs/metrics.md.
+gc_collector pattern). Metric names and labels follow
+docs/architecture.md ("Observability") and docs/metrics.md.
 """
 
 from __future__ import annotations
