@@ -35,7 +35,7 @@ KEYS = (
 def screen(model: Model, width: int, height: int, now: float | None = None) -> RenderableType:
     """The whole screen for a terminal of `width` x `height`."""
     now = time.time() if now is None else now
-    top: list[RenderableType] = [header(model, now), alerts_line(model)]
+    top: list[RenderableType] = [header(model, now, width), alerts_line(model)]
     rows = 2
     if model.error:
         message = f"! {model.error}"
@@ -111,12 +111,23 @@ def _panel(model: Model, n: int, width: int, height: int, now: float) -> Rendera
     return host_panel(model, width, height)
 
 
-def header(model: Model, now: float) -> Text:
+def header(model: Model, now: float, width: int | None = None) -> Text:
+    """The top line; in a narrow terminal the words `every` and `http://` go first, so the
+    figures and the help hint stay whole."""
+    for short in (False, True):
+        t = _header(model, now, short)
+        if width is None or t.cell_len <= width:
+            break
+    t.no_wrap, t.overflow = True, "ellipsis"
+    return t
+
+
+def _header(model: Model, now: float, short: bool) -> Text:
     o = model.options
     t = Text()
     t.append("kvtop ", style="bold")
-    t.append(model.source, style="cyan")
-    t.append(f"  every {model.interval:g}s")
+    t.append(model.source.removeprefix("http://") if short else model.source, style="cyan")
+    t.append(f"  {'' if short else 'every '}{model.interval:g}s")
     t.append(f"  sort {o.sort}")
     t.append(f"  tenant {o.tenant or 'all'}")
     if o.prompt is not None:
@@ -126,7 +137,6 @@ def header(model: Model, now: float) -> Text:
         t.append("  PAUSED", style="bold reverse yellow")
     t.append("  " + time.strftime("%H:%M:%S", time.localtime(now)))
     t.append("  ? help", style="dim")
-    t.no_wrap, t.overflow = True, "ellipsis"
     return t
 
 

@@ -328,3 +328,12 @@ def test_allocator_cue_and_alerts() -> None:
     assert "GpuAllocatorRetries GPU 0 2 cudaMalloc retries" in body
     quiet = "\n".join(text(h200_model(), 200, 60))
     assert "GpuAllocator" not in quiet and "alerts: none would fire now" in quiet
+
+
+def test_header_drops_words_before_figures_in_a_narrow_terminal() -> None:
+    model = dataclasses.replace(live_model(), source="http://127.0.0.1:34881", interval=0.5)
+    wide = text(model, 120, 40)[0]
+    assert "every 0.5s" in wide and "http://127.0.0.1:34881" in wide
+    narrow = text(model, 80, 24)[0]
+    assert "…" not in narrow and narrow.rstrip().endswith("? help")
+    assert "kvtop 127.0.0.1:34881  0.5s  sort bytes" in narrow
