@@ -363,7 +363,8 @@ def host_panel(model: Model, width: int, height: int, compact: bool = False) -> 
     room = max(1, height - 2)
     if len(lines) > room:
         hidden = len(lines) - room + 1
-        lines = [*lines[: room - 1], Text(f"+{hidden} more lines: 4 shows all", style="dim")]
+        hint = "a taller terminal shows them" if model.options.focus == 4 else "4 shows all"
+        lines = [*lines[: room - 1], Text(f"+{hidden} more lines: {hint}", style="dim")]
     for t in lines:
         t.no_wrap, t.overflow = True, "ellipsis"
     return Panel(Group(*lines), title=_title(4, model), title_align="left", height=height)
