@@ -3,10 +3,14 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: demo test lint typecheck layering unit setup setup-dev
+.PHONY: demo demo-clean test lint typecheck layering unit setup setup-dev
 
 demo: setup
 	bash scripts/demo.sh
+
+# Stop a demo server still running and delete the demo's L3, logs and reports.
+demo-clean: setup
+	bash scripts/demo.sh clean
 
 test: setup-dev lint typecheck layering unit
 

@@ -6,8 +6,9 @@ fire now" with the same values, so an operator never sees two opinions of one ho
 
 Each `Threshold` carries the number its alert compares against (`value`), the optional second
 condition (`rate`, a per-second rate), the look-back window of its `rate()`/`predict_linear()`
-(`window_s`), the look-ahead of `predict_linear()` (`horizon_s`) and how long the condition must
-hold before the alert fires (`for_s`). Units are base units: ratios 0..1, bytes, seconds.
+(`window_s`), the look-ahead of `predict_linear()` (`horizon_s`), a floor the measured amount
+must also exceed (`floor`, so a ratio of a small quantity stays quiet) and how long the condition
+must hold before the alert fires (`for_s`). Units are base units: ratios 0..1, bytes, seconds.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ class Threshold:
     window_s: int = 300
     rate: float = 0.0
     horizon_s: int = 0
+    floor: float = 0.0
 
 
 MEMORY_PSI_FULL = Threshold(
@@ -143,6 +145,27 @@ OOM_KILL = Threshold(
     meaning="OOM kills (vmstat oom_kill) within `window_s`, more than",
     window_s=900,
 )
+GPU_ALLOC_RETRIES = Threshold(
+    "KvtierGpuAllocatorRetries",
+    "warning",
+    value=0.0,
+    meaning=(
+        "cudaMalloc calls of the CUDA caching allocator that failed and were retried after it "
+        "flushed its cache (torch num_alloc_retries), within `window_s`, more than"
+    ),
+    window_s=900,
+)
+GPU_ALLOC_FRAGMENTED = Threshold(
+    "KvtierGpuAllocatorFragmented",
+    "warning",
+    value=0.25,
+    meaning=(
+        "free bytes stranded in split blocks (torch inactive_split_bytes) as a share of the bytes "
+        "the allocator reserved is above `value`, and more than `floor` bytes are stranded"
+    ),
+    for_s=900,
+    floor=1e9,
+)
 
 ALL: tuple[Threshold, ...] = (
     MEMORY_PSI_FULL,
@@ -159,5 +182,7 @@ ALL: tuple[Threshold, ...] = (
     DIRTY_PAGES,
     PCIE_DOWNGRADE,
     OOM_KILL,
+    GPU_ALLOC_RETRIES,
+    GPU_ALLOC_FRAGMENTED,
 )
 BY_ALERT: dict[str, Threshold] = {t.alert: t for t in ALL}

@@ -319,6 +319,45 @@ CASES: tuple[Case, ...] = (
         {_s("kvtier_vmstat_oom_kill_total"): "0x10"},
         "5m",
     ),
+    # -- allocator retries: two retries fire at once; a total left from long ago stays quiet.
+    Case(
+        th.GPU_ALLOC_RETRIES.alert,
+        "firing: two retries just now",
+        {_s("kvtier_torch_alloc_retries_total", gpu="0"): "0 0 0 2 2 2"},
+        "5m",
+        fires={"gpu": "0"},
+    ),
+    Case(
+        th.GPU_ALLOC_RETRIES.alert,
+        "quiet: five retries, none in the last 15 minutes",
+        {_s("kvtier_torch_alloc_retries_total", gpu="0"): "0 5x40"},
+        "30m",
+    ),
+    # -- fragmentation: 16 of 40 GB stranded (40%) on GPU 0; GPU 1 is at 50% of a small pool
+    # (0.5 GB, under the floor) and GPU 2 has 4 of 40 GB (10%).
+    Case(
+        th.GPU_ALLOC_FRAGMENTED.alert,
+        "firing: 40% of 40 GB stranded in split blocks",
+        {
+            _s("kvtier_torch_reserved_bytes", gpu="0"): "40000000000x30",
+            _s("kvtier_torch_inactive_split_bytes", gpu="0"): "16000000000x30",
+            _s("kvtier_torch_reserved_bytes", gpu="1"): "1000000000x30",
+            _s("kvtier_torch_inactive_split_bytes", gpu="1"): "500000000x30",
+        },
+        "20m",
+        fires={"gpu": "0"},
+    ),
+    Case(
+        th.GPU_ALLOC_FRAGMENTED.alert,
+        "quiet: 10% stranded, or a large share of a small pool",
+        {
+            _s("kvtier_torch_reserved_bytes", gpu="1"): "1000000000x30",
+            _s("kvtier_torch_inactive_split_bytes", gpu="1"): "500000000x30",
+            _s("kvtier_torch_reserved_bytes", gpu="2"): "40000000000x30",
+            _s("kvtier_torch_inactive_split_bytes", gpu="2"): "4000000000x30",
+        },
+        "20m",
+    ),
 )
 
 
@@ -337,7 +376,7 @@ def _expected(alert: str, labels: dict[str, str]) -> list[str]:
     annotations = {
         "summary": _expand(rules.SUMMARIES[alert], every),
         "description": _expand(rules._fill(rules.DESCRIPTIONS[alert], t), every),
-        "runbook": rules.anchor(alert),
+        "runbook_url": rules.anchor(alert),
     }
     for k, v in annotations.items():
         out.append(f"              {k}: {rules._quote(v)}")

@@ -14,7 +14,8 @@ from ops import thresholds as th
 
 RUNBOOK = "docs/runbook.md"
 
-# Alert expressions. `{value}`, `{rate}`, `{window}`, `{horizon}` come from the alert's Threshold.
+# Alert expressions. `{value}`, `{rate}`, `{window}`, `{horizon}`, `{floor}` come from the
+# alert's Threshold.
 EXPRESSIONS: dict[str, str] = {
     th.MEMORY_PSI_FULL.alert: "rate(kvtier_pressure_memory_stalled_seconds_total[{window}]) > {value}",
     th.MEMORY_AVAILABLE.alert: (
@@ -62,6 +63,12 @@ EXPRESSIONS: dict[str, str] = {
         ")"
     ),
     th.OOM_KILL.alert: "increase(kvtier_vmstat_oom_kill_total[{window}]) > {value}",
+    th.GPU_ALLOC_RETRIES.alert: "increase(kvtier_torch_alloc_retries_total[{window}]) > {value}",
+    th.GPU_ALLOC_FRAGMENTED.alert: (
+        "kvtier_torch_inactive_split_bytes / (kvtier_torch_reserved_bytes > 0) > {value}\n"
+        "and\n"
+        "kvtier_torch_inactive_split_bytes > {floor}"
+    ),
 }
 
 SUMMARIES: dict[str, str] = {
@@ -81,6 +88,12 @@ SUMMARIES: dict[str, str] = {
     th.DIRTY_PAGES.alert: "Dirty pages near the kernel's dirty threshold: writers will block.",
     th.PCIE_DOWNGRADE.alert: "GPU {{ $labels.gpu }} runs on a downgraded PCIe link.",
     th.OOM_KILL.alert: "The kernel OOM killer ran on {{ $labels.instance }}.",
+    th.GPU_ALLOC_RETRIES.alert: (
+        "cudaMalloc failed on GPU {{ $labels.gpu }} and the allocator flushed its cache to retry."
+    ),
+    th.GPU_ALLOC_FRAGMENTED.alert: (
+        "The CUDA caching allocator on GPU {{ $labels.gpu }} is fragmented."
+    ),
 }
 
 DESCRIPTIONS: dict[str, str] = {
@@ -137,6 +150,17 @@ DESCRIPTIONS: dict[str, str] = {
         " lower generation while it carries more than {rate} bytes per second."
     ),
     th.OOM_KILL.alert: ("The kernel OOM killer ran more than {value} times in the last {window}."),
+    th.GPU_ALLOC_RETRIES.alert: (
+        "The CUDA caching allocator of GPU {{{{ $labels.gpu }}}} retried more than {value}"
+        " cudaMalloc calls in the last {window}: each retry freed every cached block and"
+        " synchronized the device. The next such allocation may fail with CUDA OOM although"
+        " nvidia-smi shows free memory."
+    ),
+    th.GPU_ALLOC_FRAGMENTED.alert: (
+        "More than {value} of the memory the allocator reserved on GPU {{{{ $labels.gpu }}}}"
+        " (and more than {floor} bytes) is free but stranded in split blocks: a large"
+        " allocation cannot use it, so cudaMalloc can fail while memory looks free."
+    ),
 }
 
 # Recording rules: (name, expression). Dashboards and alerts use these names.
@@ -200,6 +224,7 @@ def _fill(template: str, t: th.Threshold) -> str:
         rate=number(t.rate),
         window=duration(t.window_s),
         horizon=number(t.horizon_s),
+        floor=number(t.floor),
     )
 
 
@@ -242,7 +267,7 @@ def render_alerts() -> str:
         lines.append("        annotations:")
         lines.append(f"          summary: {_quote(SUMMARIES[t.alert])}")
         lines.append(f"          description: {_quote(_fill(DESCRIPTIONS[t.alert], t))}")
-        lines.append(f"          runbook: {_quote(anchor(t.alert))}")
+        lines.append(f"          runbook_url: {_quote(anchor(t.alert))}")
     return "\n".join(lines) + "\n"
 
 

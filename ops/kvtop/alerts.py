@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from ops import thresholds as th
+from ops.kvtop import fmt
 from ops.kvtop import metrics as m
 from ops.kvtop.history import History
 from ops.kvtop.metrics import Scrape
@@ -179,3 +180,20 @@ def _devices(history: History, cur: Scrape) -> Iterator[Firing]:
             yield _fire(t, f"GPU {gpu} link x{width:.0f} of x{max_width:.0f}")
         elif gen is not None and max_gen is not None and max_gen - gen >= t.value and load > t.rate:
             yield _fire(t, f"GPU {gpu} link gen{gen:.0f} of gen{max_gen:.0f} under load")
+
+    t = th.GPU_ALLOC_RETRIES
+    name = "kvtier_torch_alloc_retries_total"
+    for d, _ in cur.series(name):
+        inc = m.increase(history.baseline(t.window_s), cur, name, tuple(sorted(d.items())))
+        if inc is not None and inc[0] > t.value:
+            yield _fire(t, f"GPU {d.get('gpu', '?')} {inc[0]:.0f} cudaMalloc retries")
+
+    t = th.GPU_ALLOC_FRAGMENTED
+    for d, reserved in cur.series("kvtier_torch_reserved_bytes"):
+        split = cur.get("kvtier_torch_inactive_split_bytes", **d)
+        if split is not None and reserved > 0 and split / reserved > t.value and split > t.floor:
+            yield _fire(
+                t,
+                f"GPU {d.get('gpu', '?')} {fmt.size(split)} ({_pct(split / reserved)}) of "
+                f"{fmt.size(reserved)} reserved stranded in split blocks",
+            )

@@ -160,6 +160,11 @@ class GpuView:
     max_width: float | None
     replays: float | None
     shares_with_l3: str | None  # "switch" / "root port" when the GPU shares an uplink with L3
+    # The CUDA caching allocator of the serving process (`kvtier serve` only; None elsewhere):
+    alloc_reserved: float | None = None  # bytes reserved from CUDA
+    alloc_split: float | None = None  # free bytes stranded in split blocks
+    alloc_retries: float | None = None  # cudaMalloc retries after a cache flush, since start
+    alloc_retry_rate: float | None = None  # retries per second over the last refresh
 
 
 @dataclass(frozen=True)
@@ -420,7 +425,9 @@ PROXIMITY = {2: "root port", 3: "switch"}
 
 def _gpus(cur: Scrape, prev: Scrape | None) -> tuple[GpuView, ...]:
     out = []
-    for gpu in cur.label_values("kvtier_gpu_memory_total_bytes", "gpu"):
+    gpus = cur.label_values("kvtier_gpu_memory_total_bytes", "gpu")
+    gpus += [g for g in cur.label_values("kvtier_torch_reserved_bytes", "gpu") if g not in gpus]
+    for gpu in gpus:
 
         def g(name: str, gpu: str = gpu) -> float | None:
             return cur.get(f"kvtier_gpu_{name}", gpu=gpu)
@@ -441,6 +448,10 @@ def _gpus(cur: Scrape, prev: Scrape | None) -> tuple[GpuView, ...]:
                 max_width=g("pcie_link_max_width"),
                 replays=g("pcie_replay_total"),
                 shares_with_l3=PROXIMITY.get(level),
+                alloc_reserved=cur.get("kvtier_torch_reserved_bytes", gpu=gpu),
+                alloc_split=cur.get("kvtier_torch_inactive_split_bytes", gpu=gpu),
+                alloc_retries=cur.get("kvtier_torch_alloc_retries_total", gpu=gpu),
+                alloc_retry_rate=m.rate(prev, cur, "kvtier_torch_alloc_retries_total", gpu=gpu),
             )
         )
     return tuple(out)

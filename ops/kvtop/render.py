@@ -15,8 +15,8 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from ops import thresholds as th
 from ops.kvtop import fmt
+from ops.kvtop.host import host_lines
 from ops.kvtop.model import QUANTILES, Model, SessionsView, TierView
 
 WIDE = 160  # columns from which panels sit side by side in two columns
@@ -35,7 +35,7 @@ KEYS = (
 def screen(model: Model, width: int, height: int, now: float | None = None) -> RenderableType:
     """The whole screen for a terminal of `width` x `height`."""
     now = time.time() if now is None else now
-    top: list[RenderableType] = [header(model, now), alerts_line(model)]
+    top: list[RenderableType] = [header(model, now, width), alerts_line(model)]
     rows = 2
     if model.error:
         message = f"! {model.error}"
@@ -74,7 +74,16 @@ def _body(model: Model, width: int, height: int, now: float) -> RenderableType:
         body.split_row(left, right)
         return body
     t_h = len(model.tiers) + 3 + (1 if model.counters else 0) - (1 if not model.tiers else 0)
-    low_h = max(len(model.restore) + 3, 7) if height >= 20 else 0
+    low_h = 0
+    if height >= 20:
+        # The host row gets the lines it needs, leaving the sessions panel up to 8 rows (4
+        # sessions), or what its list needs; the sessions panel takes whatever is left over.
+        s = model.sessions
+        listed = s.detail is None and s.pinned is not None
+        s_min = min(8, len(s.rows) + 4) if listed else 4
+        host_h = len(host_lines(model, width - width // 2 - 4, compact=True)) + 2
+        want = max(len(model.restore) + 3, host_h, 7)
+        low_h = max(7, min(want, height - t_h - s_min))
     s_h = max(4, height - t_h - low_h)
     body = Layout()
     parts = [
@@ -102,12 +111,23 @@ def _panel(model: Model, n: int, width: int, height: int, now: float) -> Rendera
     return host_panel(model, width, height)
 
 
-def header(model: Model, now: float) -> Text:
+def header(model: Model, now: float, width: int | None = None) -> Text:
+    """The top line; in a narrow terminal the words `every` and `http://` go first, so the
+    figures and the help hint stay whole."""
+    for short in (False, True):
+        t = _header(model, now, short)
+        if width is None or t.cell_len <= width:
+            break
+    t.no_wrap, t.overflow = True, "ellipsis"
+    return t
+
+
+def _header(model: Model, now: float, short: bool) -> Text:
     o = model.options
     t = Text()
     t.append("kvtop ", style="bold")
-    t.append(model.source, style="cyan")
-    t.append(f"  every {model.interval:g}s")
+    t.append(model.source.removeprefix("http://") if short else model.source, style="cyan")
+    t.append(f"  {'' if short else 'every '}{model.interval:g}s")
     t.append(f"  sort {o.sort}")
     t.append(f"  tenant {o.tenant or 'all'}")
     if o.prompt is not None:
@@ -117,7 +137,6 @@ def header(model: Model, now: float) -> Text:
         t.append("  PAUSED", style="bold reverse yellow")
     t.append("  " + time.strftime("%H:%M:%S", time.localtime(now)))
     t.append("  ? help", style="dim")
-    t.no_wrap, t.overflow = True, "ellipsis"
     return t
 
 
@@ -230,7 +249,14 @@ def sessions_panel(model: Model, width: int, height: int, now: float) -> Panel:
 
 
 def _cut(text: str, width: int) -> str:
-    return text if len(text) <= width else text[: width - 1] + "…"
+    """`text` in `width` characters; a longer one loses its middle (`lg-ca…-00017`): ids of one
+    run share a prefix and differ at the end, so both ends are kept, the end a little longer."""
+    if len(text) <= width:
+        return text
+    if width < 4:
+        return text[:width]
+    tail = width // 2
+    return text[: width - 1 - tail] + "…" + text[len(text) - tail :]
 
 
 def _sessions_table(model: Model, rows: tuple, width: int, now: float) -> Text:
@@ -331,98 +357,17 @@ def restore_panel(model: Model, width: int, compact: bool = False) -> Panel:
 
 
 def host_panel(model: Model, width: int, height: int, compact: bool = False) -> Panel:
-    h = model.host
-    lines: list[Text] = []
-    if h.empty:
-        lines.append(Text("no host metrics at this endpoint", style="dim"))
-    mem = Text()
-    if h.mem_available is not None:
-        mem.append("mem avail ")
-        mem.append(fmt.pct(h.mem_available), style=fmt.level(1 - h.mem_available, 0.8, 0.9))
-    for resource, some, full in h.psi:
-        mem.append(f"  PSI {resource[:3] if compact else resource} ")
-        mem.append(f"{fmt.pct(some, 1)}/{fmt.pct(full, 1)}", style="red" if full else "")
-    if mem:
-        lines.append(mem)
-    if h.dirty is not None:
-        d = Text("dirty+wb ")
-        share = h.dirty / h.dirty_threshold if h.dirty_threshold else None
-        d.append(f"{fmt.size(h.dirty)}/{fmt.size(h.dirty_threshold)} ")
-        d.append(fmt.pct(share), style=fmt.level(share, 0.5, 0.8))
-        if not compact:
-            d.append(f" of threshold (alert >{fmt.pct(th.DIRTY_PAGES.value)})", style="dim")
-        lines.append(d)
-    for z in h.zones:
-        f = Text(f"n{z.node} {z.zone} free/order ")
-        f.append(fmt.blocks(z.blocks), style="cyan")
-        f.append(" o9+ ")
-        f.append(f"{z.headroom:.0f}", style="red" if z.headroom < 1 else "green")
-        if z.fragmentation is not None and not compact:
-            f.append(f" frag {z.fragmentation:.2f}")
-        lines.append(f)
-        if not compact and width >= 100:
-            lines.append(Text("  " + " ".join(fmt.count(b) for b in z.blocks), style="dim"))
-    if h.hugepages is not None:
-        pool, free, rsvd, surplus = h.hugepages
-        hp = Text(f"hugepages {fmt.count(free)}/{fmt.count(pool)} free")
-        hp.append(
-            f", {fmt.count(rsvd)} rsvd, {fmt.count(surplus)} surplus of {fmt.size(h.hugepage_size)}"
-        )
-        lines.append(hp)
-    if h.pagecache_hit is not None or h.pagecache_resident is not None:
-        lines.append(
-            Text(
-                f"L3 page cache hit {fmt.pct(h.pagecache_hit)}  resident {fmt.pct(h.pagecache_resident)}"
-            )
-        )
-    if h.filesystem is not None:
-        avail, size = h.filesystem
-        lines.append(Text(f"L3 filesystem {fmt.size(avail)} free of {fmt.size(size)}"))
-    for disk in h.disks:
-        lines.append(
-            Text(
-                f"{disk.device} r/s {fmt.per_s(disk.reads)} w/s {fmt.per_s(disk.writes)} "
-                f"rB/s {fmt.size(disk.read_bytes)} wB/s {fmt.size(disk.written_bytes)} "
-                f"await {fmt.seconds(disk.r_await)}/{fmt.seconds(disk.w_await)} "
-                f"aqu {'-' if disk.queue is None else f'{disk.queue:.2f}'}"
-            )
-        )
-    for g in h.gpus:
-        lines.extend(_gpu_lines(g, width))
-    if not compact and not h.gpus and not h.empty:
-        lines.append(Text("no GPU metrics (no NVIDIA driver, or --no-gpu)", style="dim"))
+    """The host signals as whole fields flowed into the panel's width: a field that does not fit
+    on a line starts the next one, never cut; lines beyond the height are counted, not cut."""
+    lines = host_lines(model, width - 4, compact)
+    room = max(1, height - 2)
+    if len(lines) > room:
+        hidden = len(lines) - room + 1
+        hint = "a taller terminal shows them" if model.options.focus == 4 else "4 shows all"
+        lines = [*lines[: room - 1], Text(f"+{hidden} more lines: {hint}", style="dim")]
     for t in lines:
         t.no_wrap, t.overflow = True, "ellipsis"
     return Panel(Group(*lines), title=_title(4, model), title_align="left", height=height)
-
-
-def _gpu_lines(g, width: int) -> list[Text]:  # type: ignore[no-untyped-def]
-    used_ratio = g.used / g.total if g.used is not None and g.total else None
-    t = Text(f"GPU{g.gpu} ")
-    t.append_text(fmt.bar(used_ratio, 10))
-    t.append(f" {fmt.size(g.used)}/{fmt.size(g.total)} util {fmt.pct(g.utilization)}")
-    t.append(f" PCIe tx {fmt.rate(g.tx)} rx {fmt.rate(g.rx)} ")
-    down = (g.width is not None and g.max_width is not None and g.width < g.max_width) or (
-        g.gen is not None and g.max_gen is not None and g.gen < g.max_gen
-    )
-    link = f"gen{_n(g.gen)}x{_n(g.width)}/gen{_n(g.max_gen)}x{_n(g.max_width)}"
-    t.append(link, style="yellow" if down else "green")
-    if g.replays:
-        t.append(f" replays {fmt.count(g.replays)}", style="red")
-    out = [t]
-    if g.shares_with_l3:
-        out.append(
-            Text(
-                f"! GPU{g.gpu} shares a PCIe {g.shares_with_l3} with the L3 drive: "
-                "restores and L3 I/O compete for one uplink",
-                style="bold yellow",
-            )
-        )
-    return out
-
-
-def _n(x: float | None) -> str:
-    return "?" if x is None else f"{x:.0f}"
 
 
 def help_panel() -> Panel:

@@ -75,11 +75,20 @@ def test_cudnn_attention_is_off_unless_asked() -> None:
         ServerConfig.load(env={"KVTIER_CUDNN_ATTENTION": "maybe"})
 
 
-def test_default_l3_root_is_private_under_user_data_dir() -> None:
+@pytest.mark.parametrize("home", ["/home/alice", "/tmp/ci-home"])
+def test_default_l3_root_is_private_under_user_data_dir(
+    home: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The default follows the user's data dir (HOME, or XDG_DATA_HOME when set), whatever HOME
+    the person running the tests has: a HOME under /tmp is theirs, not a shared /tmp path."""
+    monkeypatch.setenv("HOME", home)
+    monkeypatch.delenv("XDG_DATA_HOME", raising=False)
     root = default_l3_root()
-    assert not str(root).startswith("/tmp")
-    assert "kvtier" in root.parts
+    assert root == Path(home) / ".local" / "share" / "kvtier" / "l3"
     assert ServerConfig.load(env={}).l3_root == root
+    monkeypatch.setenv("XDG_DATA_HOME", "/srv/data")
+    assert default_l3_root() == Path("/srv/data/kvtier/l3")
+    assert not str(default_l3_root()).startswith("/tmp")
 
 
 def test_byte_tokenizer_round_trips_every_byte_and_keeps_prefixes() -> None:

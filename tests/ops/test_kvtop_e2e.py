@@ -77,8 +77,8 @@ class Tmux:
 def tmux_factory() -> Iterator[Callable[[list[str]], Tmux]]:
     made: list[Tmux] = []
 
-    def make(command: list[str]) -> Tmux:
-        t = Tmux(command)
+    def make(command: list[str], width: int = 200, height: int = 60) -> Tmux:
+        t = Tmux(command, width, height)
         made.append(t)
         return t
 
@@ -179,6 +179,47 @@ def test_kvtop_in_tmux_matches_metrics_and_obeys_keys(tmp_path: Path, tmux_facto
     assert out.returncode == 0, out.stderr
     assert "[2] Sessions" in out.stdout and "agent-" in out.stdout and "hibernated" in out.stdout
     assert "l3-root" in out.stdout and "Traceback" not in out.stdout + out.stderr
+
+
+def host_box(screen: list[str]) -> list[str]:
+    """The inside of the `[4] Host` box of a captured screen."""
+    top = next(i for i, line in enumerate(screen) if "╭─ [4] Host" in line)
+    col = screen[top].index("╭─ [4] Host")
+    out = []
+    for line in screen[top + 1 :]:
+        if line[col:].startswith("╰"):
+            return out
+        out.append(line[col + 1 :].split("│")[0].strip())
+    raise AssertionError("the Host box does not close:\n" + "\n".join(screen))
+
+
+@pytest.mark.slow
+def test_kvtop_in_tmux_at_80x24_and_120x40_is_clean(tmp_path: Path, tmux_factory) -> None:
+    """Sessions named as loadgen names them (one run id, then a number) stay distinct rows, and
+    no Host field is cut, on this machine's real host signals at both sizes."""
+    from test_kvtop_live import live_exporter
+
+    with live_exporter(tmp_path, session_id="lg-ca4283a0-{i:05d}") as live:
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and (scrape(live.url).total("kvtier_sessions") or 0) < 6:
+            time.sleep(0.2)
+        for width, height in ((80, 24), (120, 40)):
+            tmux = tmux_factory([str(KVTOP), "--url", live.url, "--interval", "0.5"], width, height)
+            text = tmux.wait(
+                lambda t: len(re.findall(r"│ lg-", t)) >= 4 and "[4] Host" in t and "o9+" in t
+            )
+            screen = text.splitlines()
+            assert len(screen) == height and all(len(line) <= width for line in screen)
+            ids = [line.split()[1] for line in screen if line.startswith("│ lg-")]
+            assert len(set(ids)) == len(ids) >= 4, text
+            assert all(re.fullmatch(r"lg-.*-0000[0-5]", i) for i in ids), text
+            assert "…" not in screen[0] and screen[0].rstrip().endswith("? help"), text
+            box = host_box(screen)
+            assert box and not any("…" in line for line in box), text
+            assert "Traceback" not in text
+            (tmp_path / f"screen-{width}x{height}.txt").write_text(text)
+            tmux.keys("q")
+        assert not live.errors, live.errors
 
 
 def test_dead_endpoint_shows_a_message_and_keeps_retrying(tmux_factory) -> None:

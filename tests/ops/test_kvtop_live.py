@@ -23,6 +23,7 @@ class Live:
     cache: Any
     stop: threading.Event  # set: the workload pauses (numbers on /metrics stop moving)
     errors: list[BaseException]
+    session_id: str = "agent-{i}"  # the ids of the six sessions, formatted with i = 0..5
 
 
 def _workload(live: Live, model: Any, quit_: threading.Event) -> None:
@@ -35,7 +36,7 @@ def _workload(live: Live, model: Any, quit_: threading.Event) -> None:
                 continue
             for i in range(6):
                 tenant = "acme" if i % 2 else "globex"
-                s = live.cache.session(f"agent-{i}", tenant=tenant)
+                s = live.cache.session(live.session_id.format(i=i), tenant=tenant)
                 ids = torch.tensor([[1 + i] + [5, 9, 13, 2] * (6 + (turn + i) % 7)])
                 pkv = s.restore(ids)
                 out = model.generate(
@@ -81,8 +82,9 @@ def _serve(registry: Any, cache: Any) -> Any:
 
 
 @contextmanager
-def live_exporter(tmp: Path) -> Iterator[Live]:
-    """The exporter (cache + host collectors, l3_root set) on 127.0.0.1, workload running."""
+def live_exporter(tmp: Path, session_id: str = "agent-{i}") -> Iterator[Live]:
+    """The exporter (cache + host collectors, l3_root set) on 127.0.0.1, workload running;
+    `session_id` formats the sessions' ids (`lg-ca4283a0-{i:05d}`: ids as loadgen makes them)."""
     from kvtier import CacheConfig, TieredCache
     from kvtier.server.model import build_default
     from ops.exporter import make_registry
@@ -100,7 +102,7 @@ def live_exporter(tmp: Path) -> Iterator[Live]:
     )
     registry = make_registry(cache.stats, tmp / "l3", nvml=False)
     server = _serve(registry, cache)
-    live = Live(f"http://127.0.0.1:{server.server_port}", cache, threading.Event(), [])
+    live = Live(f"http://127.0.0.1:{server.server_port}", cache, threading.Event(), [], session_id)
     quit_ = threading.Event()
     worker = threading.Thread(target=_workload, args=(live, model, quit_), daemon=True)
     worker.start()

@@ -291,6 +291,31 @@ def cases() -> list[tuple[str, list[Scrape], list[Scrape]]]:
     rate = T.PCIE_DOWNGRADE.rate
     out.append((T.PCIE_DOWNGRADE.alert, [link(8, 5, 0)], [link(16, 4, rate)]))
     out.append((T.PCIE_DOWNGRADE.alert, [link(16, 4, rate + 1)], [link(16, 1, 0)]))
+    retries = "kvtier_torch_alloc_retries_total"
+    out.append(
+        (
+            T.GPU_ALLOC_RETRIES.alert,
+            [scrape(0, **{retries: one(3, gpu="0")}), scrape(10, **{retries: one(4, gpu="0")})],
+            [scrape(0, **{retries: one(4, gpu="0")}), scrape(10, **{retries: one(4, gpu="0")})],
+        )
+    )
+
+    def alloc(reserved: float, split: float) -> Scrape:
+        return scrape(
+            0,
+            kvtier_torch_reserved_bytes=one(reserved, gpu="0"),
+            kvtier_torch_inactive_split_bytes=one(split, gpu="0"),
+        )
+
+    frag, floor = T.GPU_ALLOC_FRAGMENTED.value, T.GPU_ALLOC_FRAGMENTED.floor
+    big = 100 * floor
+    out.append(
+        (T.GPU_ALLOC_FRAGMENTED.alert, [alloc(big, big * frag + 1)], [alloc(big, big * frag)])
+    )
+    # a large share of a pool too small to matter: under the floor, quiet
+    out.append(
+        (T.GPU_ALLOC_FRAGMENTED.alert, [alloc(2 * floor, floor + 1)], [alloc(2 * floor, floor)])
+    )
     return out
 
 

@@ -232,3 +232,108 @@ def test_screen_follows_console_size() -> None:
     console = Console(width=90, height=20, record=True, force_terminal=True)
     console.print(Screen(live_model()))
     assert len(console.export_text().splitlines()) == 20
+
+
+# ---- 80x24 is clean: ids keep their distinct end, host fields are never cut -----------------
+
+
+def host_box(lines: list[str]) -> list[str]:
+    """The inside of the `[4] Host` box, one string per line (its borders dropped)."""
+    top = next(i for i, line in enumerate(lines) if "╭─ [4] Host" in line)
+    col = lines[top].index("╭─ [4] Host")
+    out = []
+    for line in lines[top + 1 :]:
+        if line[col:].startswith("╰"):
+            return out
+        out.append(line[col + 1 :].split("│")[0].strip())
+    raise AssertionError("the Host box does not close")
+
+
+def loadgen_sessions(n: int) -> SessionList:
+    """Ids as `kvtier loadgen` makes them: one run id, then the session number."""
+    base = parse_sessions((FIX / "exporter-live-sessions.json").read_text()).sessions[0]
+    return SessionList(
+        tuple(
+            dataclasses.replace(base, session_id=f"lg-ca4283a0-{i:05d}", bytes=1000 + i)
+            for i in range(n)
+        )
+    )
+
+
+@pytest.mark.parametrize("size", [(80, 24), (120, 40)])
+def test_session_ids_keep_the_part_that_tells_them_apart(size: tuple[int, int]) -> None:
+    h = history("exporter-live-1.txt", "exporter-live-2.txt")
+    model = build(h, loadgen_sessions(32), Options(), source="x", interval=1.0)
+    lines = text(model, *size)
+    ids = [line.split()[1] for line in lines if re.match(r"│ lg-", line)]
+    assert len(ids) >= 4 and len(set(ids)) == len(ids), ids
+    assert ids[0].endswith("-00031") and ids[1].endswith("-00030")  # largest bytes first
+    assert all(i.startswith("lg-") for i in ids)
+
+
+def test_middle_ellipsis() -> None:
+    from ops.kvtop.render import _cut
+
+    assert _cut("lg-ca4283a0-00017", 12) == "lg-ca…-00017"
+    assert _cut("agent-5", 12) == "agent-5" and _cut("abcdefghijklm", 12) == "abcde…hijklm"
+    assert len(_cut("x" * 50, 36)) == 36
+
+
+def h200_model(split: float | None = None, retries: tuple[float, float] | None = None) -> Model:
+    """The H200 recording (twice, 1 s apart), optionally with other allocator figures."""
+    h = History()
+    for i in range(2):
+        s = metrics.parse((FIX / "h200.txt").read_text(), 100.0 + i)
+        samples = {k: dict(v) for k, v in s.samples.items()}
+        if split is not None:
+            samples["kvtier_torch_inactive_split_bytes"] = {(("gpu", "0"),): split}
+        if retries is not None:
+            samples["kvtier_torch_alloc_retries_total"] = {(("gpu", "0"),): retries[i]}
+        samples["kvtier_gpu_l3_pcie_proximity"] = {
+            k: 3.0 for k in samples["kvtier_gpu_l3_pcie_proximity"]
+        }  # the longest host panel: with the shared-switch warning
+        h.add(Scrape(s.taken_at, samples))
+    return build(h, None, Options(), source="x", interval=1.0)
+
+
+@pytest.mark.parametrize("size", [(80, 24), (100, 30), (120, 40), (200, 60)])
+@pytest.mark.parametrize("which", ["live", "h200"])
+def test_host_fields_are_never_cut(size: tuple[int, int], which: str) -> None:
+    model = live_model() if which == "live" else h200_model()
+    lines = text(model, *size)
+    box = host_box(lines)
+    assert box and not any("…" in line for line in box), "\n".join(box)
+    body = " ".join(box)
+    if size[1] >= 40 or size[0] >= 160:  # room for all of it
+        assert "more lines" not in body
+        assert "o9+" in body and "L3 filesystem" in body
+        if which == "h200":
+            assert "GPU0 shares a PCIe switch with the L3 drive" in body
+            assert "alloc 6.00G split 4% retries 1" in body
+    else:  # what does not fit is counted, and focusing the panel shows it
+        assert "o9+" in body
+        if "more lines" in body:
+            focused = dataclasses.replace(model, options=Options(focus=4))
+            whole = " ".join(host_box(text(focused, *size)))
+            assert "more lines" not in whole and "L3 filesystem" in whole
+
+
+def test_allocator_cue_and_alerts() -> None:
+    reserved = 6.442450944e09  # the recording's kvtier_torch_reserved_bytes
+    model = h200_model(split=0.4 * reserved, retries=(1.0, 3.0))
+    lines = text(model, 200, 60)
+    body = "\n".join(lines)
+    assert "alloc 6.00G split 40% retries 3↑" in " ".join(host_box(lines))
+    assert "GpuAllocatorFragmented GPU 0 2.40G (40%) of 6.00G reserved" in body
+    assert "GpuAllocatorRetries GPU 0 2 cudaMalloc retries" in body
+    quiet = "\n".join(text(h200_model(), 200, 60))
+    assert "GpuAllocator" not in quiet and "alerts: none would fire now" in quiet
+
+
+def test_header_drops_words_before_figures_in_a_narrow_terminal() -> None:
+    model = dataclasses.replace(live_model(), source="http://127.0.0.1:34881", interval=0.5)
+    wide = text(model, 120, 40)[0]
+    assert "every 0.5s" in wide and "http://127.0.0.1:34881" in wide
+    narrow = text(model, 80, 24)[0]
+    assert "…" not in narrow and narrow.rstrip().endswith("? help")
+    assert "kvtop 127.0.0.1:34881  0.5s  sort bytes" in narrow
