@@ -28,6 +28,14 @@ class Restored:
     source: str  # a RestoreSource value
 
 
+@dataclass(frozen=True)
+class PrefillEstimate:
+    """What the cache's cost model believes a prefill costs, and on how many measurements."""
+
+    seconds_per_token: float
+    samples: int  # 0: still the configured guess
+
+
 class Backend(Protocol):
     def restore(self, session_id: str, tenant: str, ids: torch.Tensor) -> Restored: ...
     def commit(self, session_id: str, tenant: str, ids: torch.Tensor) -> None: ...
@@ -36,6 +44,7 @@ class Backend(Protocol):
     def prefetch(self, session_id: str) -> bool: ...
     def forget(self, session_id: str) -> bool: ...
     def snapshot(self) -> CacheSnapshot | None: ...
+    def prefill_estimate(self) -> PrefillEstimate | None: ...
     def close(self) -> None: ...
 
 
@@ -66,6 +75,9 @@ class RecomputeBackend:
         return False
 
     def snapshot(self) -> CacheSnapshot | None:
+        return None
+
+    def prefill_estimate(self) -> PrefillEstimate | None:
         return None
 
     def close(self) -> None:
@@ -126,6 +138,11 @@ class TieredBackend:
     def snapshot(self) -> CacheSnapshot | None:
         snap: CacheSnapshot = self.cache.stats()
         return snap
+
+    def prefill_estimate(self) -> PrefillEstimate | None:
+        # TieredCache has no public accessor for its cost model yet; read it here, in one place.
+        cost = self.cache._cost
+        return PrefillEstimate(cost.prefill_s_per_token, int(cost.samples.get("prefill", 0)))
 
     def close(self) -> None:
         self.cache.close()

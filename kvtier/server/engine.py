@@ -28,6 +28,15 @@ from kvtier.tiers import l3_io
 log = logging.getLogger("kvtier.server")
 
 
+# The warm-up's session: '#' is outside what clients may send as a session id or tenant
+# (kvtier.server.app._ID), so no client's session can ever be this one.
+WARM_UP_SESSION = "#warm-up"
+WARM_UP_TENANT = "#kvtier"
+# Prompt length of the warm-up prefill: at least the cost model's prefill_min_tokens (512), so
+# it is the kind of forward the model keeps measuring, and long enough to time well.
+WARM_UP_TOKENS = 1024
+
+
 class Overloaded(KvtierError):
     """No generation slot is free within the queue timeout; retry after `retry_after` seconds."""
 
@@ -247,6 +256,35 @@ class Engine:
         await self._idle.wait()
         await asyncio.to_thread(self._pool.shutdown, True)
         await asyncio.to_thread(self.backend.close)
+
+    def warm_up(self, tokens: int = WARM_UP_TOKENS) -> None:
+        """Prefill `tokens` tokens through the cache's own path before the first request, so
+        its cost model holds a measured prefill rate (not its configured guess) when the first
+        returning session asks whether loading its prefix from L3 beats recomputing it.
+
+        Twice on one throwaway session: the first pass pays for lazy set-up (kernels for this
+        length, the cache's buffers) and is aborted, so it is not measured; the second is
+        committed empty (nothing is written to any tier) and the session is closed.
+        """
+        n = max(2, min(tokens, self.served.context_tokens - 1))
+        vocab = len(self.served.tokenizer)
+        ids = (torch.arange(n, device=self.served.device) * 7 + 3) % vocab
+        ids = ids.unsqueeze(0)
+        sid, tenant = WARM_UP_SESSION, WARM_UP_TENANT
+        try:
+            for measured in (False, True):
+                restored = self.backend.restore(sid, tenant, ids)
+                try:
+                    self._forward(ids[:, restored.covered :], restored.kv)
+                except BaseException:
+                    self.backend.abort(sid, tenant)
+                    raise
+                if measured:  # commit feeds the prefill time to the cost model; keep no KV
+                    self.backend.commit(sid, tenant, ids[0, :0])
+                else:
+                    self.backend.abort(sid, tenant)
+        finally:
+            self.backend.forget(sid)
 
     # ---- the worker ---------------------------------------------------------------------------
 
