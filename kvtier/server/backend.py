@@ -43,6 +43,7 @@ class Backend(Protocol):
     def hibernate(self, session_id: str) -> bool: ...
     def prefetch(self, session_id: str) -> bool: ...
     def forget(self, session_id: str) -> bool: ...
+    def evict_l2(self) -> None: ...
     def snapshot(self) -> CacheSnapshot | None: ...
     def prefill_estimate(self) -> PrefillEstimate | None: ...
     def close(self) -> None: ...
@@ -73,6 +74,9 @@ class RecomputeBackend:
 
     def forget(self, session_id: str) -> bool:
         return False
+
+    def evict_l2(self) -> None:
+        return None
 
     def snapshot(self) -> CacheSnapshot | None:
         return None
@@ -134,6 +138,10 @@ class TieredBackend:
 
     def forget(self, session_id: str) -> bool:
         return self._each(session_id, "close")
+
+    def evict_l2(self) -> None:
+        """Drop L2's copies of chunks durable in L3 (the next restore of them reads L3)."""
+        self.cache.evict_l2()
 
     def snapshot(self) -> CacheSnapshot | None:
         snap: CacheSnapshot = self.cache.stats()

@@ -258,33 +258,53 @@ class Engine:
         await asyncio.to_thread(self.backend.close)
 
     def warm_up(self, tokens: int = WARM_UP_TOKENS) -> None:
-        """Prefill `tokens` tokens through the cache's own path before the first request, so
-        its cost model holds a measured prefill rate (not its configured guess) when the first
-        returning session asks whether loading its prefix from L3 beats recomputing it.
+        """Before the first request, run the paths it will take through the cache, so that it
+        pays neither for their lazy set-up nor for the cost model's configured guesses.
 
-        Twice on one throwaway session: the first pass pays for lazy set-up (kernels for this
-        length, the cache's buffers) and is aborted, so it is not measured; the second is
-        committed empty (nothing is written to any tier) and the session is closed.
+        On a throwaway session under a tenant no client can name (WARM_UP_TENANT):
+        1. prefill a prompt B twice, in `prefill_step` forwards like a request: the first pass
+           (aborted, not measured) pays for kernels and buffers; the second is committed empty,
+           so the cost model gets a measured prefill rate and no KV is kept;
+        2. restore + commit a prompt A: its chunks go to L3 (found there again at the next
+           start: the same tokens give the same keys, so no start adds to the store);
+        3. hibernate, drop L2's copies, and restore A again: loaded from L3 (or recomputed,
+           whichever the now measured cost model picks, as a request's restore would), which
+           sets up the L3 read path and measures it; then abort and close the session.
         """
-        n = max(2, min(tokens, self.served.context_tokens - 1))
+        n = max(2, min(tokens, self.served.context_tokens - 2))
         vocab = len(self.served.tokenizer)
-        ids = (torch.arange(n, device=self.served.device) * 7 + 3) % vocab
-        ids = ids.unsqueeze(0)
-        sid, tenant = WARM_UP_SESSION, WARM_UP_TENANT
+        device = self.served.device
+        prompt_b = ((torch.arange(n + 1, device=device) * 7 + 3) % vocab).unsqueeze(0)
+        prompt_a = ((torch.arange(n + 1, device=device) * 5 + 11) % vocab).unsqueeze(0)
+        sid, backend = WARM_UP_SESSION, self.backend
         try:
-            for measured in (False, True):
-                restored = self.backend.restore(sid, tenant, ids)
-                try:
-                    self._forward(ids[:, restored.covered :], restored.kv)
-                except BaseException:
-                    self.backend.abort(sid, tenant)
-                    raise
-                if measured:  # commit feeds the prefill time to the cost model; keep no KV
-                    self.backend.commit(sid, tenant, ids[0, :0])
-                else:
-                    self.backend.abort(sid, tenant)
+            self._warm_pass(prompt_b, commit=None)
+            self._warm_pass(prompt_b, commit=prompt_b[0, :0])
+            self._warm_pass(prompt_a, commit=prompt_a[0])
+            backend.hibernate(sid)
+            backend.evict_l2()
+            self._warm_pass(prompt_a, commit=None)
         finally:
-            self.backend.forget(sid)
+            backend.forget(sid)
+
+    def _warm_pass(self, ids: torch.Tensor, commit: torch.Tensor | None) -> None:
+        """Restore `ids` on the warm-up session and prefill the rest as `_generate` does; then
+        commit `commit` (which may be empty) or, with None, abort."""
+        sid, tenant = WARM_UP_SESSION, WARM_UP_TENANT
+        restored = self.backend.restore(sid, tenant, ids)
+        try:
+            pos, total = restored.covered, ids.shape[1]
+            while pos < total:
+                end = min(total, pos + self.config.prefill_step)
+                self._forward(ids[:, pos:end], restored.kv)
+                pos = end
+        except BaseException:
+            self.backend.abort(sid, tenant)
+            raise
+        if commit is None:
+            self.backend.abort(sid, tenant)
+        else:
+            self.backend.commit(sid, tenant, commit)
 
     # ---- the worker ---------------------------------------------------------------------------
 
