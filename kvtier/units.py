@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import re
+
 from kvtier.errors import ConfigError
 
 _UNITS: dict[str, int] = {"": 1, "b": 1}
