@@ -148,7 +148,7 @@ def test_a_blocked_cache_call_never_stalls_the_event_loop(live: _InProcess) -> N
         assert listing.json()["fresh"] is False
         assert [s["session_id"] for s in listing.json()["data"]] == ["busy"]
         assert again.json()["fresh"] is False
-        assert max(t_list, t_health, t_again) < 0.3, (t_list, t_health, t_again)
+        assert max(t_list, t_health, t_again) < 0.5, (t_list, t_health, t_again)
     finally:
         slow.join(30)
         del backend.restore, backend.snapshot  # the class's own methods again
