@@ -30,10 +30,10 @@ def command(l3_root: str, listen: str, no_gpu: bool) -> None:
     Serves the L3 store's occupancy and sessions (from its index, read-only) and the host's
     memory, fragmentation, page cache, disk and GPU signals. Metrics: docs/metrics.md.
     """
-    from ops.exporter.standalone import build, serve
+    from ops.exporter.standalone import build_exporter, serve
 
     try:
-        registry, watch = build(l3_root, nvml=not no_gpu)
+        registry, watch = build_exporter(l3_root, nvml=not no_gpu)
         server = serve(registry, listen)
     except KvtierError as exc:
         raise click.UsageError(str(exc)) from None

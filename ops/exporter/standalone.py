@@ -24,7 +24,7 @@ from prometheus_client.registry import Collector
 from kvtier.errors import ConfigError, StoreError
 from kvtier.snapshot import CacheSnapshot, TierStats
 from kvtier.tiers.l3 import L3Store
-from ops.exporter.cache import SnapshotFn, families, l3_up
+from ops.exporter.cache import CacheCollector, SnapshotFn, families, l3_up
 from ops.exporter.registry import HostCollector
 
 DEFAULT_LISTEN = "127.0.0.1:9481"
@@ -145,11 +145,30 @@ class StoreWatch(Collector):
             self._close()
 
 
+def open_store(l3_root: str | os.PathLike[str]) -> L3Store:
+    """Open the store read-only, or explain why the directory is not one."""
+    root = Path(l3_root)
+    if not root.is_dir():
+        raise ConfigError(f"--l3-root {root} is not a directory; point it at the store's root")
+    return L3Store(root, read_only=True)
+
+
 def build(
     l3_root: str | os.PathLike[str], *, nvml: bool = True
+) -> tuple[CollectorRegistry, L3Store]:
+    """A registry over a store that exists now (kvtop's one-shot view) and the store to close."""
+    store = open_store(l3_root)
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(CacheCollector(l3_snapshot_fn(store)))
+    registry.register(HostCollector(l3_root, nvml=nvml))
+    return registry, store
+
+
+def build_exporter(
+    l3_root: str | os.PathLike[str], *, nvml: bool = True
 ) -> tuple[CollectorRegistry, StoreWatch]:
-    """The standalone registry (cache view of the store + host) and the watch to close later.
-    The directory must exist; the store in it may appear later (`kvtier_l3_up` says when)."""
+    """The standalone exporter's registry (cache view of the store + host) and the watch to
+    close later. The directory must exist; the store in it may appear later (`kvtier_l3_up`)."""
     watch = StoreWatch(l3_root)
     registry = CollectorRegistry(auto_describe=False)
     registry.register(watch)
