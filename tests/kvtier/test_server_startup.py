@@ -7,6 +7,7 @@ never run blocking cache code on the event loop.
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 import threading
@@ -25,6 +26,8 @@ from kvtier.server.app import create_app
 from kvtier.server.backend import PrefillEstimate
 from kvtier.server.config import ServerConfig
 from kvtier.server.engine import WARM_UP_TOKENS
+
+GUESS_FIELD = "initial_prefill_s_per_token"  # the cost model's configured prefill guess
 
 
 class _InProcess:
@@ -90,7 +93,9 @@ def test_warm_up_leaves_a_measured_prefill_rate_and_no_session(tmp_path: Path) -
             # measured, not the configured guess (1 ms a token), which a restart used to keep
             # until its first request had chosen L3 over recomputing on the guess's strength
             assert estimate.samples >= 1
-            guess = CacheConfig().initial_prefill_s_per_token
+            guess = next(
+                f.default for f in dataclasses.fields(CacheConfig) if f.name == GUESS_FIELD
+            )
             assert 0 < estimate.seconds_per_token != guess
             snap = backend.snapshot()
             assert snap is not None and snap.sessions == ()  # the throwaway session is closed
