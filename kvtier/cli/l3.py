@@ -16,9 +16,9 @@ import click
 from kvtier.errors import StoreError
 from kvtier.tiers.l3 import L3Store
 from kvtier.tiers.l3_maint import Progress
+from kvtier.units import size_arg
 
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
-_SIZES = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
 
 def parse_duration(text: str) -> float:
@@ -30,11 +30,9 @@ def parse_duration(text: str) -> float:
 
 
 def parse_size(text: str) -> int:
-    """'500M', '2G', '1.5T', '4096' -> bytes (binary units)."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?\s*", text.lower())
-    if not m:
-        raise click.BadParameter(f"{text!r} is not a size; write e.g. 500M, 2G or 1T")
-    return int(float(m.group(1)) * _SIZES[m.group(2)])
+    """A size for an l3 command: `kvtier.units.parse_size`, the one meaning every command uses
+    (K/M/G/T decimal, Ki/Mi/Gi/Ti binary); a bad size is a usage error."""
+    return size_arg(text, "size")
 
 
 root_option = click.option(
@@ -322,7 +320,7 @@ def gc_command(
     from kvtier.tiers.l3_maint import gc
 
     seconds = parse_duration(older_than)
-    cap = __import__("kvtier.units").units.size_arg(max_bytes, "--max-bytes") if max_bytes else None
+    cap = size_arg(max_bytes, "--max-bytes") if max_bytes else None
     with (
         _open(root, read_only=False, cold_dir=cold_dir, adopt=adopt_cold_root) as store,
         _progress("gc", not as_json) as progress,

@@ -149,8 +149,7 @@ class TieredBackend:
         return snap
 
     def prefill_estimate(self) -> PrefillEstimate | None:
-        # TieredCache has no public accessor for its cost model yet; read it here, in one place.
-        cost = self.cache._cost
+        cost = self.cache.cost  # the cache's restore cost model (kvtier/cache/costmodel.py)
         return PrefillEstimate(cost.prefill_s_per_token, int(cost.samples.get("prefill", 0)))
 
     def close(self) -> None:

@@ -150,6 +150,6 @@ def test_ls_and_stat(tmp_path: Path) -> None:
 
 def test_duration_and_size_parsing() -> None:
     assert parse_duration("7d") == 7 * 86400 and parse_duration("90") == 90
-    assert parse_size("2G") == 2 << 30 and parse_size("500MiB") == 500 << 20
+    assert parse_size("2G") == 2 * 10**9 and parse_size("500MiB") == 500 << 20
     with pytest.raises(Exception, match="duration"):
         parse_duration("soon")

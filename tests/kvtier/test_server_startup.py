@@ -183,5 +183,5 @@ def test_second_server_on_a_held_root_exits_with_one_line(tmp_path: Path) -> Non
     ]
     assert len(lines) == 1, err
     # the store's typed error, by name and message (which names the holder and what to do)
-    assert lines[0].startswith("kvtier serve: ") and "Error: " in lines[0]
-    assert str(l3) in lines[0] or str(first.proc.pid) in lines[0]
+    assert lines[0].startswith("kvtier serve: StoreInUse: ")
+    assert str(l3) in lines[0] and f"process {first.proc.pid}" in lines[0]
