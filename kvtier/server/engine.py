@@ -40,6 +40,8 @@ WARM_UP_TOKENS = 1024
 # recomputed in 125-230 ms by the first request after a start that warmed 1,024 tokens, and in
 # 12 ms after one that warmed 2,048 (11-14 ms once warm).
 WARM_UP_PREFILL_TOKENS = 2048
+# New tokens after the restored prefix in the warm-up's returning turn (a short user message).
+WARM_UP_SUFFIX = 32
 
 
 class Overloaded(KvtierError):
@@ -276,7 +278,8 @@ class Engine:
            start: the same tokens give the same keys, so no start adds to the store);
         3. hibernate, drop L2's copies, and restore A again: loaded from L3 (or recomputed,
            whichever the now measured cost model picks, as a request's restore would), which
-           sets up the L3 read path and measures it; then abort and close the session.
+           sets up the L3 read path and measures it, with new tokens after the prefix and one
+           decode step, as a returning turn runs; then abort and close the session.
         """
         room = self.served.context_tokens - 2
         n, n_b = max(2, min(tokens, room)), max(2, min(prefill_tokens, room))
@@ -295,21 +298,32 @@ class Engine:
             self._warm_pass(prompt_a, commit=prompt_a[0])
             backend.hibernate(sid)
             backend.evict_l2()
-            self._warm_pass(prompt_a, commit=None)
+            # A returning turn: the stored prefix plus new tokens, prefilled over the restored
+            # KV (a query of several tokens against a longer past, a kernel of its own), then a
+            # decode step.
+            suffix = ((torch.arange(WARM_UP_SUFFIX, device=device) * 3 + 1) % vocab).unsqueeze(0)
+            self._warm_pass(torch.cat([prompt_a, suffix], dim=1), commit=None, decode=True)
         finally:
             backend.forget(sid)
 
-    def _warm_pass(self, ids: torch.Tensor, commit: torch.Tensor | None) -> None:
-        """Restore `ids` on the warm-up session and prefill the rest as `_generate` does; then
-        commit `commit` (which may be empty) or, with None, abort."""
+    def _warm_pass(
+        self, ids: torch.Tensor, commit: torch.Tensor | None, decode: bool = False
+    ) -> None:
+        """Restore `ids` on the warm-up session and prefill the rest as `_generate` does (and
+        one decode step with `decode`); then commit `commit` (which may be empty) or, with
+        None, abort."""
         sid, tenant = WARM_UP_SESSION, WARM_UP_TENANT
         restored = self.backend.restore(sid, tenant, ids)
         try:
             pos, total = restored.covered, ids.shape[1]
+            logits = None
             while pos < total:
                 end = min(total, pos + self.config.prefill_step)
-                self._forward(ids[:, pos:end], restored.kv)
+                logits = self._forward(ids[:, pos:end], restored.kv)
                 pos = end
+            if decode and logits is not None:
+                token = torch.argmax(logits).reshape(1, 1).to(ids.device)
+                self._forward(token, restored.kv)
         except BaseException:
             self.backend.abort(sid, tenant)
             raise
