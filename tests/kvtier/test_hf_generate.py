@@ -6,6 +6,7 @@ from __future__ import annotations
 import inspect
 import warnings
 from pathlib import Path
+from typing import Any
 
 import torch
 from conftest import tiny_llama
@@ -34,7 +35,7 @@ def test_generate_twice_without_deprecation_warnings(tmp_path: Path) -> None:
     )
     cache = TieredCache(cfg, model)
     ids = torch.tensor([[5, 9, 13, 2] * 10])
-    kw = {"max_new_tokens": 4, "do_sample": False, "pad_token_id": 0}
+    kw: dict[str, Any] = {"max_new_tokens": 4, "do_sample": False, "pad_token_id": 0}
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", FutureWarning)
