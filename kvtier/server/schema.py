@@ -17,7 +17,6 @@ from pydantic import (
     ValidationError,
     model_validator,
 )
-from pydantic_core import InitErrorDetails
 
 
 class _Strict(BaseModel):
@@ -42,9 +41,9 @@ def unknown_fields_first(exc: ValidationError) -> ValidationError:
     if not errors or _is_unknown(errors[0]) or not any(_is_unknown(e) for e in errors):
         return exc
     ordered = sorted(errors, key=lambda e: not _is_unknown(e))
-    details: list[InitErrorDetails] = []
+    details: list[Any] = []  # pydantic_core.InitErrorDetails
     for e in ordered:
-        d = InitErrorDetails(type=e["type"], loc=e["loc"], input=e["input"])
+        d: dict[str, Any] = {"type": e["type"], "loc": e["loc"], "input": e["input"]}
         if "ctx" in e:
             d["ctx"] = e["ctx"]
         details.append(d)
