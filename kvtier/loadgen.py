@@ -10,19 +10,40 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 import random
 import time
 import uuid
-from collections import Counter
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 
+from kvtier.loadgen_report import (
+    RESTORED,
+    compare_pairs,
+    format_report,
+    percentile,
+    plot,
+    report,
+    server_ttft,
+    summarize,
+    tiers_now,
+)
+
+__all__ = [
+    "RESTORED",
+    "Fleet",
+    "LoadConfig",
+    "Sample",
+    "format_report",
+    "percentile",
+    "plot",
+    "report",
+    "run",
+    "summarize",
+]
+
 SOURCE_HEADER = "x-kvtier-restore-source"
-RESTORED = ("l1", "l2", "l3")
 
 
 @dataclass(frozen=True)
@@ -63,26 +84,6 @@ class Sample:
     completion_tokens: int = 0
 
 
-def percentile(values: list[float], q: float) -> float | None:
-    """Nearest-rank percentile (q in 0..100); None for no values."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    rank = max(1, math.ceil(q / 100 * len(ordered)))
-    return ordered[rank - 1]
-
-
-def summarize(values: list[float]) -> dict[str, Any]:
-    ms = [v * 1000 for v in values]
-    return {
-        "n": len(ms),
-        "p50": percentile(ms, 50),
-        "p95": percentile(ms, 95),
-        "p99": percentile(ms, 99),
-        "mean": sum(ms) / len(ms) if ms else None,
-    }
-
-
 def _text(rng: random.Random, n: int, vocab: str = "abcdefghijklmnopqrstuvwxyz     ,.") -> str:
     return "".join(rng.choice(vocab) for _ in range(n))
 
@@ -95,6 +96,7 @@ class Fleet:
         self.samples: list[Sample] = []
         self.conversations: dict[int, list[dict[str, str]]] = {}
         self.t0 = 0.0
+        self.metrics_error: str | None = None
 
     def session_id(self, i: int) -> str:
         return f"lg-{self.config.run_id}-{i:05d}"
@@ -190,11 +192,11 @@ class Fleet:
 
     async def probe(self, client: httpx.AsyncClient) -> dict[str, Any]:
         """Same prompts twice, one at a time: the session's own (restore) and under a fresh
-        tenant with no session (nothing cached: recompute). The direct A/B of the cache."""
+        tenant with no session (nothing cached: recompute). The direct A/B of the cache, like
+        for like: see `compare_pairs`."""
         cfg = self.config
         convs = sorted(self.conversations.items(), key=lambda kv: -len(kv[1]))[: cfg.compare]
-        restored, recomputed, tokens = [], [], []
-        sources: Counter[str] = Counter()
+        pairs: list[dict[str, Any]] = []
         for i, messages in convs:
             if len(messages) < 2 or messages[-1]["role"] == "user":
                 continue
@@ -207,20 +209,30 @@ class Fleet:
             await self.chat(client, msgs, b, {"X-Tenant": f"probe-{uuid.uuid4().hex[:8]}"}, 2)
             if a.ttft is None or b.ttft is None or a.error or b.error:
                 continue
-            sources[a.source] += 1
-            restored.append(a.ttft)
-            recomputed.append(b.ttft)
-            tokens.append(a.prompt_tokens)
-        out: dict[str, Any] = {
-            "n": len(restored),
-            "restore_sources": dict(sources),
-            "prompt_tokens_p50": percentile([float(t) for t in tokens], 50),
-            "restore_ttft_ms": summarize(restored),
-            "recompute_ttft_ms": summarize(recomputed),
-        }
-        r, c = out["restore_ttft_ms"]["p50"], out["recompute_ttft_ms"]["p50"]
-        out["speedup_p50"] = (c / r) if r and c else None
-        return out
+            if b.source != "recompute":  # the fresh tenant found something cached: no baseline
+                continue
+            pairs.append(
+                {
+                    "session": i,
+                    "source": a.source,
+                    "restore_s": a.ttft,
+                    "recompute_s": b.ttft,
+                    "prompt_tokens": a.prompt_tokens,
+                }
+            )
+        return compare_pairs(pairs)
+
+    async def metrics(self, client: httpx.AsyncClient) -> str | None:
+        """The server's /metrics text, or None (the reason in `self.metrics_error`)."""
+        try:
+            resp = await client.get("/metrics")
+        except httpx.HTTPError as exc:
+            self.metrics_error = f"GET /metrics failed: {type(exc).__name__}: {exc}"
+            return None
+        if resp.status_code != 200:
+            self.metrics_error = f"GET /metrics answered {resp.status_code}"
+            return None
+        return resp.text
 
     async def run(self) -> dict[str, Any]:
         cfg = self.config
@@ -228,115 +240,23 @@ class Fleet:
         async with httpx.AsyncClient(
             base_url=cfg.url, timeout=cfg.timeout, limits=limits
         ) as client:
+            before = await self.metrics(client)
             self.t0 = time.perf_counter()
             deadline = None if cfg.duration is None else self.t0 + cfg.duration
             await asyncio.gather(*(self.agent(client, i, deadline) for i in range(cfg.sessions)))
             wall = time.perf_counter() - self.t0
+            after = await self.metrics(client)
             compare = await self.probe(client) if cfg.compare > 0 else None
-        return report(cfg, self.samples, wall, compare)
-
-
-def report(
-    cfg: LoadConfig, samples: list[Sample], wall: float, compare: dict[str, Any] | None
-) -> dict[str, Any]:
-    ok = [s for s in samples if s.error is None and s.ttft is not None]
-    errors = Counter((s.error or "no tokens").split(":")[0] for s in samples if s not in ok)
-    sources = sorted({s.source for s in ok})
-    tokens = sum(s.completion_tokens for s in ok)
-    return {
-        "config": asdict(cfg),
-        "wall_seconds": wall,
-        "requests": len(samples),
-        "ok": len(ok),
-        "errors": dict(errors),
-        "throughput": {
-            "requests_per_s": len(ok) / wall if wall else 0.0,
-            "completion_tokens_per_s": tokens / wall if wall else 0.0,
-        },
-        "ttft_ms": {
-            "overall": summarize([s.ttft for s in ok if s.ttft is not None]),
-            "by_source": {
-                src: summarize([s.ttft for s in ok if s.source == src and s.ttft is not None])
-                for src in sources
-            },
-        },
-        "itl_ms": {
-            "overall": summarize([x for s in ok for x in s.itl]),
-            "by_source": {
-                src: summarize([x for s in ok if s.source == src for x in s.itl]) for src in sources
-            },
-        },
-        "prompt_tokens_p50_by_source": {
-            src: percentile([float(s.prompt_tokens) for s in ok if s.source == src], 50)
-            for src in sources
-        },
-        "compare": compare,
-        "samples": [asdict(s) for s in samples],
-    }
-
-
-def format_report(result: dict[str, Any]) -> str:
-    """The human-readable table printed after a run."""
-
-    def f(v: float | None) -> str:
-        return "-" if v is None else f"{v:8.1f}"
-
-    lines = [
-        f"requests {result['requests']}  ok {result['ok']}  errors {sum(result['errors'].values())}"
-        f" {result['errors'] or ''}  wall {result['wall_seconds']:.1f}s",
-        f"throughput {result['throughput']['requests_per_s']:.2f} req/s, "
-        f"{result['throughput']['completion_tokens_per_s']:.1f} tokens/s",
-        "",
-        f"{'latency (ms)':<22}{'n':>7}{'p50':>9}{'p95':>9}{'p99':>9}",
-    ]
-    for metric in ("ttft_ms", "itl_ms"):
-        rows = [("overall", result[metric]["overall"])]
-        rows += sorted(result[metric]["by_source"].items())
-        for name, s in rows:
-            label = f"{metric[:-3].upper()} {name}"
-            lines.append(f"{label:<22}{s['n']:>7}{f(s['p50'])}{f(s['p95'])}{f(s['p99'])}")
-    c = result.get("compare")
-    if c and c["n"]:
-        r, p = c["restore_ttft_ms"], c["recompute_ttft_ms"]
-        lines += [
-            "",
-            f"same prompts, one at a time ({c['n']} probes, median {c['prompt_tokens_p50']:.0f} "
-            f"prompt tokens, restored from {c['restore_sources']}):",
-            f"  TTFT p50 restore {r['p50']:.1f} ms vs recompute {p['p50']:.1f} ms"
-            f"  -> restore is {c['speedup_p50']:.2f}x "
-            + ("faster" if (c["speedup_p50"] or 0) > 1 else "NOT faster"),
-        ]
-        if not set(c["restore_sources"]) & set(RESTORED):
-            lines.append("  (no probe was served from the cache: is the server's cache off?)")
-    return "\n".join(lines)
-
-
-def plot(result: dict[str, Any], path: str | Path) -> None:
-    """TTFT over time coloured by restore source, and the TTFT distribution per source."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    samples = [s for s in result["samples"] if s["ttft"] is not None and s["error"] is None]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
-    by_src: dict[str, list[dict[str, Any]]] = {}
-    for s in samples:
-        by_src.setdefault(s["source"], []).append(s)
-    for src, rows in sorted(by_src.items()):
-        ax1.scatter([r["start"] for r in rows], [r["ttft"] * 1000 for r in rows], s=8, label=src)
-        ttfts = sorted(r["ttft"] * 1000 for r in rows)
-        ax2.plot(ttfts, [(k + 1) / len(ttfts) for k in range(len(ttfts))], label=src)
-    ax1.set(xlabel="request start (s)", ylabel="TTFT (ms)", title="TTFT by restore source")
-    ax1.set_yscale("log")
-    ax2.set(xlabel="TTFT (ms)", ylabel="fraction of requests", title="TTFT CDF")
-    ax2.set_xscale("log")
-    for ax in (ax1, ax2):
-        ax.legend()
-        ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+            final = await self.metrics(client)
+        server, tiers = None, None
+        try:
+            if before is not None and after is not None:
+                server = server_ttft(before, after)
+            if final is not None:
+                tiers = tiers_now(final)
+        except ValueError as exc:  # not Prometheus text
+            self.metrics_error = f"/metrics is not Prometheus text: {exc}"
+        return report(cfg, self.samples, wall, compare, server, tiers, self.metrics_error)
 
 
 def run(config: LoadConfig) -> dict[str, Any]:

@@ -11,15 +11,16 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import glob
 import mmap
 import os
 import pwd
-import resource
 import stat
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 
+from kvtier.tiers import memlock as memlock_rule
 from ops import tuning
 from ops.collectors import disk, pcie
 from ops.collectors._files import read_attr, read_text
@@ -99,6 +100,7 @@ class Facts:
     topology: tuple[pcie.TopologyFinding, ...] = ()
     links: tuple[LinkFacts, ...] = field(default_factory=tuple)
     gpus: int = 0
+    cap_ipc_lock: bool = False  # the process may lock beyond RLIMIT_MEMLOCK (L2 then ignores it)
 
 
 # ---- collection (I/O) ---------------------------------------------------------------------------
@@ -277,16 +279,19 @@ def collect(
     fs_root: str = "/",
     owner: str | None = None,
     memlock: int | None = None,
+    cap_ipc_lock: bool | None = None,
     device: disk.BlockDevice | None = None,
 ) -> Facts:
-    """Read the host. `memlock` and `device` override what this process sees (tests)."""
+    """Read the host. `memlock`, `cap_ipc_lock` and `device` override what this process sees
+    (tests)."""
     vm = os.path.join(proc_root, "sys", "vm")
     sysctl = {name: _int(read_text(os.path.join(vm, name))) for name in SYSCTLS}
     info = meminfo.parse(read_text(os.path.join(proc_root, "meminfo")) or "")
     mounts = mountinfo.parse(read_text(os.path.join(proc_root, "self", "mountinfo")) or "")
     if memlock is None:
-        soft = resource.getrlimit(resource.RLIMIT_MEMLOCK)[0]
-        memlock = -1 if soft == resource.RLIM_INFINITY else soft
+        memlock = memlock_rule.soft_memlock()
+    if cap_ipc_lock is None:
+        cap_ipc_lock = memlock_rule.has_cap_ipc_lock(os.path.join(proc_root, "self", "status"))
     fstrim, calendar = collect_fstrim(fs_root)
     l3 = None
     topology: list[pcie.TopologyFinding] = []
@@ -308,6 +313,7 @@ def collect(
         topology=tuple(topology),
         links=collect_links(sys_root, topology),
         gpus=len(pcie.gpus(sys_root)),
+        cap_ipc_lock=cap_ipc_lock,
     )
 
 
@@ -382,14 +388,21 @@ def check_memory(facts: Facts) -> Iterator[Finding]:
         yield _l2_unknown("memlock", tuning.MEMLOCK_WHY)
         yield _l2_unknown("hugepages", tuning.HUGEPAGES_WHY)
     else:
+        # L2's own rule (kvtier.tiers.memlock): CAP_IPC_LOCK lifts the limit.
         want = tuning.memlock_bytes(l2)
         have = facts.memlock
-        if have is None or have < 0 or have >= want:
-            sev = "ok" if have is not None else "info"
+        observed = _size(have)
+        if facts.cap_ipc_lock:
+            sev, observed = "ok", f"{observed} (not applied: the process has CAP_IPC_LOCK)"
+        elif have is None:
+            sev = "info"
         else:
-            sev = "critical" if have < l2 else "warning"
+            rule = functools.partial(
+                memlock_rule.memlock_allows, soft_limit=have, cap_ipc_lock=False
+            )
+            sev = "ok" if rule(want)[0] else "warning" if rule(l2)[0] else "critical"
         yield Finding(
-            "memlock", sev, _size(have), f">= {_size(want)} (L2 {_size(l2)} + headroom)",
+            "memlock", sev, observed, f">= {_size(want)} (L2 {_size(l2)} + headroom)",
             tuning.MEMLOCK_WHY,
             f"LimitMEMLOCK={want} in the service drop-in ({tuning.ROLE}_l2_bytes: {l2}), "
             "or `ulimit -l` / limits.conf memlock for a shell",

@@ -105,17 +105,6 @@ echo "demo: $SESSIONS agent sessions for ${SECONDS_RUN}s (shared system prompt, 
   --out "$RUN/loadgen.json" --png "$RUN/loadgen.png"
 
 echo
-echo "demo: cache tiers now (from $URL/metrics):"
-"$BIN/python" - "$URL" <<'PY'
-import sys, httpx
-text = httpx.get(sys.argv[1] + "/metrics", timeout=5).text
-for line in text.splitlines():
-    if line.startswith(("kvtier_tier_used_bytes", "kvtier_tier_hits", "kvtier_restore_decisions",
-                        "kvtier_sessions{")):
-        print("  " + line)
-PY
-
-echo
 echo "demo: check this host for the demo's L3 with"
 echo "      $BIN/kvtier doctor --l3-root $DATA/l3"
 if [ "${DEMO_EXIT:-0}" = "1" ]; then

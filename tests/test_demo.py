@@ -67,6 +67,9 @@ def test_demo_caps_its_l3_removes_its_pid_file_and_cleans_up(tmp_path: Path) -> 
         out = demo(env)
         assert out.returncode == 0, out.stdout + out.stderr
         assert "emptying the L3 of the previous run" in out.stdout
+        # The summary reads in human units: the tiers from loadgen's report, no raw metric lines.
+        assert "cache tiers after the run (from /metrics):" in out.stdout
+        assert "kvtier_tier_used_bytes" not in out.stdout and "server-side" in out.stdout
         assert not (data / "l3" / "stale-chunk").exists()
         assert (data / "l3").is_dir()  # the server made a new one
         runs = sorted(p.name for p in data.glob("run-*"))

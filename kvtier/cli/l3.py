@@ -14,6 +14,8 @@ from typing import Any
 import click
 
 from kvtier.errors import StoreError
+from kvtier.humanize import plural
+from kvtier.humanize import size as _human
 from kvtier.tiers.l3 import L3Store
 from kvtier.tiers.l3_maint import Progress
 from kvtier.units import size_arg
@@ -130,14 +132,6 @@ def _emit(data: Any, as_json: bool, text: str) -> None:
     click.echo(json.dumps(data, indent=2, sort_keys=True) if as_json else text)
 
 
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"  # pragma: no cover
-
-
 @click.group("l3", context_settings={"help_option_names": ["-h", "--help"]})
 def command() -> None:
     """Inspect, check and maintain the SSD tier (.kvbin files + SQLite index)."""
@@ -148,7 +142,8 @@ def command() -> None:
 @json_option
 @click.option("--limit", type=int, default=None, help="Show at most this many chunks.")
 def ls_command(root: str, as_json: bool, limit: int | None) -> None:
-    """List chunks, least recently used first (tenants are shown, never used as paths)."""
+    """List chunks, least recently used first, with the tenant each belongs to (tenants are
+    only shown, never used as paths)."""
     with _open(root, read_only=True) as store:
         rows = list(store.index.iter_chunks(order_lru=True))[:limit]
     if as_json:
@@ -171,20 +166,31 @@ def ls_command(root: str, as_json: bool, limit: int | None) -> None:
             "",
         )
         return
-    click.echo(f"{'key':32}  {'tier':4}  {'size':>10}  {'tokens':>6}  {'codec':6}  last used")
+    width = max([6, *(len(_shown(r.header.tenant)) for r in rows)])
+    click.echo(
+        f"{'key':32}  {'tier':4}  {'size':>10}  {'tokens':>6}  {'codec':6}  "
+        f"{'tenant':{width}}  last used"
+    )
     for r in rows:
         used = time.strftime("%Y-%m-%d %H:%M", time.localtime(r.last_access))
         click.echo(
             f"{r.header.key.hex()}  {r.tier:4}  {_human(r.size):>10}  {r.header.tokens:>6}  "
-            f"{r.header.codec:6}  {used}"
+            f"{r.header.codec:6}  {_shown(r.header.tenant):{width}}  {used}"
         )
+
+
+def _shown(tenant: str) -> str:
+    """A tenant for a text column: control characters escaped, at most 40 characters."""
+    text = tenant.encode("unicode_escape").decode("ascii") if not tenant.isprintable() else tenant
+    return text if len(text) <= 40 else text[:39] + "…"
 
 
 @command.command("stat")
 @root_option
 @json_option
 def stat_command(root: str, as_json: bool) -> None:
-    """Occupancy of the store: chunks and bytes per tier, sessions, capacity."""
+    """Occupancy of the store: chunks and bytes per tier (hot, cold), the chunks no session
+    references (what `kvtier l3 gc` may delete), sessions, capacity."""
     with _open(root, read_only=True) as store:
         stats = store.stats()
         tiers: dict[str, dict[str, int]] = {}
@@ -192,6 +198,10 @@ def stat_command(root: str, as_json: bool) -> None:
             t = tiers.setdefault(r.tier, {"chunks": 0, "bytes": 0})
             t["chunks"] += 1
             t["bytes"] += r.size
+        unreferenced = {"chunks": 0, "bytes": 0}
+        for r in store.index.unreferenced_lru(batch=1024):
+            unreferenced["chunks"] += 1
+            unreferenced["bytes"] += r.size
     data = {
         "root": root,
         "chunks": stats.chunks,
@@ -200,6 +210,7 @@ def stat_command(root: str, as_json: bool) -> None:
         "sessions": stats.sessions,
         "cold_root": str(store.dir("cold")),
         "tiers": tiers,
+        "unreferenced": unreferenced,
     }
     lines = [
         f"root       {root}",
@@ -208,7 +219,14 @@ def stat_command(root: str, as_json: bool) -> None:
         f"sessions   {stats.sessions}",
         f"cold root  {store.dir('cold')}",
     ]
-    lines += [f"{name:10} {t['chunks']} chunks, {_human(t['bytes'])}" for name, t in tiers.items()]
+    lines += [
+        f"{name:10} {plural(t['chunks'], 'chunk')}, {_human(t['bytes'])}"
+        for name, t in sorted(tiers.items())
+    ]
+    lines.append(
+        f"unreferenced {plural(unreferenced['chunks'], 'chunk')}, "
+        f"{_human(unreferenced['bytes'])} (no session uses them; `kvtier l3 gc` deletes them)"
+    )
     _emit(data, as_json, "\n".join(lines))
 
 
@@ -291,7 +309,11 @@ def migrate_command(
         _failing_cleanly(),
     ):
         report = migrate(store, seconds, progress=progress)
-    _emit(asdict(report), as_json, f"moved {report.chunks} chunks ({_human(report.bytes)}) to cold")
+    _emit(
+        asdict(report),
+        as_json,
+        f"moved {plural(report.chunks, 'chunk')} ({_human(report.bytes)}) to cold",
+    )
 
 
 @command.command("gc")
@@ -330,6 +352,6 @@ def gc_command(
     _emit(
         asdict(report),
         as_json,
-        f"deleted {report.chunks} chunks ({_human(report.bytes)}); "
-        f"{report.sessions_expired} expired sessions dropped",
+        f"deleted {plural(report.chunks, 'chunk')} ({_human(report.bytes)}); "
+        f"{plural(report.sessions_expired, 'expired session')} dropped",
     )

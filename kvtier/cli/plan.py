@@ -9,23 +9,34 @@ import click
 
 from kvtier.errors import ConfigError
 from kvtier.geometry import KVGeometry
+from kvtier.humanize import plural
+from kvtier.humanize import size as _fmt
 from kvtier.units import parse_size
 
 
-def _fmt(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return f"{n:.1f} TiB"
+def read_model_config(path: Path) -> dict[str, object]:
+    """A model's config.json, given the file or the model directory that holds it."""
+    file = path / "config.json" if path.is_dir() else path
+    if not file.is_file():
+        raise click.BadParameter(
+            f"{path} holds no config.json; pass a model directory or its config.json",
+            param_hint="--model-config",
+        )
+    try:
+        config = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise click.BadParameter(f"{file} is not JSON: {exc}", param_hint="--model-config") from exc
+    if not isinstance(config, dict):
+        raise click.BadParameter(f"{file} is not a JSON object", param_hint="--model-config")
+    return config
 
 
-@click.command("plan")
+@click.command("plan", context_settings={"help_option_names": ["-h", "--help"]})
 @click.option(
     "--model-config",
-    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    type=click.Path(exists=True, path_type=Path),
     required=True,
-    help="the model's config.json",
+    help="the model's config.json, or its model directory (samples: configs/models/)",
 )
 @click.option("--sessions", type=int, default=100, show_default=True, help="sessions to keep alive")
 @click.option(
@@ -48,13 +59,11 @@ def command(
     dtype: str | None,
     chunk_tokens: int,
 ) -> None:
-    """Print bytes per token, sessions per tier and the sizes to configure."""
-    try:
-        config = json.loads(model_config.read_text())
-    except json.JSONDecodeError as exc:
-        raise click.BadParameter(
-            f"{model_config} is not JSON: {exc}", param_hint="--model-config"
-        ) from exc
+    """Print bytes per token, sessions per tier and the sizes to configure.
+
+    Only the model's architecture is read (layers, KV heads, head size, dtype): no weights.
+    """
+    config = read_model_config(model_config)
     try:
         g = KVGeometry.from_config(config, dtype=dtype)
         sizes = {
@@ -70,16 +79,18 @@ def command(
     per_session = chunks * g.chunk_bytes(chunk_tokens)
     need = sessions * per_session
     click.echo(
-        f"geometry: {g.num_layers} layers, {g.num_kv_heads} KV heads x {g.head_dim}, {g.dtype}, "
+        f"geometry: {plural(g.num_layers, 'layer')}, {plural(g.num_kv_heads, 'KV head')} x {g.head_dim}, {g.dtype}, "
         f"{g.attention}; {g.bytes_per_token} bytes/token, {_fmt(g.chunk_bytes(chunk_tokens))} per "
         f"{chunk_tokens}-token chunk"
     )
     if g.sliding_layers:
         click.echo(
-            f"sliding window {g.sliding_window} on {len(g.sliding_layers)} layers (sized as full here)"
+            f"sliding window {g.sliding_window} on {plural(len(g.sliding_layers), 'layer')} "
+            "(sized as full here)"
         )
     click.echo(
-        f"one session of {avg_tokens} tokens: {chunks} chunks, {_fmt(per_session)}; {sessions} sessions: {_fmt(need)}"
+        f"one session of {plural(avg_tokens, 'token')}: {plural(chunks, 'chunk')}, "
+        f"{_fmt(per_session)}; {plural(sessions, 'session')}: {_fmt(need)}"
     )
     click.echo(f"{'tier':4} {'size':>12} {'sessions fit':>13}")
     left = sessions

@@ -11,6 +11,7 @@ This module imports no other part of kvtier at import time except the L1 types, 
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Protocol
 
 import torch
@@ -124,6 +125,20 @@ def set_cudnn_attention(enabled: bool) -> None:
     torch.backends.cuda.enable_cudnn_sdp(enabled)
 
 
+_CACHE_KWARG: dict[type, str] = {}
+
+
+def cache_kwarg(model: Any) -> str:
+    """The keyword that hands a model its KV cache: `cache` where the installed transformers
+    knows it (the old `past_key_values` warns there, and goes in 5.40), else `past_key_values`.
+    `forward` and `generate` take the same name in any one release."""
+    cls = type(model)
+    if cls not in _CACHE_KWARG:
+        params = inspect.signature(cls.forward).parameters
+        _CACHE_KWARG[cls] = "cache" if "cache" in params else "past_key_values"
+    return _CACHE_KWARG[cls]
+
+
 def generate(
     model: Any,
     cache: Any,
@@ -143,7 +158,10 @@ def generate(
     pkv = session.restore(input_ids)
     try:
         out = model.generate(
-            input_ids.to(model.device), past_key_values=pkv, use_cache=True, **generate_kwargs
+            input_ids.to(model.device),
+            use_cache=True,
+            **{cache_kwarg(model): pkv},
+            **generate_kwargs,
         )
     except BaseException:
         session.abort()

@@ -1,15 +1,56 @@
 """Request bodies of the OpenAI-compatible endpoints. Unknown fields are refused, not ignored:
-a client that sends `max_token` by mistake learns it at once instead of getting a default."""
+a client that sends `max_token` by mistake learns it at once instead of getting a default.
+
+A misspelt required field (`mesages`) is two errors to pydantic: `messages` missing and
+`mesages` unknown. The unknown one is reported first, since it names the typo; the server's
+error body then lists the fields it accepts."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ModelWrapValidatorHandler,
+    ValidationError,
+    model_validator,
+)
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _unknown_fields_first(cls, data: Any, handler: ModelWrapValidatorHandler[Any]) -> Any:
+        try:
+            return handler(data)
+        except ValidationError as exc:
+            raise unknown_fields_first(exc) from None
+
+
+def _is_unknown(err: Any) -> bool:
+    return bool(err["type"] == "extra_forbidden" and len(err["loc"]) == 1)
+
+
+def unknown_fields_first(exc: ValidationError) -> ValidationError:
+    """The same errors, this model's own unknown fields first (a typo explains the rest)."""
+    errors = exc.errors()
+    if not errors or _is_unknown(errors[0]) or not any(_is_unknown(e) for e in errors):
+        return exc
+    ordered = sorted(errors, key=lambda e: not _is_unknown(e))
+    details: list[Any] = []  # pydantic_core.InitErrorDetails
+    for e in ordered:
+        d: dict[str, Any] = {"type": e["type"], "loc": e["loc"], "input": e["input"]}
+        if "ctx" in e:
+            d["ctx"] = e["ctx"]
+        details.append(d)
+    try:
+        return ValidationError.from_exception_data(exc.title, details)
+    except (TypeError, ValueError, KeyError):  # an error type that cannot be rebuilt: as it was
+        return exc
 
 
 class TextPart(_Strict):

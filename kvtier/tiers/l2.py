@@ -25,7 +25,6 @@ import ctypes.util
 import logging
 import mmap
 import os
-import resource
 import threading
 import weakref
 from dataclasses import dataclass
@@ -36,13 +35,13 @@ import torch
 
 from kvtier.errors import BudgetError, ConfigError
 from kvtier.tiers.libc import libc
+from kvtier.tiers.memlock import memlock_allows
 
 log = logging.getLogger(__name__)
 
 ALIGN = 4096
 DEFAULT_SLAB_BYTES = 1 << 30
 HEADROOM_BYTES = 256 << 20  # RAM left for the rest of the process beyond the arena
-_CAP_IPC_LOCK = 14
 _MAP_HUGETLB = getattr(mmap, "MAP_HUGETLB", 0x40000)
 _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0x8000)
 _MAP_FAILED = ctypes.c_void_p(-1).value
@@ -187,17 +186,6 @@ def meminfo(path: str = "/proc/meminfo") -> dict[str, int]:
     return out
 
 
-def _has_cap_ipc_lock() -> bool:
-    """Whether this process may lock memory beyond RLIMIT_MEMLOCK (CAP_IPC_LOCK effective)."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("CapEff:"):
-                return bool(int(line.split()[1], 16) >> _CAP_IPC_LOCK & 1)
-    except (OSError, ValueError, IndexError):
-        pass
-    return False
-
-
 class HostArena:
     """Fixed-size slots in host memory slabs, pinned when CUDA is present.
 
@@ -285,11 +273,11 @@ class HostArena:
                     f"L2 wants {need} bytes of host RAM but MemAvailable is {available} bytes "
                     f"(keeping {HEADROOM_BYTES} spare): lower l2_bytes or free host memory"
                 )
-        if self.mlocked and not _has_cap_ipc_lock():
-            soft, _hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-            if soft != resource.RLIM_INFINITY and soft < need:
+        if self.mlocked:
+            ok, why = memlock_allows(need)
+            if not ok:
                 raise BudgetError(
-                    f"mlock of {need} bytes exceeds RLIMIT_MEMLOCK ({soft} bytes): raise it "
+                    f"{why}: raise it "
                     "(LimitMEMLOCK=infinity in the systemd unit, `memlock` in "
                     "/etc/security/limits.conf, or ulimit -l) or start without mlock"
                 )

@@ -26,6 +26,8 @@ import pytest
 import torch
 import yaml
 
+from kvtier.integrations.hf import cache_kwarg
+
 REPO = Path(__file__).resolve().parents[2]
 PROM = REPO / "dashboards" / "prometheus"
 HOST_DEPENDENT = {"NVML", "PCIe", "CUDA allocator"}
@@ -93,7 +95,11 @@ def workload(cache, model, stop: threading.Event, errors: list[BaseException]) -
                 ids = torch.tensor([[1 + i] + [5, 9, 13, 2] * (6 + turn % 5)])
                 pkv = s.restore(ids)
                 out = model.generate(
-                    ids, past_key_values=pkv, max_new_tokens=3, do_sample=False, pad_token_id=0
+                    ids,
+                    **{cache_kwarg(model): pkv},
+                    max_new_tokens=3,
+                    do_sample=False,
+                    pad_token_id=0,
                 )
                 s.commit(out)
                 if (i + turn) % 2:

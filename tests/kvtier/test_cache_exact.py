@@ -15,6 +15,7 @@ from conftest import MODELS
 from transformers import DynamicCache
 
 from kvtier import CacheConfig, TieredCache
+from kvtier.integrations.hf import cache_kwarg
 
 CHUNK = 16
 TURNS = [[5, 9, 13] * 14, [7, 3] * 9, [11] * 23, [2, 4, 6, 8] * 6]  # 42, 18, 23, 24 new tokens
@@ -36,7 +37,7 @@ def config(root: Path, **kw) -> CacheConfig:
 def greedy(model, ids: torch.Tensor, pkv, steps: int = 6):
     out = model.generate(
         ids,
-        past_key_values=pkv,
+        **{cache_kwarg(model): pkv},
         max_new_tokens=steps,
         do_sample=False,
         output_scores=True,
@@ -204,7 +205,7 @@ def test_prefix_shared_by_100_sessions_is_stored_once(tmp_path: Path) -> None:
         if n:
             assert pkv.get_seq_length() >= 2048  # the shared prompt came from cache
         with torch.no_grad():
-            model(ids[:, pkv.get_seq_length() :], past_key_values=pkv)
+            model(ids[:, pkv.get_seq_length() :], **{cache_kwarg(model): pkv})
         s.commit(ids)
         s.hibernate()
     cache.flush()
@@ -222,7 +223,7 @@ def test_tenants_never_share(tmp_path: Path) -> None:
     a = cache.session("same-id", tenant="a")
     pkv = a.restore(prompt)
     with torch.no_grad():
-        model(prompt[:, pkv.get_seq_length() :], past_key_values=pkv)
+        model(prompt[:, pkv.get_seq_length() :], **{cache_kwarg(model): pkv})
     a.commit(prompt)
     a.hibernate()
     b = cache.session("same-id", tenant="b")

@@ -12,6 +12,7 @@ from transformers import DynamicCache
 
 from kvtier import CacheConfig, TieredCache
 from kvtier.errors import BudgetError
+from kvtier.integrations.hf import cache_kwarg
 
 pytestmark = [
     pytest.mark.gpu,
@@ -73,7 +74,7 @@ def test_cuda_l1_budget_and_oom_safety(tmp_path: Path) -> None:
         s = cache.session(f"s{i}", tenant="t")
         pkv = s.restore(ids)
         with torch.no_grad():
-            model(ids[:, pkv.get_seq_length() :], past_key_values=pkv)
+            model(ids[:, pkv.get_seq_length() :], **{cache_kwarg(model): pkv})
         s.commit(ids)
         assert cache.l1.used_bytes <= cache.l1.budget_bytes
     assert cache.stats().tier("l1").evictions >= 8

@@ -15,6 +15,7 @@ import kvtier.cache.core as core
 from kvtier import CacheConfig, TieredCache
 from kvtier.cache.keys import SHARED_TENANT
 from kvtier.errors import ConfigError, SessionError
+from kvtier.integrations.hf import cache_kwarg
 
 CHUNK = 16
 
@@ -42,7 +43,7 @@ def turn(model, cache, sid, ids, tenant="t"):
     s = cache.session(sid, tenant=tenant)
     pkv = s.restore(ids)
     with torch.no_grad():
-        model(ids[:, pkv.get_seq_length() :], past_key_values=pkv)
+        model(ids[:, pkv.get_seq_length() :], **{cache_kwarg(model): pkv})
     s.commit(ids)
     return s
 

@@ -10,6 +10,7 @@ from conftest import tiny_llama
 
 from kvtier import CacheConfig, TieredCache
 from kvtier.errors import ConfigError, L1BudgetExceeded, SessionError
+from kvtier.integrations.hf import cache_kwarg
 
 CHUNK = 16
 
@@ -31,7 +32,7 @@ def turn(model, cache, sid, ids, tenant="t"):
     s = cache.session(sid, tenant=tenant)
     pkv = s.restore(ids)
     with torch.no_grad():
-        model(ids[:, pkv.get_seq_length() :], past_key_values=pkv)
+        model(ids[:, pkv.get_seq_length() :], **{cache_kwarg(model): pkv})
     s.commit(ids)
     return s
 
@@ -197,7 +198,10 @@ def test_throttled_l3_makes_the_cost_model_recompute(tmp_path: Path, model) -> N
         s = cache.session("w", tenant="t")
         pkv = s.restore(torch.cat([ids, ids_of(1, 5)], 1))
         with torch.no_grad():
-            model(torch.cat([ids, ids_of(1, 5)], 1)[:, pkv.get_seq_length() :], past_key_values=pkv)
+            model(
+                torch.cat([ids, ids_of(1, 5)], 1)[:, pkv.get_seq_length() :],
+                **{cache_kwarg(model): pkv},
+            )
         s.commit(torch.cat([ids, ids_of(1, 5)], 1))
         if limit is None:
             assert s.restore_source == "l3"

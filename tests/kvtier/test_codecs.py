@@ -12,6 +12,7 @@ import torch
 from kvtier.codecs import CODEC_IDS, make_codec
 from kvtier.errors import ConfigError
 from kvtier.geometry import KVGeometry
+from kvtier.integrations.hf import cache_kwarg
 
 GQA = KVGeometry(3, 2, 16, 16, "bfloat16", "gqa")
 MLA = KVGeometry(2, 1, 24, 0, "float16", "mla")
@@ -252,11 +253,11 @@ def measure_quality(model: torch.nn.Module, names: tuple[str, ...]) -> dict[str,
             runs = {}
             for name in ("exact", *names):
                 cache = DynamicCache(config=net.config)
-                net(input_ids=prefix, past_key_values=cache, use_cache=True)
+                net(input_ids=prefix, **{cache_kwarg(net): cache}, use_cache=True)
                 if name != "exact":
                     _apply_codec(cache, name, geometry)
                 attn_out.clear()
-                logits = net(input_ids=cont, past_key_values=cache, use_cache=True).logits
+                logits = net(input_ids=cont, **{cache_kwarg(net): cache}, use_cache=True).logits
                 runs[name] = (logits.float(), list(attn_out))
         ref_logits, ref_attn = runs["exact"]
         ref_nll = torch.nn.functional.cross_entropy(ref_logits[0], target[0])

@@ -32,7 +32,7 @@ def test_fleet_against_live_server_writes_json_and_png(tmp_path: Path) -> None:
         cmd += ["--compare", "2", "--out", str(out), "--png", str(png)]
         done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stdout + done.stderr
-        assert "TTFT overall" in done.stdout and "restore is" in done.stdout
+        assert "\noverall " in done.stdout and "restore is" in done.stdout
         result = json.loads(out.read_text())
         assert result["requests"] == 12 and result["ok"] == 12 and result["errors"] == {}
         by_source = result["ttft_ms"]["by_source"]
@@ -41,6 +41,14 @@ def test_fleet_against_live_server_writes_json_and_png(tmp_path: Path) -> None:
         assert by_source.get("l1", {"n": 0})["n"] >= 8
         assert result["itl_ms"]["overall"]["n"] == 12 * 7
         assert result["compare"]["n"] == 2
+        # Server-side TTFT from the server's /metrics, over the fleet's requests only (the
+        # probes come after the second scrape), beside the client-side figure.
+        server = result["server_ttft_ms"]
+        assert server["overall"]["n"] == 12, server
+        assert sum(s["n"] for src, s in server.items() if src != "overall") == 12
+        assert set(server) - {"overall"} <= set(by_source)
+        assert "server-side" in done.stdout and "queue wait" in done.stdout
+        assert result["metrics_error"] is None
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     finally:
         assert srv.stop() == 0

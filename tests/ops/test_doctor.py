@@ -372,3 +372,13 @@ def test_command_rejects_a_bad_size(tmp_path: Path) -> None:
     result = CliRunner().invoke(command, ["--l2-size", "lots", "--l3-root", str(tmp_path)])
     assert result.exit_code == 2
     assert "cannot read size 'lots'" in result.output
+
+
+@pytest.mark.parametrize(("capeff", "severity"), [("0000000000004000", "ok"), ("0", "critical")])
+def test_memlock_follows_l2s_rule_on_cap_ipc_lock(host: Path, capeff: str, severity: str) -> None:
+    """With CAP_IPC_LOCK, L2 locks past RLIMIT_MEMLOCK, so a low limit is no finding."""
+    (host / "proc/self/status").write_text(f"Name:\tkvtier\nCapEff:\t{capeff}\n")
+    f = _by_id(_facts(host, memlock=8 * 1024 * 1024))["memlock"]
+    assert f.severity == severity
+    assert ("CAP_IPC_LOCK" in f.observed) is (severity == "ok")
+    assert f.observed.startswith("8.0 MiB")

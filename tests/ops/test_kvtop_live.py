@@ -16,6 +16,8 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 import torch
 
+from kvtier.integrations.hf import cache_kwarg
+
 
 @dataclass
 class Live:
@@ -40,7 +42,11 @@ def _workload(live: Live, model: Any, quit_: threading.Event) -> None:
                 ids = torch.tensor([[1 + i] + [5, 9, 13, 2] * (6 + (turn + i) % 7)])
                 pkv = s.restore(ids)
                 out = model.generate(
-                    ids, past_key_values=pkv, max_new_tokens=3, do_sample=False, pad_token_id=0
+                    ids,
+                    **{cache_kwarg(model): pkv},
+                    max_new_tokens=3,
+                    do_sample=False,
+                    pad_token_id=0,
                 )
                 s.commit(out)
                 if (i + turn) % 2:

@@ -1,0 +1,78 @@
+"""`kvtier plan` on the sample model configs the repo ships (configs/models/)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from kvtier.cli.plan import command
+from kvtier.geometry import KVGeometry
+
+MODELS = Path(__file__).resolve().parents[2] / "configs" / "models"
+# Published architectures: layers x KV heads x head dim x 2 (K and V) x 2 bytes (bf16).
+SHIPPED = {
+    "llama-3-8b": (32, 8, 128, 131_072),
+    "qwen2-7b": (28, 4, 128, 57_344),
+    "mistral-7b": (32, 8, 128, 131_072),
+}
+
+
+def plan(*args: str) -> str:
+    out = CliRunner().invoke(command, list(args))
+    assert out.exit_code == 0, out.output
+    return out.output
+
+
+def test_every_shipped_config_is_tested() -> None:
+    assert sorted(p.name for p in MODELS.iterdir() if p.is_dir()) == sorted(SHIPPED)
+
+
+@pytest.mark.parametrize("name", sorted(SHIPPED))
+def test_plan_on_shipped_config(name: str) -> None:
+    layers, kv_heads, head_dim, per_token = SHIPPED[name]
+    assert layers * kv_heads * head_dim * 2 * 2 == per_token
+    g = KVGeometry.from_config(json.loads((MODELS / name / "config.json").read_text()))
+    assert (g.num_layers, g.num_kv_heads, g.head_dim, g.dtype) == (
+        layers,
+        kv_heads,
+        head_dim,
+        "bfloat16",
+    )
+    assert g.bytes_per_token == per_token
+    # The directory and its config.json give the same plan.
+    by_dir = plan("--model-config", str(MODELS / name), "--sessions", "100")
+    assert by_dir == plan("--model-config", str(MODELS / name / "config.json"), "--sessions", "100")
+    assert f"{per_token} bytes/token" in by_dir
+    chunk = per_token * 256
+    assert f"{chunk / 2**20:.1f} MiB per 256-token chunk" in by_dir
+    # 3000 tokens are 12 chunks of 256; 24 GiB of L1 hold 24 GiB // (12 chunks) sessions.
+    fit = (24 << 30) // (12 * chunk)
+    assert f"{'L1':4} {'24.0 GiB':>12} {fit:>13}" in by_dir
+
+
+def test_plan_reads_counts_in_words() -> None:
+    out = plan("--model-config", str(MODELS / "qwen2-7b"), "--sessions", "1", "--avg-tokens", "1")
+    assert "one session of 1 token: 1 chunk, 14.0 MiB; 1 session: 14.0 MiB" in out
+    assert "1 chunks" not in out and "1 sessions" not in out
+
+
+def test_plan_names_a_directory_without_config(tmp_path: Path) -> None:
+    out = CliRunner().invoke(command, ["--model-config", str(tmp_path)])
+    assert out.exit_code == 2 and "holds no config.json" in out.output
+    (tmp_path / "config.json").write_text("[1, 2]")
+    out = CliRunner().invoke(command, ["--model-config", str(tmp_path)])
+    assert out.exit_code == 2 and "not a JSON object" in out.output
+
+
+def test_quickstart_example_is_what_plan_prints() -> None:
+    doc = (MODELS.parents[1] / "docs" / "quickstart.md").read_text()
+    section = doc.split("## Sizing the tiers", 1)[1]
+    command_line = section.split("```bash\n", 1)[1].split("```", 1)[0]
+    shown = section.split("```text\n", 1)[1].split("```", 1)[0]
+    args = command_line.replace("\\\n", " ").split()
+    assert args[:2] == ["kvtier", "plan"]
+    args = [str(MODELS.parents[1] / a) if a.startswith("configs/") else a for a in args[2:]]
+    assert plan(*args) == shown

@@ -1,0 +1,41 @@
+"""The commands and defaults the docs name are the ones the code and the Ansible role have."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import yaml
+
+from kvtier.cli.l3 import command as l3
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = sorted([*(ROOT / "docs").glob("*.md"), ROOT / "README.md", *ROOT.glob("*/README.md")])
+
+
+def test_every_kvtier_l3_subcommand_named_in_the_docs_exists() -> None:
+    named = {
+        (doc.name, m.group(1))
+        for doc in DOCS
+        if doc.exists()
+        for m in re.finditer(r"kvtier l3 ([a-z][a-z-]*)", doc.read_text())
+    }
+    assert named, "no doc names a kvtier l3 command"
+    wrong = sorted((doc, sub) for doc, sub in named if sub not in l3.commands)
+    assert not wrong, f"docs name kvtier l3 subcommands that do not exist: {wrong}"
+
+
+def test_host_tuning_names_the_roles_fstrim_default() -> None:
+    defaults = ROOT / "ansible" / "roles" / "kvtier_host" / "defaults" / "main.yml"
+    default = yaml.safe_load(defaults.read_text())["kvtier_host_fstrim"]
+    row = next(
+        line for line in (ROOT / "docs" / "host-tuning.md").read_text().splitlines()
+        if line.startswith("| fstrim |")
+    )  # fmt: skip
+    assert f"(`{default}`, the role's default)" in row, row
+
+
+def test_kvtier_plan_is_documented_outside_the_runbook() -> None:
+    quickstart = (ROOT / "docs" / "quickstart.md").read_text()
+    assert "kvtier plan --model-config configs/models/" in quickstart
+    assert (ROOT / "configs" / "models" / "qwen2-7b" / "config.json").is_file()
