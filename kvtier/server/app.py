@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import json
 import logging
-import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -22,6 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvtier import __version__
 from kvtier.errors import InvalidRequest, KvtierError, L1BudgetExceeded, StoreError
+from kvtier.server.admin import install_admin_routes
 from kvtier.server.backend import make_backend
 from kvtier.server.config import ServerConfig
 from kvtier.server.engine import (
@@ -34,6 +33,7 @@ from kvtier.server.engine import (
     Overloaded,
     check_fits,
 )
+from kvtier.server.http import MAX_SESSION_ID, MAX_TENANT, ApiError, check_id
 from kvtier.server.metrics import ServerMetrics
 from kvtier.server.model import ServedModel, build_default, load_local
 from kvtier.server.schema import ChatRequest, CompletionRequest
@@ -41,34 +41,9 @@ from kvtier.snapshot import CacheSnapshot
 
 log = logging.getLogger("kvtier.server")
 
-_ID = re.compile(r"^[A-Za-z0-9._:@/+=-]+$")
-MAX_SESSION_ID = 128
-MAX_TENANT = 64
-LOOPBACK = {"127.0.0.1", "::1", "localhost"}
 SOURCE_HEADER = "X-Kvtier-Restore-Source"
 # How long /v1/sessions waits for a fresh snapshot before it answers the previous one.
 SNAPSHOT_WAIT_S = 0.05
-
-
-class ApiError(Exception):
-    """An error answered as OpenAI's `{"error": {...}}` body with an HTTP status."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        kind: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status, self.message, self.kind = status, message, kind
-        self.param, self.code, self.headers = param, code, headers
-
-    def response(self) -> JSONResponse:
-        body = {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}
-        return JSONResponse({"error": body}, status_code=self.status, headers=self.headers)
 
 
 class State:
@@ -270,26 +245,6 @@ async def _body(request: Request, model: type[BaseModel], limit: int) -> Any:
         raise ApiError(400, msg, param=where or None) from None
 
 
-def _check_id(value: str, what: str, limit: int) -> str:
-    if len(value) > limit:
-        raise ApiError(
-            400, f"{what} is {len(value)} characters long; use at most {limit}", param=what
-        )
-    if not _ID.match(value):
-        raise ApiError(
-            400,
-            f"{what} may hold only letters, digits and . _ : @ / + = -; got {value[:40]!r}",
-            param=what,
-        )
-    return value
-
-
-def _local_only(request: Request) -> None:
-    host = request.client.host if request.client else ""
-    if host not in LOOPBACK:
-        raise ApiError(403, "admin endpoints answer only on localhost", "permission_error")
-
-
 def _routes(app: FastAPI, state: State) -> None:
     cfg = state.config
 
@@ -363,9 +318,9 @@ def _routes(app: FastAPI, state: State) -> None:
         chat: bool,
     ) -> Response:
         sid = request.headers.get("x-session-id") or body.user
-        tenant = _check_id(request.headers.get("x-tenant") or "default", "X-Tenant", MAX_TENANT)
+        tenant = check_id(request.headers.get("x-tenant") or "default", "X-Tenant", MAX_TENANT)
         ephemeral = not sid
-        sid = _check_id(sid, "X-Session-ID", MAX_SESSION_ID) if sid else f"anon-{uuid.uuid4().hex}"
+        sid = check_id(sid, "X-Session-ID", MAX_SESSION_ID) if sid else f"anon-{uuid.uuid4().hex}"
         try:
             max_tokens = check_fits(engine.served, cfg, len(ids), max_tokens)
         except ContextExceeded as exc:
@@ -527,59 +482,7 @@ def _routes(app: FastAPI, state: State) -> None:
             sse(), media_type="text/event-stream", headers={**headers, "Cache-Control": "no-cache"}
         )
 
-    # ---- admin: localhost only ----------------------------------------------------------------
-
-    @app.get("/v1/sessions")
-    async def sessions(request: Request) -> dict[str, Any]:
-        _local_only(request)
-        snap, fresh = await state.recent_snapshot()
-        data = [dataclasses.asdict(s) for s in snap.sessions] if snap is not None else []
-        engine = state.engine
-        return {
-            "object": "list",
-            "data": data,
-            "running": engine.running if engine else 0,
-            "queued": engine.waiting if engine else 0,
-            # False: the cache was busy (a restore from L3 holds it); this is the last listing
-            "fresh": fresh,
-            "taken_at": snap.taken_at if snap is not None else None,
-        }
-
-    async def _admin(request: Request, session_id: str, op: str) -> dict[str, Any]:
-        _local_only(request)
-        _check_id(session_id, "session id", MAX_SESSION_ID)
-        engine = state.ready_engine()
-        try:
-            lock = await engine.session_exclusive(session_id)
-        except Overloaded as exc:
-            raise ApiError(409, str(exc), headers={"Retry-After": str(exc.retry_after)}) from None
-        try:
-            fn = getattr(engine.backend, op)
-            found = await asyncio.to_thread(fn, session_id)
-        finally:
-            engine.release(session_id, lock)
-        if not found:
-            raise ApiError(
-                404,
-                f"no session {session_id!r} is known to this server",
-                "not_found_error",
-                "session_id",
-                "session_not_found",
-            )
-        return {"id": session_id, "object": "session", "status": op}
-
-    @app.post("/v1/sessions/{session_id}/hibernate")
-    async def hibernate(request: Request, session_id: str) -> dict[str, Any]:
-        return await _admin(request, session_id, "hibernate")
-
-    @app.post("/v1/sessions/{session_id}/prefetch")
-    async def prefetch(request: Request, session_id: str) -> dict[str, Any]:
-        return await _admin(request, session_id, "prefetch")
-
-    @app.delete("/v1/sessions/{session_id}")
-    async def forget(request: Request, session_id: str) -> dict[str, Any]:
-        out = await _admin(request, session_id, "forget")
-        return {"id": session_id, "object": "session", "deleted": True, "status": out["status"]}
+    install_admin_routes(app, state)
 
 
 def _sse(obj: dict[str, Any]) -> str:

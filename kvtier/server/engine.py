@@ -29,7 +29,7 @@ log = logging.getLogger("kvtier.server")
 
 
 # The warm-up's session: '#' is outside what clients may send as a session id or tenant
-# (kvtier.server.app._ID), so no client's session can ever be this one.
+# (kvtier.server.http._ID), so no client's session can ever be this one.
 WARM_UP_SESSION = "#warm-up"
 WARM_UP_TENANT = "#kvtier"
 # Length of the warm-up prompt stored in L3 and restored from it (its chunks stay there).
