@@ -17,11 +17,13 @@ Backends (`PagedContext.backend`):
   mask aligned to the end of the sequence. Handles prefill, decode, mixed, GQA, sliding windows.
 - "triton": CUDA, decode-only batches (one query per sequence): a flash-decoding kernel over the
   block table (`kvtier.paged.triton_decode`).
+- "split": CUDA, mixed batches: the decode rows through the Triton kernel in one call, each
+  prefilling sequence through SDPA over its gathered pages.
 - "varlen": CUDA, `torch.nn.attention.varlen.varlen_attn` with `block_table=` where the installed
   torch has it; handles mixed prefill/decode batches. It runs FlashAttention 2, whose paged KV
   needs a page size of 256.
-- "auto": varlen where available and the page size is 256, else triton for decode-only batches,
-  else reference.
+- "auto": varlen where available and the page size is 256, else on CUDA with Triton: triton
+  for decode-only batches and split for mixed ones; else reference.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import inspect
 import os
 from collections.abc import Iterator
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -42,7 +44,7 @@ from kvtier.errors import ConfigError, KvtierError
 from kvtier.paged.pool import PagePool
 
 ATTN_NAME = "kvtier_paged"
-BACKENDS = ("auto", "reference", "triton", "varlen")
+BACKENDS = ("auto", "reference", "triton", "split", "varlen")
 VARLEN_PAGE = 256  # FlashAttention 2's paged KV takes page sizes that are multiples of this
 
 
@@ -69,6 +71,10 @@ class PagedContext:
     seq_lens: list[int]
     page_counts: list[int]
     backend: str = "auto"
+    # the decode rows of a mixed step, made once per forward (see `_decode_rows`)
+    _rows: tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor] | None = field(
+        default=None, repr=False
+    )
 
     @property
     def num_seqs(self) -> int:
@@ -177,13 +183,16 @@ def attend(
         flash = q.dtype in (torch.float16, torch.bfloat16) and k_cache.shape[1] % VARLEN_PAGE == 0
         if cuda and flash and varlen_block_table_supported():
             backend = "varlen"
-        elif cuda and ctx.decode_only and _triton_available():
-            backend = "triton"
+        elif cuda and _triton_available():
+            backend = "triton" if ctx.decode_only else "split"
         else:
             backend = "reference"
     # Triton's CPU interpreter (TRITON_INTERPRET=1) runs the kernel on CPU tensors, for tests.
     interpreted = backend == "triton" and os.environ.get("TRITON_INTERPRET") == "1"
-    if backend in ("triton", "varlen") and not (cuda or (interpreted and sliding_window is None)):
+    interpreted = interpreted or (backend == "split" and os.environ.get("TRITON_INTERPRET") == "1")
+    if backend in ("triton", "split", "varlen") and not (
+        cuda or (interpreted and sliding_window is None)
+    ):
         raise KvtierError(
             f"paged attention backend {backend!r} needs CUDA tensors and no sliding window; "
             "use 'reference' or 'auto'"
@@ -198,6 +207,8 @@ def attend(
         )
     if backend == "varlen":
         return varlen_paged(ctx, q, k_cache, v_cache, scale)
+    if backend == "split":
+        return split_paged(ctx, q, k_cache, v_cache, scale)
     return reference_paged(ctx, q, k_cache, v_cache, scale, sliding_window)
 
 
@@ -219,35 +230,100 @@ def reference_paged(
     sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Gather each sequence's pages and run SDPA with an end-aligned causal mask."""
-    heads, kv_heads = q.shape[1], k_cache.shape[2]
+    outs = []
+    start = 0
+    for i, n_q in enumerate(ctx.query_lens):
+        outs.append(
+            _reference_one(ctx, i, q[start : start + n_q], k_cache, v_cache, scale, sliding_window)
+        )
+        start += n_q
+    return torch.cat(outs, dim=0)
+
+
+def split_paged(
+    ctx: PagedContext, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """A mixed step on CUDA: the decode rows through the Triton kernel in one call, each
+    prefilling sequence through SDPA over its gathered pages (prefill is bound by its matrix
+    products, not by the gather)."""
+    from kvtier.paged.triton_decode import paged_decode
+
+    decode, rows, table, lens = _decode_rows(ctx)
+    out = torch.empty_like(q)
+    if decode:
+        max_len = max(ctx.seq_lens[i] for i in decode)
+        dec = paged_decode(
+            q.index_select(0, rows), k_cache, v_cache, table, lens, scale, max_len=max_len
+        )
+        out.index_copy_(0, rows, dec)
+    start = 0
+    for i, n_q in enumerate(ctx.query_lens):
+        if n_q > 1:
+            out[start : start + n_q] = _reference_one(
+                ctx, i, q[start : start + n_q], k_cache, v_cache, scale
+            )
+        start += n_q
+    return out
+
+
+def _decode_rows(
+    ctx: PagedContext,
+) -> tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The sequences of this step with one query token, their rows in the flattened batch,
+    page tables and lengths on the device; made by the first layer, reused by the rest."""
+    if ctx._rows is None:
+        starts = [0]
+        for n in ctx.query_lens:
+            starts.append(starts[-1] + n)
+        decode = [i for i, n in enumerate(ctx.query_lens) if n == 1]
+        device = ctx.block_table.device
+        index = torch.tensor(decode, dtype=torch.long, device=device)
+        rows = torch.tensor([starts[i] for i in decode], dtype=torch.long, device=device)
+        ctx._rows = (
+            decode,
+            rows,
+            ctx.block_table.index_select(0, index),
+            ctx.context_lens.index_select(0, index),
+        )
+    return ctx._rows
+
+
+def _reference_one(
+    ctx: PagedContext,
+    i: int,
+    qi: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Sequence i's queries `[n_q, heads, dim]` over its gathered pages (end-aligned causal)."""
+    heads, kv_heads = qi.shape[1], k_cache.shape[2]
     if heads % kv_heads:
         raise KvtierError(f"{heads} query heads are not a multiple of {kv_heads} KV heads")
     group = heads // kv_heads
-    outs = []
-    start = 0
-    for i, (n_q, n_k, n_pages) in enumerate(
-        zip(ctx.query_lens, ctx.seq_lens, ctx.page_counts, strict=True)
-    ):
-        pages = ctx.block_table[i, :n_pages]
-        k = k_cache.index_select(0, pages).flatten(0, 1)[:n_k]  # [n_k, kv_heads, dim]
-        v = v_cache.index_select(0, pages).flatten(0, 1)[:n_k]
-        if group > 1:
-            k = k.repeat_interleave(group, dim=1)
-            v = v.repeat_interleave(group, dim=1)
-        qi = q[start : start + n_q].transpose(0, 1)  # [heads, n_q, dim]
-        mask = None
-        if n_q > 1 or sliding_window is not None:
-            q_pos = torch.arange(n_k - n_q, n_k, device=q.device)[:, None]
-            k_pos = torch.arange(n_k, device=q.device)[None, :]
-            mask = k_pos <= q_pos
-            if sliding_window is not None:
-                mask &= k_pos > q_pos - sliding_window
-        o = F.scaled_dot_product_attention(
-            qi, k.transpose(0, 1).to(q.dtype), v.transpose(0, 1).to(q.dtype), mask, scale=scale
-        )
-        outs.append(o.transpose(0, 1))
-        start += n_q
-    return torch.cat(outs, dim=0)
+    n_q, n_k = qi.shape[0], ctx.seq_lens[i]
+    pages = ctx.block_table[i, : ctx.page_counts[i]]
+    k = k_cache.index_select(0, pages).flatten(0, 1)[:n_k]  # [n_k, kv_heads, dim]
+    v = v_cache.index_select(0, pages).flatten(0, 1)[:n_k]
+    if group > 1:
+        k = k.repeat_interleave(group, dim=1)
+        v = v.repeat_interleave(group, dim=1)
+    mask = None
+    if n_q > 1 or sliding_window is not None:
+        q_pos = torch.arange(n_k - n_q, n_k, device=qi.device)[:, None]
+        k_pos = torch.arange(n_k, device=qi.device)[None, :]
+        mask = k_pos <= q_pos
+        if sliding_window is not None:
+            mask &= k_pos > q_pos - sliding_window
+    o = F.scaled_dot_product_attention(
+        qi.transpose(0, 1),
+        k.transpose(0, 1).to(qi.dtype),
+        v.transpose(0, 1).to(qi.dtype),
+        mask,
+        scale=scale,
+    )
+    return o.transpose(0, 1)
 
 
 def varlen_paged(

@@ -94,3 +94,38 @@ def test_triton_backend_in_the_model(name: str) -> None:
             o.append(int(row.argmax()))
     for p, o in zip(prompts, outs, strict=True):
         assert o == _greedy_alone(reference, p, 6)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+def test_split_backend_mixes_prefill_and_decode_exactly(name: str) -> None:
+    """Mixed steps: new sequences prefill beside decoding ones; decode rows go through the
+    kernel, prefill rows through SDPA over their pages. Tokens equal each sequence alone."""
+    pytest.importorskip("triton")
+    from conftest import MODELS
+    from test_paged import _greedy_alone, _paged, _prompts
+
+    from kvtier.paged import PagedSequence, SeqInput
+
+    runner = _paged(name, device=DEVICE, backend="split", page_size=4)
+    reference = MODELS[name]().to(DEVICE)
+    prompts = _prompts(11, [20, 33, 9, 14])
+    seqs = [PagedSequence() for _ in prompts]
+    outs: list[list[int]] = [[] for _ in prompts]
+    # sequence 0 and 1 start at once; 2 joins at step 2 and 3 at step 4, each prefilling in a
+    # step where the others decode
+    joins = {0: [0, 1], 2: [2], 4: [3]}
+    active: list[int] = []
+    for step in range(9):
+        items = []
+        for i in joins.get(step, []):
+            active.append(i)
+            items.append((i, prompts[i]))
+        items += [(i, [outs[i][-1]]) for i in active if outs[i] and len(outs[i]) < 6]
+        if not items:
+            break
+        logits = runner.step([SeqInput(seqs[i], toks) for i, toks in items])
+        for (i, _), row in zip(items, logits, strict=True):
+            outs[i].append(int(row.argmax()))
+    for p, o in zip(prompts, outs, strict=True):
+        assert o == _greedy_alone(reference, p, len(o))
+        assert len(o) >= 5
