@@ -1,0 +1,275 @@
+"""Paged attention for transformers models: the "kvtier_paged" attention implementation.
+
+The model is called with ONE flattened batch (`input_ids` `[1, T]`, the new tokens of every
+sequence back to back, `position_ids` `[1, T]`, no cache). transformers calls the registered
+attention function once per layer with `query` `[1, heads, T, dim]` and `key`/`value`
+`[1, kv_heads, T, dim]` (already rotated). The function:
+
+1. writes the new K/V into the page pool at each token's slot (`slot_mapping`);
+2. computes causal attention of each sequence's queries over that sequence's pages.
+
+Everything the layer needs beyond q/k/v comes from a `PagedContext` that the caller sets around
+the forward with `paged_context(ctx)` (a contextvar). No dense mask is built: transformers builds
+masks only for implementations registered in its `AttentionMaskInterface`, and this one is not.
+
+Backends (`PagedContext.backend`):
+- "reference": any device. Gathers each sequence's pages and calls SDPA with an explicit causal
+  mask aligned to the end of the sequence. Handles prefill, decode, mixed, GQA, sliding windows.
+- "triton": CUDA, decode-only batches (one query per sequence): a flash-decoding kernel over the
+  block table (`kvtier.paged.triton_decode`).
+- "varlen": CUDA, `torch.nn.attention.varlen.varlen_attn` with `block_table=` where the installed
+  torch has it; handles mixed prefill/decode batches.
+- "auto": varlen where available, else triton for decode-only batches, else reference.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections.abc import Iterator
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from kvtier.errors import ConfigError, KvtierError
+from kvtier.paged.pool import PagePool
+
+ATTN_NAME = "kvtier_paged"
+BACKENDS = ("auto", "reference", "triton", "varlen")
+
+
+@dataclass
+class PagedContext:
+    """What every attention layer of one forward needs to find its sequences in the pool.
+
+    Device tensors (on the pool's device):
+      cu_seqlens_q  int32 [B + 1]  query offsets of each sequence in the flattened batch
+      context_lens  int32 [B]      tokens of each sequence after this step (old + new)
+      slot_mapping  int64 [T]      flat slot (page * page_size + offset) of every new token
+      block_table   int32 [B, max_pages]  each sequence's page table, padded
+    Host copies (Python ints) drive the reference path without device syncs.
+    """
+
+    pool: PagePool
+    cu_seqlens_q: torch.Tensor
+    context_lens: torch.Tensor
+    slot_mapping: torch.Tensor
+    block_table: torch.Tensor
+    query_lens: list[int]
+    seq_lens: list[int]
+    page_counts: list[int]
+    backend: str = "auto"
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens)
+
+    @property
+    def decode_only(self) -> bool:
+        return all(n == 1 for n in self.query_lens)
+
+
+_CONTEXT: ContextVar[PagedContext | None] = ContextVar("kvtier_paged_context", default=None)
+
+
+@contextlib.contextmanager
+def paged_context(ctx: PagedContext) -> Iterator[PagedContext]:
+    """Set the forward context for the forward run inside the `with` block."""
+    if ctx.backend not in BACKENDS:
+        raise ConfigError(f"paged attention backend {ctx.backend!r} is not one of {BACKENDS}")
+    token = _CONTEXT.set(ctx)
+    try:
+        yield ctx
+    finally:
+        _CONTEXT.reset(token)
+
+
+def current_context() -> PagedContext:
+    ctx = _CONTEXT.get()
+    if ctx is None:
+        raise KvtierError(
+            f"attention implementation {ATTN_NAME!r} was called outside a paged forward: run the "
+            "model through kvtier.paged.BatchRunner, or set a PagedContext with paged_context()"
+        )
+    return ctx
+
+
+def varlen_block_table_supported() -> bool:
+    """Whether the installed torch has `varlen_attn` with a `block_table=` argument."""
+    try:
+        from torch.nn.attention import varlen
+    except ImportError:
+        return False
+    fn = getattr(varlen, "varlen_attn", None)
+    return fn is not None and "block_table" in inspect.signature(fn).parameters
+
+
+def paged_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention function: write K/V into the pool, attend over the pages.
+
+    Returns `[1, T, heads, dim]`, as transformers' own implementations do.
+    """
+    ctx = current_context()
+    if query.shape[0] != 1:
+        raise KvtierError(
+            f"paged attention takes one flattened batch (batch dim 1), got {query.shape[0]}"
+        )
+    if dropout:
+        raise KvtierError("paged attention is for inference: call the model in eval mode")
+    if kwargs.get("softcap") is not None:
+        raise KvtierError("paged attention does not implement logit softcapping")
+    layer = int(getattr(module, "layer_idx"))  # noqa: B009  (set by every transformers attention)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    k_cache, v_cache = ctx.pool.layer_cache(layer)
+    write_kv(k_cache, v_cache, key[0].transpose(0, 1), value[0].transpose(0, 1), ctx.slot_mapping)
+    q = query[0].transpose(0, 1)  # [T, heads, dim]
+    out = attend(ctx, q, k_cache, v_cache, scale, sliding_window)
+    return out.unsqueeze(0), None
+
+
+def write_kv(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Store new tokens' `[T, kv_heads, dim]` K/V at their flat slots of one layer's pages."""
+    slots = k_cache.shape[0] * k_cache.shape[1]
+    k_cache.view(slots, *k_cache.shape[2:]).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
+    v_cache.view(slots, *v_cache.shape[2:]).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+
+
+def attend(
+    ctx: PagedContext,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Causal attention of `q` `[T, heads, dim]` over the pages; returns `[T, heads, dim]`."""
+    backend = ctx.backend
+    cuda = q.is_cuda and sliding_window is None
+    if backend == "auto":
+        if cuda and varlen_block_table_supported():
+            backend = "varlen"
+        elif cuda and ctx.decode_only and _triton_available():
+            backend = "triton"
+        else:
+            backend = "reference"
+    if backend in ("triton", "varlen") and not cuda:
+        raise KvtierError(
+            f"paged attention backend {backend!r} needs CUDA tensors and no sliding window; "
+            "use 'reference' or 'auto'"
+        )
+    if backend == "triton":
+        if not ctx.decode_only:
+            raise KvtierError("the triton paged backend handles decode-only batches; use 'auto'")
+        from kvtier.paged.triton_decode import paged_decode
+
+        return paged_decode(
+            q, k_cache, v_cache, ctx.block_table, ctx.context_lens, scale, max_len=max(ctx.seq_lens)
+        )
+    if backend == "varlen":
+        return varlen_paged(ctx, q, k_cache, v_cache, scale)
+    return reference_paged(ctx, q, k_cache, v_cache, scale, sliding_window)
+
+
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def reference_paged(
+    ctx: PagedContext,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Gather each sequence's pages and run SDPA with an end-aligned causal mask."""
+    heads, kv_heads = q.shape[1], k_cache.shape[2]
+    if heads % kv_heads:
+        raise KvtierError(f"{heads} query heads are not a multiple of {kv_heads} KV heads")
+    group = heads // kv_heads
+    outs = []
+    start = 0
+    for i, (n_q, n_k, n_pages) in enumerate(
+        zip(ctx.query_lens, ctx.seq_lens, ctx.page_counts, strict=True)
+    ):
+        pages = ctx.block_table[i, :n_pages]
+        k = k_cache.index_select(0, pages).flatten(0, 1)[:n_k]  # [n_k, kv_heads, dim]
+        v = v_cache.index_select(0, pages).flatten(0, 1)[:n_k]
+        if group > 1:
+            k = k.repeat_interleave(group, dim=1)
+            v = v.repeat_interleave(group, dim=1)
+        qi = q[start : start + n_q].transpose(0, 1)  # [heads, n_q, dim]
+        mask = None
+        if n_q > 1 or sliding_window is not None:
+            q_pos = torch.arange(n_k - n_q, n_k, device=q.device)[:, None]
+            k_pos = torch.arange(n_k, device=q.device)[None, :]
+            mask = k_pos <= q_pos
+            if sliding_window is not None:
+                mask &= k_pos > q_pos - sliding_window
+        o = F.scaled_dot_product_attention(
+            qi, k.transpose(0, 1).to(q.dtype), v.transpose(0, 1).to(q.dtype), mask, scale=scale
+        )
+        outs.append(o.transpose(0, 1))
+        start += n_q
+    return torch.cat(outs, dim=0)
+
+
+def varlen_paged(
+    ctx: PagedContext, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """torch's varlen flash attention reading K/V through the block table (causal, GQA)."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    max_q = max(ctx.query_lens)
+    max_k = max(ctx.seq_lens)
+    out = varlen_attn(
+        q,
+        k_cache,
+        v_cache,
+        ctx.cu_seqlens_q,
+        None,
+        max_q,
+        max_k,
+        scale=scale,
+        window_size=(-1, 0),
+        enable_gqa=q.shape[1] != k_cache.shape[2],
+        seqused_k=ctx.context_lens,
+        block_table=ctx.block_table[: ctx.num_seqs],
+    )
+    assert isinstance(out, torch.Tensor)
+    return out
+
+
+def register() -> str:
+    """Register "kvtier_paged" in transformers' `AttentionInterface` (idempotent); its name.
+
+    No mask function is registered on purpose: transformers' mask builders return None for an
+    implementation missing from `AttentionMaskInterface`, so no dense mask is ever made.
+    """
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTN_NAME, paged_attention_forward)
+    return ATTN_NAME

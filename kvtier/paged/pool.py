@@ -1,0 +1,288 @@
+"""`PagePool`: one preallocated KV tensor per device, cut into fixed-size pages.
+
+Every layer's K and V for every sequence live in ONE tensor,
+
+    kv[layer, k|v, page, offset, kv_head, head_dim]     (the model's dtype)
+
+allocated once from a byte budget. A sequence owns a *page table*: a plain Python list of page
+ids, token `t` of the sequence lives at `(table[t // page_size], t % page_size)`. Pages are
+handed out from a free list and carry a reference count, so sequences with a common prefix can
+share full pages; a shared page is never written (copy-on-write at the tail: appending into a
+shared, partially filled last page first copies it to a private page).
+
+`alloc`, `free`, `share` and `reserve` touch only Python lists: no tensor is made per sequence or
+per step. Only a copy-on-write copies page contents (one page, all layers, inside the pool).
+
+The chunk helpers (`chunk_pages`, `gather`, `scatter`) map a run of tokens of a sequence to and
+from the L2 chunk layout `[layer, k|v, token, kv_head, head_dim]`, so a transfer engine can move a
+256-token chunk between pages and an L2 slot.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from kvtier.errors import ConfigError, KvtierError
+from kvtier.geometry import KVGeometry
+
+CHUNK_TOKENS = 256  # tokens in one L2/L3 chunk; a page size must divide it
+
+
+class PoolExhausted(KvtierError):
+    """The page pool has too few free pages for a step; free or preempt a sequence and retry."""
+
+    def __init__(self, needed: int, free: int) -> None:
+        super().__init__(
+            f"the KV page pool needs {needed} free pages for this step but has {free}: finish, "
+            "offload or preempt a sequence (BatchRunner.release) and retry, or give the pool a "
+            "larger byte budget"
+        )
+        self.needed = needed
+        self.free = free
+
+
+@dataclass
+class PagedSequence:
+    """A sequence's place in the pool: its page table and how many tokens it holds.
+
+    `pages` is the page table (page ids in token order); `length` counts the tokens whose K/V
+    are written. The pool may hold pages beyond `length` (room reserved for the next tokens).
+    """
+
+    pages: list[int] = field(default_factory=list)
+    length: int = 0
+
+
+class PagePool:
+    """Preallocated paged KV storage for every layer of one model on one device.
+
+    `budget_bytes` sizes the pool: `num_pages = budget_bytes // page_bytes`, where a page holds
+    `page_size` tokens of K and V of every layer (`KVGeometry.bytes_per_token * page_size`).
+    """
+
+    def __init__(
+        self,
+        geometry: KVGeometry,
+        budget_bytes: int,
+        *,
+        page_size: int = 16,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        if geometry.attention == "mla":
+            raise ConfigError("the page pool holds separate K and V; MLA latents are not supported")
+        if geometry.v_head_dim != geometry.head_dim:
+            raise ConfigError(
+                f"K head dim {geometry.head_dim} != V head dim {geometry.v_head_dim}: the page "
+                "pool needs equal dims"
+            )
+        if not isinstance(page_size, int) or page_size <= 0 or CHUNK_TOKENS % page_size:
+            raise ConfigError(
+                f"page_size {page_size!r} must be a positive divisor of the {CHUNK_TOKENS}-token "
+                "chunk (1, 2, 4, ..., 256)"
+            )
+        self.geometry = geometry
+        self.page_size = page_size
+        self.dtype = dtype if dtype is not None else geometry.torch_dtype()
+        element = torch.empty((), dtype=self.dtype).element_size()
+        per_token = geometry.num_layers * 2 * geometry.num_kv_heads * geometry.head_dim * element
+        self.page_bytes = per_token * page_size
+        self.num_pages = int(budget_bytes) // self.page_bytes
+        if self.num_pages <= 0:
+            raise ConfigError(
+                f"a KV budget of {budget_bytes} bytes holds no page of {self.page_bytes} bytes "
+                f"({page_size} tokens); raise the budget or lower page_size"
+            )
+        self.kv = torch.zeros(
+            (
+                geometry.num_layers,
+                2,
+                self.num_pages,
+                page_size,
+                geometry.num_kv_heads,
+                geometry.head_dim,
+            ),
+            dtype=self.dtype,
+            device=device,
+        )
+        self.device = self.kv.device
+        # Highest id last, so pop() hands out pages in ascending order (easier to read in tests).
+        self._free: list[int] = list(range(self.num_pages - 1, -1, -1))
+        self._refs: list[int] = [0] * self.num_pages
+
+    # ---- page accounting (Python lists only) -------------------------------------------------
+
+    @property
+    def num_free(self) -> int:
+        """Pages on the free list."""
+        return len(self._free)
+
+    def refcount(self, page: int) -> int:
+        """How many page tables hold `page` (0: free)."""
+        return self._refs[page]
+
+    def alloc(self, n: int) -> list[int] | None:
+        """Take `n` free pages (refcount 1 each); None, taking nothing, when fewer are free."""
+        if n < 0:
+            raise ValueError(f"cannot allocate {n} pages")
+        if n > len(self._free):
+            return None
+        return [self._take() for _ in range(n)]
+
+    def _take(self) -> int:
+        page = self._free.pop()
+        self._refs[page] = 1
+        return page
+
+    def share(self, pages: Sequence[int]) -> list[int]:
+        """Add a reference to each page (a second sequence now holds them); returns a new table."""
+        for p in pages:
+            if self._refs[p] <= 0:
+                raise ValueError(f"page {p} is free; only allocated pages can be shared")
+        for p in pages:
+            self._refs[p] += 1
+        return list(pages)
+
+    def free(self, pages: Sequence[int]) -> None:
+        """Drop one reference to each page; a page whose count reaches 0 goes back to the list."""
+        for p in pages:
+            if self._refs[p] <= 0:
+                raise ValueError(f"page {p} is already free (double free)")
+        for p in pages:
+            self._refs[p] -= 1
+            if self._refs[p] == 0:
+                self._free.append(p)
+
+    def fork(self, seq: PagedSequence, tokens: int | None = None) -> PagedSequence:
+        """A new sequence sharing the first `tokens` (default: all) of `seq`'s tokens.
+
+        The pages that hold those tokens are shared, not copied; a partially filled last page is
+        copied only when one of the two sequences appends to it (see `reserve`).
+        """
+        n = seq.length if tokens is None else tokens
+        if not 0 <= n <= seq.length:
+            raise ValueError(f"cannot fork {n} tokens of a sequence of {seq.length}")
+        return PagedSequence(self.share(seq.pages[: self.pages_for(n)]), n)
+
+    def pages_for(self, tokens: int) -> int:
+        """Pages needed to hold `tokens` tokens."""
+        return -(-tokens // self.page_size)
+
+    def pages_needed(self, seq: PagedSequence, new_tokens: int) -> int:
+        """Free pages `reserve(seq, new_tokens)` would take (growth plus a copy-on-write)."""
+        grow = max(0, self.pages_for(seq.length + new_tokens) - len(seq.pages))
+        return grow + int(new_tokens > 0 and self._tail_is_shared(seq))
+
+    def _tail_is_shared(self, seq: PagedSequence) -> bool:
+        offset = seq.length % self.page_size
+        if offset == 0:
+            return False  # the next token starts a new page; shared full pages stay untouched
+        return self._refs[seq.pages[seq.length // self.page_size]] > 1
+
+    def reserve(self, seq: PagedSequence, new_tokens: int) -> bool:
+        """Make room in `seq` for `new_tokens` more tokens; False, changing nothing, if full.
+
+        Appends pages to the table as needed, and first replaces a shared, partially filled last
+        page by a private copy (copy-on-write), so that writing the new tokens never changes
+        another sequence's KV.
+        """
+        if self.pages_needed(seq, new_tokens) > len(self._free):
+            return False
+        if new_tokens > 0 and self._tail_is_shared(seq):
+            index = seq.length // self.page_size
+            old = seq.pages[index]
+            new = self._take()
+            self.kv[:, :, new].copy_(self.kv[:, :, old])
+            self.free([old])
+            seq.pages[index] = new
+        grow = self.pages_for(seq.length + new_tokens) - len(seq.pages)
+        if grow > 0:
+            seq.pages.extend(self._take() for _ in range(grow))
+        return True
+
+    def release(self, seq: PagedSequence) -> None:
+        """Give back every page of `seq` and empty it."""
+        self.free(seq.pages)
+        seq.pages.clear()
+        seq.length = 0
+
+    # ---- views for attention ------------------------------------------------------------------
+
+    def layer_cache(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V pages of one layer, each `[num_pages, page_size, kv_heads, head_dim]` (views)."""
+        return self.kv[layer, 0], self.kv[layer, 1]
+
+    def slot(self, table: Sequence[int], token: int) -> int:
+        """Flat slot (`page * page_size + offset`) of token `token` of a sequence."""
+        return table[token // self.page_size] * self.page_size + token % self.page_size
+
+    # ---- chunk <-> pages (the L2 restore / offload path) ---------------------------------------
+
+    def chunk_pages(self, table: Sequence[int], chunk: int) -> list[int]:
+        """Page ids holding tokens `[chunk * 256, (chunk + 1) * 256)` of a sequence.
+
+        Whole pages only, since the page size divides the chunk; a sequence's last chunk may be
+        partial and then has fewer pages.
+        """
+        per_chunk = CHUNK_TOKENS // self.page_size
+        return list(table[chunk * per_chunk : (chunk + 1) * per_chunk])
+
+    def _slots(self, table: Sequence[int], start: int, end: int) -> torch.Tensor:
+        if not 0 <= start <= end <= len(table) * self.page_size:
+            raise ValueError(
+                f"token range [{start}, {end}) is outside the {len(table)} pages of the table"
+            )
+        s = self.page_size
+        slots = [table[t // s] * s + t % s for t in range(start, end)]
+        return torch.tensor(slots, dtype=torch.long, device=self.device)
+
+    def _flat(self) -> torch.Tensor:
+        g = self.geometry
+        return self.kv.view(g.num_layers, 2, self.num_pages * self.page_size, *self.kv.shape[4:])
+
+    def gather(
+        self, table: Sequence[int], start: int, end: int, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Tokens `[start, end)` of a sequence as one contiguous `[layer, k|v, token, head, dim]`.
+
+        `out` (any device, e.g. a pinned L2 slot) receives the copy when given. Bit-exact:
+        `scatter` of the result restores the same bytes.
+        """
+        data = self._flat().index_select(2, self._slots(table, start, end))
+        if out is None:
+            return data
+        if out.shape != data.shape or out.dtype != data.dtype:
+            raise ValueError(f"out is {tuple(out.shape)} {out.dtype}, need {tuple(data.shape)}")
+        out.copy_(data)
+        return out
+
+    def gather_layer(
+        self, table: Sequence[int], start: int, end: int, layer: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's K and V of tokens `[start, end)`, each contiguous `[tokens, head, dim]`."""
+        slots = self._slots(table, start, end)
+        k, v = self.layer_cache(layer)
+        s = self.num_pages * self.page_size
+        return (
+            k.reshape(s, *k.shape[2:]).index_select(0, slots),
+            v.reshape(s, *v.shape[2:]).index_select(0, slots),
+        )
+
+    def scatter(self, table: Sequence[int], start: int, src: torch.Tensor) -> None:
+        """Write `src` (`[layer, k|v, token, head, dim]`, any device) at tokens `start...`.
+
+        The reverse of `gather`; the pages must be allocated (see `reserve`) and not shared.
+        """
+        end = start + src.shape[2]
+        slots = self._slots(table, start, end)
+        s = self.page_size
+        shared = sorted({table[t // s] for t in range(start, end) if self._refs[table[t // s]] > 1})
+        if shared:
+            raise ValueError(f"pages {shared} are shared; a shared page is never written")
+        expected = (*self.kv.shape[:2], end - start, *self.kv.shape[4:])
+        if tuple(src.shape) != expected:
+            raise ValueError(f"src is {tuple(src.shape)}, need {expected}")
+        self._flat().index_copy_(2, slots, src.to(device=self.device, dtype=self.dtype))

@@ -1,0 +1,207 @@
+"""`BatchRunner`: one forward for every active sequence, over the paged pool.
+
+Each `step(batch)` takes, for every sequence taking part, the new token ids (one for a decoding
+sequence, a chunk of the prompt for a prefilling one), reserves pages for them, flattens them
+into one `[1, T]` input, sets the `PagedContext` and runs the model once. It returns the logits
+of the last new token of each sequence, in batch order, and advances the lengths. Sequences
+join (a fresh `PagedSequence`) and leave (`release`) between steps.
+
+Per-step host data goes through buffers preallocated once (numpy views of pinned CPU tensors,
+copied to device tensors of fixed size), so a step allocates no buffer of its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvtier.errors import ConfigError
+from kvtier.paged.attention import PagedContext, paged_context, register
+from kvtier.paged.pool import PagedSequence, PagePool, PoolExhausted
+
+
+@dataclass
+class SeqInput:
+    """One sequence's part of a step: the sequence and its new token ids."""
+
+    seq: PagedSequence
+    tokens: Sequence[int]
+
+
+class BatchRunner:
+    """Runs a transformers causal LM on batches of paged sequences.
+
+    `max_tokens` bounds the new tokens of one step (the token budget), `max_batch` the sequences
+    of one step, and `max_seq_len` one sequence's length (the width of the block table).
+    Switches `model` to the "kvtier_paged" attention implementation.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        pool: PagePool,
+        *,
+        max_batch: int = 256,
+        max_tokens: int = 8192,
+        max_seq_len: int | None = None,
+        backend: str = "auto",
+    ) -> None:
+        if max_seq_len is None:
+            max_seq_len = int(getattr(model.config, "max_position_embeddings", 0) or 0)
+            if max_seq_len <= 0:
+                raise ConfigError(
+                    "the model config names no max_position_embeddings: pass max_seq_len"
+                )
+        self.model = model
+        self.pool = pool
+        self.backend = backend
+        self.max_batch = max_batch
+        self.max_tokens = max_tokens
+        self.max_seq_len = max_seq_len
+        self.max_pages = pool.pages_for(max_seq_len)
+        model.set_attn_implementation(register())
+
+        dev = pool.device
+        pin = dev.type == "cuda"
+
+        def host(*shape: int, dtype: torch.dtype) -> torch.Tensor:
+            return torch.zeros(shape, dtype=dtype, pin_memory=pin)
+
+        # One host staging tensor and one device tensor per input; numpy views are written.
+        self._h_ids = host(max_tokens, dtype=torch.long)
+        self._h_pos = host(max_tokens, dtype=torch.long)
+        self._h_slots = host(max_tokens, dtype=torch.long)
+        self._h_cu = host(max_batch + 1, dtype=torch.int32)
+        self._h_lens = host(max_batch, dtype=torch.int32)
+        self._h_last = host(max_batch, dtype=torch.long)
+        self._h_table = host(max_batch, self.max_pages, dtype=torch.int32)
+        self.input_ids = torch.zeros(1, max_tokens, dtype=torch.long, device=dev)
+        self.position_ids = torch.zeros(1, max_tokens, dtype=torch.long, device=dev)
+        self.slot_mapping = torch.zeros(max_tokens, dtype=torch.long, device=dev)
+        self.cu_seqlens_q = torch.zeros(max_batch + 1, dtype=torch.int32, device=dev)
+        self.context_lens = torch.zeros(max_batch, dtype=torch.int32, device=dev)
+        self.last_index = torch.zeros(max_batch, dtype=torch.long, device=dev)
+        self.block_table = torch.zeros(max_batch, self.max_pages, dtype=torch.int32, device=dev)
+        # The host buffers are rewritten each step: wait until the last step's copies are done.
+        self._copied = torch.cuda.Event() if pin else None
+
+    def release(self, seq: PagedSequence) -> None:
+        """The sequence leaves: its pages go back to the pool (shared pages lose a reference)."""
+        self.pool.release(seq)
+
+    def _check(self, batch: Sequence[SeqInput]) -> int:
+        if not batch:
+            raise ValueError("a step needs at least one sequence")
+        if len(batch) > self.max_batch:
+            raise ConfigError(f"{len(batch)} sequences exceed max_batch={self.max_batch}")
+        if len({id(item.seq) for item in batch}) != len(batch):
+            raise ValueError("a sequence appears twice in one step")
+        total = 0
+        for item in batch:
+            n = len(item.tokens)
+            if n == 0:
+                raise ValueError("every sequence of a step needs at least one new token")
+            if item.seq.length + n > self.max_seq_len:
+                raise ConfigError(
+                    f"a sequence would grow to {item.seq.length + n} tokens, over max_seq_len="
+                    f"{self.max_seq_len}"
+                )
+            total += n
+        if total > self.max_tokens:
+            raise ConfigError(
+                f"{total} new tokens exceed the step budget max_tokens={self.max_tokens}; "
+                "prefill long prompts in chunks"
+            )
+        return total
+
+    def reserve(self, batch: Sequence[SeqInput]) -> None:
+        """Reserve pages for every sequence of the step, all or nothing (`PoolExhausted`)."""
+        needed = sum(self.pool.pages_needed(item.seq, len(item.tokens)) for item in batch)
+        if needed > self.pool.num_free:
+            raise PoolExhausted(needed, self.pool.num_free)
+        for item in batch:
+            ok = self.pool.reserve(item.seq, len(item.tokens))
+            assert ok, "pages were counted free just above"
+
+    def step(self, batch: Sequence[SeqInput]) -> torch.Tensor:
+        """Run one forward; logits `[len(batch), vocab]` of each sequence's last new token.
+
+        Raises `PoolExhausted` (nothing changed) when the pool cannot hold the new tokens.
+        """
+        ctx = self.prepare(batch)
+        b, total = ctx.num_seqs, int(ctx.slot_mapping.shape[0])
+        with torch.inference_mode(), paged_context(ctx):
+            out = self.model(
+                input_ids=self.input_ids[:, :total],
+                position_ids=self.position_ids[:, :total],
+                use_cache=False,
+                logits_to_keep=self.last_index[:b],
+            )
+        self.advance(batch)
+        logits: torch.Tensor = out.logits[0]
+        return logits
+
+    @staticmethod
+    def advance(batch: Sequence[SeqInput]) -> None:
+        """Count the step's tokens as written (after the forward stored their K/V)."""
+        for item in batch:
+            item.seq.length += len(item.tokens)
+
+    def prepare(self, batch: Sequence[SeqInput]) -> PagedContext:
+        """Reserve pages, fill the step's input buffers and return the forward context.
+
+        `self.input_ids[:, :T]` and `self.position_ids[:, :T]` hold the flattened input after it.
+        """
+        total = self._check(batch)
+        self.reserve(batch)
+        if self._copied is not None:
+            self._copied.synchronize()
+        ids, pos, slots = self._h_ids.numpy(), self._h_pos.numpy(), self._h_slots.numpy()
+        cu, lens, last = self._h_cu.numpy(), self._h_lens.numpy(), self._h_last.numpy()
+        table = self._h_table.numpy()
+        page = self.pool.page_size
+        query_lens, seq_lens, page_counts = [], [], []
+        t = 0
+        cu[0] = 0
+        for i, item in enumerate(batch):
+            seq, n = item.seq, len(item.tokens)
+            old = seq.length
+            ids[t : t + n] = item.tokens
+            pos[t : t + n] = range(old, old + n)
+            slots[t : t + n] = [seq.pages[p // page] * page + p % page for p in range(old, old + n)]
+            t += n
+            cu[i + 1] = t
+            lens[i] = old + n
+            last[i] = t - 1
+            count = self.pool.pages_for(old + n)
+            table[i, :count] = seq.pages[:count]
+            query_lens.append(n)
+            seq_lens.append(old + n)
+            page_counts.append(count)
+        b = len(batch)
+        nb = self.pool.device.type == "cuda"
+        self.input_ids[0, :total].copy_(self._h_ids[:total], non_blocking=nb)
+        self.position_ids[0, :total].copy_(self._h_pos[:total], non_blocking=nb)
+        self.slot_mapping[:total].copy_(self._h_slots[:total], non_blocking=nb)
+        self.cu_seqlens_q[: b + 1].copy_(self._h_cu[: b + 1], non_blocking=nb)
+        self.context_lens[:b].copy_(self._h_lens[:b], non_blocking=nb)
+        self.last_index[:b].copy_(self._h_last[:b], non_blocking=nb)
+        width = max(page_counts)
+        self.block_table[:b, :width].copy_(self._h_table[:b, :width], non_blocking=nb)
+        if self._copied is not None:
+            self._copied.record()
+        ctx = PagedContext(
+            pool=self.pool,
+            cu_seqlens_q=self.cu_seqlens_q[: b + 1],
+            context_lens=self.context_lens[:b],
+            slot_mapping=self.slot_mapping[:total],
+            block_table=self.block_table[:b],
+            query_lens=query_lens,
+            seq_lens=seq_lens,
+            page_counts=page_counts,
+            backend=self.backend,
+        )
+        return ctx

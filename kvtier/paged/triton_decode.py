@@ -1,0 +1,247 @@
+"""Flash-decoding over a paged KV cache, in Triton (CUDA; imported only when used).
+
+One query token per sequence. Pass 1 splits every sequence's context into `num_splits` ranges;
+one program per (sequence, KV head, split) walks its range in blocks of `BLOCK_N` tokens, looks
+each token's page up in the block table, and keeps an online softmax (running max `m`, sum `l`,
+weighted sum `acc`) for all query heads of its GQA group at once (`tl.dot` over a
+`[group, dim] x [dim, BLOCK_N]` tile). It writes a normalized partial output and its
+log-sum-exp. Pass 2 merges the partials of each (sequence, head): weights `exp(lse - max lse)`.
+
+Inputs: q `[B, heads, dim]`, k/v cache `[num_pages, page_size, kv_heads, dim]` (one layer of
+`PagePool.kv`), block_table int32 `[>=B, max_pages]`, context_lens int32 `[B]`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _partial_kernel(
+    Q,
+    K,
+    V,
+    BT,
+    LENS,
+    PART,
+    LSE,
+    scale,
+    split_len,
+    stride_qb,
+    stride_qh,
+    stride_kp,
+    stride_ks,
+    stride_kh,
+    stride_vp,
+    stride_vs,
+    stride_vh,
+    stride_bt,
+    stride_ob,
+    stride_oh,
+    stride_os,
+    stride_lb,
+    stride_lh,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.program_id(2)
+    length = tl.load(LENS + b)
+    start = s * split_len
+    end = tl.minimum(start + split_len, length)
+
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, BLOCK_D)
+    gmask = g < GROUP
+    dmask = d < HEAD_DIM
+    heads = h * GROUP + g
+    q = tl.load(
+        Q + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
+        mask=gmask[:, None] & dmask[None, :],
+        other=0.0,
+    )
+    q = q.to(K.dtype.element_ty)
+
+    m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_sum = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
+    for t0 in range(start, end, BLOCK_N):
+        t = t0 + tl.arange(0, BLOCK_N)
+        tmask = t < end
+        page = tl.load(BT + b * stride_bt + t // PAGE, mask=tmask, other=0).to(tl.int64)
+        off = t % PAGE
+        kvmask = tmask[:, None] & dmask[None, :]
+        k = tl.load(
+            K + page[:, None] * stride_kp + off[:, None] * stride_ks + h * stride_kh + d[None, :],
+            mask=kvmask,
+            other=0.0,
+        )
+        if IEEE:
+            qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            qk = tl.dot(q, tl.trans(k))
+        qk = tl.where(tmask[None, :], qk * scale, float("-inf"))
+        m_new = tl.maximum(m, tl.max(qk, 1))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(qk - m_new[:, None])
+        l_sum = l_sum * alpha + tl.sum(p, 1)
+        v = tl.load(
+            V + page[:, None] * stride_vp + off[:, None] * stride_vs + h * stride_vh + d[None, :],
+            mask=kvmask,
+            other=0.0,
+        )
+        if IEEE:
+            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m = m_new
+
+    nonempty = l_sum > 0
+    out = acc / tl.where(nonempty, l_sum, 1.0)[:, None]
+    lse = tl.where(nonempty, m + tl.log(tl.where(nonempty, l_sum, 1.0)), float("-inf"))
+    tl.store(
+        PART + b * stride_ob + heads[:, None] * stride_oh + s * stride_os + d[None, :],
+        out,
+        mask=gmask[:, None] & dmask[None, :],
+    )
+    tl.store(LSE + b * stride_lb + heads * stride_lh + s, lse, mask=gmask)
+
+
+@triton.jit
+def _reduce_kernel(
+    PART,
+    LSE,
+    OUT,
+    num_splits,
+    stride_ob,
+    stride_oh,
+    stride_os,
+    stride_lb,
+    stride_lh,
+    stride_outb,
+    stride_outh,
+    SPLITS_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.arange(0, SPLITS_PAD)
+    d = tl.arange(0, BLOCK_D)
+    smask = s < num_splits
+    dmask = d < HEAD_DIM
+    lse = tl.load(LSE + b * stride_lb + h * stride_lh + s, mask=smask, other=float("-inf"))
+    top = tl.max(lse, 0)
+    w = tl.where(smask, tl.exp(lse - top), 0.0)
+    o = tl.load(
+        PART + b * stride_ob + h * stride_oh + s[:, None] * stride_os + d[None, :],
+        mask=smask[:, None] & dmask[None, :],
+        other=0.0,
+    )
+    out = tl.sum(w[:, None] * o, 0) / tl.sum(w, 0)
+    tl.store(OUT + b * stride_outb + h * stride_outh + d, out, mask=dmask)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def choose_splits(batch: int, kv_heads: int, max_len: int, block_n: int, sms: int) -> int:
+    """Splits per sequence so that about two programs run per multiprocessor."""
+    programs = batch * kv_heads
+    want = -(-2 * sms // programs)
+    return max(1, min(want, -(-max_len // block_n), 64))
+
+
+def paged_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    *,
+    max_len: int | None = None,
+    num_splits: int | None = None,
+    block_n: int | None = None,
+) -> torch.Tensor:
+    """Decode attention of `q` `[B, heads, dim]` over the paged cache; returns `[B, heads, dim]`.
+
+    `max_len` (the longest context) sizes the splits; without it, one device sync reads it.
+    """
+    batch, heads, dim = q.shape
+    _, page, kv_heads, _ = k_cache.shape
+    group = heads // kv_heads
+    if max_len is None:
+        max_len = int(context_lens[:batch].max())
+    if block_n is None:
+        block_n = 64 if dim <= 128 else 32
+    if num_splits is None:
+        sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+        num_splits = choose_splits(batch, kv_heads, max_len, block_n, sms)
+    split_len = -(-max(max_len, 1) // num_splits)
+    split_len = -(-split_len // block_n) * block_n
+    partial = torch.empty((batch, heads, num_splits, dim), dtype=torch.float32, device=q.device)
+    lse = torch.empty((batch, heads, num_splits), dtype=torch.float32, device=q.device)
+    out = torch.empty_like(q)
+    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("paged_decode needs the head dim contiguous in q and the caches")
+    block_d = max(16, _pow2(dim))
+    _partial_kernel[(batch, kv_heads, num_splits)](
+        q,
+        k_cache,
+        v_cache,
+        block_table,
+        context_lens,
+        partial,
+        lse,
+        scale,
+        split_len,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        block_table.stride(0),
+        partial.stride(0),
+        partial.stride(1),
+        partial.stride(2),
+        lse.stride(0),
+        lse.stride(1),
+        GROUP=group,
+        GROUP_PAD=max(16, _pow2(group)),
+        PAGE=page,
+        BLOCK_N=block_n,
+        HEAD_DIM=dim,
+        BLOCK_D=block_d,
+        IEEE=q.dtype == torch.float32,
+    )
+    _reduce_kernel[(batch, heads)](
+        partial,
+        lse,
+        out,
+        num_splits,
+        partial.stride(0),
+        partial.stride(1),
+        partial.stride(2),
+        lse.stride(0),
+        lse.stride(1),
+        out.stride(0),
+        out.stride(1),
+        SPLITS_PAD=max(2, _pow2(num_splits)),
+        HEAD_DIM=dim,
+        BLOCK_D=block_d,
+    )
+    return out
