@@ -131,6 +131,7 @@ class BatchScheduler:
         self._closed = False
         self.waiting: deque[_Seq] = deque()
         self.running: list[_Seq] = []
+        self.preemptions = 0  # sequences moved out of the pool to make room
         isolate = bool(getattr(config, "isolate_cpus", False)) and served.device.type == "cuda"
         self._thread = threading.Thread(
             target=self._main, args=(isolate,), name="kvtier-batch", daemon=True
@@ -223,7 +224,7 @@ class BatchScheduler:
         pool = self.pool
         # Decoding sequences first, one token each; free pages for the ones whose page is full.
         while self.running:
-            need = sum(pool.pages_needed(s.paged, 1) for s in self._decoding())  # type: ignore[arg-type]
+            need = sum(pool.pages_needed(s.paged, 1) for s in self._decoding() if s.paged)
             if need <= pool.num_free:
                 break
             victim = self.running[-1]
@@ -320,6 +321,7 @@ class BatchScheduler:
             return
         assert s.paged is not None
         s.cached = s.paged.length
+        self.preemptions += 1
         self.pool.release(s.paged)
         s.paged = None
         self.waiting.appendleft(s)

@@ -17,13 +17,14 @@ from typing import Any
 
 import pytest
 import torch
+from prometheus_client import CollectorRegistry
 from transformers import DynamicCache
 
-from kvtier.errors import KvtierError
 from kvtier.server.backend import RecomputeBackend, TieredBackend
 from kvtier.server.batching import PAGE_SIZE, BatchScheduler
 from kvtier.server.config import ServerConfig
 from kvtier.server.engine import ContextExceeded, Delta, Finished, Job, Started, Stream
+from kvtier.server.metrics import ServerMetrics
 from kvtier.server.model import ServedModel, _wrap, byte_tokenizer, cache_kwarg
 
 
@@ -172,6 +173,9 @@ def test_greedy_batch_equals_each_session_alone_across_restores(kind: str, tmp_p
             assert r.started is not None
             assert (r.started.source, r.started.cached_tokens > 0) == (source, True)
             assert r.text == _greedy_alone(ref, p, 20)
+        # Appending a turn's K/V to the session's Cache is a copy, not a prefill: the cache's
+        # cost model must not learn a prefill rate from it.
+        assert backend.cache._cost.samples.get("prefill", 0) == 0
     finally:
         sched.close()
         backend.close()
@@ -180,7 +184,9 @@ def test_greedy_batch_equals_each_session_alone_across_restores(kind: str, tmp_p
 
 def test_seeded_sampling_does_not_depend_on_the_batch(tmp_path: Path) -> None:
     served = _build("llama")
-    sched = BatchScheduler(served, RecomputeBackend(served.model), _config(tmp_path))
+    registry = CollectorRegistry()
+    metrics = ServerMetrics(registry)
+    sched = BatchScheduler(served, RecomputeBackend(served.model), _config(tmp_path), metrics)
     try:
         prompt = _prompts(4, [50])[0]
         kw = dict(temperature=0.9, top_p=0.8, seed=1234)
@@ -195,3 +201,118 @@ def test_seeded_sampling_does_not_depend_on_the_batch(tmp_path: Path) -> None:
         sched.close()
     assert together.text == alone.text
     assert other_seed.text != alone.text  # the seed is what fixes the draw
+    # Metrics: batch size and step time per step, TTFT per restore source, token counts.
+    steps = registry.get_sample_value("kvtier_server_batch_size_count")
+    sizes = registry.get_sample_value("kvtier_server_batch_size_sum")
+    assert steps and sizes and sizes > steps  # some steps ran several sequences at once
+    assert registry.get_sample_value("kvtier_server_step_seconds_count") == steps
+    ttft = registry.get_sample_value("kvtier_server_ttft_seconds_count", {"src": "recompute"})
+    assert ttft == 7
+    assert registry.get_sample_value("kvtier_server_prompt_tokens_total") == 50 * 3 + 270
+
+
+def _session(backend: TieredBackend, sid: str) -> Any:
+    return next(s for s in backend.cache.sessions() if s.session_id == sid)
+
+
+def test_stop_strings_and_max_tokens(tmp_path: Path) -> None:
+    ref = _build("qwen2")
+    served = _build("qwen2")
+    backend = TieredBackend(served.model, _config(tmp_path), served.name)
+    sched = BatchScheduler(served, backend, _config(tmp_path))
+    try:
+        prompts = _prompts(6, [40, 25, 60])
+        full = _greedy_alone(ref, prompts[0], 30)
+        assert len(full) == 30, "the reference reply must not end early for this test"
+        stop = full[9:11]
+        cut = full.find(stop)
+        cancel_free = _run(
+            sched,
+            _one(sched, _job("stop", prompts[0], 30, stop=(stop, "never-produced"))),
+            _one(sched, _job("len", prompts[0], 6)),
+            _one(sched, _job("other", prompts[1], 20)),
+            _one(sched, _job("zero", prompts[2], 0)),
+        )
+    finally:
+        sched.close()
+    stopped, length, other, zero = cancel_free
+    assert (stopped.text, stopped.finished.finish_reason) == (full[:cut], "stop")
+    assert (length.text, length.finished.finish_reason) == (full[:6], "length")
+    assert length.finished.completion_tokens == 6
+    assert other.text == _greedy_alone(ref, prompts[1], 20)
+    assert (zero.text, zero.finished.finish_reason, zero.finished.completion_tokens) == (
+        "",
+        "length",
+        0,
+    )
+    # The committed KV covers the prompt and every generated token that was fed (not the last).
+    n = length.finished.completion_tokens
+    assert _session(backend, "len").tokens == prompts[0] + list(full[: n - 1].encode())
+    backend.close()
+
+
+def test_cancel_mid_decode_commits_what_was_fed(tmp_path: Path) -> None:
+    ref = _build("llama")
+    served = _build("llama")
+    backend = TieredBackend(served.model, _config(tmp_path), served.name)
+    sched = BatchScheduler(served, backend, _config(tmp_path))
+    try:
+        prompts = _prompts(7, [70, 30])
+        gone, stays = _run(
+            sched,
+            _one(sched, _job("gone", prompts[0], 400), cancel_at=5),
+            _one(sched, _job("stays", prompts[1], 40)),
+        )
+        assert gone.finished.finish_reason == "cancelled"
+        n = gone.finished.completion_tokens
+        assert 5 <= n < 400
+        assert gone.text == _greedy_alone(ref, prompts[0], n)
+        s = _session(backend, "gone")
+        assert s.tokens == prompts[0] + list(gone.text[: n - 1].encode())
+        assert not s.resident  # hibernated: its L1 is free
+        assert stays.text == _greedy_alone(ref, prompts[1], 40)
+        # The client comes back: the next turn restores what was committed and goes on exactly.
+        nxt = prompts[0] + list(gone.text.encode()) + _prompts(8, [12])[0]
+        back = _run(sched, _one(sched, _job("gone", nxt, 15)))[0]
+        assert back.started is not None and back.started.cached_tokens >= len(prompts[0])
+        assert back.text == _greedy_alone(ref, nxt, 15)
+    finally:
+        sched.close()
+        backend.close()
+
+
+def test_full_pool_queues_and_preempts_then_completes(tmp_path: Path) -> None:
+    ref = _build("llama")
+    served = _build("llama")
+    page_bytes = 2 * 2 * 2 * 16 * 4 * PAGE_SIZE  # layers * k|v * kv heads * dim * fp32 * tokens
+    config = _config(tmp_path, batch_kv_bytes=12 * page_bytes)  # 192 tokens in all
+    backend = TieredBackend(served.model, config, served.name)
+    sched = BatchScheduler(served, backend, config)
+    assert sched.pool.num_pages == 12
+    try:
+        prompts = _prompts(9, [60, 70, 50, 65, 200])
+        results = _run(
+            sched,
+            *(_one(sched, _job(f"p{i}", p, 40), 0.01 * i) for i, p in enumerate(prompts[:4])),
+        )
+        for p, r in zip(prompts, results, strict=False):
+            assert r.text == _greedy_alone(ref, p, 40)
+            assert r.finished.finish_reason == "length"
+        assert sched.preemptions > 0  # the decoders outgrew the pool and took turns
+        # Alone in a full pool, a reply ends with "length" where the pool ends.
+        big = next(
+            p
+            for seed in range(10, 30)
+            if len(_greedy_alone(ref, p := _prompts(seed, [150])[0], 43)) == 43
+        )
+        alone = _run(sched, _one(sched, _job("big", big, 100)))[0]
+        assert alone.finished.finish_reason == "length"
+        assert alone.finished.completion_tokens == 192 - 150 + 1
+        assert alone.text == _greedy_alone(ref, big, 43)
+        # A prompt longer than the whole pool is refused with a typed error.
+        with pytest.raises(ContextExceeded, match="batch_kv_bytes"):
+            _run(sched, _one(sched, _job("huge", prompts[4], 5)))
+    finally:
+        sched.close()
+        backend.close()
+    assert sched.pool.num_free == sched.pool.num_pages
