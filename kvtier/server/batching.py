@@ -132,6 +132,7 @@ class BatchScheduler:
         self.waiting: deque[_Seq] = deque()
         self.running: list[_Seq] = []
         self.preemptions = 0  # sequences moved out of the pool to make room
+        self._outbox: list[tuple[Stream, Any]] = []  # this iteration's events, not yet handed over
         isolate = bool(getattr(config, "isolate_cpus", False)) and served.device.type == "cuda"
         self._thread = threading.Thread(
             target=self._main, args=(isolate,), name="kvtier-batch", daemon=True
@@ -219,6 +220,25 @@ class BatchScheduler:
         items = self._schedule()
         if items:
             self._step(items)
+        self._deliver()
+
+    def _post(self, s: _Seq, event: Any) -> None:
+        self._outbox.append((s.stream, event))
+
+    def _deliver(self) -> None:
+        """Hand the iteration's events to the event loop: one wake-up per loop, not per token
+        (a wake-up is a socket write; one per token per sequence cost a quarter of the step)."""
+        if not self._outbox:
+            return
+        by_loop: dict[Any, list[tuple[Any, Any]]] = {}
+        for stream, event in self._outbox:
+            by_loop.setdefault(stream.loop, []).append((stream.queue, event))
+        self._outbox = []
+        for loop, events in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, events)
+            except RuntimeError:  # that loop is closed: nobody is listening any more
+                log.debug("dropped %d events for a closed event loop", len(events))
 
     def _schedule(self) -> list[tuple[_Seq, list[int]]]:
         pool = self.pool
@@ -375,7 +395,7 @@ class BatchScheduler:
         reply = s.reply
         delta = reply.add(token)
         if delta:
-            s.stream.put(Delta(delta))
+            self._post(s, Delta(delta))
         if reply.stopped:
             self._finish(s, "stop")
         elif reply.eos or len(reply.ids) >= s.job.max_tokens or s.stream.cancelled.is_set():
@@ -400,7 +420,7 @@ class BatchScheduler:
         if flush:
             rest = s.reply.rest()
             if rest:
-                s.stream.put(Delta(rest))
+                self._post(s, Delta(rest))
         fed = s.fed
         try:
             layers = self._copy_out(s) if (self._keep_kv and s.paged is not None) else []
@@ -410,6 +430,7 @@ class BatchScheduler:
         if s.paged is not None:
             self.pool.release(s.paged)
             s.paged = None
+        self._deliver()  # its deltas reach the client before Finished
         self._commits.submit(self._commit, s, reason, fed, layers)
 
     def _commit(
@@ -443,6 +464,7 @@ class BatchScheduler:
         if s.paged is not None:
             self.pool.release(s.paged)
             s.paged = None
+        self._deliver()
         self._commits.submit(self._abort, s, exc)
 
     def _abort(self, s: _Seq, exc: BaseException) -> None:
@@ -473,6 +495,11 @@ class BatchScheduler:
     def _observe_ttft(self, s: _Seq, seconds: float) -> None:
         if self.metrics is not None and s.restored is not None:
             self.metrics.ttft(s.restored.source, seconds)
+
+
+def _put_all(events: list[tuple[Any, Any]]) -> None:
+    for queue, event in events:
+        queue.put_nowait(event)
 
 
 def append_kv(kv: Any, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
