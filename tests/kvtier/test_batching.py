@@ -316,3 +316,76 @@ def test_full_pool_queues_and_preempts_then_completes(tmp_path: Path) -> None:
         sched.close()
         backend.close()
     assert sched.pool.num_free == sched.pool.num_pages
+
+
+def _stream_chat(url: str, sid: str, text: str, out: dict[str, str]) -> None:
+    import openai
+
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    stream = client.chat.completions.create(
+        model="default",
+        messages=[{"role": "user", "content": text}],
+        temperature=0,
+        max_tokens=24,
+        stream=True,
+        extra_headers={"X-Session-ID": sid},
+    )
+    out[sid] = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+
+
+def _metric(url: str, name: str) -> float:
+    import httpx
+
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    return 0.0
+
+
+def test_http_eight_concurrent_streams_batched_equal_unbatched(tmp_path: Path) -> None:
+    """Through the real server: 8 streaming clients at once, batching on and off, same text."""
+    import threading
+
+    import httpx
+    from server_proc import Server
+
+    texts = [f"client {i} asks: " + "tell me more " * (1 + 7 * i) for i in range(8)]
+    replies: dict[str, dict[str, str]] = {}
+    for mode in ("--batching", "--no-batching"):
+        (tmp_path / mode).mkdir()
+        srv = Server(tmp_path / mode / "l3", "--max-concurrency", "8", mode).start()
+        try:
+            out: dict[str, str] = {}
+            threads = [
+                threading.Thread(target=_stream_chat, args=(srv.url, f"c{i}", t, out))
+                for i, t in enumerate(texts)
+            ]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(120)
+            assert len(out) == 8
+            replies[mode] = out
+            steps = _metric(srv.url, "kvtier_server_batch_size_count")
+            sequences = _metric(srv.url, "kvtier_server_batch_size_sum")
+            if mode == "--batching":
+                assert steps > 0 and sequences > 1.5 * steps  # the clients shared forwards
+                # Each alone afterwards (new sessions, non-streaming): the same reply.
+                for i, t in enumerate(texts):
+                    r = httpx.post(
+                        srv.url + "/v1/chat/completions",
+                        json={
+                            "model": "default",
+                            "messages": [{"role": "user", "content": t}],
+                            "temperature": 0,
+                            "max_tokens": 24,
+                        },
+                        headers={"X-Session-ID": f"alone{i}"},
+                        timeout=60,
+                    )
+                    assert r.json()["choices"][0]["message"]["content"] == out[f"c{i}"]
+            else:
+                assert steps == 0
+        finally:
+            assert srv.stop() == 0, srv.output()
+    assert replies["--batching"] == replies["--no-batching"]
