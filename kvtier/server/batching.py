@@ -259,6 +259,7 @@ class BatchScheduler:
     def _schedule(self) -> list[tuple[_Seq, list[int]]]:
         pool = self.pool
         # Decoding sequences first, one token each; free pages for the ones whose page is full.
+        need = 0
         while self.running:
             need = sum(pool.pages_needed(s.paged, 1) for s in self._decoding() if s.paged)
             if need <= pool.num_free:
@@ -268,6 +269,7 @@ class BatchScheduler:
                 self._out_of_room(victim)
             else:
                 self._preempt(victim)
+            need = 0
         items = [(s, s.tokens[-1:]) for s in self._decoding()]
         budget = self.batch_tokens - len(items)
         for s in self.running:
@@ -283,7 +285,7 @@ class BatchScheduler:
                 self.waiting.popleft()
                 self._fail(s, self._too_long(len(s.tokens)))
                 continue
-            if pages > pool.num_free:
+            if pages > pool.num_free - need:  # the decoders' new pages come first
                 break  # the pool is full: it waits for a sequence to finish
             self.waiting.popleft()
             if not self._admit(s):

@@ -20,6 +20,7 @@ import torch
 from prometheus_client import CollectorRegistry
 from transformers import DynamicCache
 
+from kvtier.paged import SeqInput
 from kvtier.server.backend import RecomputeBackend, TieredBackend
 from kvtier.server.batching import PAGE_SIZE, BatchScheduler
 from kvtier.server.config import ServerConfig
@@ -389,3 +390,43 @@ def test_http_eight_concurrent_streams_batched_equal_unbatched(tmp_path: Path) -
         finally:
             assert srv.stop() == 0, srv.output()
     assert replies["--batching"] == replies["--no-batching"]
+
+
+def test_admission_leaves_the_decoders_their_next_page(tmp_path: Path) -> None:
+    """A waiting prompt that fits the free pages only if a decoder gets no new page waits: the
+    decoders' pages come first (admitting it failed the whole step with PoolExhausted)."""
+    import concurrent.futures
+
+    from kvtier.server.backend import Restored
+    from kvtier.server.batching import _Seq
+    from kvtier.server.sampling import ReplyText
+
+    served = _build("llama")
+    page_bytes = 2 * 2 * 2 * 16 * 4 * PAGE_SIZE
+    config = _config(tmp_path, batch_kv_bytes=4 * page_bytes)  # 4 pages, 64 tokens
+    sched = BatchScheduler(served, RecomputeBackend(served.model), config)
+    sched.close()  # no scheduler thread: the test drives the steps
+    loop = asyncio.new_event_loop()
+
+    def seq(n: int) -> _Seq:
+        s = _Seq(
+            job=_job("x", _prompts(n, [n])[0], 100),
+            stream=Stream(loop),
+            admitted=0.0,
+            done=concurrent.futures.Future(),
+            reply=ReplyText(served.tokenizer, served.eos_ids, ()),
+            gen=None,
+            tokens=_prompts(n, [n])[0],
+        )
+        s.restored = Restored(DynamicCache(config=served.model.config), 0, "recompute")
+        return s
+
+    a, b = seq(32), seq(30)
+    sched.waiting.append(a)
+    sched._step(sched._schedule())  # a's prompt fills 2 pages exactly; one token sampled
+    assert (a.fed, len(a.tokens), sched.pool.num_free) == (32, 33, 2)
+    sched.waiting.append(b)  # needs 2 pages; a needs 1 for its next token
+    items = sched._schedule()
+    assert [s for s, _ in items] == [a] and list(sched.waiting) == [b]
+    sched.runner.step([SeqInput(s.paged, t) for s, t in items])  # no PoolExhausted
+    loop.close()
