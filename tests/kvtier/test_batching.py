@@ -372,12 +372,12 @@ def test_http_eight_concurrent_streams_batched_equal_unbatched(tmp_path: Path) -
             if mode == "--batching":
                 assert steps > 0 and sequences > 1.5 * steps  # the clients shared forwards
                 # Each alone afterwards (new sessions, non-streaming): the same reply.
-                for i, t in enumerate(texts):
+                for i, text in enumerate(texts):
                     r = httpx.post(
                         srv.url + "/v1/chat/completions",
                         json={
                             "model": "default",
-                            "messages": [{"role": "user", "content": t}],
+                            "messages": [{"role": "user", "content": text}],
                             "temperature": 0,
                             "max_tokens": 24,
                         },
@@ -428,5 +428,5 @@ def test_admission_leaves_the_decoders_their_next_page(tmp_path: Path) -> None:
     sched.waiting.append(b)  # needs 2 pages; a needs 1 for its next token
     items = sched._schedule()
     assert [s for s, _ in items] == [a] and list(sched.waiting) == [b]
-    sched.runner.step([SeqInput(s.paged, t) for s, t in items])  # no PoolExhausted
+    sched.runner.step([SeqInput(s.paged, t) for s, t in items if s.paged])  # no PoolExhausted
     loop.close()
