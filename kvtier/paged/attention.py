@@ -18,14 +18,18 @@ Backends (`PagedContext.backend`):
 - "triton": CUDA, decode-only batches (one query per sequence): a flash-decoding kernel over the
   block table (`kvtier.paged.triton_decode`).
 - "varlen": CUDA, `torch.nn.attention.varlen.varlen_attn` with `block_table=` where the installed
-  torch has it; handles mixed prefill/decode batches.
-- "auto": varlen where available, else triton for decode-only batches, else reference.
+  torch has it; handles mixed prefill/decode batches. It runs FlashAttention 2, whose paged KV
+  needs a page size of 256.
+- "auto": varlen where available and the page size is 256, else triton for decode-only batches,
+  else reference.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
+import os
 from collections.abc import Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -39,6 +43,7 @@ from kvtier.paged.pool import PagePool
 
 ATTN_NAME = "kvtier_paged"
 BACKENDS = ("auto", "reference", "triton", "varlen")
+VARLEN_PAGE = 256  # FlashAttention 2's paged KV takes page sizes that are multiples of this
 
 
 @dataclass
@@ -47,6 +52,7 @@ class PagedContext:
 
     Device tensors (on the pool's device):
       cu_seqlens_q  int32 [B + 1]  query offsets of each sequence in the flattened batch
+      cu_seqlens_k  int32 [B + 1]  running sum of context_lens (what varlen kernels take)
       context_lens  int32 [B]      tokens of each sequence after this step (old + new)
       slot_mapping  int64 [T]      flat slot (page * page_size + offset) of every new token
       block_table   int32 [B, max_pages]  each sequence's page table, padded
@@ -55,6 +61,7 @@ class PagedContext:
 
     pool: PagePool
     cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
     context_lens: torch.Tensor
     slot_mapping: torch.Tensor
     block_table: torch.Tensor
@@ -97,6 +104,7 @@ def current_context() -> PagedContext:
     return ctx
 
 
+@functools.cache
 def varlen_block_table_supported() -> bool:
     """Whether the installed torch has `varlen_attn` with a `block_table=` argument."""
     try:
@@ -165,13 +173,17 @@ def attend(
     backend = ctx.backend
     cuda = q.is_cuda and sliding_window is None
     if backend == "auto":
-        if cuda and varlen_block_table_supported():
+        # torch's varlen_attn runs FlashAttention 2: fp16/bf16 only, paged KV in pages of 256.
+        flash = q.dtype in (torch.float16, torch.bfloat16) and k_cache.shape[1] % VARLEN_PAGE == 0
+        if cuda and flash and varlen_block_table_supported():
             backend = "varlen"
         elif cuda and ctx.decode_only and _triton_available():
             backend = "triton"
         else:
             backend = "reference"
-    if backend in ("triton", "varlen") and not cuda:
+    # Triton's CPU interpreter (TRITON_INTERPRET=1) runs the kernel on CPU tensors, for tests.
+    interpreted = backend == "triton" and os.environ.get("TRITON_INTERPRET") == "1"
+    if backend in ("triton", "varlen") and not (cuda or (interpreted and sliding_window is None)):
         raise KvtierError(
             f"paged attention backend {backend!r} needs CUDA tensors and no sliding window; "
             "use 'reference' or 'auto'"
@@ -189,6 +201,7 @@ def attend(
     return reference_paged(ctx, q, k_cache, v_cache, scale, sliding_window)
 
 
+@functools.cache
 def _triton_available() -> bool:
     try:
         import triton  # noqa: F401
@@ -250,7 +263,7 @@ def varlen_paged(
         k_cache,
         v_cache,
         ctx.cu_seqlens_q,
-        None,
+        ctx.cu_seqlens_k,
         max_q,
         max_k,
         scale=scale,

@@ -244,19 +244,26 @@ class PagePool:
         return self.kv.view(g.num_layers, 2, self.num_pages * self.page_size, *self.kv.shape[4:])
 
     def gather(
-        self, table: Sequence[int], start: int, end: int, out: torch.Tensor | None = None
+        self,
+        table: Sequence[int],
+        start: int,
+        end: int,
+        out: torch.Tensor | None = None,
+        *,
+        non_blocking: bool = False,
     ) -> torch.Tensor:
         """Tokens `[start, end)` of a sequence as one contiguous `[layer, k|v, token, head, dim]`.
 
-        `out` (any device, e.g. a pinned L2 slot) receives the copy when given. Bit-exact:
-        `scatter` of the result restores the same bytes.
+        `out` (any device, e.g. a pinned L2 slot) receives the copy when given; with
+        `non_blocking` a device-to-pinned-host copy is queued on the current stream and the
+        caller synchronizes before reading `out`. Bit-exact: `scatter` restores the same bytes.
         """
         data = self._flat().index_select(2, self._slots(table, start, end))
         if out is None:
             return data
         if out.shape != data.shape or out.dtype != data.dtype:
             raise ValueError(f"out is {tuple(out.shape)} {out.dtype}, need {tuple(data.shape)}")
-        out.copy_(data)
+        out.copy_(data, non_blocking=non_blocking)
         return out
 
     def gather_layer(
@@ -271,7 +278,9 @@ class PagePool:
             v.reshape(s, *v.shape[2:]).index_select(0, slots),
         )
 
-    def scatter(self, table: Sequence[int], start: int, src: torch.Tensor) -> None:
+    def scatter(
+        self, table: Sequence[int], start: int, src: torch.Tensor, *, non_blocking: bool = False
+    ) -> None:
         """Write `src` (`[layer, k|v, token, head, dim]`, any device) at tokens `start...`.
 
         The reverse of `gather`; the pages must be allocated (see `reserve`) and not shared.
@@ -285,4 +294,5 @@ class PagePool:
         expected = (*self.kv.shape[:2], end - start, *self.kv.shape[4:])
         if tuple(src.shape) != expected:
             raise ValueError(f"src is {tuple(src.shape)}, need {expected}")
-        self._flat().index_copy_(2, slots, src.to(device=self.device, dtype=self.dtype))
+        data = src.to(device=self.device, dtype=self.dtype, non_blocking=non_blocking)
+        self._flat().index_copy_(2, slots, data)

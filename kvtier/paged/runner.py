@@ -75,6 +75,7 @@ class BatchRunner:
         self._h_pos = host(max_tokens, dtype=torch.long)
         self._h_slots = host(max_tokens, dtype=torch.long)
         self._h_cu = host(max_batch + 1, dtype=torch.int32)
+        self._h_cuk = host(max_batch + 1, dtype=torch.int32)
         self._h_lens = host(max_batch, dtype=torch.int32)
         self._h_last = host(max_batch, dtype=torch.long)
         self._h_table = host(max_batch, self.max_pages, dtype=torch.int32)
@@ -82,6 +83,7 @@ class BatchRunner:
         self.position_ids = torch.zeros(1, max_tokens, dtype=torch.long, device=dev)
         self.slot_mapping = torch.zeros(max_tokens, dtype=torch.long, device=dev)
         self.cu_seqlens_q = torch.zeros(max_batch + 1, dtype=torch.int32, device=dev)
+        self.cu_seqlens_k = torch.zeros(max_batch + 1, dtype=torch.int32, device=dev)
         self.context_lens = torch.zeros(max_batch, dtype=torch.int32, device=dev)
         self.last_index = torch.zeros(max_batch, dtype=torch.long, device=dev)
         self.block_table = torch.zeros(max_batch, self.max_pages, dtype=torch.int32, device=dev)
@@ -165,7 +167,8 @@ class BatchRunner:
         page = self.pool.page_size
         query_lens, seq_lens, page_counts = [], [], []
         t = 0
-        cu[0] = 0
+        cuk = self._h_cuk.numpy()
+        cu[0] = cuk[0] = 0
         for i, item in enumerate(batch):
             seq, n = item.seq, len(item.tokens)
             old = seq.length
@@ -174,6 +177,7 @@ class BatchRunner:
             slots[t : t + n] = [seq.pages[p // page] * page + p % page for p in range(old, old + n)]
             t += n
             cu[i + 1] = t
+            cuk[i + 1] = cuk[i] + old + n
             lens[i] = old + n
             last[i] = t - 1
             count = self.pool.pages_for(old + n)
@@ -187,6 +191,7 @@ class BatchRunner:
         self.position_ids[0, :total].copy_(self._h_pos[:total], non_blocking=nb)
         self.slot_mapping[:total].copy_(self._h_slots[:total], non_blocking=nb)
         self.cu_seqlens_q[: b + 1].copy_(self._h_cu[: b + 1], non_blocking=nb)
+        self.cu_seqlens_k[: b + 1].copy_(self._h_cuk[: b + 1], non_blocking=nb)
         self.context_lens[:b].copy_(self._h_lens[:b], non_blocking=nb)
         self.last_index[:b].copy_(self._h_last[:b], non_blocking=nb)
         width = max(page_counts)
@@ -196,6 +201,7 @@ class BatchRunner:
         ctx = PagedContext(
             pool=self.pool,
             cu_seqlens_q=self.cu_seqlens_q[: b + 1],
+            cu_seqlens_k=self.cu_seqlens_k[: b + 1],
             context_lens=self.context_lens[:b],
             slot_mapping=self.slot_mapping[:total],
             block_table=self.block_table[:b],

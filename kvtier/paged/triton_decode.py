@@ -13,9 +13,52 @@ Inputs: q `[B, heads, dim]`, k/v cache `[num_pages, page_size, kv_heads, dim]` (
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
+
+
+@triton.jit
+def _block(
+    q, K, V, BT, b, h, t0, end, m, l_sum, acc, scale,
+    stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_bt,
+    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    IEEE: tl.constexpr,
+):  # fmt: skip
+    """One block of BLOCK_N tokens from t0: look pages up, fold into the online softmax."""
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < HEAD_DIM
+    t = t0 + tl.arange(0, BLOCK_N)
+    tmask = t < end
+    page = tl.load(BT + b * stride_bt + t // PAGE, mask=tmask, other=0).to(tl.int64)
+    off = t % PAGE
+    kvmask = tmask[:, None] & dmask[None, :]
+    k = tl.load(
+        K + page[:, None] * stride_kp + off[:, None] * stride_ks + h * stride_kh + d[None, :],
+        mask=kvmask,
+        other=0.0,
+    )
+    if IEEE:
+        qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        qk = tl.dot(q, tl.trans(k))
+    qk = tl.where(tmask[None, :], qk * scale, float("-inf"))
+    m_new = tl.maximum(m, tl.max(qk, 1))
+    alpha = tl.exp(m - m_new)
+    p = tl.exp(qk - m_new[:, None])
+    l_sum = l_sum * alpha + tl.sum(p, 1)
+    v = tl.load(
+        V + page[:, None] * stride_vp + off[:, None] * stride_vs + h * stride_vh + d[None, :],
+        mask=kvmask,
+        other=0.0,
+    )
+    if IEEE:
+        pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(v.dtype), v)
+    return m_new, l_sum, acc * alpha[:, None] + pv
 
 
 @triton.jit
@@ -50,6 +93,7 @@ def _partial_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     IEEE: tl.constexpr,
+    WHILE_LOOP: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -73,37 +117,22 @@ def _partial_kernel(
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_sum = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
-    for t0 in range(start, end, BLOCK_N):
-        t = t0 + tl.arange(0, BLOCK_N)
-        tmask = t < end
-        page = tl.load(BT + b * stride_bt + t // PAGE, mask=tmask, other=0).to(tl.int64)
-        off = t % PAGE
-        kvmask = tmask[:, None] & dmask[None, :]
-        k = tl.load(
-            K + page[:, None] * stride_kp + off[:, None] * stride_ks + h * stride_kh + d[None, :],
-            mask=kvmask,
-            other=0.0,
-        )
-        if IEEE:
-            qk = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            qk = tl.dot(q, tl.trans(k))
-        qk = tl.where(tmask[None, :], qk * scale, float("-inf"))
-        m_new = tl.maximum(m, tl.max(qk, 1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(qk - m_new[:, None])
-        l_sum = l_sum * alpha + tl.sum(p, 1)
-        v = tl.load(
-            V + page[:, None] * stride_vp + off[:, None] * stride_vs + h * stride_vh + d[None, :],
-            mask=kvmask,
-            other=0.0,
-        )
-        if IEEE:
-            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m = m_new
+    if WHILE_LOOP:  # Triton's CPU interpreter (tests): bounds loaded in-kernel need a while
+        t0 = start
+        while t0 < end:
+            m, l_sum, acc = _block(
+                q, K, V, BT, b, h, t0, end, m, l_sum, acc, scale,
+                stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_bt,
+                PAGE, BLOCK_N, HEAD_DIM, BLOCK_D, IEEE,
+            )  # fmt: skip
+            t0 += BLOCK_N
+    else:  # compiled: a for loop, which Triton can software-pipeline
+        for t0 in range(start, end, BLOCK_N):
+            m, l_sum, acc = _block(
+                q, K, V, BT, b, h, t0, end, m, l_sum, acc, scale,
+                stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_bt,
+                PAGE, BLOCK_N, HEAD_DIM, BLOCK_D, IEEE,
+            )  # fmt: skip
 
     nonempty = l_sum > 0
     out = acc / tl.where(nonempty, l_sum, 1.0)[:, None]
@@ -186,7 +215,7 @@ def paged_decode(
     if block_n is None:
         block_n = 64 if dim <= 128 else 32
     if num_splits is None:
-        sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+        sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 2
         num_splits = choose_splits(batch, kv_heads, max_len, block_n, sms)
     split_len = -(-max(max_len, 1) // num_splits)
     split_len = -(-split_len // block_n) * block_n
@@ -227,6 +256,7 @@ def paged_decode(
         HEAD_DIM=dim,
         BLOCK_D=block_d,
         IEEE=q.dtype == torch.float32,
+        WHILE_LOOP=os.environ.get("TRITON_INTERPRET") == "1",
     )
     _reduce_kernel[(batch, heads)](
         partial,

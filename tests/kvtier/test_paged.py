@@ -7,7 +7,9 @@ token budget next to decode tokens, and prefixes shared copy-on-write.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 import torch
@@ -22,24 +24,30 @@ from kvtier.paged import BatchRunner, PagedSequence, PagePool, PoolExhausted, Se
 from kvtier.paged.attention import paged_attention_forward, paged_context
 
 
-def _paged(name: str, pages: int = 256, page_size: int = 16) -> BatchRunner:
-    model = MODELS[name]()
+def _paged(
+    name: str, pages: int = 256, page_size: int = 16, device: str = "cpu", backend: str = "auto"
+) -> BatchRunner:
+    model = MODELS[name]().to(device)
     geo = KVGeometry.from_config(model.config)
-    pool = PagePool(geo, pages * page_size * geo.bytes_per_token, page_size=page_size)
-    return BatchRunner(model, pool, max_batch=16, max_tokens=64, max_seq_len=512)
+    budget = pages * page_size * geo.bytes_per_token
+    pool = PagePool(geo, budget, page_size=page_size, device=device)
+    return BatchRunner(model, pool, max_batch=16, max_tokens=64, max_seq_len=512, backend=backend)
 
 
-def _greedy_alone(model: torch.nn.Module, prompt: list[int], new: int) -> list[int]:
+def _greedy_alone(model: Any, prompt: list[int], new: int) -> list[int]:
     """Each session alone, through transformers' own DynamicCache (SDPA attention)."""
     cache = DynamicCache(config=model.config)
-    ids = torch.tensor([prompt])
+    # transformers renamed `past_key_values` to `cache`; older releases know only the first.
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    device = next(model.parameters()).device
+    ids = torch.tensor([prompt], device=device)
     out: list[int] = []
     with torch.inference_mode():
         for _ in range(new):
-            logits = model(input_ids=ids, cache=cache, use_cache=True).logits
+            logits = model(input_ids=ids, use_cache=True, **{name: cache}).logits
             token = int(logits[0, -1].argmax())
             out.append(token)
-            ids = torch.tensor([[token]])
+            ids = torch.tensor([[token]], device=device)
     return out
 
 
@@ -249,3 +257,36 @@ def test_steps_reuse_the_same_storage() -> None:
         runner.step([SeqInput(seq, [4]) for seq in seqs])
     assert runner.pool.kv.data_ptr() == kv
     assert {name: getattr(runner, name).data_ptr() for name in ptrs} == ptrs
+
+
+def test_sliding_window_layers_match_transformers() -> None:
+    """A Qwen2 whose first layer slides over 12 tokens: the reference path honours the window."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    def build() -> Any:
+        torch.manual_seed(0)
+        cfg = Qwen2Config(
+            vocab_size=256,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=4096,
+            use_sliding_window=True,
+            sliding_window=12,
+            max_window_layers=1,
+            layer_types=["sliding_attention", "full_attention"],
+        )
+        return Qwen2ForCausalLM(cfg).eval()
+
+    model = build()
+    geo = KVGeometry.from_config(model.config)
+    assert geo.sliding_layers == (0,)
+    pool = PagePool(geo, 64 * 16 * geo.bytes_per_token, page_size=16)
+    runner = BatchRunner(model, pool, max_batch=4, max_tokens=64, max_seq_len=512)
+    sessions = [_Session(p, 8, j) for p, j in zip(_prompts(4, [30, 7, 19]), [0, 0, 1], strict=True)]
+    _serve(runner, sessions, budget=16)
+    reference = build()
+    for s in sessions:
+        assert s.out == _greedy_alone(reference, s.prompt, s.new)

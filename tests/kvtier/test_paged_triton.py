@@ -1,0 +1,96 @@
+"""The Triton flash-decoding kernel against an fp32 SDPA reference.
+
+On a CUDA device it runs compiled. Without one it runs in Triton's CPU interpreter when Triton is
+installed and TRITON_INTERPRET=1 is set (`TRITON_INTERPRET=1 pytest tests/kvtier/
+test_paged_triton.py`); the interpreter has no bf16 matrix product, so bf16 runs on CUDA only.
+Skipped otherwise."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+CUDA = torch.cuda.is_available()
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = "cuda" if CUDA else "cpu"
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not (CUDA or INTERPRET), reason="needs CUDA or TRITON_INTERPRET=1"),
+]
+
+
+def _case(batch_lens, heads, kv_heads, dim, page, dtype):  # type: ignore[no-untyped-def]
+    g = torch.Generator(device=DEVICE).manual_seed(0)
+    per_seq = [-(-n // page) for n in batch_lens]
+    pages = sum(per_seq) + 3
+    k_cache = torch.randn(pages, page, kv_heads, dim, device=DEVICE, generator=g).to(dtype)
+    v_cache = torch.randn(pages, page, kv_heads, dim, device=DEVICE, generator=g).to(dtype)
+    perm = torch.randperm(pages, device=DEVICE, generator=g)
+    table = torch.zeros(len(batch_lens), max(per_seq), dtype=torch.int32, device=DEVICE)
+    used = 0
+    for i, n in enumerate(per_seq):
+        table[i, :n] = perm[used : used + n].to(torch.int32)
+        used += n
+    q = torch.randn(len(batch_lens), heads, dim, device=DEVICE, generator=g).to(dtype)
+    lens = torch.tensor(batch_lens, dtype=torch.int32, device=DEVICE)
+    return q, k_cache, v_cache, table, lens
+
+
+def _reference(q, k_cache, v_cache, table, batch_lens, scale):  # type: ignore[no-untyped-def]
+    rep = q.shape[1] // k_cache.shape[2]
+    outs = []
+    for i, n in enumerate(batch_lens):
+        pages = table[i, : -(-n // k_cache.shape[1])].long()
+        k = k_cache[pages].flatten(0, 1)[:n].float().repeat_interleave(rep, 1).transpose(0, 1)
+        v = v_cache[pages].flatten(0, 1)[:n].float().repeat_interleave(rep, 1).transpose(0, 1)
+        outs.append(F.scaled_dot_product_attention(q[i, :, None].float(), k, v, scale=scale)[:, 0])
+    return torch.stack(outs)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("page", [1, 16, 256])
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(28, 4, 128), (4, 4, 64), (8, 1, 80)])
+@pytest.mark.parametrize("splits", [None, 1, 5])
+def test_triton_decode_matches_reference(dtype, page, heads, kv_heads, dim, splits) -> None:  # type: ignore[no-untyped-def]
+    pytest.importorskip("triton")
+    from kvtier.paged.triton_decode import paged_decode
+
+    if not CUDA and dtype == torch.bfloat16:
+        pytest.skip("Triton's CPU interpreter has no bf16 tl.dot")
+    if not CUDA and splits is None:
+        splits = 3  # the automatic choice reads the GPU's multiprocessor count
+
+    batch_lens = [1, 15, 16, 17, 300, 1000, 257]
+    q, k_cache, v_cache, table, lens = _case(batch_lens, heads, kv_heads, dim, page, dtype)
+    scale = dim**-0.5
+    got = paged_decode(q, k_cache, v_cache, table, lens, scale, num_splits=splits)
+    want = _reference(q, k_cache, v_cache, table, batch_lens, scale)
+    tol = {torch.bfloat16: 2e-2, torch.float16: 3e-3, torch.float32: 1e-4}[dtype]
+    torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+def test_triton_backend_in_the_model(name: str) -> None:
+    """Prefill through the reference path, then batched decode steps through the kernel."""
+    pytest.importorskip("triton")
+    from conftest import MODELS
+    from test_paged import _greedy_alone, _paged, _prompts
+
+    from kvtier.paged import PagedSequence, SeqInput
+
+    runner = _paged(name, device=DEVICE, backend="reference", page_size=4)
+    reference = MODELS[name]().to(DEVICE)
+    prompts = _prompts(9, [20, 33, 9])
+    seqs = [PagedSequence() for _ in prompts]
+    logits = runner.step([SeqInput(s, p) for s, p in zip(seqs, prompts, strict=True)])
+    outs = [[int(row.argmax())] for row in logits]
+    runner.backend = "triton"
+    for _ in range(5):
+        logits = runner.step([SeqInput(s, [o[-1]]) for s, o in zip(seqs, outs, strict=True)])
+        for o, row in zip(outs, logits, strict=True):
+            o.append(int(row.argmax()))
+    for p, o in zip(prompts, outs, strict=True):
+        assert o == _greedy_alone(reference, p, 6)
