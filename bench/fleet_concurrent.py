@@ -51,6 +51,7 @@ import time
 import traceback
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import torch
 
@@ -83,14 +84,14 @@ def build_bank(model, ctxs, system: int, device: str, group: int, chunk: int):
     n = len(ctxs)
     bank: list[tuple[torch.Tensor, torch.Tensor]] = []
     with torch.no_grad():
-        pre = DynamicCache(config=model.config)
+        pre: Any = DynamicCache(config=model.config)
         model(
             torch.tensor([ctxs[0][:system]], device=device), past_key_values=pre, logits_to_keep=1
         )
         for g0 in range(0, n, group):
             ids = torch.tensor(ctxs[g0 : g0 + group], device=device)
             b = ids.shape[0]
-            cache = DynamicCache(config=model.config)
+            cache: Any = DynamicCache(config=model.config)
             for i, layer in enumerate(pre.layers):
                 k = layer.keys.expand(b, -1, -1, -1).contiguous()
                 cache.update(k, layer.values.expand(b, -1, -1, -1).contiguous(), i)
@@ -156,10 +157,10 @@ def run_scenario(args, model, dev: str, scen: str, n: int, fleet_ceiling, tmp: P
     for name in names:
         if name == "generate" and scen == "hibernate" and not args.generate_hibernate:
             continue
-        if name == "ceiling" and scen == "hibernate" and fleet_ceiling is not None:
-            if fleet_ceiling.extra.get("batch") == batch:
-                ceiling = fleet_ceiling
-                continue
+        reuse = fleet_ceiling is not None and fleet_ceiling.extra.get("batch") == batch
+        if name == "ceiling" and scen == "hibernate" and reuse:
+            ceiling = fleet_ceiling
+            continue
         fresh(dev)
         model.set_attn_implementation("sdpa")
         backend = None
@@ -179,7 +180,9 @@ def run_scenario(args, model, dev: str, scen: str, n: int, fleet_ceiling, tmp: P
                     m = serve.run_generate(model, fleet, dev, args.time_limit)
             elif name.startswith("kvtier"):
                 codec = "int8" if name.endswith("int8") else "native"
-                backend = serve.tiered_backend(model, root, codec, l1_bytes, l2_bytes)
+                backend = serve.tiered_backend(
+                    model, root, codec, l1_bytes, l2_bytes, args.write_policy
+                )
                 if name == "kvtier-seq":
                     m = serve.run_sequential(
                         model, fleet, bank, dev, args.warmup, args.time_limit, backend
@@ -293,8 +296,11 @@ def main(argv: list[str] | None = None) -> None:
         help="also run generate_batch in the hibernate scenario (slow: it "
         "prefills every context every round)",
     )
-    ap.add_argument("--time-limit", type=float, default=25.0, help="seconds per configuration")
-    ap.add_argument("--warmup", type=float, default=5.0, help="seconds before the window opens")
+    ap.add_argument("--time-limit", type=float, default=20.0, help="seconds per configuration")
+    ap.add_argument("--warmup", type=float, default=4.0, help="seconds before the window opens")
+    ap.add_argument(
+        "--write-policy", default="write_through", help="kvtier write policy (as kvtier serve)"
+    )
     ap.add_argument("--l2-factor", type=float, default=1.5, help="L2 bytes = this x L1 bytes")
     ap.add_argument("--batch-tokens", type=int, default=1024, help="scheduler token budget")
     ap.add_argument("--prefill-step", type=int, default=512, help="scheduler prompt chunk")

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import heapq
 import inspect
+import itertools
 import random
 import threading
 import time
@@ -157,7 +158,9 @@ def run_ceiling(model, fleet: Fleet, bank, device: str, warmup: float, limit: fl
         while not win.over():
             win.poll()
             if cache.get_seq_length() + 200 + fleet.decode > initial + fleet.max_growth:
-                cache.crop(initial)  # every conversation starts over from its initial context
+                # every conversation starts over from its initial context (crop takes a negative
+                # count, the tokens to drop, in every transformers version)
+                cache.crop(initial - cache.get_seq_length())
             ids = _round_ids(fleet, n, turn, device)
             sync(device)
             t0 = time.perf_counter()
@@ -252,7 +255,7 @@ def run_generate(model, fleet: Fleet, device: str, limit: float) -> Measure:
                 ts = getattr(o, "timestamps", None)
                 if ts:
                     m.ttft.append(ts[0] - o.created_time)
-                    m.steps.extend(b - a for a, b in zip(ts, ts[1:], strict=False))
+                    m.steps.extend(b - a for a, b in itertools.pairwise(ts))
             if warm:
                 m.note = "one round only: it includes generate_batch's warm-up"
         by_id = {o.request_id: o for o in outs}
@@ -281,7 +284,9 @@ def _request_order(rid: str) -> tuple[int, str]:
 # ---- kvtier: the cache, seeding, names ---------------------------------------------------------
 
 
-def tiered_backend(model, root: Path, codec: str, l1_bytes: int, l2_bytes: int) -> TieredBackend:
+def tiered_backend(
+    model, root: Path, codec: str, l1_bytes: int, l2_bytes: int, policy: str = "write_through"
+) -> TieredBackend:
     cfg = SimpleNamespace(
         l3_root=root,
         l3_cold_root=None,
@@ -289,7 +294,7 @@ def tiered_backend(model, root: Path, codec: str, l1_bytes: int, l2_bytes: int) 
         l2_bytes=l2_bytes,
         chunk_tokens=256,
         codec=codec,
-        write_policy="write_through",
+        write_policy=policy,
         l3_writer="auto",
         model_id=None,
     )
