@@ -445,8 +445,10 @@ def run_batched(
     sched_config: SimpleNamespace,
 ) -> Measure:
     """kvtier's BatchScheduler (the server's, without HTTP): one asyncio client per session
-    submits a turn, reads its tokens, thinks, and submits the next. TTFT counts from the submit
-    (the end of the think time) to the first token's arrival at the client."""
+    submits a turn, reads its tokens, thinks, and submits the next. As `kvtier serve`'s engine,
+    at most `max_concurrency` turns are submitted at once (the others wait for a slot), so the
+    scheduler restores no more sessions than the batch holds. TTFT counts from the end of the
+    think time (the wait for a slot included) to the first token's arrival at the client."""
     m = Measure(name)
     seed(backend.cache, fleet, bank, device)
     log = StepLog()
@@ -457,7 +459,7 @@ def run_batched(
     win = Window(device, warmup, limit)
     received: list[tuple[float, int]] = []  # (arrival, tokens) of every delta
 
-    async def client(sid: int) -> None:
+    async def client(sid: int, slots: asyncio.Semaphore) -> None:
         ctx = list(fleet.contexts[sid])
         conv, turn = 0, 1
         while True:
@@ -476,13 +478,14 @@ def run_batched(
             first = None
             text: list[str] = []
             try:
-                sched.submit(job, stream, submitted)
-                async for ev in stream.events():
-                    if isinstance(ev, Delta) and ev.text:
-                        now = time.perf_counter()
-                        first = first if first is not None else now
-                        text.append(ev.text)
-                        received.append((now, len(ev.text)))
+                async with slots:  # the server's generation slots (Engine: max_concurrency)
+                    sched.submit(job, stream, submitted)
+                    async for ev in stream.events():
+                        if isinstance(ev, Delta) and ev.text:
+                            now = time.perf_counter()
+                            first = first if first is not None else now
+                            text.append(ev.text)
+                            received.append((now, len(ev.text)))
             except Exception as exc:  # counted; the scheduler aborted the turn
                 m.fail(exc)
                 continue
@@ -492,7 +495,8 @@ def run_batched(
             ctx = prompt + list("".join(text).encode("utf-8"))
 
     async def fleet_main() -> None:
-        await asyncio.gather(*(client(s) for s in range(len(fleet.contexts))))
+        slots = asyncio.Semaphore(int(sched_config.max_concurrency))
+        await asyncio.gather(*(client(s, slots) for s in range(len(fleet.contexts))))
 
     async def poll() -> None:
         while not win.over():
