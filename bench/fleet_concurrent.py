@@ -26,8 +26,10 @@ Configurations:
 Each session's initial context (a shared `--system`-token system prompt, then its own tokens)
 is prefilled once per scenario, batched; its K/V is kept on the host (the "bank") and copied
 into every configuration (kvtier: committed as its first turn), so no configuration pays for
-ingest inside its time. Figures per configuration, all inside its measured window (after
-`--warmup` seconds, until `--time-limit`): aggregate decode tok/s (tokens decoded in the window
+ingest inside its time. Sessions arrive spread over the think time (the first think time is
+uniform(0, hi)). Figures per configuration, all inside its measured window (after `--warmup`
+seconds, in `hibernate` plus the mean think time, and `--time-limit` seconds long less the
+warm-up): aggregate decode tok/s (tokens decoded in the window
 / window), TTFT P50/P99 of returning turns (from the end of the think time, queueing
 included), step P50/P99 (one forward), OOM count (CUDA OOM, kvtier's L1BudgetExceeded,
 PoolExhausted), peak GPU memory (`torch.cuda.max_memory_allocated` / `max_memory_reserved`
@@ -146,6 +148,9 @@ def run_scenario(args, model, dev: str, scen: str, n: int, fleet_ceiling, tmp: P
     if scen == "hibernate":
         think = hibernate_think(args, n, batch, fleet_ceiling)
     fleet = serve.Fleet(ctxs, system, args.decode_tokens, think, args.max_growth, args.seed)
+    # the window opens once the first arrivals (spread over the think time) have settled
+    warmup = args.warmup + (sum(think) / 2 if scen == "hibernate" else 0.0)
+    limit = args.time_limit + (warmup - args.warmup)
     print(
         f"[{scen}] think time {think[0]:.2f}-{think[1]:.2f}s, L1 {l1_bytes / 2**30:.2f} GiB, "
         f"L2 {l2_bytes / 2**30:.2f} GiB, batch {batch}",
@@ -169,35 +174,23 @@ def run_scenario(args, model, dev: str, scen: str, n: int, fleet_ceiling, tmp: P
         try:
             if name == "ceiling":
                 sub = serve.Fleet(ctxs[:batch], system, fleet.decode, think, args.max_growth)
-                m = serve.run_ceiling(
-                    model, sub, bank_rows(bank, batch), dev, args.warmup, args.time_limit
-                )
+                m = serve.run_ceiling(model, sub, bank_rows(bank, batch), dev, warmup, limit)
                 ceiling = m
             elif name == "generate":
                 if not serve.has_generate_batch(model):
                     m = serve.Measure("generate_batch", note="skipped: no model.generate_batch")
                 else:
-                    m = serve.run_generate(model, fleet, dev, args.time_limit)
+                    m = serve.run_generate(model, fleet, dev, limit)
             elif name.startswith("kvtier"):
                 codec = "int8" if name.endswith("int8") else "native"
                 backend = serve.tiered_backend(
                     model, root, codec, l1_bytes, l2_bytes, args.write_policy
                 )
                 if name == "kvtier-seq":
-                    m = serve.run_sequential(
-                        model, fleet, bank, dev, args.warmup, args.time_limit, backend
-                    )
+                    m = serve.run_sequential(model, fleet, bank, dev, warmup, limit, backend)
                 else:
                     m = serve.run_batched(
-                        name,
-                        model,
-                        fleet,
-                        bank,
-                        dev,
-                        args.warmup,
-                        args.time_limit,
-                        backend,
-                        sched_config,
+                        name, model, fleet, bank, dev, warmup, limit, backend, sched_config
                     )
             else:
                 print(f"unknown configuration {name}", flush=True)

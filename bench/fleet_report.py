@@ -71,6 +71,14 @@ def table(title: str, rows: list[dict[str, Any]]) -> str:
             )
         )
     lines.append("(times in ms; mallocs: cudaMalloc calls inside the measured window, -1 off CUDA)")
+    for r in rows:
+        if "extra_mixed_steps" in r:
+            lines.append(
+                f"{r['config']:>14}: {r['extra_decode_only_steps']} decode-only steps (P50 "
+                f"{_ms(r['extra_step_p50_decode_only'])} ms), {r['extra_mixed_steps']} with prompt "
+                f"chunks (P50 {_ms(r['extra_step_p50_mixed'])} ms), mean batch "
+                f"{r['extra_mean_batch']:.1f}, {r['extra_preemptions']} preemptions"
+            )
     return "\n".join(lines)
 
 

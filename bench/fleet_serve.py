@@ -53,8 +53,10 @@ class Fleet:
         return [rng.randrange(100, 30000) for _ in range(rng.randint(50, 200))]
 
     def think_s(self, sid: int, turn: int) -> float:
+        """Seconds session `sid` thinks before turn `turn`; before the first, uniform(0, hi):
+        the sessions arrive spread out, not in one burst."""
         rng = random.Random(f"think-{self.seed}-{sid}-{turn}")
-        return rng.uniform(*self.think)
+        return rng.uniform(0.0, self.think[1]) if turn == 1 else rng.uniform(*self.think)
 
 
 @dataclass
@@ -405,8 +407,21 @@ class StepLog:
     """The scheduler's metrics hook: every step's (end time, seconds, sequences)."""
 
     def __init__(self) -> None:
-        self.steps: list[tuple[float, float, int]] = []
+        self.steps: list[tuple[float, float, int, bool]] = []
         self.ttfts: list[tuple[str, float]] = []
+        self.decode_only = False  # the kind of the step now running (set by `watch`)
+
+    def watch(self, runner: Any) -> None:
+        """Note, before each forward, whether the step is decode-only (one token per sequence:
+        the Triton kernel on CUDA) or mixes prompt chunks in (the reference path on torch
+        without paged varlen attention). Observes; changes nothing."""
+        step = runner.step
+
+        def observed(batch: Any) -> Any:
+            self.decode_only = all(len(item.tokens) == 1 for item in batch)
+            return step(batch)
+
+        runner.step = observed
 
     def count(self, name: str, n: int = 1) -> None:
         return None
@@ -415,7 +430,7 @@ class StepLog:
         self.ttfts.append((source, seconds))
 
     def step(self, batch_size: int, seconds: float) -> None:
-        self.steps.append((time.perf_counter(), seconds, batch_size))
+        self.steps.append((time.perf_counter(), seconds, batch_size, self.decode_only))
 
 
 def served_model(model) -> ServedModel:
@@ -453,6 +468,7 @@ def run_batched(
     seed(backend.cache, fleet, bank, device)
     log = StepLog()
     sched = BatchScheduler(served_model(model), backend, sched_config, log)
+    log.watch(sched.runner)  # before the first submit: the scheduler thread is idle until then
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, name="fleet-clients", daemon=True)
     thread.start()
@@ -514,9 +530,15 @@ def run_batched(
         loop.call_soon_threadsafe(loop.stop)
         thread.join(timeout=10)
     m.tokens = sum(k for t, k in received if win.inside(t))
-    inside = [(s, b) for t, s, b in log.steps if win.inside(t)]
-    m.steps = [s for s, _ in inside]
-    m.extra["mean_batch"] = sum(b for _, b in inside) / max(len(inside), 1)
+    inside = [(s, b, d) for t, s, b, d in log.steps if win.inside(t)]
+    m.steps = [s for s, _, _ in inside]
+    m.extra["mean_batch"] = sum(b for _, b, _ in inside) / max(len(inside), 1)
+    only = [s for s, _, d in inside if d]
+    mixed = [s for s, _, d in inside if not d]
+    m.extra["decode_only_steps"] = len(only)
+    m.extra["mixed_steps"] = len(mixed)
+    m.extra["step_p50_decode_only"] = _median(only)
+    m.extra["step_p50_mixed"] = _median(mixed)
     m.extra["preemptions"] = sched.preemptions
     m.extra["server_ttft_p50"] = _median([s for _, s in log.ttfts])
     return m
