@@ -41,7 +41,7 @@ from kvtier.paged.attention import write_kv
 from kvtier.server.backend import Backend, RecomputeBackend, Restored
 from kvtier.server.engine import ContextExceeded, Delta, Failed, Finished, Job, Started, Stream
 from kvtier.server.model import ServedModel
-from kvtier.server.sampling import ReplyText, make_generator, sample
+from kvtier.server.sampling import ReplyText, make_generator, sample_rows
 from kvtier.tiers import l3_io
 
 log = logging.getLogger("kvtier.server")
@@ -386,25 +386,27 @@ class BatchScheduler:
             for s, _ in items:
                 self._fail(s, exc)
             return
-        rows = [i for i, (s, _) in enumerate(items) if s.fed == len(s.tokens)]
-        if rows:
+        done = [s for s, _ in items if s.fed == len(s.tokens)]  # all fed: a token is due
+        if done:
+            rows = [i for i, (s, _) in enumerate(items) if s.fed == len(s.tokens)]
             chosen = logits[rows].float()
             if self.served.allowed is not None:
                 chosen = chosen.masked_fill(~self.served.allowed, float("-inf"))
-            greedy = chosen.argmax(dim=-1).tolist()
+            tokens = sample_rows(
+                chosen,
+                [s.job.temperature for s in done],
+                [s.job.top_p for s in done],
+                [s.gen for s in done],
+            )
             now = time.perf_counter()
-            for j, i in enumerate(rows):
-                s = items[i][0]
+            for s, token in zip(done, tokens, strict=True):
                 if not s.first:
                     s.first = True
                     self._observe_ttft(s, now - s.admitted)
-                job = s.job
-                if job.max_tokens <= 0:
+                if s.job.max_tokens <= 0:
                     self._finish(s, "length", flush=True)
-                elif job.temperature <= 0:
-                    self._take(s, int(greedy[j]))
                 else:
-                    self._take(s, sample(chosen[j], job.temperature, job.top_p, s.gen))
+                    self._take(s, token)
         if self.metrics is not None and hasattr(self.metrics, "step"):
             self.metrics.step(len(items), time.perf_counter() - start)
 

@@ -430,3 +430,27 @@ def test_admission_leaves_the_decoders_their_next_page(tmp_path: Path) -> None:
     assert [s for s, _ in items] == [a] and list(sched.waiting) == [b]
     sched.runner.step([SeqInput(s.paged, t) for s, t in items if s.paged])  # no PoolExhausted
     loop.close()
+
+
+def test_sample_rows_draws_what_each_row_draws_alone() -> None:
+    """The batch samples all rows at once; each row must get the token it gets alone (the
+    per-request path), so a seeded request's reply does not depend on batching or neighbours."""
+    from kvtier.server.sampling import make_generator, sample, sample_rows
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 257, generator=g) * 3
+    logits[:, 200:] = float("-inf")  # masked ids, as the server's sampler mask leaves them
+    temps, top_ps, seeds = [0.0, 0.7, 1.0, 1.3, 0.0, 0.9], [1.0, 0.9, 1.0, 0.5, 0.3, 0.95], range(6)
+    for trial in range(20):
+        batch = sample_rows(
+            logits,
+            temps,
+            top_ps,
+            [make_generator(t, s + trial) for t, s in zip(temps, seeds, strict=True)],
+        )
+        alone = [
+            sample(logits[i], temps[i], top_ps[i], make_generator(temps[i], seeds[i] + trial))
+            for i in range(6)
+        ]
+        assert batch == alone
+        assert all(t < 200 for t in batch)
