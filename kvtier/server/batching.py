@@ -40,6 +40,7 @@ from kvtier.paged import BatchRunner, PagedSequence, PagePool, SeqInput
 from kvtier.paged.attention import write_kv
 from kvtier.server.backend import Backend, RecomputeBackend, Restored
 from kvtier.server.engine import ContextExceeded, Delta, Failed, Finished, Job, Started, Stream
+from kvtier.server.eventpost import EventPost
 from kvtier.server.model import ServedModel
 from kvtier.server.sampling import ReplyText, make_generator, sample_rows
 from kvtier.tiers import l3_io
@@ -132,9 +133,7 @@ class BatchScheduler:
         self.waiting: deque[_Seq] = deque()
         self.running: list[_Seq] = []
         self.preemptions = 0  # sequences moved out of the pool to make room
-        self._outbox: list[tuple[Stream, Any]] = []  # this iteration's events, not yet handed over
-        self._mail: dict[Any, list[tuple[Any, Any]]] = {}  # per event loop: sent, not yet put
-        self._mail_lock = threading.Lock()
+        self._events = EventPost()  # this iteration's events, handed over together
         isolate = bool(getattr(config, "isolate_cpus", False)) and served.device.type == "cuda"
         self._thread = threading.Thread(
             target=self._main, args=(isolate,), name="kvtier-batch", daemon=True
@@ -225,36 +224,10 @@ class BatchScheduler:
         self._deliver()
 
     def _post(self, s: _Seq, event: Any) -> None:
-        self._outbox.append((s.stream, event))
+        self._events.post(s.stream, event)
 
     def _deliver(self) -> None:
-        """Hand the iteration's events to the event loop with one wake-up per loop, and none
-        while the last one is still on its way (a wake-up is a socket write and a GIL handoff;
-        one per token per sequence cost a quarter of a 16-sequence step)."""
-        if not self._outbox:
-            return
-        wake = []
-        with self._mail_lock:
-            for stream, event in self._outbox:
-                box = self._mail.get(stream.loop)
-                if box is None:
-                    box = self._mail[stream.loop] = []
-                    wake.append(stream.loop)
-                box.append((stream.queue, event))
-        self._outbox = []
-        for loop in wake:
-            try:
-                loop.call_soon_threadsafe(self._open_mail, loop)
-            except RuntimeError:  # that loop is closed: nobody is listening any more
-                with self._mail_lock:
-                    self._mail.pop(loop, None)
-
-    def _open_mail(self, loop: Any) -> None:
-        """On the event loop: put every event that arrived since the wake-up was sent."""
-        with self._mail_lock:
-            events = self._mail.pop(loop, [])
-        for queue, event in events:
-            queue.put_nowait(event)
+        self._events.send()
 
     def _schedule(self) -> list[tuple[_Seq, list[int]]]:
         pool = self.pool

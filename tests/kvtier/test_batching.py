@@ -454,3 +454,50 @@ def test_sample_rows_draws_what_each_row_draws_alone() -> None:
         ]
         assert batch == alone
         assert all(t < 200 for t in batch)
+
+
+def test_event_post_keeps_each_streams_order_and_merges_waiting_deltas() -> None:
+    """Events posted from another thread arrive in order per stream; text deltas that waited
+    together arrive as one, and a send while the last one is unopened adds no wake-up."""
+    import threading
+
+    from kvtier.server.eventpost import EventPost
+
+    async def main() -> tuple[list[list[Any]], int]:
+        loop = asyncio.get_running_loop()
+        streams = [Stream(loop), Stream(loop)]
+        post = EventPost()
+        wakeups = 0
+        original = loop.call_soon_threadsafe
+
+        def counting(*args: Any, **kw: Any) -> Any:
+            nonlocal wakeups
+            wakeups += 1
+            return original(*args, **kw)
+
+        loop.call_soon_threadsafe = counting  # type: ignore[method-assign,assignment]
+
+        def producer() -> None:  # the loop is blocked in join(): nothing is opened meanwhile
+            for i in range(3):
+                post.post(streams[0], Delta(f"a{i}"))
+                post.post(streams[1], Delta(f"b{i}"))
+                post.send()
+            post.post(streams[0], Finished("stop", 1, 3, 0, "l1"))
+            post.post(streams[1], Delta("b3"))
+            post.send()
+
+        t = threading.Thread(target=producer)
+        t.start()
+        t.join()
+        got: list[list[Any]] = [[], []]
+        for s, out, n in zip(streams, got, (2, 1), strict=True):
+            while len(out) < n:
+                out.append(await asyncio.wait_for(s.queue.get(), 5))
+        await asyncio.sleep(0.05)
+        assert all(s.queue.empty() for s in streams)
+        return got, wakeups
+
+    got, wakeups = asyncio.run(main())
+    assert got[0] == [Delta("a0a1a2"), Finished("stop", 1, 3, 0, "l1")]
+    assert got[1] == [Delta("b0b1b2b3")]
+    assert wakeups == 1
