@@ -501,3 +501,25 @@ def test_event_post_keeps_each_streams_order_and_merges_waiting_deltas() -> None
     assert got[0] == [Delta("a0a1a2"), Finished("stop", 1, 3, 0, "l1")]
     assert got[1] == [Delta("b0b1b2b3")]
     assert wakeups == 1
+
+
+def test_engine_runs_unbatched_where_the_pool_cannot_be_made(tmp_path: Path) -> None:
+    """A model or budget the page pool cannot take: the engine warns and runs each request on
+    its own thread, and the reply is the same greedy reply."""
+    from kvtier.server.engine import Engine
+
+    ref = _build("qwen2")
+    served = _build("qwen2")
+    config = ServerConfig(l3_root=tmp_path / "l3", batch_kv_bytes=1)  # holds no page
+    engine = Engine(served, RecomputeBackend(served.model), config)
+    assert engine._scheduler() is None and not engine.batching
+    prompt = _prompts(11, [30])[0]
+
+    async def main() -> str:
+        stream = await engine.start(_job("u", prompt, 12))
+        text = "".join([e.text async for e in stream.events() if isinstance(e, Delta)])
+        await engine.drain()
+        return text
+
+    assert asyncio.run(main()) == _greedy_alone(ref, prompt, 12)
+    assert served.model.config._attn_implementation != "kvtier_paged"
