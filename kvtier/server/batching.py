@@ -37,7 +37,7 @@ import torch
 from kvtier.errors import KvtierError
 from kvtier.geometry import KVGeometry
 from kvtier.paged import BatchRunner, PagedSequence, PagePool, SeqInput
-from kvtier.paged.attention import write_kv
+from kvtier.paged.attention import VARLEN_PAGE, varlen_block_table_supported, write_kv
 from kvtier.server.backend import Backend, RecomputeBackend, Restored
 from kvtier.server.engine import ContextExceeded, Delta, Failed, Finished, Job, Started, Stream
 from kvtier.server.eventpost import EventPost
@@ -47,7 +47,7 @@ from kvtier.tiers import l3_io
 
 log = logging.getLogger("kvtier.server")
 
-PAGE_SIZE = 16  # tokens per KV page
+PAGE_SIZE = 16  # tokens per KV page (CPU, or where FlashAttention's varlen cannot run)
 DEFAULT_BATCH_TOKENS = 1024
 _CPU_POOL_CAP = 2**30  # an automatic pool on the CPU takes at most this many bytes
 
@@ -85,8 +85,15 @@ def pool_bytes(served: ServedModel, config: Any, per_token: int) -> int:
     device = served.device
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-        return max(per_token * PAGE_SIZE, min(want, free // 2))
+        return max(per_token * VARLEN_PAGE, min(want, free // 2))
     return min(want, _CPU_POOL_CAP)
+
+
+def page_size(device: torch.device, dtype: torch.dtype) -> int:
+    """Pages of 256 tokens where torch's varlen FlashAttention can read them (CUDA, fp16/bf16):
+    it then runs steps that mix prompt chunks and decode tokens in one call; else 16."""
+    flash = device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
+    return VARLEN_PAGE if flash and varlen_block_table_supported() else PAGE_SIZE
 
 
 class BatchScheduler:
@@ -112,7 +119,7 @@ class BatchScheduler:
         self.pool = PagePool(
             geometry,
             pool_bytes(served, config, per_token),
-            page_size=PAGE_SIZE,
+            page_size=page_size(served.device, dtype),
             device=served.device,
             dtype=dtype,
         )
