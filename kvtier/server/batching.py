@@ -29,7 +29,7 @@ import logging
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -67,7 +67,6 @@ class _Seq:
     cached: int = 0  # leading tokens whose K/V the session's Cache holds
     paged: PagedSequence | None = None  # its pages while running, None while waiting
     first: bool = False  # the first token's logits arrived (TTFT observed)
-    layers: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
     @property
     def fed(self) -> int:
@@ -305,11 +304,9 @@ class BatchScheduler:
 
     def _copy_in(self, kv: Any, seq: PagedSequence, n: int) -> None:
         """The first `n` tokens of a transformers Cache, layer by layer, into the pages."""
-        slots = torch.tensor(
-            [self.pool.slot(seq.pages, t) for t in range(n)],
-            dtype=torch.long,
-            device=self.pool.device,
-        )
+        size = self.pool.page_size
+        pages = torch.tensor(seq.pages, dtype=torch.long)
+        slots = (pages[:, None] * size + torch.arange(size)).flatten()[:n].to(self.pool.device)
         for i, layer in enumerate(kv.layers):
             k_cache, v_cache = self.pool.layer_cache(i)
             k = layer.keys[0, :, :n].transpose(0, 1).to(self.pool.device)
