@@ -187,11 +187,9 @@ def create_app(
         try:
             # a measured prefill rate before the first request (not the cost model's guess)
             await asyncio.to_thread(engine.warm_up)
-        except Exception as exc:
-            log.exception("the warm-up prefill through the cache failed")
-            state.load_error = exc
-            await engine.drain()  # releases the cache (and its L3 root) for another process
-            return
+        except Exception as exc:  # serve anyway: the first requests pay what it would have
+            log.warning("warm-up through the cache failed (%s: %s); serving without it",
+                        type(exc).__name__, exc)  # fmt: skip
         state.engine = engine
         log.info("ready: model %s, cache %s", served.name, config.cache)
 
