@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from kvtier import units as _units
 from kvtier.errors import ConfigError
 
 ELEMENT_SIZES: dict[str, int] = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -291,43 +290,5 @@ def model_fingerprint(
     return hashlib.blake2b(blob.encode(), digest_size=16).digest()
 
 
-_UNITS: dict[str, int] = {
-    "": 1,
-    "b": 1,
-    "k": 1000,
-    "kb": 1000,
-    "m": 1000**2,
-    "mb": 1000**2,
-    "g": 1000**3,
-    "gb": 1000**3,
-    "t": 1000**4,
-    "tb": 1000**4,
-    "ki": 1024,
-    "kib": 1024,
-    "mi": 1024**2,
-    "mib": 1024**2,
-    "gi": 1024**3,
-    "gib": 1024**3,
-    "ti": 1024**4,
-    "tib": 1024**4,
-}
-_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([a-zA-Z]*)\s*$")
-
-
-def parse_size(text: str | int) -> int:
-    """Parse "24GiB", "512MiB", "1.5GB", "4096" into bytes (GB = 10^9, GiB = 2^30)."""
-    if isinstance(text, int) and not isinstance(text, bool):
-        if text < 0:
-            raise ConfigError(f"size {text} is negative; give a byte count >= 0")
-        return text
-    match = _SIZE.match(str(text))
-    unit = match.group(2).lower() if match else ""
-    if match is None or unit not in _UNITS:
-        raise ConfigError(
-            f"cannot read size {text!r}: write a number with an optional unit, like 4096, "
-            "512MiB, 24GiB or 1.5GB (KiB/MiB/GiB/TiB are powers of 1024, KB/MB/GB/TB of 1000)"
-        )
-    value = float(match.group(1)) * _UNITS[unit]
-    if not math.isfinite(value):
-        raise ConfigError(f"size {text!r} is not a finite number of bytes")
-    return int(value)
+# Sizes are read by kvtier.units (one meaning everywhere); the name stays importable from here.
+parse_size = _units.parse_size

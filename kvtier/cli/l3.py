@@ -322,7 +322,7 @@ def gc_command(
     from kvtier.tiers.l3_maint import gc
 
     seconds = parse_duration(older_than)
-    cap = parse_size(max_bytes) if max_bytes else None
+    cap = __import__("kvtier.units").units.size_arg(max_bytes, "--max-bytes") if max_bytes else None
     with (
         _open(root, read_only=False, cold_dir=cold_dir, adopt=adopt_cold_root) as store,
         _progress("gc", not as_json) as progress,

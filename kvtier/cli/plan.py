@@ -8,7 +8,8 @@ from pathlib import Path
 import click
 
 from kvtier.errors import ConfigError
-from kvtier.geometry import KVGeometry, parse_size
+from kvtier.geometry import KVGeometry
+from kvtier.units import parse_size
 
 
 def _fmt(n: float) -> str:
@@ -56,7 +57,11 @@ def command(
         ) from exc
     try:
         g = KVGeometry.from_config(config, dtype=dtype)
-        sizes = {"L1": parse_size(gpu_mem), "L2": parse_size(host_mem), "L3": parse_size(ssd)}
+        sizes = {
+            "L1": parse_size(gpu_mem, "--gpu-mem"),
+            "L2": parse_size(host_mem, "--host-mem"),
+            "L3": parse_size(ssd, "--ssd"),
+        }
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from exc
     if sessions <= 0 or avg_tokens <= 0 or chunk_tokens <= 0:

@@ -21,7 +21,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvtier import __version__
-from kvtier.errors import InvalidRequest, KvtierError, L1BudgetExceeded
+from kvtier.errors import InvalidRequest, KvtierError, L1BudgetExceeded, StoreError
 from kvtier.server.backend import make_backend
 from kvtier.server.config import ServerConfig
 from kvtier.server.engine import (
@@ -46,6 +46,8 @@ MAX_SESSION_ID = 128
 MAX_TENANT = 64
 LOOPBACK = {"127.0.0.1", "::1", "localhost"}
 SOURCE_HEADER = "X-Kvtier-Restore-Source"
+# How long /v1/sessions waits for a fresh snapshot before it answers the previous one.
+SNAPSHOT_WAIT_S = 0.05
 
 
 class ApiError(Exception):
@@ -78,11 +80,42 @@ class State:
         self.metrics = ServerMetrics(registry)
         self.engine: Engine | None = None
         self.load_error: BaseException | None = None
+        self.fatal_error: BaseException | None = None
+        self._snap_task: asyncio.Future[CacheSnapshot | None] | None = None
+        self._last_snap: CacheSnapshot | None = None
         self.started = time.time()
+        # Set by whatever runs the app (run.run_app): stop serving, the process is to exit.
+        self.stop: Callable[[], None] | None = None
+
+    def fatal(self, exc: BaseException) -> None:
+        """An error no retry can fix: record it and stop the server, which then exits non-zero
+        with the error's message (run.run_app)."""
+        self.fatal_error = exc
+        if self.stop is not None:
+            self.stop()
 
     def snapshot(self) -> CacheSnapshot | None:
-        """The cache's snapshot for exporters (None before the model is loaded or with no cache)."""
+        """The cache's snapshot for exporters (None before the model is loaded or with no cache).
+        Blocking (it takes the cache's lock): call it from a thread, never on the event loop."""
         return self.engine.backend.snapshot() if self.engine is not None else None
+
+    async def recent_snapshot(self, wait_s: float = SNAPSHOT_WAIT_S) -> tuple[Any, bool]:
+        """(snapshot, fresh) for the admin listing without blocking the event loop.
+
+        The snapshot is taken in a thread; it waits for the cache's lock, which a restore holds
+        while it loads from L3. After `wait_s` the previous snapshot is answered instead (fresh
+        False), and the one in flight is shared by later calls rather than piling up threads.
+        """
+        if self._snap_task is None or self._snap_task.done():
+            self._snap_task = asyncio.ensure_future(asyncio.to_thread(self.snapshot))
+        task = self._snap_task
+        if self._last_snap is not None:
+            done, _ = await asyncio.wait({task}, timeout=wait_s)
+            if not done:
+                return self._last_snap, False
+        snap = await task
+        self._last_snap = snap
+        return snap, True
 
     def ready_engine(self) -> Engine:
         if self.engine is None:
@@ -134,12 +167,31 @@ def create_app(
         try:
             served = await asyncio.to_thread(loader, config)
             await asyncio.to_thread(_warm_up, served)
-            backend = await asyncio.to_thread(make_backend, served, config)
-            state.engine = Engine(served, backend, config, state.metrics)
-            log.info("ready: model %s, cache %s", served.name, config.cache)
         except Exception as exc:  # readyz reports it; the process stays up for diagnosis
-            log.exception("model or cache failed to load")
+            log.exception("the model failed to load")
             state.load_error = exc
+            return
+        try:
+            backend = await asyncio.to_thread(make_backend, served, config)
+        except StoreError as exc:
+            # The L3 root cannot be used (another process holds it, unsafe permissions): no
+            # waiting fixes that, so stop and say why rather than stay up never ready.
+            state.load_error = exc
+            state.fatal(exc)
+            return
+        except Exception as exc:
+            log.exception("the cache failed to open")
+            state.load_error = exc
+            return
+        engine = Engine(served, backend, config, state.metrics)
+        try:
+            # a measured prefill rate before the first request (not the cost model's guess)
+            await asyncio.to_thread(engine.warm_up)
+        except Exception as exc:  # serve anyway: the first requests pay what it would have
+            log.warning("warm-up through the cache failed (%s: %s); serving without it",
+                        type(exc).__name__, exc)  # fmt: skip
+        state.engine = engine
+        log.info("ready: model %s, cache %s", served.name, config.cache)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -480,7 +532,7 @@ def _routes(app: FastAPI, state: State) -> None:
     @app.get("/v1/sessions")
     async def sessions(request: Request) -> dict[str, Any]:
         _local_only(request)
-        snap = state.snapshot()
+        snap, fresh = await state.recent_snapshot()
         data = [dataclasses.asdict(s) for s in snap.sessions] if snap is not None else []
         engine = state.engine
         return {
@@ -488,6 +540,9 @@ def _routes(app: FastAPI, state: State) -> None:
             "data": data,
             "running": engine.running if engine else 0,
             "queued": engine.waiting if engine else 0,
+            # False: the cache was busy (a restore from L3 holds it); this is the last listing
+            "fresh": fresh,
+            "taken_at": snap.taken_at if snap is not None else None,
         }
 
     async def _admin(request: Request, session_id: str, op: str) -> dict[str, Any]:

@@ -28,6 +28,14 @@ class Restored:
     source: str  # a RestoreSource value
 
 
+@dataclass(frozen=True)
+class PrefillEstimate:
+    """What the cache's cost model believes a prefill costs, and on how many measurements."""
+
+    seconds_per_token: float
+    samples: int  # 0: still the configured guess
+
+
 class Backend(Protocol):
     def restore(self, session_id: str, tenant: str, ids: torch.Tensor) -> Restored: ...
     def commit(self, session_id: str, tenant: str, ids: torch.Tensor) -> None: ...
@@ -35,7 +43,9 @@ class Backend(Protocol):
     def hibernate(self, session_id: str) -> bool: ...
     def prefetch(self, session_id: str) -> bool: ...
     def forget(self, session_id: str) -> bool: ...
+    def evict_l2(self) -> None: ...
     def snapshot(self) -> CacheSnapshot | None: ...
+    def prefill_estimate(self) -> PrefillEstimate | None: ...
     def close(self) -> None: ...
 
 
@@ -65,7 +75,13 @@ class RecomputeBackend:
     def forget(self, session_id: str) -> bool:
         return False
 
+    def evict_l2(self) -> None:
+        return None
+
     def snapshot(self) -> CacheSnapshot | None:
+        return None
+
+    def prefill_estimate(self) -> PrefillEstimate | None:
         return None
 
     def close(self) -> None:
@@ -124,9 +140,18 @@ class TieredBackend:
     def forget(self, session_id: str) -> bool:
         return self._each(session_id, "close")
 
+    def evict_l2(self) -> None:
+        """Drop L2's copies of chunks durable in L3 (the next restore of them reads L3)."""
+        self.cache.evict_l2()
+
     def snapshot(self) -> CacheSnapshot | None:
         snap: CacheSnapshot = self.cache.stats()
         return snap
+
+    def prefill_estimate(self) -> PrefillEstimate | None:
+        # TieredCache has no public accessor for its cost model yet; read it here, in one place.
+        cost = self.cache._cost
+        return PrefillEstimate(cost.prefill_s_per_token, int(cost.samples.get("prefill", 0)))
 
     def close(self) -> None:
         self.cache.close()

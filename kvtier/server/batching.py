@@ -29,7 +29,7 @@ import logging
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -37,16 +37,17 @@ import torch
 from kvtier.errors import KvtierError
 from kvtier.geometry import KVGeometry
 from kvtier.paged import BatchRunner, PagedSequence, PagePool, SeqInput
-from kvtier.paged.attention import write_kv
+from kvtier.paged.attention import VARLEN_PAGE, varlen_block_table_supported, write_kv
 from kvtier.server.backend import Backend, RecomputeBackend, Restored
 from kvtier.server.engine import ContextExceeded, Delta, Failed, Finished, Job, Started, Stream
+from kvtier.server.eventpost import EventPost
 from kvtier.server.model import ServedModel
-from kvtier.server.sampling import ReplyText, make_generator, sample
+from kvtier.server.sampling import ReplyText, make_generator, sample_rows
 from kvtier.tiers import l3_io
 
 log = logging.getLogger("kvtier.server")
 
-PAGE_SIZE = 16  # tokens per KV page
+PAGE_SIZE = 16  # tokens per KV page (CPU, or where FlashAttention's varlen cannot run)
 DEFAULT_BATCH_TOKENS = 1024
 _CPU_POOL_CAP = 2**30  # an automatic pool on the CPU takes at most this many bytes
 
@@ -66,7 +67,6 @@ class _Seq:
     cached: int = 0  # leading tokens whose K/V the session's Cache holds
     paged: PagedSequence | None = None  # its pages while running, None while waiting
     first: bool = False  # the first token's logits arrived (TTFT observed)
-    layers: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
     @property
     def fed(self) -> int:
@@ -84,8 +84,15 @@ def pool_bytes(served: ServedModel, config: Any, per_token: int) -> int:
     device = served.device
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-        return max(per_token * PAGE_SIZE, min(want, free // 2))
+        return max(per_token * VARLEN_PAGE, min(want, free // 2))
     return min(want, _CPU_POOL_CAP)
+
+
+def page_size(device: torch.device, dtype: torch.dtype) -> int:
+    """Pages of 256 tokens where torch's varlen FlashAttention can read them (CUDA, fp16/bf16):
+    it then runs steps that mix prompt chunks and decode tokens in one call; else 16."""
+    flash = device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
+    return VARLEN_PAGE if flash and varlen_block_table_supported() else PAGE_SIZE
 
 
 class BatchScheduler:
@@ -111,7 +118,7 @@ class BatchScheduler:
         self.pool = PagePool(
             geometry,
             pool_bytes(served, config, per_token),
-            page_size=PAGE_SIZE,
+            page_size=page_size(served.device, dtype),
             device=served.device,
             dtype=dtype,
         )
@@ -132,9 +139,7 @@ class BatchScheduler:
         self.waiting: deque[_Seq] = deque()
         self.running: list[_Seq] = []
         self.preemptions = 0  # sequences moved out of the pool to make room
-        self._outbox: list[tuple[Stream, Any]] = []  # this iteration's events, not yet handed over
-        self._mail: dict[Any, list[tuple[Any, Any]]] = {}  # per event loop: sent, not yet put
-        self._mail_lock = threading.Lock()
+        self._events = EventPost()  # this iteration's events, handed over together
         isolate = bool(getattr(config, "isolate_cpus", False)) and served.device.type == "cuda"
         self._thread = threading.Thread(
             target=self._main, args=(isolate,), name="kvtier-batch", daemon=True
@@ -225,36 +230,10 @@ class BatchScheduler:
         self._deliver()
 
     def _post(self, s: _Seq, event: Any) -> None:
-        self._outbox.append((s.stream, event))
+        self._events.post(s.stream, event)
 
     def _deliver(self) -> None:
-        """Hand the iteration's events to the event loop with one wake-up per loop, and none
-        while the last one is still on its way (a wake-up is a socket write and a GIL handoff;
-        one per token per sequence cost a quarter of a 16-sequence step)."""
-        if not self._outbox:
-            return
-        wake = []
-        with self._mail_lock:
-            for stream, event in self._outbox:
-                box = self._mail.get(stream.loop)
-                if box is None:
-                    box = self._mail[stream.loop] = []
-                    wake.append(stream.loop)
-                box.append((stream.queue, event))
-        self._outbox = []
-        for loop in wake:
-            try:
-                loop.call_soon_threadsafe(self._open_mail, loop)
-            except RuntimeError:  # that loop is closed: nobody is listening any more
-                with self._mail_lock:
-                    self._mail.pop(loop, None)
-
-    def _open_mail(self, loop: Any) -> None:
-        """On the event loop: put every event that arrived since the wake-up was sent."""
-        with self._mail_lock:
-            events = self._mail.pop(loop, [])
-        for queue, event in events:
-            queue.put_nowait(event)
+        self._events.send()
 
     def _schedule(self) -> list[tuple[_Seq, list[int]]]:
         pool = self.pool
@@ -325,11 +304,9 @@ class BatchScheduler:
 
     def _copy_in(self, kv: Any, seq: PagedSequence, n: int) -> None:
         """The first `n` tokens of a transformers Cache, layer by layer, into the pages."""
-        slots = torch.tensor(
-            [self.pool.slot(seq.pages, t) for t in range(n)],
-            dtype=torch.long,
-            device=self.pool.device,
-        )
+        size = self.pool.page_size
+        pages = torch.tensor(seq.pages, dtype=torch.long)
+        slots = (pages[:, None] * size + torch.arange(size)).flatten()[:n].to(self.pool.device)
         for i, layer in enumerate(kv.layers):
             k_cache, v_cache = self.pool.layer_cache(i)
             k = layer.keys[0, :, :n].transpose(0, 1).to(self.pool.device)
@@ -386,25 +363,27 @@ class BatchScheduler:
             for s, _ in items:
                 self._fail(s, exc)
             return
-        rows = [i for i, (s, _) in enumerate(items) if s.fed == len(s.tokens)]
-        if rows:
+        done = [s for s, _ in items if s.fed == len(s.tokens)]  # all fed: a token is due
+        if done:
+            rows = [i for i, (s, _) in enumerate(items) if s.fed == len(s.tokens)]
             chosen = logits[rows].float()
             if self.served.allowed is not None:
                 chosen = chosen.masked_fill(~self.served.allowed, float("-inf"))
-            greedy = chosen.argmax(dim=-1).tolist()
+            tokens = sample_rows(
+                chosen,
+                [s.job.temperature for s in done],
+                [s.job.top_p for s in done],
+                [s.gen for s in done],
+            )
             now = time.perf_counter()
-            for j, i in enumerate(rows):
-                s = items[i][0]
+            for s, token in zip(done, tokens, strict=True):
                 if not s.first:
                     s.first = True
                     self._observe_ttft(s, now - s.admitted)
-                job = s.job
-                if job.max_tokens <= 0:
+                if s.job.max_tokens <= 0:
                     self._finish(s, "length", flush=True)
-                elif job.temperature <= 0:
-                    self._take(s, int(greedy[j]))
                 else:
-                    self._take(s, sample(chosen[j], job.temperature, job.top_p, s.gen))
+                    self._take(s, token)
         if self.metrics is not None and hasattr(self.metrics, "step"):
             self.metrics.step(len(items), time.perf_counter() - start)
 

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from kvtier import units
 from kvtier.errors import ConfigError
 
 if sys.version_info >= (3, 11):
@@ -23,24 +23,8 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 ENV_PREFIX = "KVTIER_"
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
-
-
-def parse_size(text: str | int, name: str = "size") -> int:
-    """Bytes from `123`, `64MiB`, `1.5GB`, `512k` (k/M/G/T decimal, KiB/MiB/GiB/TiB binary)."""
-    if isinstance(text, int):
-        value = text
-    else:
-        m = _SIZE.match(str(text))
-        if not m:
-            raise ConfigError(f"{name}: cannot read {text!r} as a size; write e.g. 64MiB or 2GB")
-        unit = (m.group(2) or "").lower()
-        base = 1024 ** ("kmgt".index(unit[0]) + 1) if "i" in unit else _UNITS[unit[:1]]
-        value = int(float(m.group(1)) * base)
-    if value < 0:
-        raise ConfigError(f"{name}: must not be negative, got {value}")
-    return value
+# Sizes: one parser and one meaning for every entry point (kvtier.units, docs/configuration.md).
+parse_size = units.parse_size
 
 
 def default_l3_root() -> Path:

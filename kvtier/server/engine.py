@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvtier.errors import InvalidRequest, KvtierError
+from kvtier.errors import InvalidRequest, KvtierError, L1BudgetExceeded
 from kvtier.server.backend import Backend
 from kvtier.server.model import ServedModel, cache_kwarg
 from kvtier.server.sampling import ReplyText, make_generator, sample
@@ -33,6 +33,20 @@ if TYPE_CHECKING:  # pragma: no cover
     from kvtier.server.batching import BatchScheduler
 
 log = logging.getLogger("kvtier.server")
+
+
+# The warm-up's session: '#' is outside what clients may send as a session id or tenant
+# (kvtier.server.app._ID), so no client's session can ever be this one.
+WARM_UP_SESSION = "#warm-up"
+WARM_UP_TENANT = "#kvtier"
+# Length of the warm-up prompt stored in L3 and restored from it (its chunks stay there).
+WARM_UP_TOKENS = 1024
+# Length of the warm-up prefill (measured, never stored): its first forward of prefill_step
+# tokens is what the cost model times, at least its prefill_min_tokens (512). Longer than the
+# stored prompt because attention sets up per length: on an H200 a 2,064-token prompt was
+# recomputed in 125-230 ms by the first request after a start that warmed 1,024 tokens, and in
+# 12 ms after one that warmed 2,048 (11-14 ms once warm).
+WARM_UP_PREFILL_TOKENS = 2048
 
 
 class Overloaded(KvtierError):
@@ -287,6 +301,63 @@ class Engine:
             await asyncio.to_thread(self._batch.close)
         await asyncio.to_thread(self._pool.shutdown, True)
         await asyncio.to_thread(self.backend.close)
+
+    def warm_up(
+        self, tokens: int = WARM_UP_TOKENS, prefill_tokens: int = WARM_UP_PREFILL_TOKENS
+    ) -> None:
+        """Before the first request, run the paths it will take through the cache, so that it
+        pays neither for their lazy set-up nor for the cost model's configured guesses.
+
+        On a throwaway session under a tenant no client can name (WARM_UP_TENANT):
+        1. prefill a prompt B twice, in `prefill_step` forwards like a request: the first pass
+           (aborted, not measured) pays for kernels and buffers; the second is committed empty,
+           so the cost model gets a measured prefill rate and no KV is kept;
+        2. restore + commit a prompt A: its chunks go to L3 (found there again at the next
+           start: the same tokens give the same keys, so no start adds to the store);
+        3. hibernate, drop L2's copies, and restore A again: loaded from L3 (or recomputed,
+           whichever the now measured cost model picks, as a request's restore would), which
+           sets up the L3 read path and measures it; then abort and close the session.
+        """
+        room = self.served.context_tokens - 2
+        n, n_b = max(2, min(tokens, room)), max(2, min(prefill_tokens, room))
+        vocab = len(self.served.tokenizer)
+        device = self.served.device
+        prompt_b = ((torch.arange(n_b + 1, device=device) * 7 + 3) % vocab).unsqueeze(0)
+        prompt_a = ((torch.arange(n + 1, device=device) * 5 + 11) % vocab).unsqueeze(0)
+        sid, backend = WARM_UP_SESSION, self.backend
+        try:
+            try:
+                self._warm_pass(prompt_b, commit=None)
+            except L1BudgetExceeded:  # a small L1: warm up at the stored prompt's length
+                prompt_b = prompt_b[:, : n + 1]
+                self._warm_pass(prompt_b, commit=None)
+            self._warm_pass(prompt_b, commit=prompt_b[0, :0])
+            self._warm_pass(prompt_a, commit=prompt_a[0])
+            backend.hibernate(sid)
+            backend.evict_l2()
+            self._warm_pass(prompt_a, commit=None)
+        finally:
+            backend.forget(sid)
+        self._scheduler()  # the batch's page pool too, before the first request rather than in it
+
+    def _warm_pass(self, ids: torch.Tensor, commit: torch.Tensor | None) -> None:
+        """Restore `ids` on the warm-up session and prefill the rest as `_generate` does; then
+        commit `commit` (which may be empty) or, with None, abort."""
+        sid, tenant = WARM_UP_SESSION, WARM_UP_TENANT
+        restored = self.backend.restore(sid, tenant, ids)
+        try:
+            pos, total = restored.covered, ids.shape[1]
+            while pos < total:
+                end = min(total, pos + self.config.prefill_step)
+                self._forward(ids[:, pos:end], restored.kv)
+                pos = end
+        except BaseException:
+            self.backend.abort(sid, tenant)
+            raise
+        if commit is None:
+            self.backend.abort(sid, tenant)
+        else:
+            self.backend.commit(sid, tenant, commit)
 
     # ---- the worker ---------------------------------------------------------------------------
 

@@ -163,4 +163,11 @@ def run_app(app: Any, config: ServerConfig) -> None:
             h11_max_incomplete_event_size=64 * 1024,
         )
     )
+    state = getattr(app.state, "kvtier", None) if hasattr(app, "state") else None
+    if state is not None:
+        state.stop = lambda: setattr(server, "should_exit", True)
     server.run()
+    fatal = getattr(state, "fatal_error", None)
+    if fatal is not None:  # one line, no traceback: the message says what to do
+        click.echo(f"kvtier serve: {type(fatal).__name__}: {fatal}", err=True)
+        raise SystemExit(1)

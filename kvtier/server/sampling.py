@@ -35,14 +35,33 @@ def sample(
     """One token from a `[vocab]` row of logits; `allowed` masks the ids the sampler may pick."""
     if allowed is not None:
         logits = logits.masked_fill(~allowed, float("-inf"))
-    if temperature <= 0:
-        return int(torch.argmax(logits))
-    probs = torch.softmax(logits / temperature, dim=-1)
-    if top_p < 1.0:
-        sorted_p, order = torch.sort(probs, descending=True)
-        keep = torch.cumsum(sorted_p, dim=-1) - sorted_p < top_p
-        probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_p[keep])
-    return int(torch.multinomial(probs.cpu(), 1, generator=gen))
+    return sample_rows(logits.unsqueeze(0), [temperature], [top_p], [gen])[0]
+
+
+def sample_rows(
+    logits: torch.Tensor,
+    temperatures: Sequence[float],
+    top_ps: Sequence[float],
+    gens: Sequence[torch.Generator | None],
+) -> list[int]:
+    """`sample` for every row of `[rows, vocab]` logits (already masked), each with its own
+    settings and generator: one argmax and one softmax for all rows, then a draw per row.
+
+    Row `i` gets the token `sample(logits[i], temperatures[i], top_ps[i], gens[i])` gives."""
+    tokens: list[int] = logits.argmax(dim=-1).tolist()
+    hot = [i for i, t in enumerate(temperatures) if t > 0]
+    if not hot:
+        return tokens
+    temps = torch.tensor([temperatures[i] for i in hot], dtype=logits.dtype, device=logits.device)
+    probs = torch.softmax(logits[hot] / temps[:, None], dim=-1).cpu()
+    for j, i in enumerate(hot):
+        p = probs[j]
+        if top_ps[i] < 1.0:
+            sorted_p, order = torch.sort(p, descending=True)
+            keep = torch.cumsum(sorted_p, dim=-1) - sorted_p < top_ps[i]
+            p = torch.zeros_like(p).scatter(0, order[keep], sorted_p[keep])
+        tokens[i] = int(torch.multinomial(p, 1, generator=gens[i]))
+    return tokens
 
 
 class ReplyText:

@@ -8,7 +8,7 @@ import os
 import click
 
 from kvtier.errors import ConfigError
-from kvtier.geometry import parse_size
+from kvtier.units import parse_size
 from ops import doctor, tuning
 
 _MARK = {"ok": "ok", "info": "info", "warning": "WARN", "critical": "CRIT"}
@@ -30,7 +30,7 @@ def _l2_size(ctx: click.Context, param: click.Parameter, value: str | None) -> i
     if value is None:
         return None
     try:
-        return parse_size(value)
+        return parse_size(value, "--l2-size")
     except ConfigError as exc:
         raise click.BadParameter(str(exc)) from None
 

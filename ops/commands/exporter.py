@@ -30,10 +30,10 @@ def command(l3_root: str, listen: str, no_gpu: bool) -> None:
     Serves the L3 store's occupancy and sessions (from its index, read-only) and the host's
     memory, fragmentation, page cache, disk and GPU signals. Metrics: docs/metrics.md.
     """
-    from ops.exporter.standalone import build, serve
+    from ops.exporter.standalone import build_exporter, serve
 
     try:
-        registry, store = build(l3_root, nvml=not no_gpu)
+        registry, watch = build_exporter(l3_root, nvml=not no_gpu)
         server = serve(registry, listen)
     except KvtierError as exc:
         raise click.UsageError(str(exc)) from None
@@ -43,9 +43,15 @@ def command(l3_root: str, listen: str, no_gpu: bool) -> None:
         ) from None
     host, port = server.server_address[:2]
     click.echo(f"kvtier exporter: http://{host}:{port}/metrics  l3_root={l3_root}", err=True)
+    if not watch.up():
+        click.echo(
+            f"kvtier exporter: no L3 store in {l3_root} yet ({watch.why_down}); exporting "
+            "kvtier_l3_up 0 until the cache creates it",
+            err=True,
+        )
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     stop.wait()
     server.shutdown()
-    store.close()
+    watch.close()

@@ -16,7 +16,7 @@ from prometheus_client.registry import Collector
 
 from kvtier.errors import ConfigError
 from kvtier.server.run import load_config, options, run_app
-from ops.exporter.cache import families
+from ops.exporter.cache import families, l3_up
 from ops.exporter.registry import HostCollector
 
 
@@ -30,6 +30,8 @@ class _LiveCache(Collector):
         snap = self._state.snapshot()
         if snap is not None:
             yield from families(snap)
+        elif self._state.config.cache == "tiered":
+            yield l3_up(False)  # loading, or the cache failed to open its L3 root
 
     def describe(self) -> Iterator[Metric]:
         return iter(())

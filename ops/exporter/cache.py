@@ -66,8 +66,17 @@ _TRANSFER_FAMILIES = (
 )
 
 
+L3_UP_HELP = "1 when the cache's L3 store is open and was read for this scrape, else 0."
+
+
+def l3_up(up: bool) -> Metric:
+    """`kvtier_l3_up`: whether this scrape read the L3 store (0 before the cache ever ran)."""
+    return GaugeMetricFamily("kvtier_l3_up", L3_UP_HELP, value=1 if up else 0)
+
+
 def families(snap: CacheSnapshot) -> Iterator[Metric]:
     """Every cache family for one snapshot; always the same names, even for an idle cache."""
+    yield l3_up(snap.tier("l3") is not None)
     for cls, name, doc, field in _TIER_FAMILIES:
         family = cls(name, doc, labels=["tier"])
         for t in snap.tiers:

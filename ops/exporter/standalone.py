@@ -7,23 +7,28 @@ writer lock, never writes, and never competes with the serving process for anyth
 
 from __future__ import annotations
 
+import logging
 import os
 import sqlite3
 import threading
 import time
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import Metric
+from prometheus_client.registry import Collector
 
-from kvtier.errors import ConfigError
+from kvtier.errors import ConfigError, StoreError
 from kvtier.snapshot import CacheSnapshot, TierStats
 from kvtier.tiers.l3 import L3Store
-from ops.exporter.cache import CacheCollector, SnapshotFn
+from ops.exporter.cache import CacheCollector, SnapshotFn, families, l3_up
 from ops.exporter.registry import HostCollector
 
 DEFAULT_LISTEN = "127.0.0.1:9481"
+log = logging.getLogger("kvtier.exporter")
 
 
 def l3_snapshot_fn(store: L3Store) -> SnapshotFn:
@@ -76,6 +81,70 @@ def parse_listen(listen: str) -> tuple[str, int]:
     return host, int(port)
 
 
+class StoreWatch(Collector):
+    """The store's metrics once it exists, and `kvtier_l3_up` (0 until then) on every scrape.
+
+    An exporter is started before the cache (systemd ordering), so the directory may hold no
+    store yet: each scrape tries to open it read-only until that works. A store that stops
+    answering (its index replaced or removed) is closed and looked for again the same way.
+    """
+
+    def __init__(self, l3_root: str | os.PathLike[str]) -> None:
+        self.root = Path(l3_root)
+        if not self.root.is_dir():
+            raise ConfigError(
+                f"--l3-root {self.root} is not a directory; point it at the store's root"
+            )
+        self._lock = threading.Lock()
+        self._store: L3Store | None = None
+        self._snapshot: SnapshotFn | None = None
+        self.why_down = "not opened yet"
+
+    def _open(self) -> SnapshotFn | None:
+        if self._snapshot is None:
+            try:
+                self._store = L3Store(self.root, read_only=True)
+            except (StoreError, sqlite3.Error, OSError) as exc:
+                self.why_down = str(exc)
+                return None
+            self._snapshot = l3_snapshot_fn(self._store)
+            log.info("L3 store at %s is up", self.root)
+        return self._snapshot
+
+    def up(self) -> bool:
+        """Whether the store is open (trying to open it now if it is not)."""
+        with self._lock:
+            return self._open() is not None
+
+    def collect(self) -> Iterator[Metric]:
+        with self._lock:
+            snapshot = self._open()
+            snap = None
+            if snapshot is not None:
+                try:
+                    snap = snapshot()
+                except (StoreError, sqlite3.Error, OSError) as exc:
+                    self.why_down = str(exc)
+                    log.warning("L3 store at %s stopped answering: %s", self.root, exc)
+                    self._close()
+        if snap is None:
+            yield l3_up(False)
+        else:
+            yield from families(snap)
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())
+
+    def _close(self) -> None:
+        store, self._store, self._snapshot = self._store, None, None
+        if store is not None:
+            store.close()
+
+    def close(self) -> None:
+        with self._lock:
+            self._close()
+
+
 def open_store(l3_root: str | os.PathLike[str]) -> L3Store:
     """Open the store read-only, or explain why the directory is not one."""
     root = Path(l3_root)
@@ -87,12 +156,24 @@ def open_store(l3_root: str | os.PathLike[str]) -> L3Store:
 def build(
     l3_root: str | os.PathLike[str], *, nvml: bool = True
 ) -> tuple[CollectorRegistry, L3Store]:
-    """The standalone registry (cache view of the store + host) and the store to close later."""
+    """A registry over a store that exists now (kvtop's one-shot view) and the store to close."""
     store = open_store(l3_root)
     registry = CollectorRegistry(auto_describe=False)
     registry.register(CacheCollector(l3_snapshot_fn(store)))
     registry.register(HostCollector(l3_root, nvml=nvml))
     return registry, store
+
+
+def build_exporter(
+    l3_root: str | os.PathLike[str], *, nvml: bool = True
+) -> tuple[CollectorRegistry, StoreWatch]:
+    """The standalone exporter's registry (cache view of the store + host) and the watch to
+    close later. The directory must exist; the store in it may appear later (`kvtier_l3_up`)."""
+    watch = StoreWatch(l3_root)
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(watch)
+    registry.register(HostCollector(l3_root, nvml=nvml))
+    return registry, watch
 
 
 def serve(registry: CollectorRegistry, listen: str = DEFAULT_LISTEN) -> Any:

@@ -430,3 +430,96 @@ def test_admission_leaves_the_decoders_their_next_page(tmp_path: Path) -> None:
     assert [s for s, _ in items] == [a] and list(sched.waiting) == [b]
     sched.runner.step([SeqInput(s.paged, t) for s, t in items if s.paged])  # no PoolExhausted
     loop.close()
+
+
+def test_sample_rows_draws_what_each_row_draws_alone() -> None:
+    """The batch samples all rows at once; each row must get the token it gets alone (the
+    per-request path), so a seeded request's reply does not depend on batching or neighbours."""
+    from kvtier.server.sampling import make_generator, sample, sample_rows
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 257, generator=g) * 3
+    logits[:, 200:] = float("-inf")  # masked ids, as the server's sampler mask leaves them
+    temps, top_ps, seeds = [0.0, 0.7, 1.0, 1.3, 0.0, 0.9], [1.0, 0.9, 1.0, 0.5, 0.3, 0.95], range(6)
+    for trial in range(20):
+        batch = sample_rows(
+            logits,
+            temps,
+            top_ps,
+            [make_generator(t, s + trial) for t, s in zip(temps, seeds, strict=True)],
+        )
+        alone = [
+            sample(logits[i], temps[i], top_ps[i], make_generator(temps[i], seeds[i] + trial))
+            for i in range(6)
+        ]
+        assert batch == alone
+        assert all(t < 200 for t in batch)
+
+
+def test_event_post_keeps_each_streams_order_and_merges_waiting_deltas() -> None:
+    """Events posted from another thread arrive in order per stream; text deltas that waited
+    together arrive as one, and a send while the last one is unopened adds no wake-up."""
+    import threading
+
+    from kvtier.server.eventpost import EventPost
+
+    async def main() -> tuple[list[list[Any]], int]:
+        loop = asyncio.get_running_loop()
+        streams = [Stream(loop), Stream(loop)]
+        post = EventPost()
+        wakeups = 0
+        original = loop.call_soon_threadsafe
+
+        def counting(*args: Any, **kw: Any) -> Any:
+            nonlocal wakeups
+            wakeups += 1
+            return original(*args, **kw)
+
+        loop.call_soon_threadsafe = counting  # type: ignore[method-assign,assignment]
+
+        def producer() -> None:  # the loop is blocked in join(): nothing is opened meanwhile
+            for i in range(3):
+                post.post(streams[0], Delta(f"a{i}"))
+                post.post(streams[1], Delta(f"b{i}"))
+                post.send()
+            post.post(streams[0], Finished("stop", 1, 3, 0, "l1"))
+            post.post(streams[1], Delta("b3"))
+            post.send()
+
+        t = threading.Thread(target=producer)
+        t.start()
+        t.join()
+        got: list[list[Any]] = [[], []]
+        for s, out, n in zip(streams, got, (2, 1), strict=True):
+            while len(out) < n:
+                out.append(await asyncio.wait_for(s.queue.get(), 5))
+        await asyncio.sleep(0.05)
+        assert all(s.queue.empty() for s in streams)
+        return got, wakeups
+
+    got, wakeups = asyncio.run(main())
+    assert got[0] == [Delta("a0a1a2"), Finished("stop", 1, 3, 0, "l1")]
+    assert got[1] == [Delta("b0b1b2b3")]
+    assert wakeups == 1
+
+
+def test_engine_runs_unbatched_where_the_pool_cannot_be_made(tmp_path: Path) -> None:
+    """A model or budget the page pool cannot take: the engine warns and runs each request on
+    its own thread, and the reply is the same greedy reply."""
+    from kvtier.server.engine import Engine
+
+    ref = _build("qwen2")
+    served = _build("qwen2")
+    config = ServerConfig(l3_root=tmp_path / "l3", batch_kv_bytes=1)  # holds no page
+    engine = Engine(served, RecomputeBackend(served.model), config)
+    assert engine._scheduler() is None and not engine.batching
+    prompt = _prompts(11, [30])[0]
+
+    async def main() -> str:
+        stream = await engine.start(_job("u", prompt, 12))
+        text = "".join([e.text async for e in stream.events() if isinstance(e, Delta)])
+        await engine.drain()
+        return text
+
+    assert asyncio.run(main()) == _greedy_alone(ref, prompt, 12)
+    assert served.model.config._attn_implementation != "kvtier_paged"

@@ -208,6 +208,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _scrape(url: str, timeout: float = 60.0) -> str:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return urllib.request.urlopen(url, timeout=5).read().decode()
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
 def test_kvtier_exporter_command_serves_the_store(tmp_path: Path) -> None:
     fill_store(tmp_path, chunks=12, sessions=3)
     port = free_port()
@@ -228,17 +239,7 @@ def test_kvtier_exporter_command_serves_the_store(tmp_path: Path) -> None:
         text=True,
     )
     try:
-        body = ""
-        for _ in range(100):
-            try:
-                body = (
-                    urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5)
-                    .read()
-                    .decode()
-                )
-                break
-            except OSError:
-                time.sleep(0.1)
+        body = _scrape(f"http://127.0.0.1:{port}/metrics")  # waits for the exporter to listen
         assert 'kvtier_tier_chunks{tier="l3"} 12.0' in body
         assert 'kvtier_sessions{state="hibernated"} 2.0' in body
         assert "kvtier_memory_available_bytes" in body
@@ -260,6 +261,32 @@ def test_exporter_binds_loopback_by_default() -> None:
 def test_bad_listen_is_a_clear_error(bad: str) -> None:
     with pytest.raises(ConfigError, match="HOST:PORT"):
         parse_listen(bad)
+
+
+def test_exporter_starts_before_the_store_and_picks_it_up(tmp_path: Path) -> None:
+    root = tmp_path / "l3"
+    root.mkdir(mode=0o700)  # empty: the cache has never run here
+    port = free_port()
+    cmd = [sys.executable, "-m", "ops.cli", "exporter", "--l3-root", str(root), "--no-gpu"]
+    proc = subprocess.Popen(
+        [*cmd, "--listen", f"127.0.0.1:{port}"], cwd=REPO, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        url = f"http://127.0.0.1:{port}/metrics"
+        body = _scrape(url)
+        assert "kvtier_l3_up 0.0" in body
+        assert "kvtier_tier_chunks" not in body  # no made-up zeros for a store that is not there
+        assert "kvtier_memory_available_bytes" in body  # the host half works meanwhile
+        fill_store(root, chunks=5, sessions=2)  # the cache starts and writes its store
+        body = _scrape(url)
+        assert "kvtier_l3_up 1.0" in body
+        assert 'kvtier_tier_chunks{tier="l3"} 5.0' in body
+        assert 'kvtier_sessions{state="hibernated"} 1.0' in body
+    finally:
+        proc.terminate()
+        _, err = proc.communicate(timeout=20)
+    assert proc.returncode == 0, err
+    assert "no L3 store" in err and "kvtier_l3_up 0" in err
 
 
 def test_exporter_refuses_a_missing_root(tmp_path: Path) -> None:

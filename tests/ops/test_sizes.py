@@ -1,0 +1,125 @@
+"""One meaning of a size everywhere: serve (flags, environment, TOML), plan, doctor and `l3 gc`.
+
+`2G` is 2,000,000,000 bytes and `2Gi` 2,147,483,648 at every entry point (kvtier.units); `l3 gc`
+used to read `2G` as 2 GiB while the others read it as 2 GB.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+
+from kvtier import geometry, units
+from kvtier.errors import ConfigError
+from kvtier.server import config as server_config
+from kvtier.server.config import ServerConfig
+from kvtier.units import SizeError, parse_size
+
+CASES = [
+    ("2G", 2 * 10**9),
+    ("2Gi", 2 * 2**30),
+    ("2GB", 2 * 10**9),
+    ("2GiB", 2 * 2**30),
+    ("512k", 512_000),
+    ("512KiB", 512 * 1024),
+    ("1.5M", 1_500_000),
+    ("3 t", 3 * 10**12),
+    ("4096", 4096),
+    ("7b", 7),
+]
+
+
+@pytest.mark.parametrize(("text", "expected"), CASES)
+def test_parse_size(text: str, expected: int) -> None:
+    assert parse_size(text) == expected
+    # the old names are the same function
+    assert geometry.parse_size(text) == server_config.parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "G", "lots", "12 parsecs", "-1G", "0x10", "1e999", "2Gb x"])
+def test_junk_is_a_typed_error_listing_the_forms(text: str) -> None:
+    with pytest.raises(SizeError, match=r"Ki/Mi/Gi/Ti.*powers of 1024") as info:
+        parse_size(text, "l2_bytes")
+    assert isinstance(info.value, ConfigError) and "l2_bytes" in str(info.value)
+
+
+def test_server_config_reads_sizes_the_same_way(tmp_path: Path) -> None:
+    toml = tmp_path / "kvtier.toml"
+    toml.write_text('[serve]\nl1_bytes = "2G"\n')
+    env = {"KVTIER_L2_BYTES": "2Gi", "KVTIER_MAX_BODY_BYTES": "1M"}
+    cfg = ServerConfig.load(env=env, file=toml)
+    assert (cfg.l1_bytes, cfg.l2_bytes, cfg.max_body_bytes) == (2 * 10**9, 2 * 2**30, 10**6)
+    assert ServerConfig.load(flags={"l1_bytes": "2G"}, env={}).l1_bytes == 2 * 10**9
+
+
+def test_plan_reads_sizes_the_same_way(tmp_path: Path) -> None:
+    from kvtier.cli.plan import command
+
+    cfg = tmp_path / "config.json"
+    cfg.write_text(
+        json.dumps(
+            {
+                "model_type": "llama",
+                "hidden_size": 64,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "torch_dtype": "float16",
+            }
+        )
+    )
+    args = ["--model-config", str(cfg), "--sessions", "100000", "--avg-tokens", "4096"]
+    out = CliRunner().invoke(command, [*args, "--gpu-mem", "2G", "--host-mem", "2Gi"])
+    assert out.exit_code == 0, out.output
+    assert f"l1_bytes = {2 * 10**9} " in out.output and f"l2_bytes = {2 * 2**30} " in out.output
+    bad = CliRunner().invoke(command, [*args, "--ssd", "lots"])
+    assert bad.exit_code == 2 and "--ssd: cannot read size 'lots'" in bad.output
+
+
+def test_doctor_reads_sizes_the_same_way(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from ops import doctor
+    from ops.commands.doctor import command
+
+    seen: list[Any] = []
+    real = doctor.collect
+
+    def collect(**kw: Any) -> Any:
+        seen.append(kw["l2_bytes"])
+        return real(**kw)
+
+    monkeypatch.setattr(doctor, "collect", collect)
+    for text in ("2G", "2Gi"):
+        CliRunner().invoke(command, ["--json", "--l2-size", text, "--l3-root", str(tmp_path)])
+    assert seen == [2 * 10**9, 2 * 2**30]
+
+
+def test_l3_gc_reads_sizes_the_same_way(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvtier.cli.l3 import command
+    from kvtier.tiers import l3_maint
+
+    seen: list[Any] = []
+    real = l3_maint.gc
+
+    def gc(store: Any, **kw: Any) -> Any:
+        seen.append(kw["max_bytes"])
+        return real(store, **kw)
+
+    monkeypatch.setattr(l3_maint, "gc", gc)
+    root = tmp_path / "l3"
+    for text in ("2G", "2Gi"):
+        out = CliRunner().invoke(command, ["gc", "--root", str(root), "--max-bytes", text])
+        assert out.exit_code == 0, out.output
+    assert seen == [2 * 10**9, 2 * 2**30]
+    bad = CliRunner().invoke(command, ["gc", "--root", str(root), "--max-bytes", "lots"])
+    assert bad.exit_code == 2 and "Traceback" not in bad.output
+    assert "cannot read size 'lots'" in bad.output
+
+
+def test_units_is_the_documented_meaning() -> None:
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "configuration.md").read_text()
+    assert "2,000,000,000" in doc and "2,147,483,648" in doc
+    assert units.__doc__ is not None and "2,147,483,648" in units.__doc__
