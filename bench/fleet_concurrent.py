@@ -337,26 +337,32 @@ def main(argv: list[str] | None = None) -> None:
                 report.table(title, rows) + "\ntargets:\n" + report.targets_text(checks[scen])
             )
             print(texts[-1], flush=True)
+            if args.out:
+                save(args, args.out, machine, shape, dtype, results, checks, texts)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     print("\n".join(texts))
     if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        print(report.plot(results, out / "fleet_concurrent.png"))
-        report.write_json(
-            out / "fleet_concurrent.json",
-            {
-                "machine": machine,
-                "torch": torch.__version__,
-                "shape": shape,
-                "dtype": str(dtype),
-                "args": {k: v for k, v in vars(args).items()},
-                "results": results,
-                "targets": checks,
-            },
-        )
-        (out / "fleet_concurrent.txt").write_text("\n".join(texts) + "\n")
+        print(report.plot(results, Path(args.out) / "fleet_concurrent.png"))
+
+
+def save(args, out_dir: str, machine: str, shape: str, dtype, results, checks, texts) -> None:
+    """JSON and text of what ran so far (after each scenario: a run cut short keeps them)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    report.write_json(
+        out / "fleet_concurrent.json",
+        {
+            "machine": machine,
+            "torch": torch.__version__,
+            "shape": shape,
+            "dtype": str(dtype),
+            "args": dict(vars(args)),
+            "results": results,
+            "targets": checks,
+        },
+    )
+    (out / "fleet_concurrent.txt").write_text("\n".join(texts) + "\n")
 
 
 if __name__ == "__main__":
