@@ -60,6 +60,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import fleet_batched as batched
 import fleet_report as report
 import fleet_serve as serve
 from models import build
@@ -189,7 +190,7 @@ def run_scenario(args, model, dev: str, scen: str, n: int, fleet_ceiling, tmp: P
                 if name == "kvtier-seq":
                     m = serve.run_sequential(model, fleet, bank, dev, warmup, limit, backend)
                 else:
-                    m = serve.run_batched(
+                    m = batched.run_batched(
                         name, model, fleet, bank, dev, warmup, limit, backend, sched_config
                     )
             else:
