@@ -111,6 +111,8 @@ def run_batched(
             text: list[str] = []
             try:
                 async with slots:  # the server's generation slots (Engine: max_concurrency)
+                    if win.over():
+                        return
                     sched.submit(job, stream, submitted)
                     async for ev in stream.events():
                         if isinstance(ev, Delta) and ev.text:
@@ -131,7 +133,7 @@ def run_batched(
         await asyncio.gather(*(client(s, slots) for s in range(len(fleet.contexts))))
 
     async def poll() -> None:
-        while not win.over():
+        while win.after is None:
             win.poll()
             await asyncio.sleep(0.05)
 

@@ -107,6 +107,7 @@ class Window:
         self.close_at = self.t0 + limit
         self.opened = False
         self.before = (-1, -1)
+        self.after: tuple[int, int] | None = None
 
     def inside(self, t: float) -> bool:
         return self.open_at <= t < self.close_at
@@ -115,15 +116,19 @@ class Window:
         return time.perf_counter() >= self.close_at
 
     def poll(self) -> None:
-        """Read the allocator counters when the window opens (call often)."""
-        if not self.opened and time.perf_counter() >= self.open_at:
+        """Read the allocator counters when the window opens and when it closes (call often;
+        `finish` reads them at the close where no poll did)."""
+        now = time.perf_counter()
+        if not self.opened and now >= self.open_at:
             self.opened = True
             self.before = alloc_counters(self.device)
+        if self.opened and self.after is None and now >= self.close_at:
+            self.after = alloc_counters(self.device)
 
     def finish(self, m: Measure) -> None:
         m.window = max(self.close_at - self.open_at, 1e-9)
         if self.opened and self.before[0] >= 0:
-            after = alloc_counters(self.device)
+            after = self.after or alloc_counters(self.device)
             m.mallocs = after[0] - self.before[0]
             m.segments = after[1] - self.before[1]
 
