@@ -33,6 +33,9 @@ TTFT and decode steps.
 
     python3 bench/agent_fleet.py --out DIR            # on the GPU machine (< 10 minutes)
     python3 bench/agent_fleet.py --shape qwen2-mini --device cpu --sessions 12 --turns 2
+
+`--concurrent` runs the other mode, bench/fleet_concurrent.py (its own options): N sessions with
+think time served concurrently by one process, batched configurations included (issue 18).
 """
 
 from __future__ import annotations
@@ -486,6 +489,11 @@ def plot(results: list[Result], out: Path) -> None:
 
 
 def main() -> None:
+    if "--concurrent" in sys.argv[1:]:
+        import fleet_concurrent
+
+        fleet_concurrent.main(sys.argv[1:])
+        return
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--shape", default=None)

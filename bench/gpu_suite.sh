@@ -9,6 +9,9 @@
 #   FLEET_CONFIGS=recompute,kvtier,kvtier FLEET_SECONDS=30 FLEET_PROFILE=1 STEPS=fleet \
 #     bash bench/gpu_suite.sh    # the fleet only, with one profiled turn per configuration
 # Other fleet settings: FLEET_SYNC=stream, FLEET_CUDNN=1 (cuDNN attention on), FLEET_SESSIONS=N.
+#   STEPS=concurrent bash bench/gpu_suite.sh   # issue 18's benchmark alone (about 6 minutes)
+# Its settings: CONC_SECONDS (per configuration, default 20), CONC_CONFIGS, CONC_ARGS (any other
+# options of bench/fleet_concurrent.py).
 #
 # bench/restart.py also needs the server's packages (fastapi, uvicorn, pydantic, ...); it is
 # skipped with a message when they cannot be imported.
@@ -17,7 +20,7 @@ cd "$(dirname "$0")/.."
 OUT="${1:-${OUT:-gpu-out}}"
 mkdir -p "$OUT"
 export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-STEPS="${STEPS:-tests transfer l3 ttft decode attention collectors interference fleet restart}"
+STEPS="${STEPS:-tests transfer l3 ttft decode attention collectors interference fleet concurrent restart}"
 quiet() { grep -v -E "FutureWarning|forward_call|return func|past_key_values"; }
 
 for step in $STEPS; do
@@ -54,6 +57,12 @@ for step in $STEPS; do
       timeout $((90 + n * (${FLEET_SECONDS:-48} + 25))) python3 bench/agent_fleet.py --out "$OUT/fleet" --time-limit "${FLEET_SECONDS:-48}" \
         ${FLEET_CONFIGS:+--configs "$FLEET_CONFIGS"} ${FLEET_PROFILE:+--profile} ${FLEET_SYNC:+--sync "$FLEET_SYNC"} ${FLEET_CUDNN:+--cudnn-attention} ${FLEET_SESSIONS:+--sessions "$FLEET_SESSIONS"} 2>&1 | quiet \
         >"$OUT/fleet.txt" ;;
+    concurrent)
+      mkdir -p "$OUT/concurrent"
+      # two scenarios (64 sessions; 256 with L1 for 64), 5 + 3 configurations of CONC_SECONDS each
+      timeout 590 python3 bench/agent_fleet.py --concurrent --out "$OUT/concurrent" \
+        --time-limit "${CONC_SECONDS:-20}" ${CONC_CONFIGS:+--configs "$CONC_CONFIGS"} \
+        ${CONC_ARGS:-} 2>&1 | quiet >"$OUT/concurrent.txt" ;;
     restart)
       if python3 -c "import fastapi, uvicorn" 2>/dev/null; then
         timeout 200 python3 bench/restart.py --device cuda --repeat 3 --png "$OUT/restart.png" \

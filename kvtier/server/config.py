@@ -61,6 +61,9 @@ class ServerConfig:
     queue_timeout: float = 30.0  # longest wait for a slot before 429 + Retry-After
     max_tokens_limit: int = 4096  # largest max_tokens a request may ask for
     prefill_step: int = 512  # prompt tokens per forward, so other sessions interleave
+    batching: bool = True  # one forward per step for every running session (off: one thread each)
+    batch_tokens: int = 1024  # new tokens in one batched forward: decode tokens + prompt chunks
+    batch_kv_bytes: int = 0  # the batch's KV page pool; 0 = room for max_concurrency contexts
     max_body_bytes: int = 4 * 2**20
     log_level: str = "info"
 
@@ -73,7 +76,13 @@ class ServerConfig:
             )
         if self.cache not in ("tiered", "none"):
             raise ConfigError(f"cache: {self.cache!r} is unknown; use 'tiered' or 'none'")
-        for name in ("max_concurrency", "chunk_tokens", "max_tokens_limit", "prefill_step"):
+        for name in (
+            "max_concurrency",
+            "chunk_tokens",
+            "max_tokens_limit",
+            "prefill_step",
+            "batch_tokens",
+        ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be at least 1, got {getattr(self, name)}")
         if self.queue_timeout < 0 or self.max_queue < 0:
@@ -112,7 +121,7 @@ class ServerConfig:
 
 
 _FIELDS = {f.name: f for f in fields(ServerConfig)}
-_SIZES = {"l1_bytes", "l2_bytes", "max_body_bytes"}
+_SIZES = {"l1_bytes", "l2_bytes", "max_body_bytes", "batch_kv_bytes"}
 
 
 def _from_toml(path: Path) -> dict[str, Any]:

@@ -1,10 +1,13 @@
-"""The generation worker: admission, per-session ordering, and a token-interleaved decode loop.
+"""The generation worker: admission, per-session ordering, and generation.
 
 Requests for one session run one at a time, in arrival order (a FIFO lock per session). Up to
-`max_concurrency` sessions generate at once, each on a worker thread; every model forward takes
-one lock (one device stream), so concurrent sessions interleave token by token. A request that
-finds no slot waits at most `queue_timeout` seconds, and is refused with 429 + Retry-After when
-the wait would be longer or `max_queue` requests are already waiting.
+`max_concurrency` sessions generate at once. With `batching` on (the default) they all go to the
+batch scheduler (`kvtier.server.batching`): one thread owns the model and every generating
+session adds its next token (or a prompt chunk) to one forward per step. With it off, each runs
+on a worker thread and every model forward takes one lock, so concurrent sessions interleave
+token by token. A request that finds no slot waits at most `queue_timeout` seconds, and is
+refused with 429 + Retry-After when the wait would be longer or `max_queue` requests are
+already waiting.
 """
 
 from __future__ import annotations
@@ -16,14 +19,18 @@ import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from kvtier.errors import InvalidRequest, KvtierError, L1BudgetExceeded
 from kvtier.server.backend import Backend
 from kvtier.server.model import ServedModel, cache_kwarg
+from kvtier.server.sampling import ReplyText, make_generator, sample
 from kvtier.tiers import l3_io
+
+if TYPE_CHECKING:  # pragma: no cover
+    from kvtier.server.batching import BatchScheduler
 
 log = logging.getLogger("kvtier.server")
 
@@ -151,6 +158,10 @@ class Engine:
             # pool would inherit that one core.
             initializer=l3_io.isolate_caller if _isolate(config, served) else None,
         )
+        # The batch scheduler takes the model over (paged attention) at the first request, so
+        # a warm-up before it still runs the model the plain way.
+        self.batching = bool(getattr(config, "batching", False))
+        self._batch: BatchScheduler | None = None
         self._slots = asyncio.Semaphore(config.max_concurrency)
         self._session_locks: dict[str, tuple[asyncio.Lock, int]] = {}
         self.waiting = 0
@@ -240,7 +251,20 @@ class Engine:
         self._gauge()
         stream = Stream(loop)
         admitted = time.perf_counter()
-        future = loop.run_in_executor(self._pool, self._run, job, stream, admitted)
+        batch = self._scheduler()
+        if batch is not None:
+            try:
+                future = asyncio.wrap_future(batch.submit(job, stream, admitted))
+            except BaseException:
+                self._slots.release()
+                self.release(job.session_id, lock)
+                self.running -= 1
+                if self.running == 0:
+                    self._idle.set()
+                self._gauge()
+                raise
+        else:
+            future = loop.run_in_executor(self._pool, self._run, job, stream, admitted)
 
         def done(_: Any) -> None:
             self._slots.release()
@@ -257,10 +281,26 @@ class Engine:
         stream.started = first
         return stream
 
+    def _scheduler(self) -> BatchScheduler | None:
+        """The batch scheduler, started at the first request; None with batching off, or where
+        the model cannot run paged (then requests run one thread each, as with it off)."""
+        if not self.batching or self._batch is not None:
+            return self._batch
+        from kvtier.server.batching import BatchScheduler
+
+        try:
+            self._batch = BatchScheduler(self.served, self.backend, self.config, self.metrics)
+        except KvtierError as exc:
+            log.warning("batching is off for this model (%s); one thread per request", exc)
+            self.batching = False
+        return self._batch
+
     async def drain(self) -> None:
         """Stop admitting, wait for running jobs, then hibernate every session (cache close)."""
         self.draining = True
         await self._idle.wait()
+        if self._batch is not None:
+            await asyncio.to_thread(self._batch.close)
         await asyncio.to_thread(self._pool.shutdown, True)
         await asyncio.to_thread(self.backend.close)
 
@@ -305,6 +345,7 @@ class Engine:
             self._warm_pass(torch.cat([prompt_a, suffix], dim=1), commit=None, decode=True)
         finally:
             backend.forget(sid)
+        self._scheduler()  # the batch's page pool too, before the first request rather than in it
 
     def _warm_pass(
         self, ids: torch.Tensor, commit: torch.Tensor | None, decode: bool = False
@@ -342,16 +383,7 @@ class Engine:
         return out.logits[0, -1].float()
 
     def _sample(self, logits: torch.Tensor, job: Job, gen: torch.Generator | None) -> int:
-        if self.served.allowed is not None:
-            logits = logits.masked_fill(~self.served.allowed, float("-inf"))
-        if job.temperature <= 0:
-            return int(torch.argmax(logits))
-        probs = torch.softmax(logits / job.temperature, dim=-1)
-        if job.top_p < 1.0:
-            sorted_p, order = torch.sort(probs, descending=True)
-            keep = torch.cumsum(sorted_p, dim=-1) - sorted_p < job.top_p
-            probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_p[keep])
-        return int(torch.multinomial(probs.cpu(), 1, generator=gen))
+        return sample(logits, job.temperature, job.top_p, gen, self.served.allowed)
 
     def _run(self, job: Job, stream: Stream, admitted: float) -> None:
         try:
@@ -407,46 +439,27 @@ class Engine:
         fed: list[int],
         gen_ids: list[int],
     ) -> str:
-        tok = self.served.tokenizer
-        gen = None
-        if job.temperature > 0:
-            gen = torch.Generator()
-            gen.manual_seed(job.seed if job.seed is not None else int(time.time_ns() % 2**62))
-        sent = 0  # characters of the reply already streamed
-        hold = max((len(s) for s in job.stop), default=1) - 1
+        reply = ReplyText(self.served.tokenizer, self.served.eos_ids, job.stop)
+        gen = make_generator(job.temperature, job.seed)
         device = self.served.device
         for step in range(job.max_tokens):
             token = self._sample(logits, job, gen)
-            if token in self.served.eos_ids:
-                gen_ids.append(token)
-                break
             gen_ids.append(token)
-            text = tok.decode(
-                [t for t in gen_ids if t not in self.served.eos_ids], skip_special_tokens=True
-            )
-            cut = min((i for i in (text.find(s) for s in job.stop) if i >= 0), default=-1)
-            if cut >= 0:
-                if cut > sent:
-                    stream.put(Delta(text[sent:cut]))
+            delta = reply.add(token)
+            if delta:
+                stream.put(Delta(delta))
+            if reply.stopped:
                 return "stop"
-            ready = len(text) - hold
-            if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for its rest
-                ready = min(ready, len(text) - 1)
-            if ready > sent:
-                stream.put(Delta(text[sent:ready]))
-                sent = ready
-            if step == job.max_tokens - 1 or stream.cancelled.is_set():
+            if reply.eos or step == job.max_tokens - 1 or stream.cancelled.is_set():
                 break
             logits = self._forward(torch.tensor([[token]], device=device), kv)
             fed.append(token)
         if stream.cancelled.is_set():
             return "cancelled"
-        text = tok.decode(
-            [t for t in gen_ids if t not in self.served.eos_ids], skip_special_tokens=True
-        )
-        if len(text) > sent:
-            stream.put(Delta(text[sent:]))
-        return "stop" if gen_ids and gen_ids[-1] in self.served.eos_ids else "length"
+        rest = reply.rest()
+        if rest:
+            stream.put(Delta(rest))
+        return "stop" if reply.eos else "length"
 
     # ---- metrics (optional) ---------------------------------------------------------------
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 
 
 class ServerMetrics:
@@ -46,6 +48,19 @@ class ServerMetrics:
             "kvtier_server_queued_requests", "Requests waiting for a slot.", registry=registry
         )
 
+        self.batch_size = Histogram(
+            "kvtier_server_batch_size",
+            "Sequences in one forward of the batching scheduler.",
+            buckets=BATCH_BUCKETS,
+            registry=registry,
+        )
+        self.step_seconds = Histogram(
+            "kvtier_server_step_seconds",
+            "Time of one batching-scheduler step (forward and sampling).",
+            buckets=STEP_BUCKETS,
+            registry=registry,
+        )
+
     def count(self, name: str, n: int = 1) -> None:
         {
             "rejected": self.rejected,
@@ -61,3 +76,7 @@ class ServerMetrics:
     def load(self, running: int, waiting: int) -> None:
         self.running.set(running)
         self.queued.set(waiting)
+
+    def step(self, batch_size: int, seconds: float) -> None:
+        self.batch_size.observe(batch_size)
+        self.step_seconds.observe(seconds)

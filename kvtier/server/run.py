@@ -80,6 +80,23 @@ def options(f: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--queue-timeout", type=float, help="Seconds a request waits before 429."),
         click.option("--max-tokens-limit", type=int, help="Largest max_tokens accepted."),
         click.option("--prefill-step", type=int, help="Prompt tokens per forward."),
+        click.option(
+            "--batching/--no-batching",
+            default=None,
+            help="Run every generating session in one batched forward per step (default on; "
+            "off: one thread per request, taking turns on the model).",
+        ),
+        click.option(
+            "--batch-tokens",
+            type=int,
+            help="New tokens in one batched forward: decode tokens plus prompt chunks "
+            "(default 1024).",
+        ),
+        click.option(
+            "--batch-kv-bytes",
+            help="KV page pool of the batch, e.g. 4GiB (default: room for max-concurrency "
+            "full contexts, at most half the free GPU memory or 1 GiB on the CPU).",
+        ),
         click.option("--max-body-bytes", help="Largest request body."),
         click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"])),
     ]

@@ -1,0 +1,169 @@
+"""(d, e) of `bench/fleet_concurrent.py`: kvtier's BatchScheduler (the server's) serving the
+fleet in-process, one asyncio client per session."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from fleet_serve import TENANT, Fleet, Measure, Window, seed, session_name
+
+from kvtier.server.batching import BatchScheduler
+from kvtier.server.engine import Delta, Job, Stream
+from kvtier.server.model import ServedModel, byte_tokenizer
+
+# ---- (d, e) kvtier batched: the BatchScheduler -------------------------------------------------
+
+
+class StepLog:
+    """The scheduler's metrics hook: every step's (end time, seconds, sequences)."""
+
+    def __init__(self) -> None:
+        self.steps: list[tuple[float, float, int, bool]] = []
+        self.ttfts: list[tuple[str, float]] = []
+        self.decode_only = False  # the kind of the step now running (set by `watch`)
+
+    def watch(self, runner: Any) -> None:
+        """Note, before each forward, whether the step is decode-only (one token per sequence:
+        the Triton kernel on CUDA) or mixes prompt chunks in (the reference path on torch
+        without paged varlen attention). Observes; changes nothing."""
+        step = runner.step
+
+        def observed(batch: Any) -> Any:
+            self.decode_only = all(len(item.tokens) == 1 for item in batch)
+            return step(batch)
+
+        runner.step = observed
+
+    def count(self, name: str, n: int = 1) -> None:
+        return None
+
+    def ttft(self, source: str, seconds: float) -> None:
+        self.ttfts.append((source, seconds))
+
+    def step(self, batch_size: int, seconds: float) -> None:
+        self.steps.append((time.perf_counter(), seconds, batch_size, self.decode_only))
+
+
+def served_model(model) -> ServedModel:
+    """The model as the server sees it, with the byte tokenizer and sampling kept to printable
+    ASCII (as `kvtier serve` does for its built-in model), so that a reply's text gives back its
+    token ids (byte value == token id) and the next turn's prompt extends the committed tokens."""
+    vocab = int(model.config.vocab_size)
+    allowed = torch.zeros(vocab, dtype=torch.bool)
+    allowed[32:127] = True
+    allowed[10] = True
+    device = next(model.parameters()).device
+    context = int(getattr(model.config, "max_position_embeddings", 0) or 32768)
+    return ServedModel(
+        model, byte_tokenizer(), context, frozenset(), allowed.to(device), "bench-fleet"
+    )
+
+
+def run_batched(
+    name: str,
+    model,
+    fleet: Fleet,
+    bank,
+    device: str,
+    warmup: float,
+    limit: float,
+    backend,
+    sched_config: SimpleNamespace,
+) -> Measure:
+    """kvtier's BatchScheduler (the server's, without HTTP): one asyncio client per session
+    submits a turn, reads its tokens, thinks, and submits the next. As `kvtier serve`'s engine,
+    at most `max_concurrency` turns are submitted at once (the others wait for a slot), so the
+    scheduler restores no more sessions than the batch holds. TTFT counts from the end of the
+    think time (the wait for a slot included) to the first token's arrival at the client."""
+    m = Measure(name)
+    seed(backend.cache, fleet, bank, device)
+    log = StepLog()
+    sched = BatchScheduler(served_model(model), backend, sched_config, log)
+    log.watch(sched.runner)  # before the first submit: the scheduler thread is idle until then
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="fleet-clients", daemon=True)
+    thread.start()
+    win = Window(device, warmup, limit)
+    received: list[tuple[float, int]] = []  # (arrival, tokens) of every delta
+
+    async def client(sid: int, slots: asyncio.Semaphore) -> None:
+        ctx = list(fleet.contexts[sid])
+        conv, turn = 0, 1
+        while True:
+            wake = time.perf_counter() + fleet.think_s(sid, turn)
+            await asyncio.sleep(max(0.0, min(wake, win.close_at) - time.perf_counter()))
+            if win.over():
+                return
+            returning = True
+            if len(ctx) > len(fleet.contexts[sid]) + fleet.max_growth:
+                conv, ctx, returning = conv + 1, list(fleet.contexts[sid]), False
+            prompt = ctx + fleet.append(sid, turn)
+            turn += 1
+            job = Job(session_name(sid, conv), TENANT, prompt, fleet.decode, temperature=0.0)
+            stream = Stream(loop=asyncio.get_running_loop())
+            submitted = time.perf_counter()
+            first = None
+            text: list[str] = []
+            try:
+                async with slots:  # the server's generation slots (Engine: max_concurrency)
+                    if win.over():
+                        return
+                    sched.submit(job, stream, submitted)
+                    async for ev in stream.events():
+                        if isinstance(ev, Delta) and ev.text:
+                            now = time.perf_counter()
+                            first = first if first is not None else now
+                            text.append(ev.text)
+                            received.append((now, len(ev.text)))
+            except Exception as exc:  # counted; the scheduler aborted the turn
+                m.fail(exc)
+                continue
+            if first is not None and returning and win.inside(first):
+                m.ttft.append(first - submitted)
+                m.turns += 1
+            ctx = prompt + list("".join(text).encode("utf-8"))
+
+    async def fleet_main() -> None:
+        slots = asyncio.Semaphore(int(sched_config.max_concurrency))
+        await asyncio.gather(*(client(s, slots) for s in range(len(fleet.contexts))))
+
+    async def poll() -> None:
+        while win.after is None:
+            win.poll()
+            await asyncio.sleep(0.05)
+
+    fut = asyncio.run_coroutine_threadsafe(fleet_main(), loop)
+    poller = asyncio.run_coroutine_threadsafe(poll(), loop)
+    try:
+        fut.result(timeout=limit + 120)  # the last turns finish after the window closes
+        poller.result(timeout=5)
+    finally:
+        win.finish(m)
+        sched.close()
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=10)
+    m.tokens = sum(k for t, k in received if win.inside(t))
+    inside = [(s, b, d) for t, s, b, d in log.steps if win.inside(t)]
+    m.steps = [s for s, _, _ in inside]
+    m.extra["mean_batch"] = sum(b for _, b, _ in inside) / max(len(inside), 1)
+    only = [s for s, _, d in inside if d]
+    mixed = [s for s, _, d in inside if not d]
+    m.extra["decode_only_steps"] = len(only)
+    m.extra["mixed_steps"] = len(mixed)
+    m.extra["step_p50_decode_only"] = _median(only)
+    m.extra["step_p50_mixed"] = _median(mixed)
+    m.extra["preemptions"] = sched.preemptions
+    m.extra["server_ttft_p50"] = _median([s for _, s in log.ttfts])
+    return m
+
+
+def _median(values: list[float]) -> float:
+    if not values:
+        return float("nan")
+    v = sorted(values)
+    return v[len(v) // 2]

@@ -1,0 +1,370 @@
+"""`bench/agent_fleet.py --concurrent`: N agent sessions with think time, served by one process.
+
+Issue 18's benchmark, in-process (no HTTP). Every session runs turns: a turn appends 50-200
+tokens (the user or a tool result) to its context, decodes `--decode-tokens` tokens, then the
+session thinks (`--think` seconds, uniform) and returns. A conversation that grew by more than
+`--max-growth` tokens starts over from its initial context as a new session (its first turn is
+not a *returning* turn), so contexts stay near `--context`.
+
+Two scenarios, each run with every configuration:
+  fit        `--sessions` sessions (64), all decoding at once, all KV fits in L1
+  hibernate  `--hibernate-sessions` sessions (256) with an L1 budget and a batch for
+             `--l1-sessions` (64): the rest hibernate in L2/L3 and return after their think time
+             (by default long enough that about `--l1-sessions` are active at a time)
+
+Configurations:
+  ceiling      (a) batched eager DynamicCache, all KV resident, every session in lockstep (equal
+               lengths, so no padding; no think time): the upper bound. In `hibernate`, the
+               ceiling at batch `--l1-sessions` (reused from `fit` when that ran at that batch)
+  generate     (b) transformers' `model.generate_batch` (its continuous batching), one call per
+               round over every session's whole context (it keeps no KV between calls); skipped
+               with a note where the installed transformers lacks it; `fit` only by default
+  kvtier-seq   (c) kvtier TieredCache, one session per forward (the engine without batching)
+  kvtier       (d) kvtier's BatchScheduler (the server's) over the paged pool, codec native
+  kvtier-int8  (e) the same with the int8 codec
+
+Each session's initial context (a shared `--system`-token system prompt, then its own tokens)
+is prefilled once per scenario, batched; its K/V is kept on the host (the "bank") and copied
+into every configuration (kvtier: committed as its first turn), so no configuration pays for
+ingest inside its time. Sessions arrive spread over the think time (the first think time is
+uniform(0, hi)). Figures per configuration, all inside its measured window (after `--warmup`
+seconds, in `hibernate` plus the mean think time, and `--time-limit` seconds long less the
+warm-up): aggregate decode tok/s (tokens decoded in the window
+/ window), TTFT P50/P99 of returning turns (from the end of the think time, queueing
+included), step P50/P99 (one forward), OOM count (CUDA OOM, kvtier's L1BudgetExceeded,
+PoolExhausted), peak GPU memory (`torch.cuda.max_memory_allocated` / `max_memory_reserved`
+since the configuration started), and cudaMalloc calls inside the window:
+`torch.cuda.memory_stats()["num_device_alloc"]` (the caching allocator's count of cudaMalloc
+calls; `segment.all.allocated`, the segments it created, is kept in the JSON as a cross-check).
+
+    python3 bench/agent_fleet.py --concurrent --out DIR              # H200: about 6 minutes
+    python3 bench/agent_fleet.py --concurrent --shape qwen2-mini --device cpu --sessions 8 \\
+        --context 256 --time-limit 4 --warmup 1                      # CPU smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import shutil
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import fleet_batched as batched
+import fleet_report as report
+import fleet_serve as serve
+from models import build
+from transformers import DynamicCache
+
+from kvtier.geometry import KVGeometry
+from kvtier.integrations.hf import set_cudnn_attention
+
+CONFIGS = "ceiling,generate,kvtier-seq,kvtier,kvtier-int8"
+
+
+def contexts(n: int, length: int, system: int, seed: int) -> list[list[int]]:
+    """`n` contexts of `length` tokens: a shared system prompt, then each session's own."""
+    import random
+
+    rng = random.Random(f"contexts-{seed}")
+    shared = [rng.randrange(100, 30000) for _ in range(system)]
+    return [shared + [rng.randrange(100, 30000) for _ in range(length - system)] for _ in range(n)]
+
+
+def build_bank(model, ctxs, system: int, device: str, group: int, chunk: int):
+    """Every context's K/V, computed in batched prefills (the system prompt once), kept on the
+    host as per-layer `[sessions, kv_heads, tokens, dim]` tensors."""
+    n = len(ctxs)
+    bank: list[tuple[torch.Tensor, torch.Tensor]] = []
+    with torch.no_grad():
+        pre: Any = DynamicCache(config=model.config)
+        model(
+            torch.tensor([ctxs[0][:system]], device=device), past_key_values=pre, logits_to_keep=1
+        )
+        for g0 in range(0, n, group):
+            ids = torch.tensor(ctxs[g0 : g0 + group], device=device)
+            b = ids.shape[0]
+            cache: Any = DynamicCache(config=model.config)
+            for i, layer in enumerate(pre.layers):
+                k = layer.keys.expand(b, -1, -1, -1).contiguous()
+                cache.update(k, layer.values.expand(b, -1, -1, -1).contiguous(), i)
+            for c0 in range(system, ids.shape[1], chunk):
+                model(ids[:, c0 : c0 + chunk], past_key_values=cache, logits_to_keep=1)
+            for i, layer in enumerate(cache.layers):
+                if not bank or len(bank) <= i:
+                    shape = (n, *layer.keys.shape[1:])
+                    # pageable: 256 sessions of 3,000 tokens are 44 GB, too much to pin
+                    bank.append(
+                        (
+                            torch.empty(shape, dtype=layer.keys.dtype),
+                            torch.empty(shape, dtype=layer.keys.dtype),
+                        )
+                    )
+                bank[i][0][g0 : g0 + b].copy_(layer.keys)
+                bank[i][1][g0 : g0 + b].copy_(layer.values)
+            del cache
+    serve.sync(device)
+    return bank
+
+
+def fresh(device: str) -> None:
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def run_scenario(args, model, dev: str, scen: str, n: int, fleet_ceiling, tmp: Path):
+    """Every configuration on one scenario; returns (rows, the ceiling Measure)."""
+    geo = KVGeometry.from_config(model.config, dtype=str(model.dtype).split(".")[-1])
+    per_token = geo.bytes_per_token
+    batch = args.sessions if scen == "fit" else args.l1_sessions
+    max_ctx = args.context + args.max_growth + 256 + args.decode_tokens
+    l1_bytes = batch * max_ctx * per_token
+    l2_bytes = max(int(l1_bytes * args.l2_factor), per_token * 256)
+    sched_config = SimpleNamespace(
+        max_concurrency=batch,
+        batch_tokens=args.batch_tokens,
+        prefill_step=args.prefill_step,
+        batch_kv_bytes=batch * max_ctx * per_token,
+        isolate_cpus=False,
+    )
+    system = min(args.system, args.context // 2)
+    ctxs = contexts(n, args.context, system, args.seed)
+    t0 = time.perf_counter()
+    bank = build_bank(model, ctxs, system, dev, group=min(batch, 64), chunk=args.prefill_chunk)
+    print(f"[{scen}] {n} contexts prefilled in {time.perf_counter() - t0:.1f}s", flush=True)
+    think = args.think
+    if scen == "hibernate":
+        think = hibernate_think(args, n, batch, fleet_ceiling)
+    fleet = serve.Fleet(ctxs, system, args.decode_tokens, think, args.max_growth, args.seed)
+    # the window opens once the first arrivals (spread over the think time) have settled
+    warmup = args.warmup + (sum(think) / 2 if scen == "hibernate" else 0.0)
+    limit = args.time_limit + (warmup - args.warmup)
+    print(
+        f"[{scen}] think time {think[0]:.2f}-{think[1]:.2f}s, L1 {l1_bytes / 2**30:.2f} GiB, "
+        f"L2 {l2_bytes / 2**30:.2f} GiB, batch {batch}",
+        flush=True,
+    )
+    names = [c for c in args.configs.split(",") if c]
+    measures: list[serve.Measure] = []
+    ceiling = None
+    for name in names:
+        if name == "generate" and scen == "hibernate" and not args.generate_hibernate:
+            continue
+        reuse = fleet_ceiling is not None and fleet_ceiling.extra.get("batch") == batch
+        if name == "ceiling" and scen == "hibernate" and reuse:
+            ceiling = fleet_ceiling
+            continue
+        fresh(dev)
+        model.set_attn_implementation("sdpa")
+        backend = None
+        root = tmp / f"{scen}-{name}"
+        t1 = time.perf_counter()
+        try:
+            if name == "ceiling":
+                sub = serve.Fleet(ctxs[:batch], system, fleet.decode, think, args.max_growth)
+                m = serve.run_ceiling(model, sub, bank_rows(bank, batch), dev, warmup, limit)
+                ceiling = m
+            elif name == "generate":
+                if not serve.has_generate_batch(model):
+                    m = serve.Measure("generate_batch", note="skipped: no model.generate_batch")
+                else:
+                    m = serve.run_generate(model, fleet, dev, limit)
+            elif name.startswith("kvtier"):
+                codec = "int8" if name.endswith("int8") else "native"
+                backend = serve.tiered_backend(
+                    model, root, codec, l1_bytes, l2_bytes, args.write_policy
+                )
+                if name == "kvtier-seq":
+                    m = serve.run_sequential(model, fleet, bank, dev, warmup, limit, backend)
+                else:
+                    m = batched.run_batched(
+                        name, model, fleet, bank, dev, warmup, limit, backend, sched_config
+                    )
+            else:
+                print(f"unknown configuration {name}", flush=True)
+                continue
+        except Exception as exc:  # reported; the other configurations go on
+            traceback.print_exc()
+            m = serve.Measure(name, note=f"failed: {type(exc).__name__}: {str(exc)[:120]}")
+        finally:
+            if backend is not None:
+                try:
+                    backend.close()
+                except Exception as exc:
+                    print(f"{name}: closing the cache failed: {exc!r}", flush=True)
+            shutil.rmtree(root, ignore_errors=True)
+        if dev.startswith("cuda"):
+            m.peak_allocated = torch.cuda.max_memory_allocated()
+            m.peak_reserved = torch.cuda.max_memory_reserved()
+        measures.append(m)
+        print(
+            f"[{scen}] {m.name}: {m.tokens} tokens in a {m.window:.1f}s window, "
+            f"{m.turns} returning turns, {m.ooms} OOM, {m.failed} failed "
+            f"({time.perf_counter() - t1:.0f}s) {m.note}",
+            flush=True,
+        )
+    model.set_attn_implementation("sdpa")
+    del bank
+    rows = [
+        report.summary(m, ceiling)
+        for m in ([ceiling] if ceiling and ceiling not in measures else []) + measures
+    ]
+    if ceiling is not None and ceiling not in measures:
+        rows[0]["note"] = f"ceiling at batch {batch}, measured in the fit scenario of this run"
+    return rows, ceiling
+
+
+def bank_rows(bank, n: int):
+    return [(k[:n], v[:n]) for k, v in bank]
+
+
+def hibernate_think(args, n: int, batch: int, ceiling) -> tuple[float, float]:
+    """Think time that keeps about `batch` of the `n` sessions in a turn: (n/batch - 1) turn
+    times, the turn time taken from the ceiling's step (or `--step-guess` without one)."""
+    if args.think_hibernate:
+        return args.think_hibernate
+    step = report.pct(ceiling.steps, 0.5) if ceiling is not None and ceiling.steps else None
+    step = step or args.step_guess
+    turn = args.decode_tokens * step
+    mean = max(n / batch - 1, 0.0) * turn
+    return (0.75 * mean, 1.25 * mean)
+
+
+def pair(text: str) -> tuple[float, float]:
+    lo, _, hi = text.partition(",")
+    return float(lo), float(hi or lo)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--concurrent", action="store_true", help="(this mode; accepted and ignored)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--shape", default=None, help="bench/models.py shape (qwen2-7b on CUDA)")
+    ap.add_argument("--sessions", type=int, default=64, help="fit scenario: sessions")
+    ap.add_argument(
+        "--hibernate-sessions",
+        type=int,
+        default=None,
+        help="hibernate scenario: sessions (default 4x --sessions; 0 skips it)",
+    )
+    ap.add_argument(
+        "--l1-sessions",
+        type=int,
+        default=None,
+        help="hibernate scenario: L1 budget and batch, in sessions (default --sessions)",
+    )
+    ap.add_argument("--context", type=int, default=3000, help="initial context tokens")
+    ap.add_argument("--system", type=int, default=1536, help="shared system prompt tokens")
+    ap.add_argument("--decode-tokens", type=int, default=64, help="tokens decoded per turn")
+    ap.add_argument("--max-growth", type=int, default=1024)
+    ap.add_argument("--think", type=pair, default=(0.02, 0.1), help="fit: think seconds lo,hi")
+    ap.add_argument(
+        "--think-hibernate",
+        type=pair,
+        default=None,
+        help="hibernate: think seconds lo,hi (default: from the ceiling's step)",
+    )
+    ap.add_argument(
+        "--step-guess",
+        type=float,
+        default=0.02,
+        help="seconds per step for the hibernate think time without a ceiling run",
+    )
+    ap.add_argument("--configs", default=CONFIGS)
+    ap.add_argument(
+        "--generate-hibernate",
+        action="store_true",
+        help="also run generate_batch in the hibernate scenario (slow: it "
+        "prefills every context every round)",
+    )
+    ap.add_argument("--time-limit", type=float, default=20.0, help="seconds per configuration")
+    ap.add_argument("--warmup", type=float, default=4.0, help="seconds before the window opens")
+    ap.add_argument(
+        "--write-policy", default="write_through", help="kvtier write policy (as kvtier serve)"
+    )
+    ap.add_argument("--l2-factor", type=float, default=1.5, help="L2 bytes = this x L1 bytes")
+    ap.add_argument("--batch-tokens", type=int, default=1024, help="scheduler token budget")
+    ap.add_argument("--prefill-step", type=int, default=512, help="scheduler prompt chunk")
+    ap.add_argument("--prefill-chunk", type=int, default=512, help="bank prefill chunk")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    if args.hibernate_sessions is None:
+        args.hibernate_sessions = 4 * args.sessions
+    if args.l1_sessions is None:
+        args.l1_sessions = args.sessions
+    dev = args.device
+    cuda = dev.startswith("cuda")
+    set_cudnn_attention(False)  # as kvtier serve: cuDNN plans per new length slow every config
+    shape = args.shape or ("qwen2-7b" if cuda else "qwen2-mini")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    model = build(shape, dev, dtype)
+    model.set_attn_implementation("sdpa")
+    machine = torch.cuda.get_device_name() if cuda else "CPU"
+    print(f"{shape} {dtype} on {machine}, torch {torch.__version__}", flush=True)
+    tmp = Path(tempfile.mkdtemp(prefix="kvtier-fleet-conc-"))
+    results: dict[str, list[dict]] = {}
+    checks: dict[str, list[dict]] = {}
+    texts = []
+    ceiling = None
+    try:
+        for scen, n in (("fit", args.sessions), ("hibernate", args.hibernate_sessions)):
+            if n <= 0:
+                continue
+            rows, c = run_scenario(args, model, dev, scen, n, ceiling, tmp)
+            ceiling = ceiling or c
+            results[scen] = rows
+            checks[scen] = report.targets(scen, rows)
+            title = (
+                f"\n{scen}: {n} sessions, {args.context}-token contexts, "
+                f"{args.decode_tokens} tokens per turn, {shape} {dtype}, {machine}"
+            )
+            if scen == "hibernate":
+                title += f", L1 and batch for {args.l1_sessions}"
+            texts.append(
+                report.table(title, rows) + "\ntargets:\n" + report.targets_text(checks[scen])
+            )
+            print(texts[-1], flush=True)
+            if args.out:
+                save(args, args.out, machine, shape, dtype, results, checks, texts)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    print("\n".join(texts))
+    if args.out:
+        print(report.plot(results, Path(args.out) / "fleet_concurrent.png"))
+
+
+def save(args, out_dir: str, machine: str, shape: str, dtype, results, checks, texts) -> None:
+    """JSON and text of what ran so far (after each scenario: a run cut short keeps them)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    report.write_json(
+        out / "fleet_concurrent.json",
+        {
+            "machine": machine,
+            "torch": torch.__version__,
+            "shape": shape,
+            "dtype": str(dtype),
+            "args": dict(vars(args)),
+            "results": results,
+            "targets": checks,
+        },
+    )
+    (out / "fleet_concurrent.txt").write_text("\n".join(texts) + "\n")
+
+
+if __name__ == "__main__":
+    main()

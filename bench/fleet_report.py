@@ -1,0 +1,201 @@
+"""Tables, targets, plot and JSON of `bench/fleet_concurrent.py` (issue 18's benchmark)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from fleet_serve import Measure
+
+GIB = 2**30
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    v = sorted(values)
+    return v[min(len(v) - 1, round(q * (len(v) - 1)))]
+
+
+def summary(m: Measure, ceiling: Measure | None) -> dict[str, Any]:
+    rate = m.tokens / m.window if m.window > 0 else float("nan")
+    ceil_rate = ceiling.tokens / ceiling.window if ceiling and ceiling.window > 0 else float("nan")
+    return {
+        "config": m.name,
+        "tok_s": rate,
+        "ceiling_tok_s": ceil_rate,
+        "x_ceiling": rate / ceil_rate if ceil_rate and not math.isnan(ceil_rate) else float("nan"),
+        "ttft_p50": pct(m.ttft, 0.5),
+        "ttft_p99": pct(m.ttft, 0.99),
+        "step_p50": pct(m.steps, 0.5),
+        "step_p99": pct(m.steps, 0.99),
+        "returning_turns": m.turns,
+        "tokens": m.tokens,
+        "window_s": m.window,
+        "oom": m.ooms,
+        "failed": m.failed,
+        "errors": m.errors,
+        "peak_allocated_gib": m.peak_allocated / GIB,
+        "peak_reserved_gib": m.peak_reserved / GIB,
+        "cuda_mallocs_after_warmup": m.mallocs,
+        "segments_after_warmup": m.segments,
+        "note": m.note,
+        **{f"extra_{k}": v for k, v in m.extra.items()},
+    }
+
+
+def _ms(x: float) -> str:
+    return "n/a" if math.isnan(x) else f"{x * 1e3:.1f}"
+
+
+def table(title: str, rows: list[dict[str, Any]]) -> str:
+    head = (
+        f"{'config':>14} {'tok/s':>8} {'ceiling':>8} {'ratio':>6} {'TTFT p50':>9} "
+        f"{'TTFT p99':>9} {'step p50':>9} {'step p99':>9} {'OOM':>4} {'fail':>4} "
+        f"{'alloc GiB':>9} {'resv GiB':>9} {'mallocs':>7}  note"
+    )
+    lines = [title, head]
+    for r in rows:
+        lines.append(
+            f"{r['config']:>14} {r['tok_s']:8.1f} {r['ceiling_tok_s']:8.1f} {r['x_ceiling']:6.2f} "
+            f"{_ms(r['ttft_p50']):>9} {_ms(r['ttft_p99']):>9} {_ms(r['step_p50']):>9} "
+            f"{_ms(r['step_p99']):>9} {r['oom']:>4} {r['failed']:>4} "
+            f"{r['peak_allocated_gib']:9.2f} {r['peak_reserved_gib']:9.2f} "
+            f"{r['cuda_mallocs_after_warmup']:>7}  {r['note']}"
+            + (
+                "; errors " + ", ".join(f"{k} x{v}" for k, v in r["errors"].items())
+                if r["errors"]
+                else ""
+            )
+        )
+    lines.append("(times in ms; mallocs: cudaMalloc calls inside the measured window, -1 off CUDA)")
+    for r in rows:
+        if "extra_mixed_steps" in r:
+            lines.append(
+                f"{r['config']:>14}: {r['extra_decode_only_steps']} decode-only steps (P50 "
+                f"{_ms(r['extra_step_p50_decode_only'])} ms), {r['extra_mixed_steps']} with prompt "
+                f"chunks (P50 {_ms(r['extra_step_p50_mixed'])} ms), mean batch "
+                f"{r['extra_mean_batch']:.1f}, {r['extra_preemptions']} preemptions"
+            )
+    return "\n".join(lines)
+
+
+def _check(label: str, ok: bool | None, figure: str) -> dict[str, Any]:
+    state = "n/a" if ok is None else ("met" if ok else "missed")
+    return {"target": label, "figure": figure, "state": state}
+
+
+def targets(scenario: str, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Issue 18's targets for every kvtier batched row of a scenario."""
+    by = {r["config"]: r for r in rows}
+    out = []
+    for name in ("kvtier", "kvtier-int8"):
+        r = by.get(name)
+        if r is None:
+            continue
+        rate = r["tok_s"]
+        if scenario == "fit":
+            out.append(_check(f"{name}: >= 3,000 tok/s", rate >= 3000, f"{rate:.0f}"))
+            x = r["x_ceiling"]
+            out.append(
+                _check(
+                    f"{name}: >= 0.85x ceiling", None if math.isnan(x) else x >= 0.85, f"{x:.2f}"
+                )
+            )
+            g = by.get("generate_batch")
+            gr = g["tok_s"] if g else float("nan")
+            out.append(
+                _check(
+                    f"{name}: ahead of generate_batch",
+                    None if math.isnan(gr) else rate > gr,
+                    f"{rate:.0f} vs {gr:.0f}",
+                )
+            )
+        else:
+            out.append(_check(f"{name}: 0 OOM", r["oom"] == 0, str(r["oom"])))
+            out.append(_check(f"{name}: >= 2,500 tok/s", rate >= 2500, f"{rate:.0f}"))
+            p50, p99 = r["ttft_p50"], r["ttft_p99"]
+            bad = math.isnan(p50) or math.isnan(p99)
+            out.append(
+                _check(
+                    f"{name}: TTFT p99 <= 2x p50",
+                    None if bad else p99 <= 2 * p50,
+                    f"{p99 / p50:.2f}x" if not bad else "n/a",
+                )
+            )
+            s50, s99 = r["step_p50"], r["step_p99"]
+            bad = math.isnan(s50) or math.isnan(s99)
+            out.append(
+                _check(
+                    f"{name}: step p99 <= 1.25x p50",
+                    None if bad else s99 <= 1.25 * s50,
+                    f"{s99 / s50:.2f}x" if not bad else "n/a",
+                )
+            )
+    return out
+
+
+def targets_text(checks: list[dict[str, Any]]) -> str:
+    return "\n".join(f"  [{c['state']:>6}] {c['target']} ({c['figure']})" for c in checks)
+
+
+def plot(results: dict[str, list[dict[str, Any]]], path: Path) -> str:
+    """Per scenario: aggregate tok/s per configuration (ceiling and target marked) and TTFT
+    P50/P99. Returns what it did (matplotlib may be missing)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "plot skipped: matplotlib is not installed"
+    scen = [s for s in results if results[s]]
+    fig, axes = plt.subplots(len(scen), 2, figsize=(12, 4 * len(scen)), squeeze=False)
+    target = {"fit": 3000, "hibernate": 2500}
+    for row, s in enumerate(scen):
+        rows = results[s]
+        names = [r["config"] for r in rows]
+        ax = axes[row][0]
+        ax.bar(names, [_num(r["tok_s"]) for r in rows])
+        ceil = rows[0]["ceiling_tok_s"]
+        if not math.isnan(ceil):
+            ax.axhline(ceil, color="k", ls="--", label=f"ceiling {ceil:.0f}")
+        ax.axhline(target[s], color="r", ls=":", label=f"target {target[s]}")
+        ax.set_ylabel("aggregate decode tok/s")
+        ax.set_title(f"{s}: throughput")
+        ax.legend()
+        ax.tick_params(axis="x", rotation=20)
+        ax = axes[row][1]
+        x = range(len(rows))
+        p50 = [_num(r["ttft_p50"]) * 1e3 for r in rows]
+        p99 = [_num(r["ttft_p99"]) * 1e3 for r in rows]
+        ax.bar([i - 0.2 for i in x], p50, 0.4, label="P50")
+        ax.bar([i + 0.2 for i in x], p99, 0.4, label="P99")
+        ax.set_xticks(list(x), names, rotation=20)
+        if any(v > 0 for v in p50 + p99):
+            ax.set_yscale("log")
+        ax.set_ylabel("TTFT of returning turns (ms, log)")
+        ax.set_title(f"{s}: TTFT")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return f"plot: {path}"
+
+
+def _num(x: float) -> float:
+    return 0.0 if math.isnan(x) else x
+
+
+def write_json(path: Path, payload: dict[str, Any]) -> None:
+    def clean(x: Any) -> Any:
+        if isinstance(x, float) and (math.isnan(x) or math.isinf(x)):
+            return None
+        if isinstance(x, dict):
+            return {k: clean(v) for k, v in x.items()}
+        if isinstance(x, list):
+            return [clean(v) for v in x]
+        return x
+
+    path.write_text(json.dumps(clean(payload), indent=1, default=str))

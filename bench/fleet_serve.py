@@ -1,0 +1,401 @@
+"""The five ways `bench/fleet_concurrent.py` serves a fleet of agent sessions, in-process.
+
+Every driver takes a `Fleet` (the sessions' initial contexts, what each turn appends, the think
+times) and the KV each session's initial context already computed (`bank`, on the host), serves
+turns until its time limit and fills a `Measure`. Only what happens inside the measured window
+(after `warmup` seconds) is counted.
+
+  ceiling      batched eager DynamicCache, every session's KV on the GPU, all sessions in lockstep
+  generate     transformers' `generate_batch` (its own continuous batching), one call per round
+  kvtier-seq   kvtier TieredCache, one session per forward (the engine without batching)
+  kvtier-batch (fleet_batched.py) kvtier's BatchScheduler over the paged pool, from a TieredCache
+"""
+
+from __future__ import annotations
+
+import heapq
+import inspect
+import itertools
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+
+from kvtier.server.backend import TieredBackend
+from kvtier.server.batching import append_kv
+
+OOM_NAMES = ("OutOfMemoryError", "L1BudgetExceeded", "PoolExhausted")
+
+
+@dataclass
+class Fleet:
+    """The workload: the same for every configuration (same seeds)."""
+
+    contexts: list[list[int]]  # per session: its initial context (all of one length)
+    system: int  # leading tokens every context shares (the system prompt)
+    decode: int  # tokens decoded per turn
+    think: tuple[float, float]  # think time between two turns of a session: uniform(lo, hi)
+    max_growth: int  # a conversation longer than initial + this starts over (a new session)
+    seed: int = 0
+
+    def append(self, sid: int, turn: int) -> list[int]:
+        """What turn `turn` of session `sid` appends to its context (50-200 tokens)."""
+        rng = random.Random(f"append-{self.seed}-{sid}-{turn}")
+        return [rng.randrange(100, 30000) for _ in range(rng.randint(50, 200))]
+
+    def think_s(self, sid: int, turn: int) -> float:
+        """Seconds session `sid` thinks before turn `turn`; before the first, uniform(0, hi):
+        the sessions arrive spread out, not in one burst."""
+        rng = random.Random(f"think-{self.seed}-{sid}-{turn}")
+        return rng.uniform(0.0, self.think[1]) if turn == 1 else rng.uniform(*self.think)
+
+
+@dataclass
+class Measure:
+    """What one configuration measured inside its window."""
+
+    name: str
+    tokens: int = 0  # tokens decoded inside the window
+    window: float = 0.0  # seconds
+    ttft: list[float] = field(default_factory=list)  # returning turns, first token in the window
+    steps: list[float] = field(default_factory=list)  # forward steps inside the window
+    turns: int = 0
+    ooms: int = 0
+    failed: int = 0
+    errors: dict[str, int] = field(default_factory=dict)
+    peak_allocated: int = 0
+    peak_reserved: int = 0
+    mallocs: int = -1  # cudaMalloc calls inside the window (torch: num_device_alloc)
+    segments: int = -1  # allocator segments created inside the window (cross-check)
+    note: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def fail(self, exc: BaseException) -> None:
+        name = type(exc).__name__
+        self.errors[name] = self.errors.get(name, 0) + 1
+        if name in OOM_NAMES or "out of memory" in str(exc).lower():
+            self.ooms += 1
+        else:
+            self.failed += 1
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def alloc_counters(device: str) -> tuple[int, int]:
+    """(cudaMalloc calls, segments created) so far in this process (-1 off CUDA)."""
+    if not device.startswith("cuda"):
+        return -1, -1
+    stats = torch.cuda.memory_stats()
+    return int(stats.get("num_device_alloc", -1)), int(stats.get("segment.all.allocated", -1))
+
+
+class Window:
+    """The measured window of one configuration: [start + warmup, start + limit)."""
+
+    def __init__(self, device: str, warmup: float, limit: float) -> None:
+        self.device = device
+        self.t0 = time.perf_counter()
+        self.open_at = self.t0 + warmup
+        self.close_at = self.t0 + limit
+        self.opened = False
+        self.before = (-1, -1)
+        self.after: tuple[int, int] | None = None
+
+    def inside(self, t: float) -> bool:
+        return self.open_at <= t < self.close_at
+
+    def over(self) -> bool:
+        return time.perf_counter() >= self.close_at
+
+    def poll(self) -> None:
+        """Read the allocator counters when the window opens and when it closes (call often;
+        `finish` reads them at the close where no poll did)."""
+        now = time.perf_counter()
+        if not self.opened and now >= self.open_at:
+            self.opened = True
+            self.before = alloc_counters(self.device)
+        if self.opened and self.after is None and now >= self.close_at:
+            self.after = alloc_counters(self.device)
+
+    def finish(self, m: Measure) -> None:
+        m.window = max(self.close_at - self.open_at, 1e-9)
+        if self.opened and self.before[0] >= 0:
+            after = self.after or alloc_counters(self.device)
+            m.mallocs = after[0] - self.before[0]
+            m.segments = after[1] - self.before[1]
+
+
+def bank_layers(bank: list[tuple[torch.Tensor, torch.Tensor]], sid: int, start: int, device: str):
+    """Session `sid`'s initial K/V from token `start` on, per layer `[1, kv_heads, n, dim]`."""
+    return [
+        (k[sid : sid + 1, :, start:].to(device), v[sid : sid + 1, :, start:].to(device))
+        for k, v in bank
+    ]
+
+
+# ---- (a) the ceiling -------------------------------------------------------------------------
+
+
+def run_ceiling(model, fleet: Fleet, bank, device: str, warmup: float, limit: float) -> Measure:
+    """All sessions in one batched DynamicCache (all KV resident), in lockstep: every round
+    appends the same number of tokens to every session (no padding), then decodes `decode`
+    tokens in one forward per step. Think time is skipped: this is the upper bound."""
+    m = Measure("ceiling")
+    n = len(fleet.contexts)
+    initial = len(fleet.contexts[0])
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        for i, (k, v) in enumerate(bank):
+            cache.update(k.to(device), v.to(device), i)
+        sync(device)
+        win = Window(device, warmup, limit)
+        turn = 1
+        while not win.over():
+            win.poll()
+            if cache.get_seq_length() + 200 + fleet.decode > initial + fleet.max_growth:
+                # every conversation starts over from its initial context (crop takes a negative
+                # count, the tokens to drop, in every transformers version)
+                cache.crop(initial - cache.get_seq_length())
+            ids = _round_ids(fleet, n, turn, device)
+            sync(device)
+            t0 = time.perf_counter()
+            tok = model(ids, past_key_values=cache, logits_to_keep=1).logits[:, -1:].argmax(-1)
+            sync(device)
+            t1 = time.perf_counter()
+            counted = win.inside(t0)
+            if counted:
+                m.ttft.extend([t1 - t0] * n)
+                m.turns += n
+            if win.inside(t1):
+                m.tokens += n
+            for _ in range(fleet.decode - 1):
+                s0 = time.perf_counter()
+                tok = model(tok, past_key_values=cache, logits_to_keep=1).logits[:, -1:].argmax(-1)
+                sync(device)
+                s1 = time.perf_counter()
+                if win.inside(s1):
+                    m.steps.append(s1 - s0)
+                    m.tokens += n
+            turn += 1
+        win.finish(m)
+    m.extra["batch"] = n
+    del cache
+    return m
+
+
+def _round_ids(fleet: Fleet, n: int, turn: int, device: str) -> torch.Tensor:
+    """The tokens every session appends in lockstep round `turn`: its own append, all cut to
+    the round's common length (that of session 0)."""
+    k = len(fleet.append(0, turn))
+    rows = []
+    for s in range(n):
+        a = fleet.append(s, turn)
+        rows.append((a * (k // len(a) + 1))[:k])
+    return torch.tensor(rows, device=device)
+
+
+# ---- (b) transformers generate_batch ----------------------------------------------------------
+
+
+def has_generate_batch(model) -> bool:
+    return callable(getattr(model, "generate_batch", None))
+
+
+def run_generate(model, fleet: Fleet, device: str, limit: float) -> Measure:
+    """Rounds of `model.generate_batch` over every session's whole context (transformers keeps
+    no KV between calls, so each round prefills every context again). The first round is the
+    warm-up; later rounds are counted while the time limit allows. TTFT and steps come from the
+    per-token timestamps where this transformers records them."""
+    from transformers import GenerationConfig
+
+    m = Measure("generate_batch")
+    n = len(fleet.contexts)
+    ctx = [list(c) for c in fleet.contexts]
+    params = inspect.signature(model.generate_batch).parameters
+    kwargs: dict[str, Any] = {}
+    if "record_timestamps" in params:
+        kwargs["record_timestamps"] = True
+    if "progress_bar" in params:
+        kwargs["progress_bar"] = False
+    gen_cfg = GenerationConfig(
+        max_new_tokens=fleet.decode, do_sample=False, pad_token_id=0, eos_token_id=None
+    )
+    t_start = time.perf_counter()
+    rounds = 0
+    counted_rounds = 0
+    before = alloc_counters(device)
+    while True:
+        prompts = [c + fleet.append(s, rounds + 1) for s, c in enumerate(ctx)]
+        if rounds == 1:
+            before = alloc_counters(device)
+        sync(device)
+        r0 = time.perf_counter()
+        out = model.generate_batch(inputs=prompts, generation_config=gen_cfg, **kwargs)
+        sync(device)
+        r1 = time.perf_counter()
+        rounds += 1
+        outs = list(out.values())
+        errors = [o for o in outs if getattr(o, "error", None)]
+        for o in errors:
+            m.fail(RuntimeError(str(o.error)))
+        warm = rounds == 1
+        elapsed = r1 - t_start
+        last = elapsed + (r1 - r0) > limit
+        if not warm or last:  # a lone round is counted (noted) rather than nothing
+            counted_rounds += 1
+            m.window += r1 - r0
+            m.turns += len(outs) - len(errors)
+            m.tokens += sum(len(o.generated_tokens) for o in outs)
+            for o in outs:
+                ts = getattr(o, "timestamps", None)
+                if ts:
+                    m.ttft.append(ts[0] - o.created_time)
+                    m.steps.extend(b - a for a, b in itertools.pairwise(ts))
+            if warm:
+                m.note = "one round only: it includes generate_batch's warm-up"
+        by_id = {o.request_id: o for o in outs}
+        for s, rid in enumerate(sorted(by_id, key=_request_order)):
+            if s < n:
+                ctx[s] = prompts[s] + list(by_id[rid].generated_tokens)
+                if len(ctx[s]) > len(fleet.contexts[s]) + fleet.max_growth:
+                    ctx[s] = list(fleet.contexts[s])
+        if last:
+            break
+    after = alloc_counters(device)
+    if before[0] >= 0 and counted_rounds:
+        m.mallocs, m.segments = after[0] - before[0], after[1] - before[1]
+    if not m.ttft:
+        m.note = (m.note + "; " if m.note else "") + "no per-token timestamps: TTFT/steps n/a"
+    m.extra["rounds"] = rounds
+    return m
+
+
+def _request_order(rid: str) -> tuple[int, str]:
+    """generate_batch names requests req_0, req_1, ...: in input order."""
+    digits = "".join(ch for ch in rid if ch.isdigit())
+    return (int(digits) if digits else 0, rid)
+
+
+# ---- kvtier: the cache, seeding, names ---------------------------------------------------------
+
+
+def tiered_backend(
+    model, root: Path, codec: str, l1_bytes: int, l2_bytes: int, policy: str = "write_through"
+) -> TieredBackend:
+    cfg = SimpleNamespace(
+        l3_root=root,
+        l3_cold_root=None,
+        l1_bytes=l1_bytes,
+        l2_bytes=l2_bytes,
+        chunk_tokens=256,
+        codec=codec,
+        write_policy=policy,
+        l3_writer="auto",
+        model_id=None,
+    )
+    return TieredBackend(model, cfg, model_id=f"bench-{model.config._name_or_path}")
+
+
+def session_name(sid: int, conv: int) -> str:
+    return f"agent-{sid}" if conv == 0 else f"agent-{sid}.{conv}"
+
+
+TENANT = "fleet"
+
+
+def seed(cache, fleet: Fleet, bank, device: str) -> None:
+    """Every session's initial context committed into the tiered cache from the bank (its K/V,
+    computed once), as if each had run its first turn. Sessions past the L1 budget push the
+    oldest down to L2/L3."""
+    with torch.no_grad():
+        for sid, ctx in enumerate(fleet.contexts):
+            s = cache.session(session_name(sid, 0), tenant=TENANT)
+            kv = s.restore(torch.tensor([ctx], device=device))
+            covered = int(kv.get_seq_length())
+            append_kv(kv, bank_layers(bank, sid, covered, device))
+            s.commit(ctx)
+
+
+# ---- (c) kvtier, one session per forward -----------------------------------------------------
+
+
+def run_sequential(
+    model, fleet: Fleet, bank, device: str, warmup: float, limit: float, backend
+) -> Measure:
+    """Today's engine: one process, one model, each ready session's whole turn at a time
+    (restore, prefill of the new tokens, decode, commit), first come first served. TTFT counts
+    from the end of the session's think time, its wait in the queue included."""
+    from kvtier.server.model import cache_kwarg
+
+    m = Measure("kvtier-seq")
+    kw = cache_kwarg(model)
+    cache = backend.cache
+    seed(cache, fleet, bank, device)
+    n = len(fleet.contexts)
+    ctx = [list(c) for c in fleet.contexts]
+    conv = [0] * n
+    turn = [1] * n
+    win = Window(device, warmup, limit)
+    ready = [(win.t0 + fleet.think_s(s, 1), s) for s in range(n)]
+    heapq.heapify(ready)
+    with torch.no_grad():
+        while not win.over():
+            win.poll()
+            at, sid = heapq.heappop(ready)
+            now = time.perf_counter()
+            if at > now:
+                time.sleep(min(at - now, max(win.close_at - now, 0.0)))
+                if win.over():
+                    break
+            returning = True
+            if len(ctx[sid]) > len(fleet.contexts[sid]) + fleet.max_growth:
+                conv[sid] += 1  # the conversation starts over, as a new session
+                ctx[sid] = list(fleet.contexts[sid])
+                returning = False
+            prompt = ctx[sid] + fleet.append(sid, turn[sid])
+            turn[sid] += 1
+            s = cache.session(session_name(sid, conv[sid]), tenant=TENANT)
+            ids = torch.tensor([prompt], device=device)
+            try:
+                kv = s.restore(ids)
+                past = int(kv.get_seq_length())
+                logits = model(ids[:, past:], logits_to_keep=1, **{kw: kv}).logits
+                tok = logits[:, -1:].argmax(-1)
+                sync(device)
+                t1 = time.perf_counter()
+                out = [tok]
+                for _ in range(fleet.decode - 1):
+                    s0 = time.perf_counter()
+                    tok = model(tok, logits_to_keep=1, **{kw: kv}).logits[:, -1:].argmax(-1)
+                    sync(device)
+                    s1 = time.perf_counter()
+                    out.append(tok)
+                    if win.inside(s1):
+                        m.steps.append(s1 - s0)
+                        m.tokens += 1
+                reply = torch.cat(out, dim=1)[0].tolist()
+                s.commit(prompt + reply[:-1])  # the last token's K/V is not computed yet
+            except Exception as exc:  # counted; the session forgets the half-done turn
+                m.fail(exc)
+                s.abort()
+                if device.startswith("cuda"):
+                    torch.cuda.empty_cache()
+                heapq.heappush(ready, (time.perf_counter() + fleet.think_s(sid, turn[sid]), sid))
+                continue
+            if win.inside(t1):
+                m.tokens += 1
+            if win.inside(t1) and returning:
+                m.ttft.append(t1 - at)
+                m.turns += 1
+            ctx[sid] = prompt + reply
+            heapq.heappush(ready, (time.perf_counter() + fleet.think_s(sid, turn[sid]), sid))
+    win.finish(m)
+    return m

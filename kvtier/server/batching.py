@@ -1,0 +1,505 @@
+"""The batching scheduler: every decoding session adds one token to ONE forward per iteration.
+
+One thread owns the model. A submitted job is restored on a small thread pool (the tiered cache
+hands back a transformers Cache over the first `covered` prompt tokens) and only then queued as
+*waiting*; each iteration the scheduler thread
+
+1. finishes sequences whose client went away;
+2. takes one token from every *running* sequence that decodes (a page more where its last page
+   is full; when the pool has no free page, the latest admitted sequence is preempted: its K/V is
+   appended to its session's Cache and its pages freed, and it waits at the head of the queue);
+3. fills the rest of the token budget (`batch_tokens`) with prompt chunks (at most
+   `prefill_step` tokens each) of sequences still prefilling, oldest first;
+4. admits waiting sequences while budget, batch slots (`max_concurrency`) and pages for their
+   whole known token list remain: it copies the restored prefix's K/V into the new pages
+   (device to device) and schedules their first prompt chunk;
+5. runs the batch as one flattened forward (`kvtier.paged.BatchRunner`) and samples one token
+   for every sequence whose tokens are all fed.
+
+A finished turn's new K/V (the prompt suffix and the generated tokens that were fed) is copied
+out of the pages, the pages are freed, and a second small pool appends it to the session's Cache
+with `Cache.update()` and commits, exactly as the per-request worker does (abort on error,
+hibernate on cancel, forget when ephemeral). Restores and commits never stall the batch.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvtier.errors import KvtierError
+from kvtier.geometry import KVGeometry
+from kvtier.paged import BatchRunner, PagedSequence, PagePool, SeqInput
+from kvtier.paged.attention import VARLEN_PAGE, varlen_block_table_supported, write_kv
+from kvtier.server.backend import Backend, RecomputeBackend, Restored
+from kvtier.server.engine import ContextExceeded, Delta, Failed, Finished, Job, Started, Stream
+from kvtier.server.eventpost import EventPost
+from kvtier.server.model import ServedModel
+from kvtier.server.sampling import ReplyText, make_generator, sample_rows
+from kvtier.tiers import l3_io
+
+log = logging.getLogger("kvtier.server")
+
+PAGE_SIZE = 16  # tokens per KV page (CPU, or where FlashAttention's varlen cannot run)
+DEFAULT_BATCH_TOKENS = 1024
+_CPU_POOL_CAP = 2**30  # an automatic pool on the CPU takes at most this many bytes
+
+
+@dataclass(eq=False)
+class _Seq:
+    """One request inside the scheduler."""
+
+    job: Job
+    stream: Stream
+    admitted: float
+    done: concurrent.futures.Future[None]
+    reply: ReplyText
+    gen: torch.Generator | None
+    tokens: list[int]  # prompt + sampled tokens; the last sampled one is fed in the next step
+    restored: Restored | None = None
+    cached: int = 0  # leading tokens whose K/V the session's Cache holds
+    paged: PagedSequence | None = None  # its pages while running, None while waiting
+    first: bool = False  # the first token's logits arrived (TTFT observed)
+
+    @property
+    def fed(self) -> int:
+        """Tokens whose K/V exists (in pages while running, in the Cache while waiting)."""
+        return self.paged.length if self.paged is not None else self.cached
+
+
+def pool_bytes(served: ServedModel, config: Any, per_token: int) -> int:
+    """The page pool's byte budget: `batch_kv_bytes`, or room for `max_concurrency` full contexts
+    (at most half the free GPU memory on CUDA, 1 GiB on the CPU)."""
+    given = int(getattr(config, "batch_kv_bytes", 0) or 0)
+    if given:
+        return given
+    want = int(config.max_concurrency) * int(served.context_tokens) * per_token
+    device = served.device
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return max(per_token * VARLEN_PAGE, min(want, free // 2))
+    return min(want, _CPU_POOL_CAP)
+
+
+def page_size(device: torch.device, dtype: torch.dtype) -> int:
+    """Pages of 256 tokens where torch's varlen FlashAttention can read them (CUDA, fp16/bf16):
+    it then runs steps that mix prompt chunks and decode tokens in one call; else 16."""
+    flash = device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
+    return VARLEN_PAGE if flash and varlen_block_table_supported() else PAGE_SIZE
+
+
+class BatchScheduler:
+    """Owns the model (paged attention), the page pool and the scheduler thread."""
+
+    def __init__(
+        self, served: ServedModel, backend: Backend, config: Any, metrics: Any = None
+    ) -> None:
+        self.served = served
+        self.backend = backend
+        self.config = config
+        self.metrics = metrics
+        model = served.model
+        dtype = next(model.parameters()).dtype
+        geometry = KVGeometry.from_config(model.config)
+        element = torch.empty((), dtype=dtype).element_size()
+        per_token = geometry.num_layers * 2 * geometry.num_kv_heads * geometry.head_dim * element
+        self.max_batch = int(config.max_concurrency)
+        self.batch_tokens = max(
+            int(getattr(config, "batch_tokens", DEFAULT_BATCH_TOKENS)), self.max_batch
+        )
+        self.prefill_step = int(config.prefill_step)
+        self.pool = PagePool(
+            geometry,
+            pool_bytes(served, config, per_token),
+            page_size=page_size(served.device, dtype),
+            device=served.device,
+            dtype=dtype,
+        )
+        self.runner = BatchRunner(
+            model,
+            self.pool,
+            max_batch=self.max_batch,
+            max_tokens=self.batch_tokens,
+            max_seq_len=served.context_tokens,
+        )
+        self._keep_kv = not isinstance(backend, RecomputeBackend)
+        self._restores = concurrent.futures.ThreadPoolExecutor(2, "kvtier-restore")
+        self._commits = concurrent.futures.ThreadPoolExecutor(2, "kvtier-commit")
+        self._cond = threading.Condition()
+        self._arrived: list[_Seq] = []
+        self._restoring = 0  # submitted jobs whose restore has not finished
+        self._closed = False
+        self.waiting: deque[_Seq] = deque()
+        self.running: list[_Seq] = []
+        self.preemptions = 0  # sequences moved out of the pool to make room
+        self._events = EventPost()  # this iteration's events, handed over together
+        isolate = bool(getattr(config, "isolate_cpus", False)) and served.device.type == "cuda"
+        self._thread = threading.Thread(
+            target=self._main, args=(isolate,), name="kvtier-batch", daemon=True
+        )
+        self._thread.start()
+
+    # ---- the public side ----------------------------------------------------------------------
+
+    def submit(self, job: Job, stream: Stream, admitted: float) -> concurrent.futures.Future[None]:
+        """Queue a job; its events go to `stream`; the future resolves after Finished/Failed."""
+        done: concurrent.futures.Future[None] = concurrent.futures.Future()
+        tok = self.served.tokenizer
+        s = _Seq(
+            job=job,
+            stream=stream,
+            admitted=admitted,
+            done=done,
+            reply=ReplyText(tok, self.served.eos_ids, job.stop),
+            gen=make_generator(job.temperature, job.seed),
+            tokens=list(job.prompt_ids),
+        )
+        with self._cond:
+            if self._closed:
+                raise KvtierError("the batch scheduler is closed; the server is shutting down")
+            self._restoring += 1
+        self._restores.submit(self._restore, s)
+        return done
+
+    def close(self) -> None:
+        """Stop once every submitted job has finished; then stop the restore and commit pools."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join()
+        self._restores.shutdown(wait=True)
+        self._commits.shutdown(wait=True)
+
+    # ---- restore (thread pool) ----------------------------------------------------------------
+
+    def _restore(self, s: _Seq) -> None:
+        job = s.job
+        try:
+            ids = torch.tensor([job.prompt_ids], dtype=torch.long, device=self.served.device)
+            s.restored = self.backend.restore(job.session_id, job.tenant, ids)
+        except BaseException as exc:  # nothing restored, nothing to abort
+            self._report(s, exc)
+            with self._cond:
+                self._restoring -= 1
+                self._cond.notify_all()
+            return
+        s.cached = s.restored.covered
+        s.stream.put(Started(s.restored.source, s.cached, len(job.prompt_ids)))
+        with self._cond:
+            self._restoring -= 1
+            self._arrived.append(s)
+            self._cond.notify_all()
+
+    # ---- the scheduler thread -----------------------------------------------------------------
+
+    def _main(self, isolate: bool) -> None:
+        if isolate:
+            l3_io.isolate_caller()
+        while True:
+            with self._cond:
+                while not (self._arrived or self.waiting or self.running or self._closed):
+                    self._cond.wait()
+                self.waiting.extend(self._arrived)
+                self._arrived.clear()
+                if self._closed and not (self.waiting or self.running):
+                    if self._restoring == 0:
+                        return
+                    self._cond.wait()
+                    continue
+            try:
+                self._iterate()
+            except BaseException as exc:  # a bug here must not leave clients hanging
+                log.exception("batch scheduler iteration failed")
+                for s in [*self.running, *self.waiting]:
+                    self._fail(s, exc)
+
+    def _iterate(self) -> None:
+        for s in [*self.running, *self.waiting]:
+            if s.stream.cancelled.is_set():
+                self._finish(s, "cancelled")
+        items = self._schedule()
+        if items:
+            self._step(items)
+        self._deliver()
+
+    def _post(self, s: _Seq, event: Any) -> None:
+        self._events.post(s.stream, event)
+
+    def _deliver(self) -> None:
+        self._events.send()
+
+    def _schedule(self) -> list[tuple[_Seq, list[int]]]:
+        pool = self.pool
+        # Decoding sequences first, one token each; free pages for the ones whose page is full.
+        need = 0
+        while self.running:
+            need = sum(pool.pages_needed(s.paged, 1) for s in self._decoding() if s.paged)
+            if need <= pool.num_free:
+                break
+            victim = self.running[-1]
+            if len(self.running) == 1:
+                self._out_of_room(victim)
+            else:
+                self._preempt(victim)
+            need = 0
+        items = [(s, s.tokens[-1:]) for s in self._decoding()]
+        budget = self.batch_tokens - len(items)
+        for s in self.running:
+            left = len(s.tokens) - s.fed
+            if left > 1 and budget > 0:
+                n = min(left, self.prefill_step, budget)
+                items.append((s, s.tokens[s.fed : s.fed + n]))
+                budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.max_batch:
+            s = self.waiting[0]
+            pages = pool.pages_for(len(s.tokens))
+            if pages > pool.num_pages:
+                self.waiting.popleft()
+                self._fail(s, self._too_long(len(s.tokens)))
+                continue
+            if pages > pool.num_free - need:  # the decoders' new pages come first
+                break  # the pool is full: it waits for a sequence to finish
+            self.waiting.popleft()
+            if not self._admit(s):
+                continue
+            n = min(len(s.tokens) - s.fed, self.prefill_step, budget)
+            items.append((s, s.tokens[s.fed : s.fed + n]))
+            budget -= n
+        return items
+
+    def _decoding(self) -> list[_Seq]:
+        return [s for s in self.running if len(s.tokens) - s.fed == 1]
+
+    def _too_long(self, tokens: int) -> ContextExceeded:
+        cap = self.pool.num_pages * self.pool.page_size
+        return ContextExceeded(
+            f"the conversation has {tokens} tokens but the batch KV pool holds {cap}; shorten "
+            "it, or raise batch_kv_bytes (or turn batching off)"
+        )
+
+    def _admit(self, s: _Seq) -> bool:
+        """Give a waiting sequence pages for all its known tokens and copy in its cached K/V."""
+        seq = PagedSequence()
+        ok = self.pool.reserve(seq, len(s.tokens))
+        assert ok, "free pages were counted above"
+        try:
+            if s.cached:
+                assert s.restored is not None
+                self._copy_in(s.restored.kv, seq, s.cached)
+        except BaseException as exc:
+            self.pool.release(seq)
+            self._fail(s, exc)
+            return False
+        seq.length = s.cached
+        s.paged = seq
+        self.running.append(s)
+        return True
+
+    def _copy_in(self, kv: Any, seq: PagedSequence, n: int) -> None:
+        """The first `n` tokens of a transformers Cache, layer by layer, into the pages."""
+        size = self.pool.page_size
+        pages = torch.tensor(seq.pages, dtype=torch.long)
+        slots = (pages[:, None] * size + torch.arange(size)).flatten()[:n].to(self.pool.device)
+        for i, layer in enumerate(kv.layers):
+            k_cache, v_cache = self.pool.layer_cache(i)
+            k = layer.keys[0, :, :n].transpose(0, 1).to(self.pool.device)
+            v = layer.values[0, :, :n].transpose(0, 1).to(self.pool.device)
+            write_kv(k_cache, v_cache, k, v, slots)
+
+    def _copy_out(self, s: _Seq) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """K/V of tokens [cached, fed) from the pages, per layer as `[1, kv_heads, n, dim]`."""
+        assert s.paged is not None
+        start, end = s.cached, s.paged.length
+        if end <= start:
+            return []
+        out = []
+        for i in range(self.pool.geometry.num_layers):
+            k, v = self.pool.gather_layer(s.paged.pages, start, end, i)
+            out.append((k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)))
+        return out
+
+    def _preempt(self, s: _Seq) -> None:
+        """Move a running sequence's K/V into its session's Cache, free its pages, requeue it."""
+        self.running.remove(s)
+        try:
+            assert s.restored is not None
+            append_kv(s.restored.kv, self._copy_out(s))
+        except BaseException as exc:
+            self._fail(s, exc)
+            return
+        assert s.paged is not None
+        s.cached = s.paged.length
+        self.preemptions += 1
+        self.pool.release(s.paged)
+        s.paged = None
+        self.waiting.appendleft(s)
+
+    def _out_of_room(self, s: _Seq) -> None:
+        """Alone in a full pool: the reply ends here, as at the end of the context."""
+        log.warning(
+            "session %s: the batch KV pool is full with this one reply; it ends at %d tokens "
+            "(raise batch_kv_bytes)",
+            s.job.session_id[:64],
+            s.fed,
+        )
+        self._finish(s, "length", flush=True)
+
+    # ---- the step -----------------------------------------------------------------------------
+
+    def _step(self, items: list[tuple[_Seq, list[int]]]) -> None:
+        start = time.perf_counter()
+        batch = [SeqInput(s.paged, toks) for s, toks in items]  # type: ignore[arg-type]
+        try:
+            logits = self.runner.step(batch)
+        except BaseException as exc:
+            log.exception("batched forward failed (%d sequences)", len(items))
+            for s, _ in items:
+                self._fail(s, exc)
+            return
+        done = [s for s, _ in items if s.fed == len(s.tokens)]  # all fed: a token is due
+        if done:
+            rows = [i for i, (s, _) in enumerate(items) if s.fed == len(s.tokens)]
+            chosen = logits[rows].float()
+            if self.served.allowed is not None:
+                chosen = chosen.masked_fill(~self.served.allowed, float("-inf"))
+            tokens = sample_rows(
+                chosen,
+                [s.job.temperature for s in done],
+                [s.job.top_p for s in done],
+                [s.gen for s in done],
+            )
+            now = time.perf_counter()
+            for s, token in zip(done, tokens, strict=True):
+                if not s.first:
+                    s.first = True
+                    self._observe_ttft(s, now - s.admitted)
+                if s.job.max_tokens <= 0:
+                    self._finish(s, "length", flush=True)
+                else:
+                    self._take(s, token)
+        if self.metrics is not None and hasattr(self.metrics, "step"):
+            self.metrics.step(len(items), time.perf_counter() - start)
+
+    def _take(self, s: _Seq, token: int) -> None:
+        """A sampled token: stream its text, then end the reply or queue the token to be fed."""
+        reply = s.reply
+        delta = reply.add(token)
+        if delta:
+            self._post(s, Delta(delta))
+        if reply.stopped:
+            self._finish(s, "stop")
+        elif reply.eos or len(reply.ids) >= s.job.max_tokens or s.stream.cancelled.is_set():
+            if s.stream.cancelled.is_set():
+                self._finish(s, "cancelled")
+            else:
+                self._finish(s, "stop" if reply.eos else "length", flush=True)
+        else:
+            s.tokens.append(token)
+
+    # ---- leaving ------------------------------------------------------------------------------
+
+    def _leave(self, s: _Seq) -> None:
+        if s in self.running:
+            self.running.remove(s)
+        elif s in self.waiting:
+            self.waiting.remove(s)
+
+    def _finish(self, s: _Seq, reason: str, flush: bool = False) -> None:
+        """End the turn: copy its new K/V out of the pages, free them, commit off this thread."""
+        self._leave(s)
+        if flush:
+            rest = s.reply.rest()
+            if rest:
+                self._post(s, Delta(rest))
+        fed = s.fed
+        try:
+            layers = self._copy_out(s) if (self._keep_kv and s.paged is not None) else []
+        except BaseException as exc:
+            self._fail(s, exc)
+            return
+        if s.paged is not None:
+            self.pool.release(s.paged)
+            s.paged = None
+        self._deliver()  # its deltas reach the client before Finished
+        self._commits.submit(self._commit, s, reason, fed, layers)
+
+    def _commit(
+        self, s: _Seq, reason: str, fed: int, layers: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> None:
+        job, backend = s.job, self.backend
+        assert s.restored is not None
+        try:
+            if layers:
+                append_kv(s.restored.kv, layers)
+            # Commit what the KV now covers, also after a disconnect: a returning client finds it.
+            backend.commit(job.session_id, job.tenant, torch.tensor(s.tokens[:fed]))
+            if job.ephemeral:
+                backend.forget(job.session_id)
+            elif reason == "cancelled":
+                backend.hibernate(job.session_id)  # the client went away: free its L1
+        except BaseException as exc:
+            self._abort(s, exc)
+            return
+        total = len(job.prompt_ids)
+        self._count("completion_tokens", len(s.reply.ids))
+        self._count("prompt_tokens", total)
+        s.stream.put(
+            Finished(reason, total, len(s.reply.ids), s.restored.covered, s.restored.source)
+        )
+        s.done.set_result(None)
+
+    def _fail(self, s: _Seq, exc: BaseException) -> None:
+        """The request fails: free its pages, and abort its session off this thread."""
+        self._leave(s)
+        if s.paged is not None:
+            self.pool.release(s.paged)
+            s.paged = None
+        self._deliver()
+        self._commits.submit(self._abort, s, exc)
+
+    def _abort(self, s: _Seq, exc: BaseException) -> None:
+        job = s.job
+        try:
+            self.backend.abort(job.session_id, job.tenant)  # forget the half-written step
+            if job.ephemeral:
+                self.backend.forget(job.session_id)
+        except BaseException:
+            log.exception("abort failed for session %s", job.session_id[:64])
+        self._report(s, exc)
+
+    def _report(self, s: _Seq, exc: BaseException) -> None:
+        if isinstance(exc, KvtierError):
+            log.warning("session %s: %s: %s", s.job.session_id[:64], type(exc).__name__, exc)
+        else:
+            log.error("generation failed for session %s: %r", s.job.session_id[:64], exc)
+        s.stream.put(Failed(exc))
+        if not s.done.done():
+            s.done.set_result(None)
+
+    # ---- metrics (optional) -------------------------------------------------------------------
+
+    def _count(self, name: str, n: int = 1) -> None:
+        if self.metrics is not None:
+            self.metrics.count(name, n)
+
+    def _observe_ttft(self, s: _Seq, seconds: float) -> None:
+        if self.metrics is not None and s.restored is not None:
+            self.metrics.ttft(s.restored.source, seconds)
+
+
+def append_kv(kv: Any, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Append K/V (`[1, kv_heads, n, dim]` per layer) to a transformers Cache with `update()`.
+
+    Last layer first: kvtier's cache times a multi-token forward from layer 0 to the last layer
+    as a prefill (its cost model learns the prefill rate from it), and this copy is no prefill.
+    """
+    for i in range(len(layers) - 1, -1, -1):
+        k, v = layers[i]
+        kv.update(k, v, i)

@@ -1,0 +1,116 @@
+"""Token sampling and reply streaming, shared by the per-request worker and the batch scheduler.
+
+`sample` picks one token from one row of logits (greedy, temperature, top-p) with a request's own
+`torch.Generator`, so a seeded request draws the same tokens whatever else runs. `ReplyText`
+turns the sampled ids into the text deltas a client is streamed: it holds back the characters
+that could still become a stop string and an incomplete UTF-8 sequence, and cuts at the first
+stop string.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Collection, Sequence
+from typing import Any
+
+import torch
+
+
+def make_generator(temperature: float, seed: int | None) -> torch.Generator | None:
+    """A request's own CPU generator (None for greedy); unseeded requests get a fresh seed."""
+    if temperature <= 0:
+        return None
+    gen = torch.Generator()
+    gen.manual_seed(seed if seed is not None else int(time.time_ns() % 2**62))
+    return gen
+
+
+def sample(
+    logits: torch.Tensor,
+    temperature: float,
+    top_p: float,
+    gen: torch.Generator | None,
+    allowed: torch.Tensor | None = None,
+) -> int:
+    """One token from a `[vocab]` row of logits; `allowed` masks the ids the sampler may pick."""
+    if allowed is not None:
+        logits = logits.masked_fill(~allowed, float("-inf"))
+    return sample_rows(logits.unsqueeze(0), [temperature], [top_p], [gen])[0]
+
+
+def sample_rows(
+    logits: torch.Tensor,
+    temperatures: Sequence[float],
+    top_ps: Sequence[float],
+    gens: Sequence[torch.Generator | None],
+) -> list[int]:
+    """`sample` for every row of `[rows, vocab]` logits (already masked), each with its own
+    settings and generator: one argmax and one softmax for all rows, then a draw per row.
+
+    Row `i` gets the token `sample(logits[i], temperatures[i], top_ps[i], gens[i])` gives."""
+    tokens: list[int] = logits.argmax(dim=-1).tolist()
+    hot = [i for i, t in enumerate(temperatures) if t > 0]
+    if not hot:
+        return tokens
+    temps = torch.tensor([temperatures[i] for i in hot], dtype=logits.dtype, device=logits.device)
+    probs = torch.softmax(logits[hot] / temps[:, None], dim=-1).cpu()
+    for j, i in enumerate(hot):
+        p = probs[j]
+        if top_ps[i] < 1.0:
+            sorted_p, order = torch.sort(p, descending=True)
+            keep = torch.cumsum(sorted_p, dim=-1) - sorted_p < top_ps[i]
+            p = torch.zeros_like(p).scatter(0, order[keep], sorted_p[keep])
+        tokens[i] = int(torch.multinomial(p, 1, generator=gens[i]))
+    return tokens
+
+
+class ReplyText:
+    """The reply of one request as its tokens arrive.
+
+    `add(token)` records a sampled token and returns the text that may be streamed now. After it,
+    `eos` says the token ended the reply (the rest comes from `rest()`), `stopped` that a stop
+    string did (the text before it was already returned; nothing follows).
+    """
+
+    def __init__(self, tokenizer: Any, eos_ids: Collection[int], stop: Sequence[str]) -> None:
+        self.tokenizer = tokenizer
+        self.eos_ids = eos_ids
+        self.stop = tuple(stop)
+        self.ids: list[int] = []  # every sampled id, an ending EOS included
+        self.sent = 0  # characters of the reply already streamed
+        self.hold = max((len(s) for s in self.stop), default=1) - 1
+        self.eos = False
+        self.stopped = False
+
+    def text(self) -> str:
+        ids = [t for t in self.ids if t not in self.eos_ids]
+        text: str = self.tokenizer.decode(ids, skip_special_tokens=True)
+        return text
+
+    def add(self, token: int) -> str:
+        self.ids.append(token)
+        if token in self.eos_ids:
+            self.eos = True
+            return ""
+        text = self.text()
+        cut = min((i for i in (text.find(s) for s in self.stop) if i >= 0), default=-1)
+        if cut >= 0:
+            self.stopped = True
+            delta = text[self.sent : cut] if cut > self.sent else ""
+            self.sent = max(self.sent, cut)
+            return delta
+        ready = len(text) - self.hold
+        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for its rest
+            ready = min(ready, len(text) - 1)
+        if ready > self.sent:
+            delta = text[self.sent : ready]
+            self.sent = ready
+            return delta
+        return ""
+
+    def rest(self) -> str:
+        """The text still held back, at a normal end of the reply (EOS or max_tokens)."""
+        text = self.text()
+        delta = text[self.sent :] if len(text) > self.sent else ""
+        self.sent = max(self.sent, len(text))
+        return delta

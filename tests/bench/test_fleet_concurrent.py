@@ -1,0 +1,61 @@
+"""The CPU smoke run of `bench/agent_fleet.py --concurrent` (issue 18's benchmark): every
+configuration of both scenarios runs on a tiny Qwen2 and the report, JSON and plot come out."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow
+def test_concurrent_fleet_cpu_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    cmd = [
+        sys.executable,
+        str(ROOT / "bench" / "agent_fleet.py"),
+        "--concurrent",
+        "--shape", "qwen2-mini",
+        "--device", "cpu",
+        "--sessions", "4",
+        "--context", "128",
+        "--system", "64",
+        "--decode-tokens", "4",
+        "--max-growth", "512",
+        "--hibernate-sessions", "8",
+        "--l1-sessions", "2",
+        "--think-hibernate", "0.05,0.1",
+        "--time-limit", "3",
+        "--warmup", "0.5",
+        "--out", str(out),
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "targets:" in proc.stdout
+    data = json.loads((out / "fleet_concurrent.json").read_text())
+    assert (out / "fleet_concurrent.png").stat().st_size > 0
+    assert set(data["results"]) == {"fit", "hibernate"}
+    fit = {r["config"]: r for r in data["results"]["fit"]}
+    assert {"ceiling", "generate_batch", "kvtier-seq", "kvtier", "kvtier-int8"} <= set(fit)
+    for name in ("ceiling", "kvtier-seq", "kvtier", "kvtier-int8"):
+        row = fit[name]
+        assert not row["note"].startswith("failed"), row
+        assert row["tokens"] > 0 and row["tok_s"] > 0, row
+        assert row["failed"] == 0, row
+    for name in ("kvtier", "kvtier-int8"):  # the batched rows: steps and returning turns seen
+        assert fit[name]["step_p50"] > 0 and fit[name]["returning_turns"] > 0, fit[name]
+        assert fit[name]["ttft_p50"] > 0, fit[name]
+    hib = {r["config"]: r for r in data["results"]["hibernate"]}
+    assert {"ceiling", "kvtier-seq", "kvtier", "kvtier-int8"} <= set(hib)
+    for name in ("kvtier", "kvtier-int8"):
+        assert not hib[name]["note"].startswith("failed"), hib[name]
+        assert hib[name]["tokens"] > 0, hib[name]
+    states = {c["state"] for scen in data["targets"].values() for c in scen}
+    assert states <= {"met", "missed", "n/a"} and states
