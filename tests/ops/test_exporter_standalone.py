@@ -7,6 +7,7 @@ what the cache itself reports for the same sessions.
 
 from __future__ import annotations
 
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -49,10 +50,7 @@ def _exposition_names(text: str) -> set[str]:
 def _cache_names(text: str) -> set[str]:
     """The cache families (not the host's) in an exposition: those the server's cache
     collector produces for a snapshot with every field filled."""
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(CacheCollector(full_cache_snapshot))
-    every = _exposition_names(generate_latest(registry).decode())
-    return _exposition_names(text) & every
+    return _exposition_names(text) & _cache_names_of_the_server()
 
 
 def _record(i: int, *, pinned: bool, state: str = "hibernated") -> SessionRecord:
@@ -181,3 +179,28 @@ def test_standalone_and_server_agree_on_a_real_cache(tmp_path: Path, model: Any)
         assert _server_sessions(restarted) == exported
     finally:
         restarted.close()
+
+
+def test_docs_table_says_what_the_standalone_exporter_exports() -> None:
+    """docs/metrics.md's "Server and standalone exporter" table names the families the
+    standalone exporter serves ("no" in its column: absent there), and the cache families it
+    lists are every cache family the server has."""
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "metrics.md").read_text()
+    section = doc.split("## Server and standalone exporter", 1)[1].split("\n## ", 1)[0]
+    standalone, listed = set(), set()
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) != 4 or not cells[0].startswith("`kvtier_"):
+            continue
+        names = set(re.findall(r"`(kvtier_[a-z0-9_]+)`", cells[0]))
+        listed |= names
+        if cells[2] != "no":
+            standalone |= names
+    assert standalone == set(INDEX_METRICS)
+    assert listed == _cache_names_of_the_server()
+
+
+def _cache_names_of_the_server() -> set[str]:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(CacheCollector(full_cache_snapshot))
+    return _exposition_names(generate_latest(registry).decode())
