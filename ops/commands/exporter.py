@@ -27,8 +27,10 @@ from kvtier.errors import KvtierError
 def command(l3_root: str, listen: str, no_gpu: bool) -> None:
     """Standalone Prometheus exporter for a host whose cache runs elsewhere.
 
-    Serves the L3 store's occupancy and sessions (from its index, read-only) and the host's
-    memory, fragmentation, page cache, disk and GPU signals. Metrics: docs/metrics.md.
+    Serves what the L3 store's index records (read-only): the L3 tier's occupancy and the
+    session records, hibernated and pinned. Also the host's memory, fragmentation, page cache,
+    disk and GPU signals. Restores, L1 and L2 live in the server: scrape it for those.
+    Metrics and how the two differ: docs/metrics.md.
     """
     from ops.exporter.standalone import build_exporter, serve
 

@@ -17,7 +17,7 @@ from prometheus_client.registry import Collector
 from kvtier.errors import ConfigError
 from kvtier.server.run import load_config, options, run_app
 from ops.exporter.cache import families, l3_up
-from ops.exporter.registry import HostCollector
+from ops.exporter.registry import HostCollector, register_process
 
 
 class _LiveCache(Collector):
@@ -56,6 +56,7 @@ def command(**flags: Any) -> None:
     app = create_app(config, registry=registry)
     registry.register(_LiveCache(app.state.kvtier))
     registry.register(HostCollector(config.l3_root))  # host signals next to the cache's
+    register_process(registry, config.l3_root)  # RSS, CPU, threads, open L3 files
     click.echo(
         f"kvtier serve: http://{config.host}:{config.port}  model={config.served_model_name}  "
         f"l3_root={config.l3_root}",

@@ -3,6 +3,13 @@
 For hosts whose cache runs in another process (or not at all right now): the store's sessions
 and occupancy come from its SQLite index opened read-only, so the exporter never takes the
 writer lock, never writes, and never competes with the serving process for anything but reads.
+
+It exports only what the index knows (`INDEX_METRICS`): the L3 tier's occupancy and the session
+records. What lives only in the serving process (L1 and L2, transfers, queues, restore decisions
+and latencies, error counters) has no series here rather than a zero that reads as "none
+happened". A record says how a session was when it was last saved (the cache saves one when it
+hibernates a session), so a session the server has since resumed still counts as hibernated
+here: docs/metrics.md, "Server and standalone exporter".
 """
 
 from __future__ import annotations
@@ -18,21 +25,39 @@ from pathlib import Path
 from typing import Any
 
 from prometheus_client import CollectorRegistry, start_http_server
-from prometheus_client.core import Metric
+from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from kvtier.errors import ConfigError, StoreError
 from kvtier.snapshot import CacheSnapshot, TierStats
 from kvtier.tiers.l3 import L3Store
-from ops.exporter.cache import CacheCollector, SnapshotFn, families, l3_up
+from ops.exporter.cache import SnapshotFn, families, l3_up
 from ops.exporter.registry import HostCollector
 
 DEFAULT_LISTEN = "127.0.0.1:9481"
 log = logging.getLogger("kvtier.exporter")
 
+# The cache families the standalone exporter serves (exposition names): what the index knows.
+INDEX_METRICS = (
+    "kvtier_l3_up",
+    "kvtier_tier_capacity_bytes",
+    "kvtier_tier_used_bytes",
+    "kvtier_tier_chunks",
+    "kvtier_sessions",
+    "kvtier_snapshot_timestamp_seconds",
+)
+# Always present (0 when no record has it), as the server's are.
+_RECORD_STATES = ("hibernated", "pinned")
+SESSIONS_HELP = (
+    "Sessions with a record in the L3 index: by the state recorded when last saved "
+    "(hibernated), and pinned."
+)
+
 
 def l3_snapshot_fn(store: L3Store) -> SnapshotFn:
-    """A snapshot function over a (read-only) store: the L3 tier and its sessions by state."""
+    """A snapshot function over a (read-only) store: the L3 tier's occupancy and its session
+    records by state (plus `pinned`). The store's own counters are left out: opened read-only,
+    they count this process's reads, not the server's."""
 
     lock = threading.Lock()  # concurrent scrapes share one SQLite connection
 
@@ -45,29 +70,60 @@ def l3_snapshot_fn(store: L3Store) -> SnapshotFn:
             capacity_bytes=s.capacity_bytes,
             used_bytes=s.used_bytes,
             chunks=s.chunks,
-            hits=s.reads,
-            misses=s.misses,
-            evictions=s.evictions,
-        )
+        )  # no hits, misses or evictions: a read-only store's counters count only our reads
         return CacheSnapshot(
             taken_at=time.time(),
             tiers=(tier,),
             sessions_by_state=tuple(sorted(by_state.items())),
-            checksum_failures=s.checksum_failures,
-            io_errors=s.io_errors,
         )
 
     return snapshot
 
 
 def _sessions_by_state(store: L3Store) -> Counter[str]:
-    """Sessions per state with one aggregate query (loading 1,000 records with their token ids
-    would dominate the scrape); the full record list is the fallback if the schema changes."""
+    """Records per recorded state, and `pinned`: the records whose pinned flag is set (the
+    server counts pinned sessions the same way, across states). Aggregate queries (loading
+    1,000 records with their token ids would dominate the scrape); the full record list is
+    the fallback if the schema changes."""
     try:
-        rows = store.index.db.execute("SELECT state, count(*) FROM sessions GROUP BY state")
-        return Counter({str(state): int(n) for state, n in rows})
+        db = store.index.db
+        rows = db.execute("SELECT state, count(*) FROM sessions GROUP BY state").fetchall()
+        (pinned,) = db.execute("SELECT count(*) FROM sessions WHERE pinned != 0").fetchone()
+        by_state = Counter({str(state): int(n) for state, n in rows})
     except sqlite3.Error:
-        return Counter(record.state for record in store.list_sessions())
+        records = store.list_sessions()
+        by_state = Counter(record.state for record in records)
+        pinned = sum(1 for record in records if record.pinned)
+    by_state["pinned"] = int(pinned)
+    return by_state
+
+
+def index_families(snap: CacheSnapshot) -> Iterator[Metric]:
+    """The families of `INDEX_METRICS` for a snapshot of the index: the server's names and
+    types, without the families only the serving process can fill, and `kvtier_sessions` with
+    the recorded states only (no `active` or `idle` zeros: the index cannot know them)."""
+    for family in families(snap):
+        if family.name == "kvtier_sessions":
+            sessions = GaugeMetricFamily("kvtier_sessions", SESSIONS_HELP, labels=["state"])
+            given = dict(snap.sessions_by_state)
+            for state in (*_RECORD_STATES, *sorted(set(given) - set(_RECORD_STATES))):
+                sessions.add_metric([state], given.get(state, 0))
+            yield sessions
+        elif family.name in INDEX_METRICS:
+            yield family
+
+
+class IndexCollector(Collector):
+    """`index_families` of a snapshot function over a store that is open now."""
+
+    def __init__(self, snapshot_fn: SnapshotFn) -> None:
+        self._snapshot_fn = snapshot_fn
+
+    def collect(self) -> Iterator[Metric]:
+        yield from index_families(self._snapshot_fn())
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())
 
 
 def parse_listen(listen: str) -> tuple[str, int]:
@@ -130,7 +186,7 @@ class StoreWatch(Collector):
         if snap is None:
             yield l3_up(False)
         else:
-            yield from families(snap)
+            yield from index_families(snap)
 
     def describe(self) -> Iterator[Metric]:
         return iter(())
@@ -159,7 +215,7 @@ def build(
     """A registry over a store that exists now (kvtop's one-shot view) and the store to close."""
     store = open_store(l3_root)
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(CacheCollector(l3_snapshot_fn(store)))
+    registry.register(IndexCollector(l3_snapshot_fn(store)))
     registry.register(HostCollector(l3_root, nvml=nvml))
     return registry, store
 

@@ -11,18 +11,18 @@ import dataclasses
 import queue
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
-from rich.console import Console, ConsoleOptions, RenderResult
 
 from kvtier.errors import KvtierError
 from ops.kvtop import metrics
 from ops.kvtop.history import History
-from ops.kvtop.keys import keyboard
 from ops.kvtop.model import SORTS, Model, Options, SessionList, build
-from ops.kvtop.render import screen
 from ops.kvtop.sources import DEFAULT_URLS, Fetched, HttpSource, L3Source, Source, probe
+
+if TYPE_CHECKING:  # rich's console and the renderer load when a frame is drawn, not for --help
+    from rich.console import Console, ConsoleOptions, RenderResult
 
 
 class Screen:
@@ -32,6 +32,8 @@ class Screen:
         self.model = model
 
     def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        from ops.kvtop.render import screen
+
         height = options.height or console.height
         yield screen(self.model, options.max_width, height)
 
@@ -132,6 +134,8 @@ def _fetcher(
 def run(source: Source, interval: float, options: Options, console: Console) -> None:
     """The live screen until `q` (or Ctrl-C)."""
     from rich.live import Live
+
+    from ops.kvtop.keys import keyboard
 
     state = State(source.name, interval, options)
     events: queue.Queue[tuple[str, Any]] = queue.Queue()
@@ -235,6 +239,8 @@ def main(
             raise click.UsageError(str(exc)) from None
     else:
         source = HttpSource(url or probe() or DEFAULT_URLS[0])
+    from rich.console import Console
+
     console = Console()
     options = Options(sort=sort, tenant=tenant)
     if once_flag:

@@ -23,6 +23,7 @@ from ops.collectors.pagecache import PageCacheReading, Residency
 from ops.collectors.pcie import Link, TopologyFinding
 from ops.collectors.torch_alloc import TorchAllocState
 from ops.exporter import CacheCollector, HostCollector
+from ops.exporter.registry import ServingProcessCollector
 from ops.parsers import diskstats, nvml
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "gpu-h200"
@@ -103,6 +104,7 @@ def full_registry(l3_root: Path) -> CollectorRegistry:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(CacheCollector(full_cache_snapshot))
     registry.register(HostCollector(l3_root, sample_fn=lambda previous: host))
+    registry.register(ServingProcessCollector(l3_root))  # this process, as kvtier serve's
     return registry
 
 
