@@ -132,3 +132,20 @@ def test_lazy_command_runs_the_real_one(tmp_path: Path) -> None:
     result = CliRunner().invoke(cli, ["doctor", "--bogus"])
     assert result.exit_code == 2 and "No such option" in result.output
     assert isinstance(cli.get_command(click.Context(cli), "serve"), click.Command)
+
+
+def test_serve_help_loads_no_model_stack() -> None:
+    """`kvtier serve --help` reads the flags only: no torch, transformers or fastapi."""
+    code = (
+        "import sys, json\n"
+        "from click.testing import CliRunner\n"
+        "from ops.cli import cli\n"
+        "r = CliRunner().invoke(cli, ['serve', '--help'])\n"
+        "assert r.exit_code == 0 and '--l3-root' in r.output, r.output\n"
+        "print(json.dumps(sorted(sys.modules)))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True
+    )
+    loaded = set(json.loads(out.stdout.splitlines()[-1]))
+    assert not loaded & {"torch", "transformers", "fastapi", "kvtier.server.app"}
