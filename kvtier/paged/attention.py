@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from kvtier.errors import ConfigError, KvtierError
 from kvtier.paged.pool import PagePool
@@ -301,27 +302,26 @@ def _reference_one(
     heads, kv_heads = qi.shape[1], k_cache.shape[2]
     if heads % kv_heads:
         raise KvtierError(f"{heads} query heads are not a multiple of {kv_heads} KV heads")
-    group = heads // kv_heads
     n_q, n_k = qi.shape[0], ctx.seq_lens[i]
     pages = ctx.block_table[i, : ctx.page_counts[i]]
     k = k_cache.index_select(0, pages).flatten(0, 1)[:n_k]  # [n_k, kv_heads, dim]
     v = v_cache.index_select(0, pages).flatten(0, 1)[:n_k]
-    if group > 1:
-        k = k.repeat_interleave(group, dim=1)
-        v = v.repeat_interleave(group, dim=1)
-    mask = None
-    if n_q > 1 or sliding_window is not None:
+    mask: Any = None
+    if sliding_window is not None:
         q_pos = torch.arange(n_k - n_q, n_k, device=qi.device)[:, None]
         k_pos = torch.arange(n_k, device=qi.device)[None, :]
-        mask = k_pos <= q_pos
-        if sliding_window is not None:
-            mask &= k_pos > q_pos - sliding_window
+        mask = (k_pos <= q_pos) & (k_pos > q_pos - sliding_window)
+    elif n_q > 1:
+        # causal, aligned to the end of the context: a bias SDPA's flash and memory-efficient
+        # kernels take as such, where a boolean mask would send it to the math kernel
+        mask = causal_lower_right(n_q, n_k)
     o = F.scaled_dot_product_attention(
         qi.transpose(0, 1),
         k.transpose(0, 1).to(qi.dtype),
         v.transpose(0, 1).to(qi.dtype),
-        mask,
+        attn_mask=mask,
         scale=scale,
+        enable_gqa=heads != kv_heads,
     )
     return o.transpose(0, 1)
 
