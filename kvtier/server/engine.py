@@ -345,7 +345,27 @@ class Engine:
             self._warm_pass(torch.cat([prompt_a, suffix], dim=1), commit=None, decode=True)
         finally:
             backend.forget(sid)
-        self._scheduler()  # the batch's page pool too, before the first request rather than in it
+        self._warm_batch(prompt_a[0, :WARM_UP_SUFFIX].tolist())
+
+    def _warm_batch(self, prompt: list[int]) -> None:
+        """Start the batch scheduler (its page pool is allocated now, not in the first request)
+        and run its three kinds of step once on throwaway sequences: a prefill, a step mixing a
+        prefill with a decode, and a decode-only step. Each attention path compiles or selects
+        its kernels on first use (the Triton decode kernel is compiled then), which the first
+        requests after a start would otherwise wait for."""
+        sched = self._scheduler()
+        if sched is None:
+            return
+        from kvtier.paged import PagedSequence, SeqInput
+
+        a, b = PagedSequence(), PagedSequence()
+        try:
+            tok = int(sched.runner.step([SeqInput(a, prompt)])[0].argmax())
+            sched.runner.step([SeqInput(a, [tok]), SeqInput(b, prompt)])
+            sched.runner.step([SeqInput(a, [tok]), SeqInput(b, [tok])])
+        finally:
+            sched.runner.release(a)
+            sched.runner.release(b)
 
     def _warm_pass(
         self, ids: torch.Tensor, commit: torch.Tensor | None, decode: bool = False
