@@ -2,34 +2,46 @@
 
 Handing an event to an asyncio loop from another thread (`call_soon_threadsafe`) writes to the
 loop's wake-up socket and hands the GIL over. Done once per token per sequence it cost a quarter
-of a 16-sequence step on the CPU, so `EventPost` collects a step's events and hands them over
-with one wake-up per loop, and none while the previous one has not been opened yet; the text
-deltas of one stream that wait together are merged into one. The order of each stream's events
-is kept.
+of a 16-sequence step on the CPU, so `EventPost` collects events and hands them over with one
+wake-up per loop: at most every `interval` seconds (10 ms) while sequences decode, at once for
+an urgent event (a reply's first text: time to first token) or a forced send (a reply ends), and
+never while the previous wake-up has not been opened. A stream's text deltas that wait together
+are merged into one. The order of each stream's events is kept.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 from kvtier.server.engine import Delta, Stream
 
 
 class EventPost:
-    def __init__(self) -> None:
+    def __init__(self, interval: float = 0.01) -> None:
+        self.interval = interval
         self._outbox: list[tuple[Stream, Any]] = []  # posted by the producer, not yet sent
+        self._urgent = False
+        self._last = 0.0  # when the last wake-up was sent
         self._mail: dict[Any, dict[Any, list[Any]]] = {}  # loop -> queue -> events, sent
         self._lock = threading.Lock()
 
-    def post(self, stream: Stream, event: Any) -> None:
-        """Queue an event (producer thread only); it leaves at the next `send()`."""
+    def post(self, stream: Stream, event: Any, urgent: bool = False) -> None:
+        """Queue an event (producer thread only); it leaves at a `send()`, the next one if
+        `urgent`."""
         self._outbox.append((stream, event))
+        self._urgent = self._urgent or urgent
 
-    def send(self) -> None:
-        """Hand everything posted to its event loop."""
+    def send(self, force: bool = False) -> None:
+        """Hand what was posted to its event loop: if forced, urgent, or `interval` passed."""
         if not self._outbox:
             return
+        now = time.monotonic()
+        if not (force or self._urgent or now - self._last >= self.interval):
+            return
+        self._urgent = False
+        self._last = now
         wake = []
         with self._lock:
             for stream, event in self._outbox:

@@ -458,7 +458,8 @@ def test_sample_rows_draws_what_each_row_draws_alone() -> None:
 
 def test_event_post_keeps_each_streams_order_and_merges_waiting_deltas() -> None:
     """Events posted from another thread arrive in order per stream; text deltas that waited
-    together arrive as one, and a send while the last one is unopened adds no wake-up."""
+    together arrive as one; a send within the interval or while the last wake-up is unopened
+    adds no wake-up."""
     import threading
 
     from kvtier.server.eventpost import EventPost
@@ -479,12 +480,12 @@ def test_event_post_keeps_each_streams_order_and_merges_waiting_deltas() -> None
 
         def producer() -> None:  # the loop is blocked in join(): nothing is opened meanwhile
             for i in range(3):
-                post.post(streams[0], Delta(f"a{i}"))
+                post.post(streams[0], Delta(f"a{i}"), urgent=i == 0)
                 post.post(streams[1], Delta(f"b{i}"))
-                post.send()
+                post.send()  # the first goes at once; the rest wait for the interval
             post.post(streams[0], Finished("stop", 1, 3, 0, "l1"))
             post.post(streams[1], Delta("b3"))
-            post.send()
+            post.send(force=True)
 
         t = threading.Thread(target=producer)
         t.start()
