@@ -67,7 +67,6 @@ class _Seq:
     cached: int = 0  # leading tokens whose K/V the session's Cache holds
     paged: PagedSequence | None = None  # its pages while running, None while waiting
     first: bool = False  # the first token's logits arrived (TTFT observed)
-    sent: bool = False  # some text of the reply was posted
 
     @property
     def fed(self) -> int:
@@ -228,14 +227,13 @@ class BatchScheduler:
         items = self._schedule()
         if items:
             self._step(items)
-        self._deliver(force=not self.running)  # while sequences run: every 10 ms at most
+        self._deliver()
 
     def _post(self, s: _Seq, event: Any) -> None:
-        self._events.post(s.stream, event, urgent=not s.sent)
-        s.sent = True
+        self._events.post(s.stream, event)
 
-    def _deliver(self, force: bool = True) -> None:
-        self._events.send(force)
+    def _deliver(self) -> None:
+        self._events.send()
 
     def _schedule(self) -> list[tuple[_Seq, list[int]]]:
         pool = self.pool

@@ -456,10 +456,9 @@ def test_sample_rows_draws_what_each_row_draws_alone() -> None:
         assert all(t < 200 for t in batch)
 
 
-def test_event_post_keeps_each_streams_order_and_merges_waiting_deltas() -> None:
-    """Events posted from another thread arrive in order per stream; text deltas that waited
-    together arrive as one; a send within the interval or while the last wake-up is unopened
-    adds no wake-up."""
+def test_event_post_keeps_each_streams_order_with_one_wakeup() -> None:
+    """Events posted from another thread arrive in order per stream, each its own (one chunk
+    per token for a streaming client); a send while the last wake-up is unopened adds none."""
     import threading
 
     from kvtier.server.eventpost import EventPost
@@ -480,18 +479,17 @@ def test_event_post_keeps_each_streams_order_and_merges_waiting_deltas() -> None
 
         def producer() -> None:  # the loop is blocked in join(): nothing is opened meanwhile
             for i in range(3):
-                post.post(streams[0], Delta(f"a{i}"), urgent=i == 0)
+                post.post(streams[0], Delta(f"a{i}"))
                 post.post(streams[1], Delta(f"b{i}"))
-                post.send()  # the first goes at once; the rest wait for the interval
+                post.send()
             post.post(streams[0], Finished("stop", 1, 3, 0, "l1"))
-            post.post(streams[1], Delta("b3"))
-            post.send(force=True)
+            post.send()
 
         t = threading.Thread(target=producer)
         t.start()
         t.join()
         got: list[list[Any]] = [[], []]
-        for s, out, n in zip(streams, got, (2, 1), strict=True):
+        for s, out, n in zip(streams, got, (4, 3), strict=True):
             while len(out) < n:
                 out.append(await asyncio.wait_for(s.queue.get(), 5))
         await asyncio.sleep(0.05)
@@ -499,8 +497,8 @@ def test_event_post_keeps_each_streams_order_and_merges_waiting_deltas() -> None
         return got, wakeups
 
     got, wakeups = asyncio.run(main())
-    assert got[0] == [Delta("a0a1a2"), Finished("stop", 1, 3, 0, "l1")]
-    assert got[1] == [Delta("b0b1b2b3")]
+    assert got[0] == [Delta("a0"), Delta("a1"), Delta("a2"), Finished("stop", 1, 3, 0, "l1")]
+    assert got[1] == [Delta("b0"), Delta("b1"), Delta("b2")]
     assert wakeups == 1
 
 
