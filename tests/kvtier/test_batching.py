@@ -522,3 +522,28 @@ def test_engine_runs_unbatched_where_the_pool_cannot_be_made(tmp_path: Path) -> 
 
     assert asyncio.run(main()) == _greedy_alone(ref, prompt, 12)
     assert served.model.config._attn_implementation != "kvtier_paged"
+
+
+def test_batching_settings_from_flags_environment_and_toml(tmp_path: Path) -> None:
+    from kvtier.errors import ConfigError
+
+    root = {"l3_root": str(tmp_path / "l3")}
+    default = ServerConfig.load(flags=root, env={})
+    assert (default.batching, default.batch_tokens, default.batch_kv_bytes) == (True, 1024, 0)
+    toml = tmp_path / "kvtier.toml"
+    toml.write_text('[serve]\nbatching = false\nbatch_tokens = 256\nbatch_kv_bytes = "64MiB"\n')
+    from_file = ServerConfig.load(flags=root, env={}, file=toml)
+    assert (from_file.batching, from_file.batch_tokens, from_file.batch_kv_bytes) == (
+        False,
+        256,
+        64 * 2**20,
+    )
+    env = {"KVTIER_BATCHING": "on", "KVTIER_BATCH_KV_BYTES": "1GB"}
+    from_env = ServerConfig.load(flags=root, env=env, file=toml)
+    assert (from_env.batching, from_env.batch_kv_bytes) == (True, 10**9)
+    flagged = ServerConfig.load(flags={**root, "batching": False}, env=env, file=toml)
+    assert not flagged.batching
+    with pytest.raises(ConfigError, match="KVTIER_BATCHING"):
+        ServerConfig.load(flags=root, env={"KVTIER_BATCHING": "maybe"})
+    with pytest.raises(ConfigError, match="batch_tokens"):
+        ServerConfig.load(flags={**root, "batch_tokens": 0}, env={})
