@@ -3,9 +3,9 @@
 Handing an event to an asyncio loop from another thread (`call_soon_threadsafe`) writes to the
 loop's wake-up socket and hands the GIL over. Done once per token per sequence it cost a quarter
 of a 16-sequence step on the CPU, so `EventPost` collects a step's events and hands them over
-with one wake-up per loop, and none while the previous one has not been opened yet; the text
-deltas of one stream that wait together are merged into one. The order of each stream's events
-is kept.
+with one wake-up per loop, and none while the previous one has not been opened yet. Every event
+stays an event of its own (a streaming client still gets one chunk per token), in order per
+stream.
 """
 
 from __future__ import annotations
@@ -13,13 +13,13 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from kvtier.server.engine import Delta, Stream
+from kvtier.server.engine import Stream
 
 
 class EventPost:
     def __init__(self) -> None:
         self._outbox: list[tuple[Stream, Any]] = []  # posted by the producer, not yet sent
-        self._mail: dict[Any, dict[Any, list[Any]]] = {}  # loop -> queue -> events, sent
+        self._mail: dict[Any, list[tuple[Any, Any]]] = {}  # loop -> (queue, event), sent
         self._lock = threading.Lock()
 
     def post(self, stream: Stream, event: Any) -> None:
@@ -35,13 +35,9 @@ class EventPost:
             for stream, event in self._outbox:
                 box = self._mail.get(stream.loop)
                 if box is None:
-                    box = self._mail[stream.loop] = {}
+                    box = self._mail[stream.loop] = []
                     wake.append(stream.loop)
-                events = box.setdefault(stream.queue, [])
-                if events and type(event) is Delta and type(events[-1]) is Delta:
-                    events[-1] = Delta(events[-1].text + event.text)
-                else:
-                    events.append(event)
+                box.append((stream.queue, event))
         self._outbox = []
         for loop in wake:
             try:
@@ -53,7 +49,6 @@ class EventPost:
     def _open(self, loop: Any) -> None:
         """On the event loop: put every event that arrived since the wake-up was sent."""
         with self._lock:
-            box = self._mail.pop(loop, {})
-        for queue, events in box.items():
-            for event in events:
-                queue.put_nowait(event)
+            events = self._mail.pop(loop, [])
+        for queue, event in events:
+            queue.put_nowait(event)

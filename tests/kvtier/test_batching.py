@@ -456,9 +456,9 @@ def test_sample_rows_draws_what_each_row_draws_alone() -> None:
         assert all(t < 200 for t in batch)
 
 
-def test_event_post_keeps_each_streams_order_and_merges_waiting_deltas() -> None:
-    """Events posted from another thread arrive in order per stream; text deltas that waited
-    together arrive as one, and a send while the last one is unopened adds no wake-up."""
+def test_event_post_keeps_each_streams_order_with_one_wakeup() -> None:
+    """Events posted from another thread arrive in order per stream, each its own (one chunk
+    per token for a streaming client); a send while the last wake-up is unopened adds none."""
     import threading
 
     from kvtier.server.eventpost import EventPost
@@ -483,14 +483,13 @@ def test_event_post_keeps_each_streams_order_and_merges_waiting_deltas() -> None
                 post.post(streams[1], Delta(f"b{i}"))
                 post.send()
             post.post(streams[0], Finished("stop", 1, 3, 0, "l1"))
-            post.post(streams[1], Delta("b3"))
             post.send()
 
         t = threading.Thread(target=producer)
         t.start()
         t.join()
         got: list[list[Any]] = [[], []]
-        for s, out, n in zip(streams, got, (2, 1), strict=True):
+        for s, out, n in zip(streams, got, (4, 3), strict=True):
             while len(out) < n:
                 out.append(await asyncio.wait_for(s.queue.get(), 5))
         await asyncio.sleep(0.05)
@@ -498,8 +497,8 @@ def test_event_post_keeps_each_streams_order_and_merges_waiting_deltas() -> None
         return got, wakeups
 
     got, wakeups = asyncio.run(main())
-    assert got[0] == [Delta("a0a1a2"), Finished("stop", 1, 3, 0, "l1")]
-    assert got[1] == [Delta("b0b1b2b3")]
+    assert got[0] == [Delta("a0"), Delta("a1"), Delta("a2"), Finished("stop", 1, 3, 0, "l1")]
+    assert got[1] == [Delta("b0"), Delta("b1"), Delta("b2")]
     assert wakeups == 1
 
 
@@ -523,3 +522,28 @@ def test_engine_runs_unbatched_where_the_pool_cannot_be_made(tmp_path: Path) -> 
 
     assert asyncio.run(main()) == _greedy_alone(ref, prompt, 12)
     assert served.model.config._attn_implementation != "kvtier_paged"
+
+
+def test_batching_settings_from_flags_environment_and_toml(tmp_path: Path) -> None:
+    from kvtier.errors import ConfigError
+
+    root = {"l3_root": str(tmp_path / "l3")}
+    default = ServerConfig.load(flags=root, env={})
+    assert (default.batching, default.batch_tokens, default.batch_kv_bytes) == (True, 1024, 0)
+    toml = tmp_path / "kvtier.toml"
+    toml.write_text('[serve]\nbatching = false\nbatch_tokens = 256\nbatch_kv_bytes = "64MiB"\n')
+    from_file = ServerConfig.load(flags=root, env={}, file=toml)
+    assert (from_file.batching, from_file.batch_tokens, from_file.batch_kv_bytes) == (
+        False,
+        256,
+        64 * 2**20,
+    )
+    env = {"KVTIER_BATCHING": "on", "KVTIER_BATCH_KV_BYTES": "1GB"}
+    from_env = ServerConfig.load(flags=root, env=env, file=toml)
+    assert (from_env.batching, from_env.batch_kv_bytes) == (True, 10**9)
+    flagged = ServerConfig.load(flags={**root, "batching": False}, env=env, file=toml)
+    assert not flagged.batching
+    with pytest.raises(ConfigError, match="KVTIER_BATCHING"):
+        ServerConfig.load(flags=root, env={"KVTIER_BATCHING": "maybe"})
+    with pytest.raises(ConfigError, match="batch_tokens"):
+        ServerConfig.load(flags={**root, "batch_tokens": 0}, env={})
