@@ -77,9 +77,9 @@ fi
 RUN="$DATA/run-$(date +%Y%m%d-%H%M%S)"
 mkdir -p "$RUN"
 
-echo "demo: starting kvtier serve on $URL (L1 24 MiB, L2 8 MiB, L3 $DATA/l3); log $RUN/serve.log"
-setsid "$BIN/kvtier" serve --port "$PORT" --l3-root "$DATA/l3" --l1-bytes 24MiB --l2-bytes 8MiB \
-  --max-concurrency 16 --queue-timeout 120 >"$RUN/serve.log" 2>&1 &
+echo "demo: starting kvtier serve on $URL (L1 48 MiB, L2 8 MiB, L3 $DATA/l3); log $RUN/serve.log"
+setsid "$BIN/kvtier" serve --port "$PORT" --l3-root "$DATA/l3" --l1-bytes 48MiB --l2-bytes 8MiB \
+  --max-concurrency 8 --queue-timeout 120 >"$RUN/serve.log" 2>&1 &
 PID=$!
 echo "$PID" >"$PIDFILE"
 # The pid file goes when the server exits, however it is stopped (kill -TERM, a crash):

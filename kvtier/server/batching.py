@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from kvtier.errors import KvtierError
+from kvtier.errors import KvtierError, L1BudgetExceeded
 from kvtier.geometry import KVGeometry
 from kvtier.paged import BatchRunner, PagedSequence, PagePool, SeqInput
 from kvtier.paged.attention import VARLEN_PAGE, varlen_block_table_supported, write_kv
@@ -136,6 +136,10 @@ class BatchScheduler:
         self._cond = threading.Condition()
         self._arrived: list[_Seq] = []
         self._restoring = 0  # submitted jobs whose restore has not finished
+        # L1 room: turns restored and not yet committed or aborted hold their session in L1;
+        # each commit or abort makes one evictable again (see _restore)
+        self._holding = 0
+        self._released = 0
         self._closed = False
         self.waiting: deque[_Seq] = deque()
         self.running: list[_Seq] = []
@@ -189,7 +193,7 @@ class BatchScheduler:
         job = s.job
         try:
             ids = torch.tensor([job.prompt_ids], dtype=torch.long, device=self.served.device)
-            s.restored = self.backend.restore(job.session_id, job.tenant, ids)
+            s.restored = self._restore_when_room(job, ids)
         except BaseException as exc:  # nothing restored, nothing to abort
             self._report(s, exc)
             with self._cond:
@@ -201,6 +205,39 @@ class BatchScheduler:
         with self._cond:
             self._restoring -= 1
             self._arrived.append(s)
+            self._cond.notify_all()
+
+    def _restore_when_room(self, job: Job, ids: torch.Tensor) -> Restored:
+        """`backend.restore`, waiting while L1 is full of sessions whose turns are running: each
+        commit makes one evictable again. Fails when nothing holds L1 (the session alone does
+        not fit) or after `queue_timeout`, as a wait for a slot would."""
+        deadline = time.monotonic() + float(getattr(self.config, "queue_timeout", 30.0))
+        while True:
+            with self._cond:
+                seen = self._released
+            try:
+                restored = self.backend.restore(job.session_id, job.tenant, ids)
+            except L1BudgetExceeded:
+                with self._cond:
+                    if self._holding == 0 or self._closed:
+                        raise
+                    left = deadline - time.monotonic()
+                    moved = self._cond.wait_for(
+                        lambda seen=seen: self._released != seen or self._closed,  # type: ignore[misc]
+                        timeout=max(0.0, left),
+                    )
+                if not moved or self._closed:
+                    raise
+                continue
+            with self._cond:
+                self._holding += 1
+            return restored
+
+    def _release_l1(self) -> None:
+        """A restored turn was committed or aborted: its session may be evicted again."""
+        with self._cond:
+            self._holding -= 1
+            self._released += 1
             self._cond.notify_all()
 
     # ---- the scheduler thread -----------------------------------------------------------------
@@ -456,6 +493,7 @@ class BatchScheduler:
         total = len(job.prompt_ids)
         self._count("completion_tokens", len(s.reply.ids))
         self._count("prompt_tokens", total)
+        self._release_l1()
         s.stream.put(
             Finished(reason, total, len(s.reply.ids), s.restored.covered, s.restored.source)
         )
@@ -478,6 +516,8 @@ class BatchScheduler:
                 self.backend.forget(job.session_id)
         except BaseException:
             log.exception("abort failed for session %s", job.session_id[:64])
+        if s.restored is not None:
+            self._release_l1()
         self._report(s, exc)
 
     def _report(self, s: _Seq, exc: BaseException) -> None:

@@ -56,9 +56,9 @@ class ServerConfig:
     l3_writer: str = "auto"  # "process" (L3 file writes in a child) with CUDA, else "threads"
     isolate_cpus: bool = True  # generation threads on a core of their own, disk work elsewhere
     cudnn_attention: bool = False  # PyTorch's cuDNN SDPA; off: it plans every new length anew
-    # sessions generating at once (with batching: the most in one forward); 0 = 64 with
-    # batching, 8 without (each then has a thread of its own, taking turns on the model)
-    max_concurrency: int = 0
+    # sessions generating at once (with batching: the most in one forward). L1 must hold this
+    # many sessions' KV at once: raise l1_bytes with it
+    max_concurrency: int = 8
     max_queue: int = 256  # requests waiting for a slot; beyond it: 429 at once
     queue_timeout: float = 30.0  # longest wait for a slot before 429 + Retry-After
     max_tokens_limit: int = 4096  # largest max_tokens a request may ask for
@@ -70,8 +70,6 @@ class ServerConfig:
     log_level: str = "info"
 
     def __post_init__(self) -> None:
-        if self.max_concurrency == 0:
-            object.__setattr__(self, "max_concurrency", 64 if self.batching else 8)  # frozen
         if not 0 < self.port < 65536:
             raise ConfigError(f"port: {self.port} is not a TCP port; use 1..65535")
         if self.l3_writer not in ("auto", "process", "threads"):

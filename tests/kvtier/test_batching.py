@@ -176,7 +176,7 @@ def test_greedy_batch_equals_each_session_alone_across_restores(kind: str, tmp_p
             assert r.text == _greedy_alone(ref, p, 20)
         # Appending a turn's K/V to the session's Cache is a copy, not a prefill: the cache's
         # cost model must not learn a prefill rate from it.
-        assert backend.cache._cost.samples.get("prefill", 0) == 0
+        assert backend.cache.cost.samples.get("prefill", 0) == 0
     finally:
         sched.close()
         backend.close()
@@ -547,3 +547,23 @@ def test_batching_settings_from_flags_environment_and_toml(tmp_path: Path) -> No
         ServerConfig.load(flags=root, env={"KVTIER_BATCHING": "maybe"})
     with pytest.raises(ConfigError, match="batch_tokens"):
         ServerConfig.load(flags={**root, "batch_tokens": 0}, env={})
+
+
+def test_restores_wait_for_l1_room_held_by_running_turns(tmp_path: Path) -> None:
+    """L1 holds two sessions; five turns arrive at once. A restore that finds L1 full of running
+    turns waits for one of them to commit (its session becomes evictable) instead of failing."""
+    ref = _build("llama")
+    served = _build("llama")
+    per_token = 2 * 2 * 2 * 16 * 4  # layers * k|v * kv heads * dim * fp32
+    config = _config(tmp_path, l1_bytes=2 * 64 * per_token + 1024, queue_timeout=60)
+    backend = TieredBackend(served.model, config, served.name)
+    sched = BatchScheduler(served, backend, config)
+    try:
+        prompts = _prompts(21, [40, 41, 42, 43, 44])
+        results = _run(sched, *(_one(sched, _job(f"w{i}", p, 10)) for i, p in enumerate(prompts)))
+        for p, r in zip(prompts, results, strict=True):
+            assert r.finished.finish_reason == "length"
+            assert r.text == _greedy_alone(ref, p, 10)
+    finally:
+        sched.close()
+        backend.close()

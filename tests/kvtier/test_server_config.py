@@ -112,10 +112,3 @@ def test_default_model_is_seeded() -> None:
     assert not wa.equal(next(c.model.parameters()))
     assert a.model.config.num_key_value_heads < a.model.config.num_attention_heads  # GQA
 
-
-def test_max_concurrency_default_follows_batching() -> None:
-    """Batching puts every generating session in one forward: its default batch is 64; one
-    thread per request (batching off) keeps the old 8."""
-    assert ServerConfig.load({}, env={}).max_concurrency == 64
-    assert ServerConfig.load({"batching": False}, env={}).max_concurrency == 8
-    assert ServerConfig.load({"max_concurrency": 3}, env={}).max_concurrency == 3
