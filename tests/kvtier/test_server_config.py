@@ -111,4 +111,3 @@ def test_default_model_is_seeded() -> None:
     assert wa.equal(next(b.model.parameters()))
     assert not wa.equal(next(c.model.parameters()))
     assert a.model.config.num_key_value_heads < a.model.config.num_attention_heads  # GQA
-
