@@ -252,21 +252,8 @@ class Engine:
         stream = Stream(loop)
         admitted = time.perf_counter()
         batch = self._scheduler()
-        if batch is not None:
-            try:
-                future = asyncio.wrap_future(batch.submit(job, stream, admitted))
-            except BaseException:
-                self._slots.release()
-                self.release(job.session_id, lock)
-                self.running -= 1
-                if self.running == 0:
-                    self._idle.set()
-                self._gauge()
-                raise
-        else:
-            future = loop.run_in_executor(self._pool, self._run, job, stream, admitted)
 
-        def done(_: Any) -> None:
+        def done(_: Any = None) -> None:  # the job ended: free its slot and session lock
             self._slots.release()
             self.release(job.session_id, lock)
             self.running -= 1
@@ -274,6 +261,14 @@ class Engine:
                 self._idle.set()
             self._gauge()
 
+        if batch is not None:
+            try:
+                future = asyncio.wrap_future(batch.submit(job, stream, admitted))
+            except BaseException:
+                done()
+                raise
+        else:
+            future = loop.run_in_executor(self._pool, self._run, job, stream, admitted)
         future.add_done_callback(done)
         first = await stream.queue.get()
         if isinstance(first, Failed):
