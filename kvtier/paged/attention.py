@@ -231,6 +231,8 @@ def reference_paged(
     sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Gather each sequence's pages and run SDPA with an end-aligned causal mask."""
+    if ctx.decode_only and sliding_window is None and ctx.num_seqs > 1:
+        return _decode_batched(ctx, q, k_cache, v_cache, scale)
     outs = []
     start = 0
     for i, n_q in enumerate(ctx.query_lens):
@@ -239,6 +241,29 @@ def reference_paged(
         )
         start += n_q
     return torch.cat(outs, dim=0)
+
+
+def _decode_batched(
+    ctx: PagedContext, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """A decode-only step in one SDPA call: every sequence's pages gathered into one padded
+    `[B, kv_heads, pages * page_size, dim]` block, the padding masked out. Where no kernel reads
+    the page table (the CPU), one call for the batch costs less than one per sequence."""
+    b, width = ctx.num_seqs, max(ctx.page_counts)
+    table = ctx.block_table[:b, :width]  # entries past a row's pages: any valid page, masked
+    k = k_cache[table].flatten(1, 2).transpose(1, 2)  # [B, kv_heads, width * page, dim]
+    v = v_cache[table].flatten(1, 2).transpose(1, 2)
+    span = torch.arange(k.shape[2], device=q.device)
+    mask = (span[None, :] < ctx.context_lens[:, None].to(span.dtype))[:, None, None, :]
+    o = F.scaled_dot_product_attention(
+        q[:, :, None, :],  # [B, heads, 1, dim]
+        k.to(q.dtype),
+        v.to(q.dtype),
+        attn_mask=mask,
+        scale=scale,
+        enable_gqa=q.shape[1] != k_cache.shape[2],
+    )
+    return o[:, :, 0, :]
 
 
 def split_paged(
