@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import tiny_llama
+from test_cache_lifecycle import cfg as lifecycle_cfg
 
 import kvtier.cache.core as core
 from kvtier import CacheConfig, TieredCache
@@ -21,17 +22,9 @@ CHUNK = 16
 
 
 def cfg(root: Path, **kw) -> CacheConfig:
-    base = dict(
-        l3_root=root,
-        l1_bytes=8 << 20,
-        l2_bytes=4 << 20,
-        chunk_tokens=CHUNK,
-        cost_model=False,
-        pin_memory=False,
-        l3_writer="threads",
-    )
-    base.update(kw)
-    return CacheConfig(**base)
+    """test_cache_lifecycle's small cache, with L3 writes from threads unless a test says."""
+    kw.setdefault("l3_writer", "threads")
+    return lifecycle_cfg(root, **kw)
 
 
 def ids_of(n: int, seed: int = 0) -> torch.Tensor:
