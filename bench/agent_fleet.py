@@ -35,7 +35,7 @@ TTFT and decode steps.
     python3 bench/agent_fleet.py --shape qwen2-mini --device cpu --sessions 12 --turns 2
 
 `--concurrent` runs the other mode, bench/fleet_concurrent.py (its own options): N sessions with
-think time served concurrently by one process, batched configurations included (issue 18).
+think time served concurrently by one process, batched configurations included.
 """
 
 from __future__ import annotations

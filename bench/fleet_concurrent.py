@@ -1,6 +1,6 @@
 """`bench/agent_fleet.py --concurrent`: N agent sessions with think time, served by one process.
 
-Issue 18's benchmark, in-process (no HTTP). Every session runs turns: a turn appends 50-200
+The batched-serving benchmark, in-process (no HTTP). Every session runs turns: a turn appends 50-200
 tokens (the user or a tool result) to its context, decodes `--decode-tokens` tokens, then the
 session thinks (`--think` seconds, uniform) and returns. A conversation that grew by more than
 `--max-growth` tokens starts over from its initial context as a new session (its first turn is

@@ -1,4 +1,4 @@
-"""Tables, targets, plot and JSON of `bench/fleet_concurrent.py` (issue 18's benchmark)."""
+"""Tables, targets, plot and JSON of `bench/fleet_concurrent.py` (the batched-serving benchmark)."""
 
 from __future__ import annotations
 
@@ -88,7 +88,7 @@ def _check(label: str, ok: bool | None, figure: str) -> dict[str, Any]:
 
 
 def targets(scenario: str, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Issue 18's targets for every kvtier batched row of a scenario."""
+    """The batched-serving targets for every kvtier batched row of a scenario."""
     by = {r["config"]: r for r in rows}
     out = []
     for name in ("kvtier", "kvtier-int8"):

@@ -9,7 +9,7 @@
 #   FLEET_CONFIGS=recompute,kvtier,kvtier FLEET_SECONDS=30 FLEET_PROFILE=1 STEPS=fleet \
 #     bash bench/gpu_suite.sh    # the fleet only, with one profiled turn per configuration
 # Other fleet settings: FLEET_SYNC=stream, FLEET_CUDNN=1 (cuDNN attention on), FLEET_SESSIONS=N.
-#   STEPS=concurrent bash bench/gpu_suite.sh   # issue 18's benchmark alone (about 6 minutes)
+#   STEPS=concurrent bash bench/gpu_suite.sh   # the batched-serving benchmark alone (about 6 minutes)
 # Its settings: CONC_SECONDS (per configuration, default 20), CONC_CONFIGS, CONC_ARGS (any other
 # options of bench/fleet_concurrent.py).
 #
@@ -20,7 +20,7 @@ cd "$(dirname "$0")/.."
 OUT="${1:-${OUT:-gpu-out}}"
 mkdir -p "$OUT"
 export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-STEPS="${STEPS:-tests transfer l3 ttft decode attention collectors interference fleet concurrent restart}"
+STEPS="${STEPS:-tests weights paged transfer l3 ttft decode attention collectors interference fleet concurrent restart}"
 quiet() { grep -v -E "FutureWarning|forward_call|return func|past_key_values"; }
 
 for step in $STEPS; do
@@ -57,6 +57,12 @@ for step in $STEPS; do
       timeout $((90 + n * (${FLEET_SECONDS:-48} + 25))) python3 bench/agent_fleet.py --out "$OUT/fleet" --time-limit "${FLEET_SECONDS:-48}" \
         ${FLEET_CONFIGS:+--configs "$FLEET_CONFIGS"} ${FLEET_PROFILE:+--profile} ${FLEET_SYNC:+--sync "$FLEET_SYNC"} ${FLEET_CUDNN:+--cudnn-attention} ${FLEET_SESSIONS:+--sessions "$FLEET_SESSIONS"} 2>&1 | quiet \
         >"$OUT/fleet.txt" ;;
+    weights)
+      (cd bench && timeout 90 python3 weights_digest.py) >"$OUT/weights_digest.txt" 2>&1 ;;
+    paged)
+      timeout 120 python3 -m pytest -q -p no:cacheprovider tests/kvtier/test_paged_triton.py \
+        tests/kvtier/test_paged_gpu.py 2>&1 | tail -15 >"$OUT/paged_tests.txt"
+      timeout 200 python3 bench/paged_attention.py --sweep >"$OUT/paged_attention.txt" 2>&1 ;;
     concurrent)
       mkdir -p "$OUT/concurrent"
       # two scenarios (64 sessions; 256 with L1 for 64), 5 + 3 configurations of CONC_SECONDS each

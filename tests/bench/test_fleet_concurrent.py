@@ -1,4 +1,4 @@
-"""The CPU smoke run of `bench/agent_fleet.py --concurrent` (issue 18's benchmark): every
+"""The CPU smoke run of `bench/agent_fleet.py --concurrent` (the batched-serving benchmark): every
 configuration of both scenarios runs on a tiny Qwen2 and the report, JSON and plot come out."""
 
 from __future__ import annotations

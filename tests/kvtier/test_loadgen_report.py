@@ -65,7 +65,7 @@ def server_scrapes() -> tuple[str, str]:
 
 
 def issue_result() -> dict:
-    """The issue's demo run: 4 concurrent slots, 32 sessions on 2 cores."""
+    """A demo run as first reported: 4 concurrent slots, 32 sessions on 2 cores."""
     samples = []
     for i, (source, ttft, n) in enumerate(
         [("l2", 2.125, 10), ("l3", 2.487, 4), ("recompute", 0.616, 4)]

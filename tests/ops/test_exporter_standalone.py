@@ -150,7 +150,7 @@ def _server_sessions(cache: Any) -> dict[str, int]:
 
 @pytest.mark.timeout(300)
 def test_standalone_and_server_agree_on_a_real_cache(tmp_path: Path, model: Any) -> None:
-    """The issue's case, reproduced: a session the server resumed still has its hibernation
+    """The disagreement first reported, reproduced: a session the server resumed still has its hibernation
     record, so the index says hibernated 2 where the server says 1 (documented). Once the
     server stops (every session saved), the exporter and a restarted server agree."""
     from kvtier import CacheConfig, TieredCache
