@@ -78,7 +78,7 @@ RUN="$DATA/run-$(date +%Y%m%d-%H%M%S)"
 mkdir -p "$RUN"
 
 echo "demo: starting kvtier serve on $URL (L1 48 MiB, L2 8 MiB, L3 $DATA/l3); log $RUN/serve.log"
-setsid "$BIN/kvtier" serve --port "$PORT" --l3-root "$DATA/l3" --l1-bytes 48MiB --l2-bytes 8MiB \
+setsid "$BIN/kvtier" serve --port "$PORT" --l3-root "$DATA/l3" --l1-bytes 48MiB --l2-bytes 8MiB --l3-max-bytes 512MB \
   --max-concurrency 8 --queue-timeout 120 >"$RUN/serve.log" 2>&1 &
 PID=$!
 echo "$PID" >"$PIDFILE"

@@ -102,6 +102,7 @@ class TieredBackend:
                 l3_cold_root=config.l3_cold_root,
                 l1_bytes=config.l1_bytes,
                 l2_bytes=config.l2_bytes,
+                l3_max_bytes=config.l3_max_bytes or None,
                 chunk_tokens=config.chunk_tokens,
                 codec=config.codec,
                 write_policy=config.write_policy,

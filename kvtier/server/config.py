@@ -50,6 +50,7 @@ class ServerConfig:
     cache: str = "tiered"  # "tiered" (L1/L2/L3) or "none" (recompute every prefix; a baseline)
     l1_bytes: int = 256 * 2**20
     l2_bytes: int = 1 * 2**30
+    l3_max_bytes: int = 0  # L3's size cap (unreferenced chunks go first); 0 = no cap
     chunk_tokens: int = 256
     codec: str = "native"
     write_policy: str = "write_through"
@@ -123,7 +124,7 @@ class ServerConfig:
 
 
 _FIELDS = {f.name: f for f in fields(ServerConfig)}
-_SIZES = {"l1_bytes", "l2_bytes", "max_body_bytes", "batch_kv_bytes"}
+_SIZES = {"l1_bytes", "l2_bytes", "l3_max_bytes", "max_body_bytes", "batch_kv_bytes"}
 
 
 def _from_toml(path: Path) -> dict[str, Any]:

@@ -54,6 +54,11 @@ def options(f: Callable[..., Any]) -> Callable[..., Any]:
         ),
         click.option("--l1-bytes", help="GPU (L1) budget, e.g. 8GiB."),
         click.option("--l2-bytes", help="Pinned host RAM (L2) budget, e.g. 32GiB."),
+        click.option(
+            "--l3-max-bytes",
+            help="L3 size cap, e.g. 500GB; past it, chunks no session references go first "
+            "(default: no cap).",
+        ),
         click.option("--chunk-tokens", type=int, help="Tokens per chunk (default 256)."),
         click.option("--codec", help="L2/L3 codec: native, int8, fp8."),
         click.option("--write-policy", help="write_through, write_through_selective, write_back."),

@@ -111,3 +111,19 @@ def test_default_model_is_seeded() -> None:
     assert wa.equal(next(b.model.parameters()))
     assert not wa.equal(next(c.model.parameters()))
     assert a.model.config.num_key_value_heads < a.model.config.num_attention_heads  # GQA
+
+
+def test_l3_size_cap_reaches_the_store(tmp_path: Path) -> None:
+    """`--l3-max-bytes` (and KVTIER_L3_MAX_BYTES, TOML) caps the store the server opens."""
+    from kvtier.server.backend import TieredBackend
+
+    assert ServerConfig.load({}, env={}).l3_max_bytes == 0  # no cap by default
+    assert ServerConfig.load({}, env={"KVTIER_L3_MAX_BYTES": "2G"}).l3_max_bytes == 2 * 10**9
+    cfg = ServerConfig.load({"l3_max_bytes": "64MiB", "l3_root": str(tmp_path / "l3")}, env={})
+    backend = TieredBackend(build_default("cpu").model, cfg, "capped")
+    try:
+        assert backend.cache.l3.max_bytes == 64 << 20
+    finally:
+        backend.close()
+    with pytest.raises(ConfigError, match="l3_max_bytes"):
+        ServerConfig.load({"l3_max_bytes": "lots"}, env={})
