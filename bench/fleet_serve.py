@@ -295,6 +295,7 @@ def tiered_backend(
         l3_cold_root=None,
         l1_bytes=l1_bytes,
         l2_bytes=l2_bytes,
+        l3_max_bytes=0,
         chunk_tokens=256,
         codec=codec,
         write_policy=policy,
