@@ -1,7 +1,8 @@
 """Every file a doc names is in the repo: the project stands on its own.
 
-Scans the Markdown docs, the READMEs and the lint configuration for names of repo files
-(`docs/api.md`, `kvtier/cache/core.py`, `STYLE.md`, ...) and checks each one exists. A name
+Scans the Markdown docs, the READMEs, the code's docstrings and comments, and the lint
+configuration for names of repo files
+(`docs/api.md`, `kvtier/cache/core.py`, `README.md`, ...) and checks each one exists. A name
 with a directory part must resolve from the repo root or from the doc's own folder; a bare
 Markdown name must be some file of the repo, and a path may also be the tail of a repo path
 (`integrations/hf.py` inside a paragraph about `kvtier/`).
@@ -20,7 +21,7 @@ EXTS = "md|py|sh|yml|yaml|toml|json|cfg|ini|txt"
 NAME = re.compile(rf"(?<![\w/.<>$~-])((?:[\w.-]+/)*[\w.-]+\.(?:{EXTS}))(?![\w/])")
 # Names that are not repo files: written by the program at run time, or on the user's host.
 NOT_REPO = re.compile(
-    r"^(?:proc/|sys/|etc/|dev/|tmp/|var/|usr/|run/|home/)|"
+    r"^(?:proc/|sys/|etc/|dev/|tmp/|var/|usr/|run/|home/|[A-Z_]+/)|"
     r"(?:^|/)(?:results|summary|profile|config|kvtier|serve|loadgen|out|report)\.(?:json|toml|txt)$"
 )
 
@@ -30,9 +31,13 @@ def _docs() -> list[Path]:
         ["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True
     ).stdout.split()
     picked = [
-        ROOT / f for f in tracked if f.endswith(".md") or f in (".importlinter", "pyproject.toml")
+        ROOT / f
+        for f in tracked
+        if f.endswith((".md", ".py")) or f in (".importlinter", "pyproject.toml")
     ]
-    return [p for p in picked if p.exists()]
+    # the tests that write files on purpose (a missing name to catch, a module to plant)
+    planted = {Path(__file__).resolve(), ROOT / "tests" / "test_layering.py"}
+    return [p for p in picked if p.exists() and p.resolve() not in planted]
 
 
 def _repo_files() -> set[str]:
@@ -67,8 +72,8 @@ def test_every_file_a_doc_names_exists(doc: Path) -> None:
 
 def test_the_check_catches_a_missing_file(tmp_path: Path) -> None:
     doc = ROOT / "docs" / "_probe_for_test.md"
-    doc.write_text("The blueprint is DESIGN.md; see docs/nowhere.md and docs/api.md.\n")
+    doc.write_text("The blueprint is BLUEPRINT.md; see docs/nowhere.md and docs/api.md.\n")
     try:
-        assert _missing(doc, _repo_files()) == ["DESIGN.md", "docs/nowhere.md"]
+        assert _missing(doc, _repo_files()) == ["BLUEPRINT.md", "docs/nowhere.md"]
     finally:
         doc.unlink()

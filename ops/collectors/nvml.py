@@ -1,7 +1,8 @@
 """GPU readings through NVML: one wrapper for every call, degrading to "no GPU" without a driver.
 
 Every NVML call goes through `nvml_query`, which returns a sentinel (`NA`) when pynvml, the
-driver or the function is missing, and logs each missing function once (STYLE.md rule 4).
+driver or the function is missing, and logs each missing function once: a host without a GPU
+or with an older driver degrades, never raises.
 `read_raw()` returns one JSON-able dict per GPU, keyed as in `FIELDS`; the pure
 `ops.parsers.nvml.parse_device` turns such a dict into a `GpuReading`. The capture script dumps
 the same dicts (`ops.collectors.nvml.main`), so the parser is tested on real readings.

@@ -1,4 +1,5 @@
-"""One contract suite, run over every eviction policy (STYLE.md rule 7)."""
+"""One contract suite, run over every eviction policy: policies are small pure objects, and
+each must keep the same contract."""
 
 from __future__ import annotations
 
