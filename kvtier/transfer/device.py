@@ -180,7 +180,7 @@ class DeviceMover:
                 t0 = time.perf_counter()
                 moved = self._offload_cpu(layers, block, start, ntokens, slots)
                 handle = Handle(direction=_DOWN)
-                self._account(_DOWN, moved, time.perf_counter() - t0, len(slots))
+                self._accounts.account(_DOWN, moved, time.perf_counter() - t0, len(slots))
             for slot in slots:
                 self._slot_copy[slot] = handle
         return handle
@@ -226,7 +226,7 @@ class DeviceMover:
         for pair in layers:
             for t in pair:
                 t.record_stream(gather)
-        self._timing(_DOWN, begin, end, moved, len(slots))
+        self._accounts.timing(_DOWN, begin, end, moved, len(slots))
         return Handle(end, keep=(layers,), direction=_DOWN, device=self.device)
 
     def _offload_cpu(
@@ -295,7 +295,7 @@ class DeviceMover:
             finally:
                 for slot in slots:
                     self._slot_copy[slot] = handle
-            self._account(_UP, moved, time.perf_counter() - t0, len(slots))
+            self._accounts.account(_UP, moved, time.perf_counter() - t0, len(slots))
             return handle
 
     def _restore_cuda(
@@ -346,7 +346,7 @@ class DeviceMover:
             handle = Handle(end, keep=(layers,), direction=_UP, device=self.device)
             for slot in slots:
                 self._slot_copy[slot] = handle
-        self._timing(_UP, begin, end, moved, len(slots))
+        self._accounts.timing(_UP, begin, end, moved, len(slots))
         return handle
 
     def _restore_cpu(
@@ -452,19 +452,6 @@ class DeviceMover:
         copy = self._slot_copy.pop(slot, None)
         if copy is not None:
             copy.wait()
-
-    def _account(self, direction: tuple[str, str], nbytes: int, seconds: float, ops: int) -> None:
-        self._accounts.account(direction, nbytes, seconds, ops)
-
-    def _timing(
-        self,
-        direction: tuple[str, str],
-        begin: torch.cuda.Event,
-        end: torch.cuda.Event,
-        nbytes: int,
-        ops: int,
-    ) -> None:
-        self._accounts.timing(direction, begin, end, nbytes, ops)
 
     def synchronize(self) -> None:
         """Wait for every device copy issued so far."""
