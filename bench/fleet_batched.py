@@ -84,6 +84,10 @@ def run_batched(
     seed(backend.cache, fleet, bank, device)
     log = StepLog()
     sched = BatchScheduler(served_model(model), backend, sched_config, log)
+    if getattr(sched_config, "cuda_graphs", False) and sched.pool.device.type == "cuda":
+        t0 = time.perf_counter()  # as `kvtier serve`'s warm-up: before the first request
+        m.extra["graphs"] = sched.runner.capture_graphs()
+        m.extra["graph_capture_s"] = round(time.perf_counter() - t0, 2)
     log.watch(sched.runner)  # before the first submit: the scheduler thread is idle until then
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, name="fleet-clients", daemon=True)
@@ -158,6 +162,8 @@ def run_batched(
     m.extra["step_p50_decode_only"] = _median(only)
     m.extra["step_p50_mixed"] = _median(mixed)
     m.extra["preemptions"] = sched.preemptions
+    m.extra["graph_steps"] = sched.runner.graph_steps
+    m.extra["eager_steps"] = sched.runner.eager_steps
     m.extra["server_ttft_p50"] = _median([s for _, s in log.ttfts])
     return m
 

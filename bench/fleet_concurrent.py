@@ -22,6 +22,7 @@ Configurations:
   kvtier-seq   (c) kvtier TieredCache, one session per forward (the engine without batching)
   kvtier       (d) kvtier's BatchScheduler (the server's) over the paged pool, codec native
   kvtier-int8  (e) the same with the int8 codec
+  kvtier-eager (d) without CUDA graphs: every step eager (what graphs add, in the same run)
 
 Each session's initial context (a shared `--system`-token system prompt, then its own tokens)
 is prefilled once per scenario, batched; its K/V is kept on the host (the "bank") and copied
@@ -190,8 +191,10 @@ def run_scenario(args, model, dev: str, scen: str, n: int, fleet_ceiling, tmp: P
                 if name == "kvtier-seq":
                     m = serve.run_sequential(model, fleet, bank, dev, warmup, limit, backend)
                 else:
+                    cfg = SimpleNamespace(**vars(sched_config))
+                    cfg.cuda_graphs = name != "kvtier-eager"
                     m = batched.run_batched(
-                        name, model, fleet, bank, dev, warmup, limit, backend, sched_config
+                        name, model, fleet, bank, dev, warmup, limit, backend, cfg
                     )
             else:
                 print(f"unknown configuration {name}", flush=True)

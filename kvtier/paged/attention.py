@@ -72,6 +72,8 @@ class PagedContext:
     seq_lens: list[int]
     page_counts: list[int]
     backend: str = "auto"
+    # Triton decode splits per sequence; None: chosen from the batch (a CUDA graph fixes it)
+    num_splits: int | None = None
     # the decode rows of a mixed step, made once per forward (see `_decode_rows`)
     _rows: tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor] | None = field(
         default=None, repr=False
@@ -204,7 +206,14 @@ def attend(
         from kvtier.paged.triton_decode import paged_decode
 
         return paged_decode(
-            q, k_cache, v_cache, ctx.block_table, ctx.context_lens, scale, max_len=max(ctx.seq_lens)
+            q,
+            k_cache,
+            v_cache,
+            ctx.block_table,
+            ctx.context_lens,
+            scale,
+            max_len=max(ctx.seq_lens),
+            num_splits=ctx.num_splits,
         )
     if backend == "varlen":
         return varlen_paged(ctx, q, k_cache, v_cache, scale)

@@ -7,20 +7,25 @@ of the last new token of each sequence, in batch order, and advances the lengths
 join (a fresh `PagedSequence`) and leave (`release`) between steps.
 
 Per-step host data goes through buffers preallocated once (numpy views of pinned CPU tensors,
-copied to device tensors of fixed size), so a step allocates no buffer of its own.
+copied to device tensors of fixed size), so a step allocates no buffer of its own. On CUDA,
+`capture_graphs()` records the decode-only step as CUDA graphs over those same buffers
+(`kvtier.paged.graphs`); `step` then replays one for a decode-only batch.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from kvtier.errors import ConfigError
 from kvtier.paged.attention import PagedContext, paged_context, register
 from kvtier.paged.pool import PagedSequence, PagePool, PoolExhausted
+
+if TYPE_CHECKING:
+    from kvtier.paged.graphs import DecodeGraphs
 
 
 @dataclass
@@ -89,6 +94,71 @@ class BatchRunner:
         self.block_table = torch.zeros(max_batch, self.max_pages, dtype=torch.int32, device=dev)
         # The host buffers are rewritten each step: wait until the last step's copies are done.
         self._copied = torch.cuda.Event() if pin else None
+        self.graphs: DecodeGraphs | None = None
+        self._trash: int | None = None  # the page padding rows of a graph step write to
+        self.graph_steps = 0  # steps replayed from a CUDA graph
+        self.eager_steps = 0
+
+    def capture_graphs(self, buckets: Sequence[int] | None = None) -> list[int]:
+        """Record the decode-only step as CUDA graphs, one per batch-size bucket (default:
+        1, 2, 4, 8, 16, 32, ... up to max_batch); the sizes captured. CUDA only. Takes one page
+        of the pool for the padding rows."""
+        from kvtier.paged.graphs import DecodeGraphs
+
+        graphs = DecodeGraphs(self, buckets)
+        if self._trash is None:
+            pages = self.pool.alloc(1)
+            if pages is None:
+                raise PoolExhausted(1, 0)
+            self._trash = pages[0]
+        graphs.capture()
+        self.graphs = graphs
+        return graphs.captured
+
+    def graph_splits(self, size: int) -> int:
+        """The Triton decode kernel's splits per sequence for a captured batch of `size`."""
+        from kvtier.paged.triton_decode import choose_splits, default_block_n
+
+        geometry = self.pool.geometry
+        sms = torch.cuda.get_device_properties(self.pool.device).multi_processor_count
+        block_n = default_block_n(geometry.head_dim)
+        return choose_splits(size, geometry.num_kv_heads, self.max_seq_len, block_n, sms)
+
+    def fill_padding(self, start: int, end: int) -> None:
+        """Make rows `start..end-1` of the step buffers padding (host and device): one token at
+        position 0, its K/V written to the padding page, a one-token context on that page."""
+        assert self._trash is not None, "capture_graphs() takes the padding page"
+        if self._copied is not None:
+            self._copied.synchronize()
+        self._pad_host(start, end)
+        self._to_device(end, 1)
+
+    def _pad_host(self, start: int, end: int) -> None:
+        assert self._trash is not None
+        page = self.pool.page_size
+        rows = range(start, end)
+        self._h_ids.numpy()[start:end] = 0
+        self._h_pos.numpy()[start:end] = 0
+        self._h_slots.numpy()[start:end] = [self._trash * page + i % page for i in rows]
+        self._h_lens.numpy()[start:end] = 1
+        self._h_last.numpy()[start:end] = rows
+        self._h_table.numpy()[start:end, 0] = self._trash
+        cu, cuk = self._h_cu.numpy(), self._h_cuk.numpy()
+        for i in rows:
+            cu[i + 1] = cu[i] + 1
+            cuk[i + 1] = cuk[i] + 1
+
+    def forward(self, size: int, logits_to_keep: int | torch.Tensor = 0) -> torch.Tensor:
+        """The model over the first `size` tokens of the step buffers (a `PagedContext` must be
+        set); the logits `[kept, vocab]`."""
+        out = self.model(
+            input_ids=self.input_ids[:, :size],
+            position_ids=self.position_ids[:, :size],
+            use_cache=False,
+            logits_to_keep=logits_to_keep,
+        )
+        logits: torch.Tensor = out.logits[0]
+        return logits
 
     def release(self, seq: PagedSequence) -> None:
         """The sequence leaves: its pages go back to the pool (shared pages lose a reference)."""
@@ -133,18 +203,28 @@ class BatchRunner:
 
         Raises `PoolExhausted` (nothing changed) when the pool cannot hold the new tokens.
         """
-        ctx = self.prepare(batch)
-        b, total = ctx.num_seqs, int(ctx.slot_mapping.shape[0])
-        with torch.inference_mode(), paged_context(ctx):
-            out = self.model(
-                input_ids=self.input_ids[:, :total],
-                position_ids=self.position_ids[:, :total],
-                use_cache=False,
-                logits_to_keep=self.last_index[:b],
-            )
+        size = self._graph_size(batch)
+        if size is not None:
+            assert self.graphs is not None
+            self.prepare(batch, pad_to=size)
+            logits = self.graphs.replay(size)[: len(batch)]
+            self.graph_steps += 1
+        else:
+            ctx = self.prepare(batch)
+            b, total = ctx.num_seqs, int(ctx.slot_mapping.shape[0])
+            with torch.inference_mode(), paged_context(ctx):
+                logits = self.forward(total, logits_to_keep=self.last_index[:b])
+            self.eager_steps += 1
         self.advance(batch)
-        logits: torch.Tensor = out.logits[0]
         return logits
+
+    def _graph_size(self, batch: Sequence[SeqInput]) -> int | None:
+        """The CUDA graph bucket of a decode-only batch; None: the step runs eager."""
+        if self.graphs is None or self.backend not in ("auto", "triton"):
+            return None
+        if any(len(item.tokens) != 1 for item in batch):
+            return None
+        return self.graphs.bucket(len(batch))
 
     @staticmethod
     def advance(batch: Sequence[SeqInput]) -> None:
@@ -152,10 +232,11 @@ class BatchRunner:
         for item in batch:
             item.seq.length += len(item.tokens)
 
-    def prepare(self, batch: Sequence[SeqInput]) -> PagedContext:
+    def prepare(self, batch: Sequence[SeqInput], pad_to: int | None = None) -> PagedContext:
         """Reserve pages, fill the step's input buffers and return the forward context.
 
         `self.input_ids[:, :T]` and `self.position_ids[:, :T]` hold the flattened input after it.
+        `pad_to` (a CUDA graph's bucket, decode-only batches) adds padding rows up to that size.
         """
         total = self._check(batch)
         self.reserve(batch)
@@ -186,18 +267,10 @@ class BatchRunner:
             seq_lens.append(old + n)
             page_counts.append(count)
         b = len(batch)
-        nb = self.pool.device.type == "cuda"
-        self.input_ids[0, :total].copy_(self._h_ids[:total], non_blocking=nb)
-        self.position_ids[0, :total].copy_(self._h_pos[:total], non_blocking=nb)
-        self.slot_mapping[:total].copy_(self._h_slots[:total], non_blocking=nb)
-        self.cu_seqlens_q[: b + 1].copy_(self._h_cu[: b + 1], non_blocking=nb)
-        self.cu_seqlens_k[: b + 1].copy_(self._h_cuk[: b + 1], non_blocking=nb)
-        self.context_lens[:b].copy_(self._h_lens[:b], non_blocking=nb)
-        self.last_index[:b].copy_(self._h_last[:b], non_blocking=nb)
-        width = max(page_counts)
-        self.block_table[:b, :width].copy_(self._h_table[:b, :width], non_blocking=nb)
-        if self._copied is not None:
-            self._copied.record()
+        if pad_to is not None and pad_to > b:
+            self._pad_host(b, pad_to)
+        rows = max(b, pad_to or 0)
+        self._to_device(rows if pad_to else total, max(page_counts), rows=rows)
         ctx = PagedContext(
             pool=self.pool,
             cu_seqlens_q=self.cu_seqlens_q[: b + 1],
@@ -211,3 +284,19 @@ class BatchRunner:
             backend=self.backend,
         )
         return ctx
+
+    def _to_device(self, tokens: int, width: int, rows: int | None = None) -> None:
+        """Copy the first `tokens` token entries, `rows` sequence rows (default: `tokens`) and
+        `width` block-table columns of the host buffers to the device buffers."""
+        b = tokens if rows is None else rows
+        nb = self.pool.device.type == "cuda"
+        self.input_ids[0, :tokens].copy_(self._h_ids[:tokens], non_blocking=nb)
+        self.position_ids[0, :tokens].copy_(self._h_pos[:tokens], non_blocking=nb)
+        self.slot_mapping[:tokens].copy_(self._h_slots[:tokens], non_blocking=nb)
+        self.cu_seqlens_q[: b + 1].copy_(self._h_cu[: b + 1], non_blocking=nb)
+        self.cu_seqlens_k[: b + 1].copy_(self._h_cuk[: b + 1], non_blocking=nb)
+        self.context_lens[:b].copy_(self._h_lens[:b], non_blocking=nb)
+        self.last_index[:b].copy_(self._h_last[:b], non_blocking=nb)
+        self.block_table[:b, :width].copy_(self._h_table[:b, :width], non_blocking=nb)
+        if self._copied is not None:
+            self._copied.record()

@@ -71,7 +71,7 @@ def _partial_kernel(
     PART,
     LSE,
     scale,
-    split_len,
+    num_splits,
     stride_qb,
     stride_qh,
     stride_kp,
@@ -99,6 +99,10 @@ def _partial_kernel(
     h = tl.program_id(1)
     s = tl.program_id(2)
     length = tl.load(LENS + b)
+    # this sequence's own split: its context cut into num_splits ranges of whole blocks, so the
+    # grid depends on the batch size only (what a CUDA graph needs) and long and short
+    # sequences of one batch each spread over all their programs
+    split_len = tl.cdiv(tl.cdiv(length, num_splits), BLOCK_N) * BLOCK_N
     start = s * split_len
     end = tl.minimum(start + split_len, length)
 
@@ -184,6 +188,11 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+def default_block_n(head_dim: int) -> int:
+    """Tokens per block of the partial pass: 64, or 32 for heads wider than 128."""
+    return 64 if head_dim <= 128 else 32
+
+
 def choose_splits(batch: int, kv_heads: int, max_len: int, block_n: int, sms: int) -> int:
     """Splits per sequence so that about two programs run per multiprocessor."""
     programs = batch * kv_heads
@@ -213,12 +222,10 @@ def paged_decode(
     if max_len is None:
         max_len = int(context_lens[:batch].max())
     if block_n is None:
-        block_n = 64 if dim <= 128 else 32
+        block_n = default_block_n(dim)
     if num_splits is None:
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 2
         num_splits = choose_splits(batch, kv_heads, max_len, block_n, sms)
-    split_len = -(-max(max_len, 1) // num_splits)
-    split_len = -(-split_len // block_n) * block_n
     partial = torch.empty((batch, heads, num_splits, dim), dtype=torch.float32, device=q.device)
     lse = torch.empty((batch, heads, num_splits), dtype=torch.float32, device=q.device)
     out = torch.empty_like(q)
@@ -234,7 +241,7 @@ def paged_decode(
         partial,
         lse,
         scale,
-        split_len,
+        num_splits,
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),

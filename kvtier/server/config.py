@@ -65,6 +65,7 @@ class ServerConfig:
     max_tokens_limit: int = 4096  # largest max_tokens a request may ask for
     prefill_step: int = 512  # prompt tokens per forward, so other sessions interleave
     batching: bool = True  # one forward per step for every running session (off: one thread each)
+    cuda_graphs: bool = True  # with batching on CUDA: decode steps replayed as CUDA graphs
     batch_tokens: int = 1024  # new tokens in one batched forward: decode tokens + prompt chunks
     batch_kv_bytes: int = 0  # the batch's KV page pool; 0 = room for max_concurrency contexts
     max_body_bytes: int = 4 * 2**20

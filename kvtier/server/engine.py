@@ -361,6 +361,14 @@ class Engine:
         finally:
             sched.runner.release(a)
             sched.runner.release(b)
+        if self.config.cuda_graphs and sched.pool.device.type == "cuda":
+            started = time.perf_counter()
+            sizes = sched.runner.capture_graphs()
+            log.info(
+                "decode step captured as CUDA graphs for batches of %s in %.1f s",
+                ", ".join(map(str, sizes)) or "none",
+                time.perf_counter() - started,
+            )
 
     def _warm_pass(
         self, ids: torch.Tensor, commit: torch.Tensor | None, decode: bool = False

@@ -92,6 +92,12 @@ def options(f: Callable[..., Any]) -> Callable[..., Any]:
             "off: one thread per request, taking turns on the model).",
         ),
         click.option(
+            "--cuda-graphs/--no-cuda-graphs",
+            default=None,
+            help="With batching on a CUDA model, record the decode step as CUDA graphs at start "
+            "(one per batch-size bucket) and replay them (default on).",
+        ),
+        click.option(
             "--batch-tokens",
             type=int,
             help="New tokens in one batched forward: decode tokens plus prompt chunks "
