@@ -349,6 +349,8 @@ def _reference_one(
         # causal, aligned to the end of the context: a bias SDPA's flash and memory-efficient
         # kernels take as such, where a boolean mask would send it to the math kernel
         mask = causal_lower_right(n_q, n_k)
+        if qi.is_cuda:
+            return _flash_lower_right(qi, k, v, mask, scale)
     o = F.scaled_dot_product_attention(
         qi.transpose(0, 1),
         k.transpose(0, 1).to(qi.dtype),
@@ -358,6 +360,26 @@ def _reference_one(
         enable_gqa=heads != kv_heads,
     )
     return o.transpose(0, 1)
+
+
+def _flash_lower_right(
+    qi: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any, scale: float
+) -> torch.Tensor:
+    """A prompt chunk `[n_q, heads, dim]` over its context `[n_k, kv_heads, dim]` with the
+    end-aligned causal bias, through SDPA's flash kernel. That kernel takes the bias only for
+    4-D inputs with as many K/V heads as query heads: given 3-D inputs or grouped K/V heads, SDPA
+    falls back to its math kernel in float32 (on an H200, 1.5 ms a layer for a 512-token chunk
+    over 3,000 tokens). So the K/V heads are repeated for their query groups here."""
+    group = qi.shape[1] // k.shape[1]
+    kk = k.transpose(0, 1).to(qi.dtype)
+    vv = v.transpose(0, 1).to(qi.dtype)
+    if group > 1:
+        kk = kk.repeat_interleave(group, dim=0)
+        vv = vv.repeat_interleave(group, dim=0)
+    o = F.scaled_dot_product_attention(
+        qi.transpose(0, 1)[None], kk[None], vv[None], attn_mask=mask, scale=scale
+    )
+    return o[0].transpose(0, 1)
 
 
 def varlen_paged(

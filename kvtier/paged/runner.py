@@ -96,7 +96,7 @@ class BatchRunner:
         self._copied = torch.cuda.Event() if pin else None
         self.graphs: DecodeGraphs | None = None
         self._trash: int | None = None  # the page padding rows of a graph step write to
-        self.graph_steps = 0  # steps replayed from a CUDA graph
+        self.graph_steps = 0  # forwards replayed from a CUDA graph
         self.eager_steps = 0
 
     def capture_graphs(self, buckets: Sequence[int] | None = None) -> list[int]:
@@ -205,16 +205,23 @@ class BatchRunner:
         """
         size = self._graph_size(batch)
         if size is not None:
-            assert self.graphs is not None
-            self.prepare(batch, pad_to=size)
-            logits = self.graphs.replay(size)[: len(batch)]
-            self.graph_steps += 1
-        else:
-            ctx = self.prepare(batch)
-            b, total = ctx.num_seqs, int(ctx.slot_mapping.shape[0])
-            with torch.inference_mode(), paged_context(ctx):
-                logits = self.forward(total, logits_to_keep=self.last_index[:b])
-            self.eager_steps += 1
+            return self._replay(batch, size)
+        return self._eager(batch)
+
+    def _eager(self, batch: Sequence[SeqInput]) -> torch.Tensor:
+        ctx = self.prepare(batch)
+        b, total = ctx.num_seqs, int(ctx.slot_mapping.shape[0])
+        with torch.inference_mode(), paged_context(ctx):
+            logits = self.forward(total, logits_to_keep=self.last_index[:b])
+        self.eager_steps += 1
+        self.advance(batch)
+        return logits
+
+    def _replay(self, batch: Sequence[SeqInput], size: int) -> torch.Tensor:
+        assert self.graphs is not None
+        self.prepare(batch, pad_to=size)
+        logits = self.graphs.replay(size)[: len(batch)]
+        self.graph_steps += 1
         self.advance(batch)
         return logits
 
