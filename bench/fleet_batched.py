@@ -26,6 +26,8 @@ class StepLog:
         self.steps: list[tuple[float, float, int, bool]] = []
         self.ttfts: list[tuple[str, float]] = []
         self.decode_only = False  # the kind of the step now running (set by `watch`)
+        self.prompt_tokens = 0  # prompt-chunk tokens of the step now running
+        self.prompts: list[int] = []  # prompt-chunk tokens of every step, in `steps` order
 
     def watch(self, runner: Any) -> None:
         """Note, before each forward, whether the step is decode-only (one token per sequence:
@@ -35,6 +37,7 @@ class StepLog:
 
         def observed(batch: Any) -> Any:
             self.decode_only = all(len(item.tokens) == 1 for item in batch)
+            self.prompt_tokens = sum(len(item.tokens) for item in batch if len(item.tokens) > 1)
             return step(batch)
 
         runner.step = observed
@@ -47,6 +50,7 @@ class StepLog:
 
     def step(self, batch_size: int, seconds: float) -> None:
         self.steps.append((time.perf_counter(), seconds, batch_size, self.decode_only))
+        self.prompts.append(self.prompt_tokens)
 
 
 def served_model(model) -> ServedModel:
@@ -161,6 +165,10 @@ def run_batched(
     m.extra["mixed_steps"] = len(mixed)
     m.extra["step_p50_decode_only"] = _median(only)
     m.extra["step_p50_mixed"] = _median(mixed)
+    chunks = [
+        p for (t, _, _, d), p in zip(log.steps, log.prompts, strict=True) if win.inside(t) and not d
+    ]
+    m.extra["mixed_prompt_tokens_p50"] = _median([float(p) for p in chunks])
     m.extra["preemptions"] = sched.preemptions
     m.extra["graph_steps"] = sched.runner.graph_steps
     m.extra["eager_steps"] = sched.runner.eager_steps

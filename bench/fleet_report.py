@@ -76,8 +76,11 @@ def table(title: str, rows: list[dict[str, Any]]) -> str:
             lines.append(
                 f"{r['config']:>14}: {r['extra_decode_only_steps']} decode-only steps (P50 "
                 f"{_ms(r['extra_step_p50_decode_only'])} ms), {r['extra_mixed_steps']} with prompt "
-                f"chunks (P50 {_ms(r['extra_step_p50_mixed'])} ms), mean batch "
-                f"{r['extra_mean_batch']:.1f}, {r['extra_preemptions']} preemptions"
+                f"chunks (P50 {_ms(r['extra_step_p50_mixed'])} ms, "
+                f"{r.get('extra_mixed_prompt_tokens_p50', float('nan')):.0f} prompt tokens), "
+                f"mean batch {r['extra_mean_batch']:.1f}, {r['extra_preemptions']} preemptions, "
+                f"{r.get('extra_graph_steps', 0)} graph / {r.get('extra_eager_steps', 0)} eager "
+                "forwards"
             )
     return "\n".join(lines)
 

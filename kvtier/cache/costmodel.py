@@ -13,6 +13,13 @@ otherwise make every later restore from it a recompute. Hence the `outlier` boun
 very first sample on, and after `probe_every` plans in a row that turned a tier down, the next
 plan loads it once more to measure it again.
 
+The first read of a tier in a process pays for lazy set-up, which is why its sample is bounded;
+but a bounded first sample can leave a tier's estimate many times too fast (on an H200 the
+built-in model's first L3 sample was bounded from 31 MB/s up to 250 MB/s, and the first request
+after a restart then loaded 1.7x slower than it would have recomputed). So `kvtier serve`'s
+warm-up, with the set-up paid, restores once more under `calibrating`: plans load everything,
+and each sample replaces the estimate outright.
+
 Prefill is different in two ways. It is measured on every forward of several tokens, whatever
 the plan said, so it needs no lock-out guard: its first sample replaces the configured guess
 outright. (A 7B model on an H200 prefills at 27 us a token, 37 x under the 1 ms guess; bounded,
@@ -49,6 +56,9 @@ class CostModel:
         self.probe_every = probe_every
         self.prefill_min_tokens = prefill_min_tokens
         self.samples: dict[str, int] = {}
+        # while set: every plan loads all segments, and samples replace the estimates (see the
+        # module docstring); for a warm-up that has paid the set-up of every path
+        self.calibrating = False
         self.turned_down: dict[str, int] = {}  # plans in a row that rejected this tier
         self.probes = 0
 
@@ -57,7 +67,7 @@ class CostModel:
         (within `outlier` x unless `bound_first` is off), `alpha` of the way later."""
         n = self.samples.get(name, 0)
         self.samples[name] = n + 1
-        if old <= 0 or (n == 0 and not bound_first):
+        if old <= 0 or (n == 0 and not bound_first) or self.calibrating:
             return new
         limit = math.log(self.outlier)
         step = (1.0 if n == 0 else self.alpha) * math.log(new / old)
@@ -89,6 +99,8 @@ class CostModel:
         Loading segment i only helps if the whole prefix through i is cheaper to load than to
         recompute; pick the prefix length with the largest saving (0 = recompute everything).
         """
+        if self.calibrating:
+            return len(segments)
         best_k, best_saving = 0, 0.0
         load = tokens = 0.0
         for k, (src, nbytes, ntok) in enumerate(segments, start=1):

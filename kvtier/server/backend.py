@@ -8,6 +8,8 @@ them); calls for different sessions may run on different threads.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -44,6 +46,7 @@ class Backend(Protocol):
     def prefetch(self, session_id: str) -> bool: ...
     def forget(self, session_id: str) -> bool: ...
     def evict_l2(self) -> None: ...
+    def calibrating(self) -> contextlib.AbstractContextManager[None]: ...
     def snapshot(self) -> CacheSnapshot | None: ...
     def prefill_estimate(self) -> PrefillEstimate | None: ...
     def close(self) -> None: ...
@@ -77,6 +80,9 @@ class RecomputeBackend:
 
     def evict_l2(self) -> None:
         return None
+
+    def calibrating(self) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
 
     def snapshot(self) -> CacheSnapshot | None:
         return None
@@ -144,6 +150,17 @@ class TieredBackend:
     def evict_l2(self) -> None:
         """Drop L2's copies of chunks durable in L3 (the next restore of them reads L3)."""
         self.cache.evict_l2()
+
+    @contextlib.contextmanager
+    def calibrating(self) -> Iterator[None]:
+        """Inside: restores load every chunk they find and their timings replace the cost
+        model's estimates (kvtier/cache/costmodel.py); for the start-up warm-up."""
+        cost = self.cache.cost
+        cost.calibrating = True
+        try:
+            yield
+        finally:
+            cost.calibrating = False
 
     def snapshot(self) -> CacheSnapshot | None:
         snap: CacheSnapshot = self.cache.stats()

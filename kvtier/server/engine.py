@@ -314,7 +314,10 @@ class Engine:
         3. hibernate, drop L2's copies, and restore A again: loaded from L3 (or recomputed,
            whichever the now measured cost model picks, as a request's restore would), which
            sets up the L3 read path and measures it, with new tokens after the prefix and one
-           decode step, as a returning turn runs; then abort and close the session.
+           decode step, as a returning turn runs;
+        4. hibernate, drop L2's copies and restore A from L3 once more, calibrating: this read,
+           with the set-up paid, replaces the cost model's L3 estimate (the first one is bounded);
+           then abort and close the session.
         """
         room = self.served.context_tokens - 2
         n, n_b = max(2, min(tokens, room)), max(2, min(prefill_tokens, room))
@@ -338,6 +341,12 @@ class Engine:
             # decode step.
             suffix = ((torch.arange(WARM_UP_SUFFIX, device=device) * 3 + 1) % vocab).unsqueeze(0)
             self._warm_pass(torch.cat([prompt_a, suffix], dim=1), commit=None, decode=True)
+            # Once more from L3, its set-up paid: this read replaces the cost model's L3 estimate
+            # (the first read of a process is bounded, as it pays for lazy set-up).
+            backend.hibernate(sid)
+            backend.evict_l2()
+            with backend.calibrating():
+                self._warm_pass(torch.cat([prompt_a, suffix], dim=1), commit=None)
         finally:
             backend.forget(sid)
         self._warm_batch(prompt_a[0, :WARM_UP_SUFFIX].tolist())

@@ -98,3 +98,20 @@ def test_short_forwards_do_not_move_the_prefill_estimate() -> None:
     for _ in range(30):  # long prefills that really got slower do move it
         m.observe_prefill(2048, 0.5)
     assert m.prefill_s_per_token == pytest.approx(0.5 / 2048, rel=0.01)
+
+
+def test_calibrating_replaces_a_bounded_first_sample_and_loads_everything() -> None:
+    """The first L3 sample of a process is bounded (it pays lazy set-up), which left the
+    built-in model's L3 estimate 8x too fast on a GPU host: the first request after a restart
+    loaded where recomputing was faster. A calibrating read (the warm-up's second) replaces it."""
+    cm = CostModel({"l3": 1e9}, prefill_s_per_token=5e-6)
+    cm.observe_load("l3", 250_000, 8e-3)  # 31 MB/s, bounded to 4x below the guess
+    assert cm.bandwidth["l3"] == pytest.approx(250e6)
+    segments = [("l3", 62_500, 256)] * 8  # 2,048 tokens: recompute 10 ms, load 16 ms at 31 MB/s
+    assert cm.plan(segments) == 8, "the bounded estimate still loads"
+    cm.calibrating = True
+    assert cm.plan(segments) == 8, "a calibrating plan loads everything, to measure it"
+    cm.observe_load("l3", 250_000, 8e-3)
+    cm.calibrating = False
+    assert cm.bandwidth["l3"] == pytest.approx(250_000 / 8e-3)
+    assert cm.plan(segments) == 0, "measured, recomputing is faster"
