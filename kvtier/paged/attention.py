@@ -19,11 +19,16 @@ Backends (`PagedContext.backend`):
   block table (`kvtier.paged.triton_decode`).
 - "split": CUDA, mixed batches: the decode rows through the Triton kernel in one call, each
   prefilling sequence through SDPA over its gathered pages.
+- "rows": CUDA (or the CPU, through a slow per-row reference for tests): every new token, decode
+  or prompt chunk, is one row of the Triton kernel attending over its sequence's pages up to its
+  own position (`PagedContext.row_seq`, `row_lens`). One kernel call for any step, with a grid
+  fixed by the number of tokens: what the CUDA graphs of `kvtier.paged.graphs` record.
 - "varlen": CUDA, `torch.nn.attention.varlen.varlen_attn` with `block_table=` where the installed
   torch has it; handles mixed prefill/decode batches. It runs FlashAttention 2, whose paged KV
   needs a page size of 256.
-- "auto": varlen where available and the page size is 256, else on CUDA with Triton: triton
-  for decode-only batches and split for mixed ones; else reference.
+- "auto": varlen where available and the page size is 256, else on CUDA with Triton: rows
+  (where the runner set its buffers; else triton for decode-only batches and split for mixed
+  ones); else reference.
 """
 
 from __future__ import annotations
@@ -45,7 +50,7 @@ from kvtier.errors import ConfigError, KvtierError
 from kvtier.paged.pool import PagePool
 
 ATTN_NAME = "kvtier_paged"
-BACKENDS = ("auto", "reference", "triton", "split", "varlen")
+BACKENDS = ("auto", "reference", "triton", "split", "rows", "varlen")
 VARLEN_PAGE = 256  # FlashAttention 2's paged KV takes page sizes that are multiples of this
 
 
@@ -74,6 +79,12 @@ class PagedContext:
     backend: str = "auto"
     # Triton decode splits per sequence; None: chosen from the batch (a CUDA graph fixes it)
     num_splits: int | None = None
+    # the "rows" backend: per new token its block-table row and its context (position + 1),
+    # and the whole table (its last row is the padding row of graph steps)
+    row_seq: torch.Tensor | None = None
+    row_lens: torch.Tensor | None = None
+    row_table: torch.Tensor | None = None
+    capturing: bool = False  # recorded in a CUDA graph: only the "rows" path may run
     # the decode rows of a mixed step, made once per forward (see `_decode_rows`)
     _rows: tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor] | None = field(
         default=None, repr=False
@@ -181,19 +192,33 @@ def attend(
     """Causal attention of `q` `[T, heads, dim]` over the pages; returns `[T, heads, dim]`."""
     backend = ctx.backend
     cuda = q.is_cuda and sliding_window is None
+    if ctx.capturing and (sliding_window is not None or backend != "rows"):
+        raise KvtierError(
+            "a CUDA graph records only the 'rows' attention path, which has no sliding window: "
+            "this model's steps run eager"
+        )
+    if backend == "rows" and not (q.is_cuda and _triton_available()) and not ctx.capturing:
+        if sliding_window is not None:
+            backend = "reference"
+        else:
+            return rows_reference(ctx, q, k_cache, v_cache, scale)
     if backend == "auto":
         # torch's varlen_attn runs FlashAttention 2: fp16/bf16 only, paged KV in pages of 256.
         flash = q.dtype in (torch.float16, torch.bfloat16) and k_cache.shape[1] % VARLEN_PAGE == 0
         if cuda and flash and varlen_block_table_supported():
             backend = "varlen"
+        elif cuda and _triton_available() and ctx.row_seq is not None:
+            backend = "rows"
         elif cuda and _triton_available():
             backend = "triton" if ctx.decode_only else "split"
         else:
             backend = "reference"
     # Triton's CPU interpreter (TRITON_INTERPRET=1) runs the kernel on CPU tensors, for tests.
     interpreted = backend == "triton" and os.environ.get("TRITON_INTERPRET") == "1"
-    interpreted = interpreted or (backend == "split" and os.environ.get("TRITON_INTERPRET") == "1")
-    if backend in ("triton", "split", "varlen") and not (
+    interpreted = interpreted or (
+        backend in ("split", "rows") and os.environ.get("TRITON_INTERPRET") == "1"
+    )
+    if backend in ("triton", "split", "rows", "varlen") and not (
         cuda or (interpreted and sliding_window is None)
     ):
         raise KvtierError(
@@ -215,6 +240,8 @@ def attend(
             max_len=max(ctx.seq_lens),
             num_splits=ctx.num_splits,
         )
+    if backend == "rows":
+        return rows_paged(ctx, q, k_cache, v_cache, scale)
     if backend == "varlen":
         return varlen_paged(ctx, q, k_cache, v_cache, scale)
     if backend == "split":
@@ -273,6 +300,58 @@ def _decode_batched(
         enable_gqa=q.shape[1] != k_cache.shape[2],
     )
     return o[:, :, 0, :]
+
+
+def _rows(ctx: PagedContext) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if ctx.row_seq is None or ctx.row_lens is None or ctx.row_table is None:
+        raise KvtierError(
+            "the 'rows' paged backend needs the step's per-token rows: run the model through "
+            "kvtier.paged.BatchRunner, which sets them"
+        )
+    return ctx.row_seq, ctx.row_lens, ctx.row_table
+
+
+def rows_paged(
+    ctx: PagedContext, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Every new token one row of the Triton kernel: causal attention for decode tokens and
+    prompt chunks alike, in one call (see `kvtier.paged.triton_decode.paged_decode`)."""
+    from kvtier.paged.triton_decode import paged_decode
+
+    row_seq, row_lens, table = _rows(ctx)
+    return paged_decode(
+        q,
+        k_cache,
+        v_cache,
+        table,
+        row_lens,
+        scale,
+        max_len=max(ctx.seq_lens),
+        num_splits=ctx.num_splits,
+        row_seq=row_seq,
+    )
+
+
+def rows_reference(
+    ctx: PagedContext, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """What `rows_paged` computes, one SDPA call per row (the CPU, tests)."""
+    row_seq, row_lens, table = _rows(ctx)
+    page = k_cache.shape[1]
+    out = torch.empty_like(q)
+    for r, (s, n) in enumerate(zip(row_seq.tolist(), row_lens.tolist(), strict=True)):
+        pages = table[s, : -(-n // page)].long()
+        k = k_cache.index_select(0, pages).flatten(0, 1)[:n].transpose(0, 1)
+        v = v_cache.index_select(0, pages).flatten(0, 1)[:n].transpose(0, 1)
+        o = F.scaled_dot_product_attention(
+            q[r][:, None, :],
+            k.to(q.dtype),
+            v.to(q.dtype),
+            scale=scale,
+            enable_gqa=q.shape[1] != k_cache.shape[2],
+        )
+        out[r] = o[:, 0, :]
+    return out
 
 
 def split_paged(

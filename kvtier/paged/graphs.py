@@ -1,18 +1,21 @@
-"""CUDA graphs of the decode-only step, one per batch-size bucket.
+"""CUDA graphs of the batched step, one per bucket of new tokens.
 
-An eager decode step of a transformers model launches a few hundred small kernels, and at a
+An eager step of a transformers model launches a couple of thousand small kernels, and at a
 batch of 64 the GPU waits on those launches more than on memory. A CUDA graph records the
 launches of one step once and replays them as one. What makes that possible here:
 
 - every input of a step lives in a `BatchRunner` buffer of fixed address (ids, positions, slot
-  mapping, block table, lengths), rewritten before each replay;
-- the Triton decode kernel's grid depends only on the batch size (each sequence cuts its own
-  context into `num_splits` ranges), not on the lengths;
+  mapping, per-token rows, block table, lengths, last-token indexes), rewritten before a replay;
+- attention is the "rows" backend: every new token, decode or prompt chunk, is one row of the
+  Triton kernel, attending over its sequence's pages up to its own position. The grid depends
+  only on the number of tokens (each row cuts its own context into `num_splits` ranges), so one
+  graph serves any mix of decode tokens and prompt chunks of that many tokens;
 - no mask is built and nothing in the forward reads a value back to the host.
 
-A batch of `b` sequences replays the graph of the smallest bucket `B >= b`; rows `b..B-1` are
-padding: one token at position 0 whose K/V goes to a page kept out of the pool for it, and whose
-logits are dropped. Mixed steps (prompt chunks) and batches above the largest bucket run eager.
+A step of `T` new tokens from `b` sequences replays the graph of the smallest bucket `B >= T`:
+tokens `T..B-1` are padding (position 0, K/V written to a page kept out of the pool for them)
+and so are sequence rows `b..min(B, max_batch)-1`, whose logits are dropped. A step above the
+largest bucket, or of a model with sliding-window layers (the kernel has no window), runs eager.
 """
 
 from __future__ import annotations
@@ -32,23 +35,53 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def default_buckets(max_batch: int) -> list[int]:
-    """1, 2, 4, 8, 16, then every 16 up to `max_batch` (which is always a bucket)."""
+def default_buckets(max_batch: int, max_tokens: int | None = None) -> list[int]:
+    """Token counts: 1, 2, 4, 8, 16, then every 16 up to `max_batch` (decode steps); then 2x,
+    4x, 6x, ... `max_batch` up to `max_tokens` (steps with prompt chunks; at most 16 of them).
+    `max_batch` and `max_tokens` are always buckets."""
     sizes = [b for b in (1, 2, 4, 8) if b < max_batch]
     sizes += list(range(16, max_batch, 16))
     sizes.append(max_batch)
+    top = max_tokens if max_tokens is not None else max_batch
+    step = max(max_batch, -(-(top - max_batch) // 16))
+    sizes += list(range(2 * max_batch if step == max_batch else max_batch + step, top, step))
+    if top > max_batch:
+        sizes.append(top)
     return sorted(set(sizes))
 
 
+def padded_context(runner: BatchRunner, size: int, *, capturing: bool = False) -> PagedContext:
+    """The forward context of a `size`-token bucket over the runner's fixed buffers ("rows"
+    attention; `runner.prepare(batch, pad_to=size)` fills them)."""
+    rows = min(size, runner.max_batch)
+    return PagedContext(
+        pool=runner.pool,
+        cu_seqlens_q=runner.cu_seqlens_q[: rows + 1],
+        cu_seqlens_k=runner.cu_seqlens_k[: rows + 1],
+        context_lens=runner.context_lens[:rows],
+        slot_mapping=runner.slot_mapping[:size],
+        block_table=runner.block_table[:rows],
+        query_lens=[1] * size,
+        seq_lens=[runner.max_seq_len] * size,
+        page_counts=[runner.max_pages] * size,
+        backend="rows",
+        num_splits=runner.graph_splits(size),
+        row_seq=runner.row_seq[:size],
+        row_lens=runner.row_lens[:size],
+        row_table=runner.block_table,
+        capturing=capturing,
+    )
+
+
 class DecodeGraphs:
-    """The captured decode steps of one `BatchRunner` (CUDA only)."""
+    """The captured steps of one `BatchRunner` (CUDA only)."""
 
     def __init__(self, runner: BatchRunner, buckets: Sequence[int] | None = None) -> None:
         if runner.pool.device.type != "cuda":
             raise ValueError("CUDA graphs need the page pool on a CUDA device")
-        sizes = sorted(set(buckets or default_buckets(runner.max_batch)))
-        if not sizes or sizes[0] < 1 or sizes[-1] > runner.max_batch:
-            raise ValueError(f"graph buckets {sizes} must lie in 1..max_batch={runner.max_batch}")
+        sizes = sorted(set(buckets or default_buckets(runner.max_batch, runner.max_tokens)))
+        if not sizes or sizes[0] < 1 or sizes[-1] > runner.max_tokens:
+            raise ValueError(f"graph buckets {sizes} must lie in 1..max_tokens={runner.max_tokens}")
         self.runner = runner
         self.buckets = sizes
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -58,30 +91,16 @@ class DecodeGraphs:
     def captured(self) -> list[int]:
         return sorted(self._graphs)
 
-    def bucket(self, batch: int) -> int | None:
-        """The captured bucket a batch of `batch` sequences replays; None: run eager."""
-        i = bisect.bisect_left(self.buckets, batch)
+    def bucket(self, tokens: int) -> int | None:
+        """The captured bucket a step of `tokens` new tokens replays; None: run eager."""
+        i = bisect.bisect_left(self.buckets, tokens)
         if i == len(self.buckets):
             return None
         size = self.buckets[i]
         return size if size in self._graphs else None
 
     def context(self, size: int) -> PagedContext:
-        """The forward context of a bucket: views of the runner's fixed buffers."""
-        r = self.runner
-        return PagedContext(
-            pool=r.pool,
-            cu_seqlens_q=r.cu_seqlens_q[: size + 1],
-            cu_seqlens_k=r.cu_seqlens_k[: size + 1],
-            context_lens=r.context_lens[:size],
-            slot_mapping=r.slot_mapping[:size],
-            block_table=r.block_table[:size],
-            query_lens=[1] * size,
-            seq_lens=[r.max_seq_len] * size,
-            page_counts=[r.max_pages] * size,
-            backend="triton",
-            num_splits=r.graph_splits(size),
-        )
+        return padded_context(self.runner, size, capturing=True)
 
     def capture(self) -> list[int]:
         """Capture every bucket, largest first (they share one memory pool); the sizes captured.
@@ -91,14 +110,15 @@ class DecodeGraphs:
         r = self.runner
         self._pool = torch.cuda.graph_pool_handle()
         for size in sorted(self.buckets, reverse=True):
-            r.fill_padding(0, size)
+            r.fill_padding(size)
             ctx = self.context(size)
+            keep = r.last_index[: min(size, r.max_batch)]
             try:
                 side = torch.cuda.Stream(device=r.pool.device)
                 side.wait_stream(torch.cuda.current_stream(r.pool.device))
                 with torch.cuda.stream(side), torch.inference_mode(), paged_context(ctx):
                     for _ in range(2):  # first use: kernel selection, allocator warm-up
-                        r.forward(size, logits_to_keep=0)
+                        r.forward(size, logits_to_keep=keep)
                 torch.cuda.current_stream(r.pool.device).wait_stream(side)
                 graph = torch.cuda.CUDAGraph()
                 with (
@@ -106,7 +126,7 @@ class DecodeGraphs:
                     paged_context(ctx),
                     torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"),
                 ):
-                    logits = r.forward(size, logits_to_keep=0)
+                    logits = r.forward(size, logits_to_keep=keep)
             except Exception as exc:  # a model the capture cannot take runs eager
                 log.warning("CUDA graph of a %d-sequence decode step not captured: %s", size, exc)
                 continue
@@ -115,8 +135,8 @@ class DecodeGraphs:
         return self.captured
 
     def replay(self, size: int) -> torch.Tensor:
-        """Run the captured step of bucket `size`; its logits `[size, vocab]` (valid until the
-        next replay)."""
+        """Run the captured step of bucket `size`; its logits `[min(size, max_batch), vocab]`,
+        one row per sequence row (valid until the next replay)."""
         graph, logits = self._graphs[size]
         graph.replay()
         return logits

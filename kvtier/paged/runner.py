@@ -83,7 +83,10 @@ class BatchRunner:
         self._h_cuk = host(max_batch + 1, dtype=torch.int32)
         self._h_lens = host(max_batch, dtype=torch.int32)
         self._h_last = host(max_batch, dtype=torch.long)
-        self._h_table = host(max_batch, self.max_pages, dtype=torch.int32)
+        self._h_rowseq = host(max_tokens, dtype=torch.int32)
+        self._h_rowlen = host(max_tokens, dtype=torch.int32)
+        # one table row per sequence, plus the padding row (index max_batch) of graph steps
+        self._h_table = host(max_batch + 1, self.max_pages, dtype=torch.int32)
         self.input_ids = torch.zeros(1, max_tokens, dtype=torch.long, device=dev)
         self.position_ids = torch.zeros(1, max_tokens, dtype=torch.long, device=dev)
         self.slot_mapping = torch.zeros(max_tokens, dtype=torch.long, device=dev)
@@ -91,7 +94,11 @@ class BatchRunner:
         self.cu_seqlens_k = torch.zeros(max_batch + 1, dtype=torch.int32, device=dev)
         self.context_lens = torch.zeros(max_batch, dtype=torch.int32, device=dev)
         self.last_index = torch.zeros(max_batch, dtype=torch.long, device=dev)
-        self.block_table = torch.zeros(max_batch, self.max_pages, dtype=torch.int32, device=dev)
+        self.block_table = torch.zeros(max_batch + 1, self.max_pages, dtype=torch.int32, device=dev)
+        # per token: its sequence's block-table row, and its context (position + 1), for the
+        # "rows" attention backend (every token one row of the decode kernel)
+        self.row_seq = torch.zeros(max_tokens, dtype=torch.int32, device=dev)
+        self.row_lens = torch.zeros(max_tokens, dtype=torch.int32, device=dev)
         # The host buffers are rewritten each step: wait until the last step's copies are done.
         self._copied = torch.cuda.Event() if pin else None
         self.graphs: DecodeGraphs | None = None
@@ -100,23 +107,33 @@ class BatchRunner:
         self.eager_steps = 0
 
     def capture_graphs(self, buckets: Sequence[int] | None = None) -> list[int]:
-        """Record the decode-only step as CUDA graphs, one per batch-size bucket (default:
-        1, 2, 4, 8, 16, 32, ... up to max_batch); the sizes captured. CUDA only. Takes one page
-        of the pool for the padding rows."""
+        """Record the step as CUDA graphs, one per bucket of new tokens (default: 1, 2, 4, 8,
+        16, then every 16 up to max_batch, then coarser up to max_tokens); the sizes captured.
+        CUDA only. Takes one page of the pool for the padding rows."""
         from kvtier.paged.graphs import DecodeGraphs
 
         graphs = DecodeGraphs(self, buckets)
+        self.reserve_padding_page()
+        graphs.capture()
+        self.graphs = graphs
+        return graphs.captured
+
+    def reserve_padding_page(self) -> int:
+        """Take the page padding tokens write their K/V to (once), and point the padding row of
+        the block table at it; the page."""
         if self._trash is None:
             pages = self.pool.alloc(1)
             if pages is None:
                 raise PoolExhausted(1, 0)
             self._trash = pages[0]
-        graphs.capture()
-        self.graphs = graphs
-        return graphs.captured
+            self._h_table[self.max_batch, 0] = self._trash
+            self.block_table[self.max_batch, 0] = self._trash
+        return self._trash
 
     def graph_splits(self, size: int) -> int:
-        """The Triton decode kernel's splits per sequence for a captured batch of `size`."""
+        """The Triton kernel's splits per row for a captured step of `size` rows (tokens)."""
+        if self.pool.device.type != "cuda":
+            return 1  # the CPU's per-row reference has no splits
         from kvtier.paged.triton_decode import choose_splits, default_block_n
 
         geometry = self.pool.geometry
@@ -124,27 +141,31 @@ class BatchRunner:
         block_n = default_block_n(geometry.head_dim)
         return choose_splits(size, geometry.num_kv_heads, self.max_seq_len, block_n, sms)
 
-    def fill_padding(self, start: int, end: int) -> None:
-        """Make rows `start..end-1` of the step buffers padding (host and device): one token at
+    def fill_padding(self, size: int) -> None:
+        """Make every row of a `size`-token step padding (host and device): one token at
         position 0, its K/V written to the padding page, a one-token context on that page."""
         assert self._trash is not None, "capture_graphs() takes the padding page"
         if self._copied is not None:
             self._copied.synchronize()
-        self._pad_host(start, end)
-        self._to_device(end, 1)
+        rows = min(size, self.max_batch)
+        self._h_cu.numpy()[0] = self._h_cuk.numpy()[0] = 0
+        self._pad_host(0, size, 0, rows)
+        self._to_device(size, 1, rows)
 
-    def _pad_host(self, start: int, end: int) -> None:
+    def _pad_host(self, t0: int, t1: int, r0: int, r1: int) -> None:
+        """Host buffers: tokens `t0..t1-1` and sequence rows `r0..r1-1` become padding."""
         assert self._trash is not None
         page = self.pool.page_size
-        rows = range(start, end)
-        self._h_ids.numpy()[start:end] = 0
-        self._h_pos.numpy()[start:end] = 0
-        self._h_slots.numpy()[start:end] = [self._trash * page + i % page for i in rows]
-        self._h_lens.numpy()[start:end] = 1
-        self._h_last.numpy()[start:end] = rows
-        self._h_table.numpy()[start:end, 0] = self._trash
+        self._h_ids.numpy()[t0:t1] = 0
+        self._h_pos.numpy()[t0:t1] = 0
+        self._h_slots.numpy()[t0:t1] = [self._trash * page + i % page for i in range(t0, t1)]
+        self._h_rowseq.numpy()[t0:t1] = self.max_batch
+        self._h_rowlen.numpy()[t0:t1] = 1
+        self._h_lens.numpy()[r0:r1] = 1
+        self._h_last.numpy()[r0:r1] = 0
+        self._h_table.numpy()[r0:r1, 0] = self._trash
         cu, cuk = self._h_cu.numpy(), self._h_cuk.numpy()
-        for i in rows:
+        for i in range(r0, r1):
             cu[i + 1] = cu[i] + 1
             cuk[i + 1] = cuk[i] + 1
 
@@ -226,12 +247,10 @@ class BatchRunner:
         return logits
 
     def _graph_size(self, batch: Sequence[SeqInput]) -> int | None:
-        """The CUDA graph bucket of a decode-only batch; None: the step runs eager."""
-        if self.graphs is None or self.backend not in ("auto", "triton"):
+        """The CUDA graph bucket of a step (by its new tokens); None: the step runs eager."""
+        if self.graphs is None or self.backend not in ("auto", "rows"):
             return None
-        if any(len(item.tokens) != 1 for item in batch):
-            return None
-        return self.graphs.bucket(len(batch))
+        return self.graphs.bucket(sum(len(item.tokens) for item in batch))
 
     @staticmethod
     def advance(batch: Sequence[SeqInput]) -> None:
@@ -243,7 +262,8 @@ class BatchRunner:
         """Reserve pages, fill the step's input buffers and return the forward context.
 
         `self.input_ids[:, :T]` and `self.position_ids[:, :T]` hold the flattened input after it.
-        `pad_to` (a CUDA graph's bucket, decode-only batches) adds padding rows up to that size.
+        `pad_to` (a CUDA graph's bucket of tokens) adds padding tokens up to that many, and
+        padding sequence rows up to `min(pad_to, max_batch)`.
         """
         total = self._check(batch)
         self.reserve(batch)
@@ -252,6 +272,7 @@ class BatchRunner:
         ids, pos, slots = self._h_ids.numpy(), self._h_pos.numpy(), self._h_slots.numpy()
         cu, lens, last = self._h_cu.numpy(), self._h_lens.numpy(), self._h_last.numpy()
         table = self._h_table.numpy()
+        rowseq, rowlen = self._h_rowseq.numpy(), self._h_rowlen.numpy()
         page = self.pool.page_size
         query_lens, seq_lens, page_counts = [], [], []
         t = 0
@@ -263,6 +284,8 @@ class BatchRunner:
             ids[t : t + n] = item.tokens
             pos[t : t + n] = range(old, old + n)
             slots[t : t + n] = [seq.pages[p // page] * page + p % page for p in range(old, old + n)]
+            rowseq[t : t + n] = i
+            rowlen[t : t + n] = range(old + 1, old + n + 1)
             t += n
             cu[i + 1] = t
             cuk[i + 1] = cuk[i] + old + n
@@ -274,10 +297,12 @@ class BatchRunner:
             seq_lens.append(old + n)
             page_counts.append(count)
         b = len(batch)
-        if pad_to is not None and pad_to > b:
-            self._pad_host(b, pad_to)
-        rows = max(b, pad_to or 0)
-        self._to_device(rows if pad_to else total, max(page_counts), rows=rows)
+        if pad_to is not None:
+            rows = min(pad_to, self.max_batch)
+            self._pad_host(total, pad_to, b, rows)
+            self._to_device(pad_to, max(page_counts), rows)
+        else:
+            self._to_device(total, max(page_counts), b)
         ctx = PagedContext(
             pool=self.pool,
             cu_seqlens_q=self.cu_seqlens_q[: b + 1],
@@ -289,17 +314,22 @@ class BatchRunner:
             seq_lens=seq_lens,
             page_counts=page_counts,
             backend=self.backend,
+            row_seq=self.row_seq[:total],
+            row_lens=self.row_lens[:total],
+            row_table=self.block_table,
         )
         return ctx
 
-    def _to_device(self, tokens: int, width: int, rows: int | None = None) -> None:
-        """Copy the first `tokens` token entries, `rows` sequence rows (default: `tokens`) and
-        `width` block-table columns of the host buffers to the device buffers."""
-        b = tokens if rows is None else rows
+    def _to_device(self, tokens: int, width: int, rows: int) -> None:
+        """Copy the first `tokens` token entries, `rows` sequence rows and `width` block-table
+        columns of the host buffers to the device buffers."""
+        b = rows
         nb = self.pool.device.type == "cuda"
         self.input_ids[0, :tokens].copy_(self._h_ids[:tokens], non_blocking=nb)
         self.position_ids[0, :tokens].copy_(self._h_pos[:tokens], non_blocking=nb)
         self.slot_mapping[:tokens].copy_(self._h_slots[:tokens], non_blocking=nb)
+        self.row_seq[:tokens].copy_(self._h_rowseq[:tokens], non_blocking=nb)
+        self.row_lens[:tokens].copy_(self._h_rowlen[:tokens], non_blocking=nb)
         self.cu_seqlens_q[: b + 1].copy_(self._h_cu[: b + 1], non_blocking=nb)
         self.cu_seqlens_k[: b + 1].copy_(self._h_cuk[: b + 1], non_blocking=nb)
         self.context_lens[:b].copy_(self._h_lens[:b], non_blocking=nb)

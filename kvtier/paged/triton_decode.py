@@ -22,7 +22,7 @@ import triton.language as tl
 
 @triton.jit
 def _block(
-    q, K, V, BT, b, h, t0, end, m, l_sum, acc, scale,
+    q, K, V, BT, row, h, t0, end, m, l_sum, acc, scale,
     stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_bt,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     IEEE: tl.constexpr,
@@ -32,7 +32,7 @@ def _block(
     dmask = d < HEAD_DIM
     t = t0 + tl.arange(0, BLOCK_N)
     tmask = t < end
-    page = tl.load(BT + b * stride_bt + t // PAGE, mask=tmask, other=0).to(tl.int64)
+    page = tl.load(BT + row * stride_bt + t // PAGE, mask=tmask, other=0).to(tl.int64)
     off = t % PAGE
     kvmask = tmask[:, None] & dmask[None, :]
     k = tl.load(
@@ -68,6 +68,7 @@ def _partial_kernel(
     V,
     BT,
     LENS,
+    ROWSEQ,
     PART,
     LSE,
     scale,
@@ -94,8 +95,15 @@ def _partial_kernel(
     BLOCK_D: tl.constexpr,
     IEEE: tl.constexpr,
     WHILE_LOOP: tl.constexpr,
+    HAS_ROWSEQ: tl.constexpr,
 ):
     b = tl.program_id(0)
+    # the block-table row of query row b: its sequence's (several rows, one per prompt token,
+    # may share one), or row b itself
+    if HAS_ROWSEQ:
+        seq = tl.load(ROWSEQ + b)
+    else:
+        seq = b
     h = tl.program_id(1)
     s = tl.program_id(2)
     length = tl.load(LENS + b)
@@ -125,7 +133,7 @@ def _partial_kernel(
         t0 = start
         while t0 < end:
             m, l_sum, acc = _block(
-                q, K, V, BT, b, h, t0, end, m, l_sum, acc, scale,
+                q, K, V, BT, seq, h, t0, end, m, l_sum, acc, scale,
                 stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_bt,
                 PAGE, BLOCK_N, HEAD_DIM, BLOCK_D, IEEE,
             )  # fmt: skip
@@ -133,7 +141,7 @@ def _partial_kernel(
     else:  # compiled: a for loop, which Triton can software-pipeline
         for t0 in range(start, end, BLOCK_N):
             m, l_sum, acc = _block(
-                q, K, V, BT, b, h, t0, end, m, l_sum, acc, scale,
+                q, K, V, BT, seq, h, t0, end, m, l_sum, acc, scale,
                 stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_bt,
                 PAGE, BLOCK_N, HEAD_DIM, BLOCK_D, IEEE,
             )  # fmt: skip
@@ -211,9 +219,14 @@ def paged_decode(
     max_len: int | None = None,
     num_splits: int | None = None,
     block_n: int | None = None,
+    row_seq: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention of `q` `[B, heads, dim]` over the paged cache; returns `[B, heads, dim]`.
 
+    Row `b` attends over the first `context_lens[b]` tokens of block-table row `row_seq[b]`
+    (default: row `b`). With one row per prompt token, `context_lens` its position + 1 and
+    `row_seq` its sequence, this is causal prefill attention too (every token of a step, decode
+    or prompt chunk, is one row; see `kvtier.paged.attention.rows_paged`).
     `max_len` (the longest context) sizes the splits; without it, one device sync reads it.
     """
     batch, heads, dim = q.shape
@@ -238,6 +251,7 @@ def paged_decode(
         v_cache,
         block_table,
         context_lens,
+        row_seq if row_seq is not None else context_lens,
         partial,
         lse,
         scale,
@@ -264,6 +278,7 @@ def paged_decode(
         BLOCK_D=block_d,
         IEEE=q.dtype == torch.float32,
         WHILE_LOOP=os.environ.get("TRITON_INTERPRET") == "1",
+        HAS_ROWSEQ=row_seq is not None,
     )
     _reduce_kernel[(batch, heads)](
         partial,

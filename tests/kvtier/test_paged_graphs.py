@@ -1,5 +1,6 @@
-"""CUDA graphs of the decode step: the replayed step gives the eager step's tokens and logits,
-allocates no device memory, and pads odd batch sizes. Run on a GPU machine; skipped elsewhere."""
+"""CUDA graphs of the batched step: a replayed step (decode tokens and prompt chunks alike) gives
+the eager step's tokens and logits, allocates no device memory, and pads odd sizes. Run on a GPU
+machine; skipped elsewhere (the padding logic is checked on the CPU in test_paged_rows.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ from test_paged import _greedy_alone, _paged, _prompts, _serve, _Session
 
 from kvtier.geometry import KVGeometry
 from kvtier.paged import BatchRunner, PagedSequence, PagePool, SeqInput
-from kvtier.paged.graphs import default_buckets
 
 pytestmark = [
     pytest.mark.gpu,
@@ -18,26 +18,26 @@ pytestmark = [
 ]
 
 
-def test_default_buckets() -> None:
-    assert default_buckets(1) == [1]
-    assert default_buckets(8) == [1, 2, 4, 8]
-    assert default_buckets(64) == [1, 2, 4, 8, 16, 32, 48, 64]
-    assert default_buckets(40) == [1, 2, 4, 8, 16, 32, 40]
-
-
 @pytest.mark.parametrize("name", sorted(MODELS))
-def test_graph_greedy_equals_each_session_alone(name: str) -> None:
-    """Sessions joining and leaving mid-run, batch sizes between buckets (padding rows)."""
+@pytest.mark.parametrize("buckets", [None, [1, 2, 4, 8, 16]])
+def test_graph_greedy_equals_each_session_alone(name: str, buckets: list[int] | None) -> None:
+    """Sessions joining and leaving mid-run, prompt chunks beside decode tokens, steps between
+    buckets (padding); with the default buckets every step replays, with small ones the steps
+    of more than 16 tokens run eager."""
     runner = _paged(name, device="cuda")
-    assert runner.capture_graphs([1, 2, 4, 8, 16]) == [1, 2, 4, 8, 16]
+    captured = runner.capture_graphs(buckets)
+    assert captured == (buckets or [1, 2, 4, 8, 16, 32, 48, 64])
     reference = MODELS[name]().cuda()
     lengths, news, joins = [5, 16, 17, 33, 50], [8, 12, 6, 10, 9], [0, 0, 2, 3, 5]
     sessions = [
         _Session(p, n, j) for p, n, j in zip(_prompts(7, lengths), news, joins, strict=True)
     ]
-    _serve(runner, sessions, budget=24)
-    assert runner.graph_steps > 3, "decode-only steps must replay a graph"
-    assert runner.eager_steps > 0, "prompt chunks run eager"
+    sizes = _serve(runner, sessions, budget=24)
+    assert runner.graph_steps > 3
+    if buckets is None:
+        assert runner.graph_steps == len(sizes) and runner.eager_steps == 0
+    else:
+        assert runner.eager_steps > 0
     for s in sessions:
         assert s.out == _greedy_alone(reference, s.prompt, s.new)
 
@@ -65,3 +65,24 @@ def test_graph_logits_match_eager_bf16_and_allocate_nothing() -> None:
         runner.step([SeqInput(seq, [7]) for seq in seqs])
     torch.cuda.synchronize()
     assert torch.cuda.memory_stats()["num_device_alloc"] == before
+
+
+def test_graph_mixed_step_matches_eager_bf16() -> None:
+    """A step of two decode tokens and a 300-token prompt chunk after 1,000 tokens, bf16:
+    replayed (rows kernel, bucket 512) against the eager step (SDPA flash for the chunk)."""
+    model = MODELS["llama"]().to("cuda", torch.bfloat16)
+    geo = KVGeometry.from_config(model.config)
+    pool = PagePool(geo, 512 * 16 * geo.bytes_per_token, page_size=16, device="cuda")
+    runner = BatchRunner(model, pool, max_batch=8, max_tokens=512, max_seq_len=2048)
+    eager = BatchRunner(model, pool, max_batch=8, max_tokens=2048, max_seq_len=2048)
+    eager.backend = "split"
+    runner.capture_graphs([8, 512])
+    seqs = [PagedSequence() for _ in range(3)]
+    for seq, n in zip(seqs, [400, 1000, 77], strict=True):
+        eager.step([SeqInput(seq, [5] * n)])
+    fork = [pool.fork(seq) for seq in seqs]
+    step = [[7], list(range(3, 303)), [9]]
+    want = eager.step([SeqInput(s, t) for s, t in zip(fork, step, strict=True)])
+    got = runner.step([SeqInput(s, t) for s, t in zip(seqs, step, strict=True)])
+    assert runner.graph_steps == 1
+    torch.testing.assert_close(got.float(), want.float(), rtol=3e-2, atol=3e-2)
