@@ -172,7 +172,7 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        log.log(logging.INFO if state.auth.enabled else logging.WARNING, state.auth.describe())
+        log.info("%s", state.auth.describe())
         state.auth.install_sighup()
         task = asyncio.create_task(load())
         yield

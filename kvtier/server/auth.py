@@ -79,7 +79,7 @@ class Auth:
             log.exception("API keys not reloaded, the previous keys stay in use")
             return False
         self.ring = ring
-        log.warning("API keys reloaded from %s: %d key(s)", self.path, len(ring))
+        log.info("API keys reloaded from %s: %d key(s)", self.path, len(ring))
         return True
 
     def install_sighup(self) -> bool:
