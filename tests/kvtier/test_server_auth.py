@@ -19,6 +19,7 @@ import pytest
 from server_proc import Server
 
 from kvtier import apikeys
+from kvtier.errors import ConfigError
 from kvtier.server.app import create_app
 from kvtier.server.config import ServerConfig
 
@@ -411,3 +412,19 @@ def test_start_says_whether_keys_are_in_use(tmp_path: Path) -> None:
     missing = Server(tmp_path / "l3", "--api-keys", str(tmp_path / "nope.json"))
     with pytest.raises(RuntimeError, match="kvtier keys add"):
         missing.start()
+
+
+def test_api_keys_from_flag_environment_or_toml(tmp_path: Path) -> None:
+    path = tmp_path / "keys.json"
+    toml = tmp_path / "kvtier.toml"
+    toml.write_text(f'[serve]\napi_keys = "{path}"\ntrust_tenant_header = true\n')
+    from_toml = ServerConfig.load(env={}, file=toml)
+    assert from_toml.api_keys == path and from_toml.trust_tenant_header is True
+    env = {"KVTIER_API_KEYS": str(path), "KVTIER_TRUST_TENANT_HEADER": "no"}
+    from_env = ServerConfig.load(env=env, file=toml)
+    assert from_env.api_keys == path and from_env.trust_tenant_header is False
+    flags = ServerConfig.load(flags={"api_keys": str(tmp_path / "other.json")}, env=env)
+    assert flags.api_keys == tmp_path / "other.json"
+    assert ServerConfig.load(env={}).api_keys is None  # the default: no keys
+    with pytest.raises(ConfigError, match="only with api_keys"):
+        ServerConfig.load(flags={"trust_tenant_header": True}, env={})
