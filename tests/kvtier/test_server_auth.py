@@ -244,20 +244,24 @@ def test_a_tenant_lists_and_deletes_only_its_own_sessions(server: Server, keys: 
 def test_no_signal_of_another_tenants_prefixes(server: Server, keys: Keys) -> None:
     """Alpha caches prefixes P_i; beta probes each P_i and, beside it, an uncached prefix Q_i of
     the same length. Beta must see the same on both: no cached tokens, restore source
-    'recompute', no session of alpha, and time to first token within noise."""
-    url, n = server.url, 7
-    secrets_ = [text_of(f"alpha-secret-{i:02d}") for i in range(n)]
-    fresh = [text_of(f"never-seen-{i:03d}") for i in range(n)]
-    others = [text_of(f"alpha-other-{i:03d}") for i in range(n)]  # probed under alpha's ids
+    'recompute', no session of alpha, and time to first token within noise.
+
+    Prompts of 2,400 tokens: a prefill then takes several times as long as a restore, so a
+    shared prefix would show in beta's time to first token well beyond the noise bound."""
+    url, n, n_ids, length = server.url, 7, 3, 2400
+    secrets_ = [text_of(f"alpha-secret-{i:02d}", length) for i in range(n)]
+    fresh = [text_of(f"never-seen-{i:03d}", length) for i in range(n)]
+    others = [text_of(f"alpha-other-{i:03d}") for i in range(n_ids)]  # under alpha's ids
     listing_before = sessions(url, keys.beta).json()["data"]
     for i in range(n):
         cached(chat(url, keys.alpha, f"alpha-p{i}", secrets_[i]))
+    for i in range(n_ids):
         cached(chat(url, keys.alpha, f"alpha-r{i}", others[i]))
     # the positive control: alpha's own prefixes are cached and restore faster than a prefill
     a_times = []
     for i, p in enumerate(secrets_):
         t, usage = ttft(url, keys.alpha, f"alpha-again-{i}", p)
-        assert usage["prompt_tokens_details"]["cached_tokens"] >= 1024
+        assert usage["prompt_tokens_details"]["cached_tokens"] >= length - 32
         a_times.append(t)
     on_p, on_q = [], []
     for i in range(n):
@@ -267,20 +271,21 @@ def test_no_signal_of_another_tenants_prefixes(server: Server, keys: Keys) -> No
             assert usage["prompt_tokens_details"]["cached_tokens"] == 0, (tag, i)
             assert usage["kvtier"]["restore_source"] == "recompute", (tag, i)
             times.append(t)
-        # non-streaming, headers too, under the session id alpha cached it with
+    for i in range(n_ids):  # non-streaming, headers too, under the session id alpha used
         r = chat(url, keys.beta, f"alpha-r{i}", others[i])
         assert cached(r) == (0, "recompute", 0)
     med_a, med_p, med_q = (statistics.median(x) for x in (a_times, on_p, on_q))
     detail = f"alpha restore {med_a:.3f}s, beta on alpha's {med_p:.3f}s, beta fresh {med_q:.3f}s"
     print(f"time to first token (medians of {n}): {detail}")
-    assert med_a < med_p, detail  # the probe can tell a cached prefix from a prefill
-    assert med_p <= 2 * med_q + 0.02 and med_q <= 2 * med_p + 0.02, detail
+    assert 2 * med_a < med_q, detail  # the measurement tells a restore from a prefill
+    # within noise of a prefill; a prefix shared with alpha would sit near med_a, below this
+    assert med_q / 2 - 0.02 <= med_p <= 2 * med_q + 0.02, detail
     # beta's listing never shows alpha's sessions: it holds beta's own and nothing else
     listing = sessions(url, keys.beta).json()["data"]
     assert {s["tenant"] for s in listing} == {"beta"}
     mine = {s["session_id"] for s in listing} - {s["session_id"] for s in listing_before}
     assert mine == {f"beta-{t}{i}" for t in "pq" for i in range(n)} | {
-        f"alpha-r{i}" for i in range(n)
+        f"alpha-r{i}" for i in range(n_ids)
     }
     assert not any(s["session_id"].startswith(("alpha-p", "alpha-again")) for s in listing)
 
