@@ -238,6 +238,38 @@ def test_a_tenant_lists_and_deletes_only_its_own_sessions(server: Server, keys: 
     assert r.status_code == 200 and ("alpha", "mine-a1") not in session_ids(url, keys.admin)
 
 
+def test_a_disconnect_hibernates_only_the_callers_session(server: Server, keys: Keys) -> None:
+    """Beta drops a stream on the session id alpha uses: beta's session is hibernated (its L1
+    freed), alpha's stays in L1 (it was once hibernated too, by id, whoever's it was)."""
+    url = server.url
+
+    def states() -> dict[tuple[str, str], dict[str, Any]]:
+        data = sessions(url, keys.admin).json()["data"]
+        return {(s["tenant"], s["session_id"]): s for s in data}
+
+    cached(chat(url, keys.alpha, "cut-1", text_of("alpha stays warm", 300)))
+    before = states()[("alpha", "cut-1")]
+    assert before["state"] == "idle" and before["chunks_l1"] > 0, before
+    body = {
+        "model": "default",
+        "messages": [{"role": "user", "content": "go on " * 50}],
+        "max_tokens": 2000,
+        "temperature": 0,
+        "stream": True,
+    }
+    headers = auth(keys.beta, **{"X-Session-ID": "cut-1"})
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, headers=headers) as r:
+        lines = r.iter_lines()
+        assert any('"content"' in next(lines) for _ in range(12))
+    deadline = time.monotonic() + 20
+    while states()[("beta", "cut-1")]["state"] != "hibernated" and time.monotonic() < deadline:
+        time.sleep(0.1)
+    after = states()
+    assert after[("beta", "cut-1")]["state"] == "hibernated"
+    assert after[("alpha", "cut-1")]["state"] == "idle", after[("alpha", "cut-1")]
+    assert after[("alpha", "cut-1")]["chunks_l1"] == before["chunks_l1"]
+
+
 # ---- no cross-tenant signal -------------------------------------------------------------------
 
 
