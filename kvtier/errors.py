@@ -11,6 +11,10 @@ class ConfigError(KvtierError, ValueError):
     """A configuration value is invalid; the message names the setting to change."""
 
 
+class KeysFileError(ConfigError):
+    """The API keys file cannot be used (missing, unreadable, malformed or readable by others)."""
+
+
 class BudgetError(KvtierError):
     """A tier cannot be built with the requested size (memlock limit, free RAM, free VRAM)."""
 

@@ -3,9 +3,9 @@
 The entry point lives in ops because it composes both packages: kvtier must never import ops,
 so the wiring that needs both (serve with host metrics, doctor, exporter) sits here.
 
-The ops commands are loaded lazily: `kvtier --help` lists them from the table below, and only
-the command that runs is imported. `serve` pulls in torch, transformers and fastapi (seconds);
-nothing else should pay for that, `--help` least of all.
+The ops commands (and `keys`) are loaded lazily: `kvtier --help` lists them from the table
+below, and only the command that runs is imported. `serve` pulls in torch, transformers and
+fastapi (seconds); nothing else should pay for that, `--help` least of all.
 """
 
 from __future__ import annotations
@@ -31,6 +31,10 @@ LAZY: dict[str, tuple[str, str]] = {
     "serve": (
         "ops.commands.serve",
         "OpenAI-compatible server with the tiered KV cache (chat + completions, streaming).",
+    ),
+    "keys": (
+        "kvtier.cli.keys",
+        "Create, list and revoke API keys (the server's tenants and admins).",
     ),
 }
 

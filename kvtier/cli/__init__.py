@@ -17,6 +17,7 @@ def cli() -> None:
     Load:       kvtier loadgen          a fleet of agent sessions against a server
     Planning:   kvtier plan             how many sessions fit in each tier
     Storage:    kvtier l3 ...           inspect, check and maintain the SSD tier
+    Access:     kvtier keys ...         API keys of the server's tenants and admins
     Host:       kvtier doctor           check this host against the recommended tuning
     Metrics:    kvtier exporter         standalone Prometheus exporter
     """

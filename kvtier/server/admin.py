@@ -1,4 +1,9 @@
-"""Session admin routes: list, hibernate, prefetch and forget sessions (localhost only)."""
+"""Session admin routes: list, hibernate, prefetch and forget sessions.
+
+Who may call them is kvtier.server.auth's to say: with API keys, an admin key for every
+operation, while a tenant's key lists and deletes its own sessions only (another tenant's
+session answers 404, as one that does not exist); without keys, loopback peers only.
+"""
 
 from __future__ import annotations
 
@@ -8,21 +13,23 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 
+from kvtier.server.auth import require_admin, session_scope
 from kvtier.server.engine import Overloaded
-from kvtier.server.http import MAX_SESSION_ID, ApiError, check_id, local_only
+from kvtier.server.http import MAX_SESSION_ID, MAX_TENANT, ApiError, check_id
 
 if TYPE_CHECKING:  # pragma: no cover
     from kvtier.server.app import State
 
 
 def install_admin_routes(app: FastAPI, state: State) -> None:
-    """Add the admin routes to `app`; they answer only peers on the loopback address."""
+    """Add the admin routes to `app`."""
 
     @app.get("/v1/sessions")
     async def sessions(request: Request) -> dict[str, Any]:
-        local_only(request)
+        scope = session_scope(request)  # None: every tenant's sessions
         snap, fresh = await state.recent_snapshot()
-        data = [dataclasses.asdict(s) for s in snap.sessions] if snap is not None else []
+        found = snap.sessions if snap is not None else ()
+        data = [dataclasses.asdict(s) for s in found if scope is None or s.tenant == scope]
         engine = state.engine
         return {
             "object": "list",
@@ -34,19 +41,37 @@ def install_admin_routes(app: FastAPI, state: State) -> None:
             "taken_at": snap.taken_at if snap is not None else None,
         }
 
-    async def _admin(request: Request, session_id: str, op: str) -> dict[str, Any]:
-        local_only(request)
+    async def _admin(
+        request: Request, session_id: str, op: str, tenant: str | None, admin_only: bool
+    ) -> dict[str, Any]:
+        if admin_only:
+            require_admin(request)
+            scope = None
+        else:
+            scope = session_scope(request)
         check_id(session_id, "session id", MAX_SESSION_ID)
+        if tenant is not None:
+            check_id(tenant, "tenant", MAX_TENANT)
         engine = state.ready_engine()
-        try:
-            lock = await engine.session_exclusive(session_id)
-        except Overloaded as exc:
-            raise ApiError(409, str(exc), headers={"Retry-After": str(exc.retry_after)}) from None
-        try:
-            fn = getattr(engine.backend, op)
-            found = await asyncio.to_thread(fn, session_id)
-        finally:
-            engine.release(session_id, lock)
+        if scope is not None:  # a tenant's key: its own session, whatever `tenant` says
+            tenants = [scope] if tenant in (None, scope) else []
+        elif tenant is not None:
+            tenants = [tenant]
+        else:  # every tenant's session of that id
+            tenants = await asyncio.to_thread(engine.backend.tenants_of, session_id)
+        fn = getattr(engine.backend, op)
+        found = False
+        for name in tenants:
+            try:
+                lock = await engine.session_exclusive(session_id, name)
+            except Overloaded as exc:
+                raise ApiError(
+                    409, str(exc), headers={"Retry-After": str(exc.retry_after)}
+                ) from None
+            try:
+                found |= bool(await asyncio.to_thread(fn, session_id, name))
+            finally:
+                engine.release(session_id, lock, name)
         if not found:
             raise ApiError(
                 404,
@@ -58,14 +83,20 @@ def install_admin_routes(app: FastAPI, state: State) -> None:
         return {"id": session_id, "object": "session", "status": op}
 
     @app.post("/v1/sessions/{session_id}/hibernate")
-    async def hibernate(request: Request, session_id: str) -> dict[str, Any]:
-        return await _admin(request, session_id, "hibernate")
+    async def hibernate(
+        request: Request, session_id: str, tenant: str | None = None
+    ) -> dict[str, Any]:
+        return await _admin(request, session_id, "hibernate", tenant, admin_only=True)
 
     @app.post("/v1/sessions/{session_id}/prefetch")
-    async def prefetch(request: Request, session_id: str) -> dict[str, Any]:
-        return await _admin(request, session_id, "prefetch")
+    async def prefetch(
+        request: Request, session_id: str, tenant: str | None = None
+    ) -> dict[str, Any]:
+        return await _admin(request, session_id, "prefetch", tenant, admin_only=True)
 
     @app.delete("/v1/sessions/{session_id}")
-    async def forget(request: Request, session_id: str) -> dict[str, Any]:
-        out = await _admin(request, session_id, "forget")
+    async def forget(
+        request: Request, session_id: str, tenant: str | None = None
+    ) -> dict[str, Any]:
+        out = await _admin(request, session_id, "forget", tenant, admin_only=False)
         return {"id": session_id, "object": "session", "deleted": True, "status": out["status"]}

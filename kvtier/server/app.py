@@ -11,7 +11,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -21,6 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from kvtier import __version__
 from kvtier.errors import InvalidRequest, KvtierError, L1BudgetExceeded, StoreError
 from kvtier.server.admin import install_admin_routes
+from kvtier.server.auth import Auth, authenticate, tenant_of
 from kvtier.server.backend import make_backend
 from kvtier.server.config import ServerConfig
 from kvtier.server.engine import (
@@ -33,7 +34,7 @@ from kvtier.server.engine import (
     Overloaded,
     check_fits,
 )
-from kvtier.server.http import MAX_SESSION_ID, MAX_TENANT, ApiError, check_id
+from kvtier.server.http import MAX_SESSION_ID, ApiError, check_id
 from kvtier.server.metrics import ServerMetrics
 from kvtier.server.model import ServedModel, build_default, load_local
 from kvtier.server.schema import ChatRequest, CompletionRequest
@@ -53,6 +54,7 @@ class State:
         self.config = config
         self.registry = registry
         self.metrics = ServerMetrics(registry)
+        self.auth = Auth.from_config(config)  # reads the API keys file, if any
         self.engine: Engine | None = None
         self.load_error: BaseException | None = None
         self.fatal_error: BaseException | None = None
@@ -170,8 +172,11 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        log.info("%s", state.auth.describe())
+        state.auth.install_sighup()
         task = asyncio.create_task(load())
         yield
+        state.auth.remove_sighup()
         await task
         if state.engine is not None:
             await state.engine.drain()  # in-flight requests are done; hibernate every session
@@ -184,6 +189,7 @@ def create_app(
         docs_url=None,
         redoc_url=None,
         openapi_url=None,
+        dependencies=[Depends(authenticate)],  # every route but /healthz, /readyz, /metrics
     )
     app.state.kvtier = state
     _install_errors(app, state)
@@ -318,7 +324,7 @@ def _routes(app: FastAPI, state: State) -> None:
         chat: bool,
     ) -> Response:
         sid = request.headers.get("x-session-id") or body.user
-        tenant = check_id(request.headers.get("x-tenant") or "default", "X-Tenant", MAX_TENANT)
+        tenant = tenant_of(request)
         ephemeral = not sid
         sid = check_id(sid, "X-Session-ID", MAX_SESSION_ID) if sid else f"anon-{uuid.uuid4().hex}"
         try:

@@ -42,9 +42,11 @@ class Backend(Protocol):
     def restore(self, session_id: str, tenant: str, ids: torch.Tensor) -> Restored: ...
     def commit(self, session_id: str, tenant: str, ids: torch.Tensor) -> None: ...
     def abort(self, session_id: str, tenant: str) -> None: ...
-    def hibernate(self, session_id: str) -> bool: ...
-    def prefetch(self, session_id: str) -> bool: ...
-    def forget(self, session_id: str) -> bool: ...
+    # tenant None: the sessions of that id of every tenant (admin); else only that tenant's
+    def hibernate(self, session_id: str, tenant: str | None = None) -> bool: ...
+    def prefetch(self, session_id: str, tenant: str | None = None) -> bool: ...
+    def forget(self, session_id: str, tenant: str | None = None) -> bool: ...
+    def tenants_of(self, session_id: str) -> list[str]: ...
     def evict_l2(self) -> None: ...
     def calibrating(self) -> contextlib.AbstractContextManager[None]: ...
     def snapshot(self) -> CacheSnapshot | None: ...
@@ -69,14 +71,17 @@ class RecomputeBackend:
     def abort(self, session_id: str, tenant: str) -> None:
         return None
 
-    def hibernate(self, session_id: str) -> bool:
+    def hibernate(self, session_id: str, tenant: str | None = None) -> bool:
         return False
 
-    def prefetch(self, session_id: str) -> bool:
+    def prefetch(self, session_id: str, tenant: str | None = None) -> bool:
         return False
 
-    def forget(self, session_id: str) -> bool:
+    def forget(self, session_id: str, tenant: str | None = None) -> bool:
         return False
+
+    def tenants_of(self, session_id: str) -> list[str]:
+        return []
 
     def evict_l2(self) -> None:
         return None
@@ -118,8 +123,15 @@ class TieredBackend:
             model=model,
         )
 
-    def _find(self, session_id: str) -> list[Any]:
-        return [s for s in self.cache.sessions() if s.session_id == session_id]
+    def _find(self, session_id: str, tenant: str | None = None) -> list[Any]:
+        return [
+            s
+            for s in self.cache.sessions()
+            if s.session_id == session_id and (tenant is None or s.tenant == tenant)
+        ]
+
+    def tenants_of(self, session_id: str) -> list[str]:
+        return sorted({s.tenant for s in self._find(session_id)})
 
     def restore(self, session_id: str, tenant: str, ids: torch.Tensor) -> Restored:
         s = self.cache.session(session_id, tenant=tenant)
@@ -132,20 +144,20 @@ class TieredBackend:
     def abort(self, session_id: str, tenant: str) -> None:
         self.cache.session(session_id, tenant=tenant).abort()
 
-    def _each(self, session_id: str, op: str) -> bool:
-        found = self._find(session_id)
+    def _each(self, session_id: str, tenant: str | None, op: str) -> bool:
+        found = self._find(session_id, tenant)
         for s in found:
             getattr(s, op)()
         return bool(found)
 
-    def hibernate(self, session_id: str) -> bool:
-        return self._each(session_id, "hibernate")
+    def hibernate(self, session_id: str, tenant: str | None = None) -> bool:
+        return self._each(session_id, tenant, "hibernate")
 
-    def prefetch(self, session_id: str) -> bool:
-        return self._each(session_id, "prefetch")
+    def prefetch(self, session_id: str, tenant: str | None = None) -> bool:
+        return self._each(session_id, tenant, "prefetch")
 
-    def forget(self, session_id: str) -> bool:
-        return self._each(session_id, "close")
+    def forget(self, session_id: str, tenant: str | None = None) -> bool:
+        return self._each(session_id, tenant, "close")
 
     def evict_l2(self) -> None:
         """Drop L2's copies of chunks durable in L3 (the next restore of them reads L3)."""

@@ -484,9 +484,9 @@ class BatchScheduler:
             # Commit what the KV now covers, also after a disconnect: a returning client finds it.
             backend.commit(job.session_id, job.tenant, torch.tensor(s.tokens[:fed]))
             if job.ephemeral:
-                backend.forget(job.session_id)
+                backend.forget(job.session_id, job.tenant)
             elif reason == "cancelled":
-                backend.hibernate(job.session_id)  # the client went away: free its L1
+                backend.hibernate(job.session_id, job.tenant)  # the client went away: free its L1
         except BaseException as exc:
             self._abort(s, exc)
             return
@@ -513,7 +513,7 @@ class BatchScheduler:
         try:
             self.backend.abort(job.session_id, job.tenant)  # forget the half-written step
             if job.ephemeral:
-                self.backend.forget(job.session_id)
+                self.backend.forget(job.session_id, job.tenant)
         except BaseException:
             log.exception("abort failed for session %s", job.session_id[:64])
         if s.restored is not None:

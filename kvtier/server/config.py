@@ -70,6 +70,9 @@ class ServerConfig:
     batch_kv_bytes: int = 0  # the batch's KV page pool; 0 = room for max_concurrency contexts
     max_body_bytes: int = 4 * 2**20
     log_level: str = "info"
+    # Authentication (kvtier.server.auth): the API keys file; None = single-tenant and local
+    api_keys: Path | None = None
+    trust_tenant_header: bool = False  # with api_keys: X-Tenant names the tenant (a gateway's)
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
@@ -93,6 +96,11 @@ class ServerConfig:
             raise ConfigError("queue_timeout and max_queue must not be negative")
         if not self.served_model_name:
             raise ConfigError("served_model_name: must not be empty")
+        if self.trust_tenant_header and self.api_keys is None:
+            raise ConfigError(
+                "trust_tenant_header: only with api_keys (without a keys file X-Tenant is "
+                "always used); give --api-keys too, or drop --trust-tenant-header"
+            )
 
     @classmethod
     def load(
@@ -159,7 +167,7 @@ def _coerce(name: str, value: Any) -> Any:
         return parse_size(value, name)
     default = _FIELDS[name].default
     try:
-        if name in ("l3_root", "l3_cold_root", "model"):
+        if name in ("l3_root", "l3_cold_root", "model", "api_keys"):
             return Path(value).expanduser()
         if name == "device":
             return str(value)

@@ -163,7 +163,8 @@ class Engine:
         self.batching = bool(getattr(config, "batching", False))
         self._batch: BatchScheduler | None = None
         self._slots = asyncio.Semaphore(config.max_concurrency)
-        self._session_locks: dict[str, tuple[asyncio.Lock, int]] = {}
+        # keyed by (tenant, session id): one tenant never waits on another's session
+        self._session_locks: dict[tuple[str, str], tuple[asyncio.Lock, int]] = {}
         self.waiting = 0
         self.running = 0
         self.draining = False
@@ -172,38 +173,39 @@ class Engine:
 
     # ---- admission ------------------------------------------------------------------------
 
-    def _lock_for(self, session_id: str) -> asyncio.Lock:
-        lock, refs = self._session_locks.get(session_id, (None, 0))
+    def _lock_for(self, key: tuple[str, str]) -> asyncio.Lock:
+        lock, refs = self._session_locks.get(key, (None, 0))
         if lock is None:
             lock = asyncio.Lock()
-        self._session_locks[session_id] = (lock, refs + 1)
+        self._session_locks[key] = (lock, refs + 1)
         return lock
 
-    def _unref(self, session_id: str) -> None:
-        lock, refs = self._session_locks[session_id]
+    def _unref(self, key: tuple[str, str]) -> None:
+        lock, refs = self._session_locks[key]
         if refs <= 1:
-            del self._session_locks[session_id]
+            del self._session_locks[key]
         else:
-            self._session_locks[session_id] = (lock, refs - 1)
+            self._session_locks[key] = (lock, refs - 1)
 
     def _retry_after(self) -> int:
         return max(1, int(self.config.queue_timeout / 4) or 1)
 
-    async def session_exclusive(self, session_id: str) -> asyncio.Lock:
+    async def session_exclusive(self, session_id: str, tenant: str) -> asyncio.Lock:
         """Take a session's lock (for admin operations); the caller releases it via release()."""
-        lock = self._lock_for(session_id)
+        key = (tenant, session_id)
+        lock = self._lock_for(key)
         try:
             await asyncio.wait_for(lock.acquire(), self.config.queue_timeout)
         except (TimeoutError, asyncio.TimeoutError):
-            self._unref(session_id)
+            self._unref(key)
             raise Overloaded(
                 f"session {session_id!r} is busy; retry later", self._retry_after()
             ) from None
         return lock
 
-    def release(self, session_id: str, lock: asyncio.Lock) -> None:
+    def release(self, session_id: str, lock: asyncio.Lock, tenant: str) -> None:
         lock.release()
-        self._unref(session_id)
+        self._unref((tenant, session_id))
 
     async def start(self, job: Job) -> Stream:
         """Admit a job and run it; returns once the prompt is restored (or raises)."""
@@ -217,14 +219,15 @@ class Engine:
             )
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.config.queue_timeout
-        lock = self._lock_for(job.session_id)
+        key = (job.tenant, job.session_id)
+        lock = self._lock_for(key)
         self.waiting += 1
         self._gauge()
         try:
             try:
                 await asyncio.wait_for(lock.acquire(), max(0.0, deadline - loop.time()))
             except (TimeoutError, asyncio.TimeoutError):
-                self._unref(job.session_id)
+                self._unref(key)
                 self._count("rejected")
                 raise Overloaded(
                     f"session {job.session_id!r} still has a request running after "
@@ -234,7 +237,7 @@ class Engine:
             try:
                 await asyncio.wait_for(self._slots.acquire(), max(0.0, deadline - loop.time()))
             except (TimeoutError, asyncio.TimeoutError):
-                self.release(job.session_id, lock)
+                self.release(job.session_id, lock, job.tenant)
                 self._count("rejected")
                 raise Overloaded(
                     f"all {self.config.max_concurrency} generation slots stayed busy for "
@@ -242,7 +245,7 @@ class Engine:
                     self._retry_after(),
                 ) from None
             except BaseException:
-                self.release(job.session_id, lock)
+                self.release(job.session_id, lock, job.tenant)
                 raise
         finally:
             self.waiting -= 1
@@ -255,7 +258,7 @@ class Engine:
 
         def done(_: Any = None) -> None:  # the job ended: free its slot and session lock
             self._slots.release()
-            self.release(job.session_id, lock)
+            self.release(job.session_id, lock, job.tenant)
             self.running -= 1
             if self.running == 0:
                 self._idle.set()
@@ -334,7 +337,7 @@ class Engine:
                 self._warm_pass(prompt_b, commit=None)
             self._warm_pass(prompt_b, commit=prompt_b[0, :0])
             self._warm_pass(prompt_a, commit=prompt_a[0])
-            backend.hibernate(sid)
+            backend.hibernate(sid, WARM_UP_TENANT)
             backend.evict_l2()
             # A returning turn: the stored prefix plus new tokens, prefilled over the restored
             # KV (a query of several tokens against a longer past, a kernel of its own), then a
@@ -348,7 +351,7 @@ class Engine:
             with backend.calibrating():
                 self._warm_pass(torch.cat([prompt_a, suffix], dim=1), commit=None)
         finally:
-            backend.forget(sid)
+            backend.forget(sid, WARM_UP_TENANT)
         self._warm_batch(prompt_a[0, :WARM_UP_SUFFIX].tolist())
 
     def _warm_batch(self, prompt: list[int]) -> None:
@@ -450,14 +453,14 @@ class Engine:
         except BaseException:
             backend.abort(job.session_id, job.tenant)  # forget the half-written step
             if job.ephemeral:
-                backend.forget(job.session_id)
+                backend.forget(job.session_id, job.tenant)
             raise
         # Commit what the KV now covers, also after a disconnect: a returning client finds it.
         backend.commit(job.session_id, job.tenant, torch.tensor(fed, dtype=torch.long))
         if job.ephemeral:
-            backend.forget(job.session_id)
+            backend.forget(job.session_id, job.tenant)
         elif finished == "cancelled":
-            backend.hibernate(job.session_id)  # the client went away: free its L1
+            backend.hibernate(job.session_id, job.tenant)  # the client went away: free its L1
         self._count("completion_tokens", len(gen_ids))
         self._count("prompt_tokens", total)
         stream.put(Finished(finished, total, len(gen_ids), restored.covered, restored.source))

@@ -110,6 +110,18 @@ def options(f: Callable[..., Any]) -> Callable[..., Any]:
         ),
         click.option("--max-body-bytes", help="Largest request body."),
         click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"])),
+        click.option(
+            "--api-keys",
+            type=click.Path(dir_okay=False, path_type=Path),
+            help="API keys file (kvtier keys add): every request needs a key, which names its "
+            "tenant; reloaded on SIGHUP (default: none, single-tenant and local).",
+        ),
+        click.option(
+            "--trust-tenant-header/--no-trust-tenant-header",
+            default=None,
+            help="With --api-keys, take the tenant from X-Tenant (for a gateway in front that "
+            "authenticates clients; default off: the key's tenant).",
+        ),
     ]
     for opt in reversed(opts):
         f = opt(f)
@@ -129,6 +141,10 @@ def load_config(flags: dict[str, Any]) -> ServerConfig:
             "directory (one written by save_pretrained), or leave --model out for the "
             "built-in model"
         )
+    if config.api_keys is not None:  # an unusable keys file stops the start, with its reason
+        from kvtier import apikeys
+
+        apikeys.load(config.api_keys)
     return config
 
 

@@ -59,7 +59,8 @@ def command(**flags: Any) -> None:
     register_process(registry, config.l3_root)  # RSS, CPU, threads, open L3 files
     click.echo(
         f"kvtier serve: http://{config.host}:{config.port}  model={config.served_model_name}  "
-        f"l3_root={config.l3_root}",
+        f"l3_root={config.l3_root}  "
+        f"auth={'api-keys' if config.api_keys else 'none (single-tenant, admin on loopback)'}",
         err=True,
     )
     run_app(app, config)
