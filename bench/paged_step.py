@@ -7,7 +7,8 @@ timing), and times:
 
 - a decode-only step: eager, and replayed from a CUDA graph;
 - a mixed step: the decode rows of `--batch - --prefills` sequences plus `--prefills` prompt
-  chunks of `--chunk` tokens appended to `--context`-token contexts, on each mixed backend;
+  chunks of `--chunk` tokens appended to `--context`-token contexts: replayed from a CUDA graph,
+  and eager on each attention backend that takes it (rows, split, reference);
 
 against the ceilings measured in the same run: transformers' batched decode step over
 `DynamicCache` (every context resident, SDPA), and that decode step plus the prompt chunks
@@ -108,10 +109,10 @@ def main() -> None:
         for s in seqs:
             s.length -= 1
 
-    rows.append(("decode-only step, eager", timed(decode_step, args.reps), ceil_decode))
-    runner.capture_graphs([args.batch])
+    rows.append(("decode-only step, eager (rows)", timed(decode_step, args.reps), ceil_decode))
+    mixed_tokens = n_dec + args.prefills * args.chunk
+    runner.capture_graphs([args.batch, mixed_tokens])
     rows.append(("decode-only step, CUDA graph", timed(decode_step, args.reps), ceil_decode))
-    runner.graphs = None
     for s in seqs[n_dec:]:
         assert pool.reserve(s, args.chunk)
 
@@ -122,11 +123,14 @@ def main() -> None:
         for item in batch:
             item.seq.length -= len(item.tokens)
 
-    for backend in ("split", "reference"):
+    mixed = f"mixed step ({n_dec} decode + {args.prefills} x {args.chunk})"
+    ceil_mixed = ceil_decode + ceil_prefill
+    rows.append((f"{mixed}, CUDA graph", timed(mixed_step, args.reps), ceil_mixed))
+    graphs, runner.graphs = runner.graphs, None
+    for backend in ("rows", "split", "reference"):
         runner.backend = backend
-        label = f"mixed step ({n_dec} decode + {args.prefills} x {args.chunk}), {backend}"
-        rows.append((label, timed(mixed_step, max(3, args.reps // 2)), ceil_decode + ceil_prefill))
-    runner.backend = "auto"
+        rows.append((f"{mixed}, eager {backend}", timed(mixed_step, args.reps // 2), ceil_mixed))
+    runner.backend, runner.graphs = "auto", graphs
 
     print(
         f"qwen2-7b bf16 on {torch.cuda.get_device_name()}, torch {torch.__version__}, "
@@ -143,7 +147,6 @@ def main() -> None:
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
 
-        runner.backend = "split"
         mixed_step()
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
