@@ -419,6 +419,12 @@ class TieredCache(LifecycleMixin):
         self.counters.latency_sum[src] += seconds
         self.counters.latency_count[src] += 1
 
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        """Teach the cost model a prefill timed outside a session's Cache (a batched forward of
+        `tokens` prompt tokens that took `seconds`): restores weigh loading against that."""
+        with self._lock:
+            self.cost.observe_prefill(tokens, seconds)
+
     def stats(self) -> CacheSnapshot:
         """A frozen snapshot of every tier, session and counter. Never waits for I/O: the
         numbers are copied under the lock; the store and the engine are asked outside it."""

@@ -26,9 +26,8 @@ Backends (`PagedContext.backend`):
 - "varlen": CUDA, `torch.nn.attention.varlen.varlen_attn` with `block_table=` where the installed
   torch has it; handles mixed prefill/decode batches. It runs FlashAttention 2, whose paged KV
   needs a page size of 256.
-- "auto": varlen where available and the page size is 256, else on CUDA with Triton: rows
-  (where the runner set its buffers; else triton for decode-only batches and split for mixed
-  ones); else reference.
+- "auto": varlen where available and the page size is 256, else on CUDA with Triton: triton for
+  decode-only batches and split for mixed ones; else reference. (CUDA graphs record "rows".)
 """
 
 from __future__ import annotations
@@ -207,8 +206,6 @@ def attend(
         flash = q.dtype in (torch.float16, torch.bfloat16) and k_cache.shape[1] % VARLEN_PAGE == 0
         if cuda and flash and varlen_block_table_supported():
             backend = "varlen"
-        elif cuda and _triton_available() and ctx.row_seq is not None:
-            backend = "rows"
         elif cuda and _triton_available():
             backend = "triton" if ctx.decode_only else "split"
         else:

@@ -103,6 +103,13 @@ class BatchRunner:
         self._copied = torch.cuda.Event() if pin else None
         self.graphs: DecodeGraphs | None = None
         self._trash: int | None = None  # the page padding rows of a graph step write to
+        # a step replays its graph only when its attention work, the sum over its new tokens of
+        # their context lengths, is at most this: the "rows" kernel re-reads a sequence's K/V for
+        # every prompt token, where the eager path's flash kernel for prompt chunks shares it
+        # (bench/paged_step.py on an H200: 64 decode tokens plus two 512-token chunks over
+        # 3,000-token contexts, 3.3 M token pairs, took 60 ms replayed and 45 ms eager, while
+        # a decode-only step took 11 ms replayed and 35 ms eager)
+        self.graph_max_pairs = 1_000_000
         self.graph_steps = 0  # forwards replayed from a CUDA graph
         self.eager_steps = 0
 
@@ -249,6 +256,12 @@ class BatchRunner:
     def _graph_size(self, batch: Sequence[SeqInput]) -> int | None:
         """The CUDA graph bucket of a step (by its new tokens); None: the step runs eager."""
         if self.graphs is None or self.backend not in ("auto", "rows"):
+            return None
+        pairs = 0
+        for item in batch:
+            n, old = len(item.tokens), item.seq.length
+            pairs += n * old + n * (n + 1) // 2
+        if pairs > self.graph_max_pairs:
             return None
         return self.graphs.bucket(sum(len(item.tokens) for item in batch))
 

@@ -51,6 +51,7 @@ class Backend(Protocol):
     def calibrating(self) -> contextlib.AbstractContextManager[None]: ...
     def snapshot(self) -> CacheSnapshot | None: ...
     def prefill_estimate(self) -> PrefillEstimate | None: ...
+    def observe_prefill(self, tokens: int, seconds: float) -> None: ...
     def close(self) -> None: ...
 
 
@@ -93,6 +94,9 @@ class RecomputeBackend:
         return None
 
     def prefill_estimate(self) -> PrefillEstimate | None:
+        return None
+
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
         return None
 
     def close(self) -> None:
@@ -181,6 +185,11 @@ class TieredBackend:
     def prefill_estimate(self) -> PrefillEstimate | None:
         cost = self.cache.cost  # the cache's restore cost model (kvtier/cache/costmodel.py)
         return PrefillEstimate(cost.prefill_s_per_token, int(cost.samples.get("prefill", 0)))
+
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        """A prefill timed outside the session's Cache (the batch scheduler's forwards), which
+        is how a recompute will run: the cost model's prefill estimate learns it."""
+        self.cache.observe_prefill(tokens, seconds)
 
     def close(self) -> None:
         self.cache.close()

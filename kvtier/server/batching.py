@@ -75,6 +75,11 @@ class _Seq:
         return self.paged.length if self.paged is not None else self.cached
 
 
+# A step with at least this many prompt tokens times a prefill for the cost model (shorter ones
+# are bound by launching kernels and say nothing about recomputing a long prefix).
+PREFILL_SAMPLE_TOKENS = 512
+
+
 def pool_bytes(served: ServedModel, config: Any, per_token: int) -> int:
     """The page pool's byte budget: `batch_kv_bytes`, or room for `max_concurrency` full contexts
     (at most half the free GPU memory on CUDA, 1 GiB on the CPU)."""
@@ -399,8 +404,15 @@ class BatchScheduler:
     def _step(self, items: list[tuple[_Seq, list[int]]]) -> None:
         start = time.perf_counter()
         batch = [SeqInput(s.paged, toks) for s, toks in items]  # type: ignore[arg-type]
+        prompt = sum(len(t) for _, t in items if len(t) > 1)
         try:
             logits = self.runner.step(batch)
+            if prompt >= PREFILL_SAMPLE_TOKENS:
+                # how a recompute runs now: the cost model learns it (a device sync first, as
+                # the forward is asynchronous; sampling below waits for it anyway)
+                if self.pool.device.type == "cuda":
+                    torch.cuda.synchronize(self.pool.device)
+                self.backend.observe_prefill(prompt, time.perf_counter() - start)
         except BaseException as exc:
             log.exception("batched forward failed (%d sequences)", len(items))
             for s, _ in items:

@@ -352,9 +352,10 @@ class Engine:
                 self._warm_pass(torch.cat([prompt_a, suffix], dim=1), commit=None)
         finally:
             backend.forget(sid, WARM_UP_TENANT)
-        self._warm_batch(prompt_a[0, :WARM_UP_SUFFIX].tolist())
+        step = min(self.config.prefill_step, prompt_b.shape[1])
+        self._warm_batch(prompt_a[0, :WARM_UP_SUFFIX].tolist(), prompt_b[0, :step].tolist())
 
-    def _warm_batch(self, prompt: list[int]) -> None:
+    def _warm_batch(self, prompt: list[int], prefill: list[int]) -> None:
         """Start the batch scheduler (its page pool is allocated now, not in the first request)
         and run its three kinds of step once on throwaway sequences: a prefill, a step mixing a
         prefill with a decode, and a decode-only step. Each attention path compiles or selects
@@ -377,10 +378,31 @@ class Engine:
             started = time.perf_counter()
             sizes = sched.runner.capture_graphs()
             log.info(
-                "decode step captured as CUDA graphs for batches of %s in %.1f s",
-                ", ".join(map(str, sizes)) or "none",
+                "batched step captured as CUDA graphs for %s new tokens in %.1f s",
+                ", ".join(map(str, sizes)) or "no",
                 time.perf_counter() - started,
             )
+        self._time_batched_prefill(sched, prefill)
+
+    def _time_batched_prefill(self, sched: Any, prompt: list[int]) -> None:
+        """Time a prefill the way a recompute will run (one batched step of `prompt`, after the
+        graphs are captured; the second of two) and give the cost model that rate: the warm-up's
+        other prefills ran through the session's Cache, a slower path than the batch's."""
+        from kvtier.paged import PagedSequence, SeqInput
+
+        if len(prompt) < 2:
+            return
+        seconds = 0.0
+        for _ in range(2):
+            seq = PagedSequence()
+            try:
+                t0 = time.perf_counter()
+                int(sched.runner.step([SeqInput(seq, prompt)])[0].argmax())
+                seconds = time.perf_counter() - t0
+            finally:
+                sched.runner.release(seq)
+        with self.backend.calibrating():
+            self.backend.observe_prefill(len(prompt), seconds)
 
     def _warm_pass(
         self, ids: torch.Tensor, commit: torch.Tensor | None, decode: bool = False
