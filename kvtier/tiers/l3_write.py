@@ -21,13 +21,14 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from kvtier import kvbin
+from kvtier import kvbin, sealing
 from kvtier.errors import KvbinFormatError, StoreError, StoreFullError, StoreIOError
 from kvtier.kvbin import HEADER_SIZE, ChunkHeader
 from kvtier.tiers import l3_io
 from kvtier.tiers.l3_cap import SizeCap
 from kvtier.tiers.l3_commit import GroupCommit
 from kvtier.tiers.l3_index import ChunkRow, Index
+from kvtier.tiers.l3_keys import Keyring
 from kvtier.tiers.l3_layout import Layout, hex_key
 from kvtier.tiers.l3_pools import IOPools
 from kvtier.tiers.l3_stats import Counters
@@ -35,8 +36,9 @@ from kvtier.tiers.l3_stats import Counters
 _CRC_BESIDE_WRITE = 1 << 20  # payloads from this size are checksummed on a worker during the write
 _tmp_seq = itertools.count()
 
-TempWriter = Callable[[ChunkHeader, str, bool, bool], ChunkHeader]
-"""(header, temp path, O_DIRECT wanted, keep page cache) -> the header as written."""
+TempWriter = Callable[[ChunkHeader, str, bool, bool, "sealing.DataKey | None"], ChunkHeader]
+"""(header, temp path, O_DIRECT wanted, keep page cache, data key to seal with or None) -> the
+header as written."""
 
 
 @dataclass(frozen=True)
@@ -62,8 +64,10 @@ class ChunkWriter:
         checksum: str,
         direct_io: bool,
         keep_page_cache: bool,
+        keyring: Keyring | None = None,
     ) -> None:
         self._layout = layout
+        self._keyring = keyring
         self._index = index
         self._pools = pools
         self._counters = counters
@@ -209,10 +213,14 @@ class ChunkWriter:
         memory)."""
         tmp, final = self._temp_path(header)
         direct = self.direct_io and not self.keep_page_cache
+        # Encrypted stores seal here, on the writer thread (or in the writer process): chunks
+        # of a batch are sealed in parallel, never on the serving thread.
+        seal = self._keyring.for_tenant(header.tenant) if self._keyring is not None else None
         if writer is not None:
-            return Written(writer(header, str(tmp), direct, self.keep_page_cache), tmp, final)
+            written = writer(header, str(tmp), direct, self.keep_page_cache, seal)
+            return Written(written, tmp, final)
         crc: Future[int] | None = None
-        if len(view) >= _CRC_BESIDE_WRITE:
+        if seal is None and len(view) >= _CRC_BESIDE_WRITE:
             crc = self._pools.pool("crc").submit(kvbin.checksum, header.checksum, view)
         header = write_chunk_file(
             header,
@@ -222,6 +230,7 @@ class ChunkWriter:
             keep_page_cache=self.keep_page_cache,
             buffer=self._pools.buffer,
             crc=crc,
+            seal=seal,
         )
         return Written(header, tmp, final)
 
@@ -252,8 +261,13 @@ def write_chunk_file(
     keep_page_cache: bool,
     buffer: Callable[[str, int], memoryview],
     crc: Future[int] | None = None,
+    seal: sealing.DataKey | None = None,
 ) -> ChunkHeader:
     """Write a chunk to the new file `tmp` and fdatasync it; returns the header as written.
+
+    With `seal` (a tenant data key) the payload is first encrypted into an aligned scratch
+    buffer (AES-256-GCM, `kvtier.sealing`) and the file holds that ciphertext and a v2 header;
+    the checksum is then the ciphertext's and `crc` must be None.
 
     The payload goes first (at offset 4096), with O_DIRECT when `direct` and the filesystem
     allows it, while `crc` (a future computing its checksum from the same buffer) runs beside
@@ -262,6 +276,14 @@ def write_chunk_file(
     scratch buffers of the calling thread. Used by the store's writer threads and by the L3
     writer process alike.
     """
+    if seal is not None:
+        if crc is not None:
+            raise ValueError("a sealed chunk's checksum is the ciphertext's: pass crc=None")
+        size = kvbin.padded(len(view))
+        stage = buffer("wseal", size + kvbin.ALIGN)  # room for the tag past the payload
+        header = sealing.seal_payload(seal, header, view, stage)
+        stage[len(view) : size] = bytes(size - len(view))
+        view = stage[: len(view)]
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     try:
         direct = direct and l3_io.set_direct(fd, True)
