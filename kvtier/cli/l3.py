@@ -355,3 +355,29 @@ def gc_command(
         f"deleted {plural(report.chunks, 'chunk')} ({_human(report.bytes)}); "
         f"{plural(report.sessions_expired, 'expired session')} dropped",
     )
+
+
+@command.command("shred")
+@root_option
+@json_option
+@click.option("--tenant", required=True, help="The tenant whose data is destroyed.")
+@click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
+def shred_command(root: str, as_json: bool, tenant: str, yes: bool) -> None:
+    """Crypto-shred TENANT: destroy its data key and session records, so every chunk and
+    record of it is unreadable at once (the files go with the next `kvtier l3 gc`). Needs no
+    master key. In a store without encryption its chunk files and records are deleted now.
+    A running server holds the store: use its DELETE /v1/tenants/TENANT instead."""
+    if not yes:
+        click.confirm(f"destroy every chunk and session of tenant {tenant!r} for good?", abort=True)
+    with _open(root, read_only=False) as store, _failing_cleanly():
+        report = store.shred_tenant(tenant)
+    how = (
+        f"data key destroyed: {plural(report.chunks, 'chunk')} unreadable, removed by the next gc"
+        if report.encrypted
+        else f"store is not encrypted: {plural(report.chunks, 'chunk')} deleted"
+    )
+    _emit(
+        asdict(report),
+        as_json,
+        f"tenant {_shown(tenant)} shredded; {how}; {plural(report.sessions, 'session')} deleted",
+    )

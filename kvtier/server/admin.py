@@ -1,4 +1,5 @@
-"""Session admin routes: list, hibernate, prefetch and forget sessions (localhost only)."""
+"""Admin routes: list, hibernate, prefetch and forget sessions; crypto-shred a tenant
+(localhost only)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 
+from kvtier.errors import SessionError
 from kvtier.server.engine import Overloaded
-from kvtier.server.http import MAX_SESSION_ID, ApiError, check_id, local_only
+from kvtier.server.http import MAX_SESSION_ID, MAX_TENANT, ApiError, check_id, local_only
 
 if TYPE_CHECKING:  # pragma: no cover
     from kvtier.server.app import State
@@ -69,3 +71,17 @@ def install_admin_routes(app: FastAPI, state: State) -> None:
     async def forget(request: Request, session_id: str) -> dict[str, Any]:
         out = await _admin(request, session_id, "forget")
         return {"id": session_id, "object": "session", "deleted": True, "status": out["status"]}
+
+    @app.delete("/v1/tenants/{tenant}")
+    async def shred_tenant(request: Request, tenant: str) -> dict[str, Any]:
+        """Crypto-shred a tenant: its sessions leave L1 and L2 now, its data key and session
+        records are destroyed in L3 (its chunk files are unreadable; the next gc removes
+        them). Its next request recomputes."""
+        local_only(request)
+        check_id(tenant, "tenant", MAX_TENANT)
+        engine = state.ready_engine()
+        try:
+            done = await asyncio.to_thread(engine.backend.shred_tenant, tenant)
+        except SessionError as exc:  # one of its requests is running: retry after it
+            raise ApiError(409, str(exc), headers={"Retry-After": "1"}) from None
+        return {"id": tenant, "object": "tenant", "deleted": True, **done}

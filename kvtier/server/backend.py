@@ -43,6 +43,7 @@ class Backend(Protocol):
     def hibernate(self, session_id: str) -> bool: ...
     def prefetch(self, session_id: str) -> bool: ...
     def forget(self, session_id: str) -> bool: ...
+    def shred_tenant(self, tenant: str) -> dict[str, Any]: ...
     def evict_l2(self) -> None: ...
     def snapshot(self) -> CacheSnapshot | None: ...
     def prefill_estimate(self) -> PrefillEstimate | None: ...
@@ -74,6 +75,9 @@ class RecomputeBackend:
 
     def forget(self, session_id: str) -> bool:
         return False
+
+    def shred_tenant(self, tenant: str) -> dict[str, Any]:
+        return {"sessions": 0, "keys": 0, "chunks": 0, "encrypted": False}  # nothing is kept
 
     def evict_l2(self) -> None:
         return None
@@ -108,6 +112,8 @@ class TieredBackend:
                 write_policy=config.write_policy,
                 l3_writer=config.l3_writer,
                 model_id=config.model_id or model_id,
+                encrypt=config.encrypt,
+                master_key_file=config.master_key_file,
             ),
             model=model,
         )
@@ -140,6 +146,16 @@ class TieredBackend:
 
     def forget(self, session_id: str) -> bool:
         return self._each(session_id, "close")
+
+    def shred_tenant(self, tenant: str) -> dict[str, Any]:
+        """Crypto-shred the tenant (TieredCache.shred_tenant): what was destroyed."""
+        report = self.cache.shred_tenant(tenant)
+        return {
+            "sessions": report.sessions,
+            "keys": report.keys,
+            "chunks": report.chunks,
+            "encrypted": report.encrypted,
+        }
 
     def evict_l2(self) -> None:
         """Drop L2's copies of chunks durable in L3 (the next restore of them reads L3)."""

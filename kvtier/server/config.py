@@ -69,6 +69,10 @@ class ServerConfig:
     batch_kv_bytes: int = 0  # the batch's KV page pool; 0 = room for max_concurrency contexts
     max_body_bytes: int = 4 * 2**20
     log_level: str = "info"
+    # Encryption at rest of L3 (docs/security.md): chunk payloads and session records sealed
+    # with per-tenant data keys wrapped by the master key in this file (32 bytes, mode 0600).
+    encrypt: bool = False
+    master_key_file: Path | None = None
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
@@ -92,6 +96,11 @@ class ServerConfig:
             raise ConfigError("queue_timeout and max_queue must not be negative")
         if not self.served_model_name:
             raise ConfigError("served_model_name: must not be empty")
+        if self.encrypt and self.master_key_file is None:
+            raise ConfigError(
+                "encrypt: needs master_key_file (flag --master-key-file, variable "
+                "KVTIER_MASTER_KEY_FILE): a file of 32 random bytes, mode 0600"
+            )
 
     @classmethod
     def load(
@@ -158,7 +167,7 @@ def _coerce(name: str, value: Any) -> Any:
         return parse_size(value, name)
     default = _FIELDS[name].default
     try:
-        if name in ("l3_root", "l3_cold_root", "model"):
+        if name in ("l3_root", "l3_cold_root", "model", "master_key_file"):
             return Path(value).expanduser()
         if name == "device":
             return str(value)
