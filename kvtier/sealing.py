@@ -225,9 +225,9 @@ def encode_chunk(
     algo = header.checksum or kvbin.default_checksum()
     header = replace(header, checksum=algo)
     crc = kvbin.checksum(algo, body[: len(view)])
+    body.release()
     out[:HEADER_SIZE] = kvbin.encode(header, crc)
-    del out[HEADER_SIZE + kvbin.padded(len(view)) :]
-    return bytes(out)
+    return bytes(memoryview(out)[: HEADER_SIZE + kvbin.padded(len(view))])
 
 
 def decode_chunk(
