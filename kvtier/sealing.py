@@ -174,19 +174,18 @@ class PayloadOpener:
             algorithms.AES(key.secret), modes.GCM(header.nonce, header.tag)
         ).decryptor()
         self._dec.authenticate_additional_data(kvbin.sealed_aad(header))
-        self._scratch: bytearray | None = None
 
     def update(self, buf: memoryview, start: int, end: int) -> None:
         """Decrypt buf[start:end] in place. The cipher writes exactly end - start bytes but
-        asks for 15 more of room: past the payload it goes through a scratch buffer."""
-        piece = buf[start:end]
-        if len(buf) - end >= 15:
-            n = self._dec.update_into(piece, buf[start : end + 15])
-        else:
-            if self._scratch is None or len(self._scratch) < len(piece) + 15:
-                self._scratch = bytearray(len(piece) + 15)
-            n = self._dec.update_into(piece, self._scratch)
-            buf[start:end] = memoryview(self._scratch)[: end - start]
+        asks for 15 more of room: at the end of the buffer the last 16 bytes go through a
+        small scratch buffer."""
+        room = len(buf) - end >= 15
+        cut = end if room else max(start, end - 16)
+        n = self._dec.update_into(buf[start:cut], buf[start : cut + 15]) if cut > start else 0
+        if cut < end:
+            tail = bytearray(end - cut + 15)
+            n += self._dec.update_into(buf[cut:end], tail)
+            buf[cut:end] = tail[: end - cut]
         if n != end - start:  # pragma: no cover - GCM is a stream mode
             raise KvbinFormatError(f"decrypted {n} of {end - start} bytes")
 

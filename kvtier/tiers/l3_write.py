@@ -35,6 +35,7 @@ from kvtier.tiers.l3_stats import Counters
 
 _CRC_BESIDE_WRITE = 1 << 20  # payloads from this size are checksummed on a worker during the write
 _tmp_seq = itertools.count()
+SEAL_BUFFER = "wseal"  # the scratch buffer a sealed chunk's ciphertext is written from
 
 TempWriter = Callable[[ChunkHeader, str, bool, bool, "sealing.DataKey | None"], ChunkHeader]
 """(header, temp path, O_DIRECT wanted, keep page cache, data key to seal with or None) -> the
@@ -220,18 +221,21 @@ class ChunkWriter:
             written = writer(header, str(tmp), direct, self.keep_page_cache, seal)
             return Written(written, tmp, final)
         crc: Future[int] | None = None
-        if seal is None and len(view) >= _CRC_BESIDE_WRITE:
-            crc = self._pools.pool("crc").submit(kvbin.checksum, header.checksum, view)
-        header = write_chunk_file(
-            header,
-            view,
-            str(tmp),
-            direct=direct,
-            keep_page_cache=self.keep_page_cache,
-            buffer=self._pools.buffer,
-            crc=crc,
-            seal=seal,
-        )
+        with contextlib.ExitStack() as stack:
+            if seal is not None:  # the ciphertext, in a buffer any writer thread may reuse
+                stage = stack.enter_context(self._pools.borrow(_seal_size(len(view))))
+                header, view = seal_to(seal, header, view, stage)
+            if len(view) >= _CRC_BESIDE_WRITE:
+                crc = self._pools.pool("crc").submit(kvbin.checksum, header.checksum, view)
+            header = write_chunk_file(
+                header,
+                view,
+                str(tmp),
+                direct=direct,
+                keep_page_cache=self.keep_page_cache,
+                buffer=self._pools.buffer,
+                crc=crc,
+            )
         return Written(header, tmp, final)
 
     def _write_error(self, exc: OSError, header: ChunkHeader | None) -> StoreError:
@@ -279,11 +283,7 @@ def write_chunk_file(
     if seal is not None:
         if crc is not None:
             raise ValueError("a sealed chunk's checksum is the ciphertext's: pass crc=None")
-        size = kvbin.padded(len(view))
-        stage = buffer("wseal", size + kvbin.ALIGN)  # room for the tag past the payload
-        header = sealing.seal_payload(seal, header, view, stage)
-        stage[len(view) : size] = bytes(size - len(view))
-        view = stage[: len(view)]
+        header, view = seal_to(seal, header, view, buffer(SEAL_BUFFER, _seal_size(len(view))))
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     try:
         direct = direct and l3_io.set_direct(fd, True)
@@ -316,6 +316,23 @@ def write_chunk_file(
         raise
     os.close(fd)
     return header
+
+
+def _seal_size(payload_len: int) -> int:
+    """Bytes of the scratch buffer a sealed payload is encrypted into: the padded payload,
+    and room for the tag behind it."""
+    return kvbin.padded(payload_len) + kvbin.ALIGN
+
+
+def seal_to(
+    key: sealing.DataKey, header: ChunkHeader, view: memoryview, stage: memoryview
+) -> tuple[ChunkHeader, memoryview]:
+    """Encrypt the payload into the aligned `stage` (zero padding after it); returns the
+    sealed header and the ciphertext, which is what the file holds."""
+    size = kvbin.padded(len(view))
+    header = sealing.seal_payload(key, header, view, stage)
+    stage[len(view) : size] = bytes(size - len(view))
+    return header, stage[: len(view)]
 
 
 def _direct_segments(
