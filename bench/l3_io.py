@@ -354,11 +354,13 @@ def encrypt_main(work: Path, args: argparse.Namespace) -> None:
         )
     aes = AESGCM(os.urandom(32))
     out = bytearray(len(PAYLOAD) + 16)
-    t0 = time.perf_counter()
-    aes.encrypt_into(os.urandom(12), PAYLOAD, b"", out)
-    enc = gbps(len(PAYLOAD), time.perf_counter() - t0)
+    times = []
+    for _ in range(5):  # best of five, the output buffer already faulted in
+        t0 = time.perf_counter()
+        aes.encrypt_into(os.urandom(12), PAYLOAD, b"", out)
+        times.append(time.perf_counter() - t0)
     print()
-    print(f"AES-256-GCM in memory, 1 thread: seal {enc:.1f} GB/s")
+    print(f"AES-256-GCM in memory, 1 thread: seal {gbps(len(PAYLOAD), min(times)):.1f} GB/s")
 
 
 def main() -> None:

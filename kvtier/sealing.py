@@ -30,12 +30,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from cryptography.exceptions import InvalidTag
-from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
-from cryptography.hazmat.primitives.ciphers.aead import AESGCM
-
 from kvtier import kvbin
-from kvtier.errors import AuthenticationFailed, KvbinFormatError, MasterKeyError
+from kvtier.errors import AuthenticationFailed, EncryptionError, KvbinFormatError, MasterKeyError
 from kvtier.kvbin import HEADER_SIZE, KEY_ID_SIZE, NONCE_SIZE, TAG_SIZE, ChunkHeader
 
 KEY_BYTES = 32  # AES-256
@@ -47,6 +43,24 @@ MASTER_KEY_HELP = (
     "create one with: (umask 077; head -c 32 /dev/urandom > PATH), keep a copy off the host, "
     "and pass --master-key-file PATH (or KVTIER_MASTER_KEY_FILE)"
 )
+
+
+def _crypto() -> Any:
+    """The `cryptography` package's AEAD pieces, imported on first use: a store without
+    encryption works where the package is missing, and encryption says what to install."""
+    try:
+        from cryptography import exceptions
+        from cryptography.hazmat.primitives.ciphers import Cipher, aead, algorithms, modes
+    except ImportError as exc:  # pragma: no cover - the package is a dependency
+        raise EncryptionError(
+            f"encryption at rest needs the `cryptography` package ({exc}); "
+            "pip install 'cryptography>=46'"
+        ) from None
+    return aead.AESGCM, Cipher, algorithms, modes, exceptions.InvalidTag
+
+
+def _aesgcm(secret: bytes) -> Any:
+    return _crypto()[0](secret)
 
 
 @dataclass(frozen=True)
@@ -70,14 +84,14 @@ class MasterKey:
     def wrap(self, tenant: str, key_id: bytes, data_key: bytes) -> bytes:
         """The data key sealed for storage: nonce || ciphertext || tag (60 bytes)."""
         nonce = os.urandom(NONCE_SIZE)
-        return nonce + AESGCM(self.secret).encrypt(nonce, data_key, _wrap_aad(tenant, key_id))
+        return nonce + _aesgcm(self.secret).encrypt(nonce, data_key, _wrap_aad(tenant, key_id))
 
     def unwrap(self, tenant: str, key_id: bytes, wrapped: bytes) -> DataKey:
         try:
-            secret = AESGCM(self.secret).decrypt(
+            secret = _aesgcm(self.secret).decrypt(
                 wrapped[:NONCE_SIZE], wrapped[NONCE_SIZE:], _wrap_aad(tenant, key_id)
             )
-        except InvalidTag:
+        except _crypto()[4]:
             raise AuthenticationFailed(
                 f"the data key of tenant {tenant!r} does not open with master key "
                 f"{self.key_id}: the index row was altered or written under another master key"
@@ -156,7 +170,11 @@ def seal_payload(key: DataKey, header: ChunkHeader, payload: Any, out: memoryvie
     sealed = replace(
         header, encryption=ALGORITHM, key_id=key.key_id, nonce=nonce, tag=bytes(TAG_SIZE)
     )
-    AESGCM(key.secret).encrypt_into(nonce, payload, kvbin.sealed_aad(sealed), out[: n + TAG_SIZE])
+    aes, aad = _aesgcm(key.secret), kvbin.sealed_aad(sealed)
+    if hasattr(aes, "encrypt_into"):  # cryptography >= 46: straight into the staging buffer
+        aes.encrypt_into(nonce, payload, aad, out[: n + TAG_SIZE])
+    else:  # pragma: no cover - older packages: one more copy
+        out[: n + TAG_SIZE] = aes.encrypt(nonce, bytes(payload), aad)
     return replace(sealed, tag=bytes(out[n : n + TAG_SIZE]))
 
 
@@ -170,6 +188,7 @@ class PayloadOpener:
                 f"chunk names data key {header.key_id.hex()} of tenant {header.tenant!r}, "
                 f"not {key.key_id.hex()} of {key.tenant!r}"
             )
+        _, Cipher, algorithms, modes, self._invalid = _crypto()
         self._dec = Cipher(
             algorithms.AES(key.secret), modes.GCM(header.nonce, header.tag)
         ).decryptor()
@@ -192,7 +211,7 @@ class PayloadOpener:
     def finish(self) -> None:
         try:
             self._dec.finalize()
-        except InvalidTag:
+        except self._invalid:
             raise AuthenticationFailed(
                 "AES-GCM tag mismatch: the sealed payload or its header was altered"
             ) from None
@@ -273,14 +292,14 @@ def seal_record(key: DataKey, session_id: str, fingerprint: bytes, data: bytes) 
     """A session's token ids sealed: nonce || ciphertext || tag, bound to the record's id."""
     nonce = os.urandom(NONCE_SIZE)
     aad = record_aad(key.key_id, key.tenant, session_id, fingerprint)
-    return nonce + AESGCM(key.secret).encrypt(nonce, data, aad)
+    return nonce + _aesgcm(key.secret).encrypt(nonce, data, aad)
 
 
 def open_record(key: DataKey, session_id: str, fingerprint: bytes, sealed: bytes) -> bytes:
     aad = record_aad(key.key_id, key.tenant, session_id, fingerprint)
     try:
-        return AESGCM(key.secret).decrypt(sealed[:NONCE_SIZE], sealed[NONCE_SIZE:], aad)
-    except InvalidTag:
+        return _aesgcm(key.secret).decrypt(sealed[:NONCE_SIZE], sealed[NONCE_SIZE:], aad)
+    except _crypto()[4]:
         raise AuthenticationFailed(
             f"session record {session_id[:64]!r} of tenant {key.tenant!r} failed its AES-GCM "
             "tag: it was altered or moved; it is dropped and the session recomputes"

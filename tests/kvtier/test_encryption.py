@@ -6,6 +6,9 @@ from __future__ import annotations
 import os
 import sqlite3
 import struct
+import subprocess
+import sys
+import textwrap
 from array import array
 from dataclasses import replace
 from pathlib import Path
@@ -329,3 +332,34 @@ def test_server_settings_from_env_and_toml(tmp_path: Path) -> None:
     config = ServerConfig.load(env={}, file=toml)
     assert config.encrypt and config.master_key_file == key
     assert not ServerConfig.load(env={}, flags={"encrypt": False}).encrypt
+
+
+def test_a_plain_store_works_where_cryptography_is_missing(tmp_path: Path) -> None:
+    """Like the optional crc32c: a host without the package (a bare GPU machine's python3)
+    keeps a plain cache; only encryption asks for the package, by name."""
+    code = textwrap.dedent(
+        """
+        import os, sys
+        sys.modules["cryptography"] = None  # every import of it now fails
+        from kvtier.tiers.l3 import L3Store
+        from kvtier.errors import EncryptionError
+        from kvtier import sealing
+        from l3_helpers import FP, header, payload_for
+        h = header(size=5000)
+        with L3Store(sys.argv[1] + "/plain") as store:
+            store.put(h, payload_for(h.key, 5000))
+            assert store.get_bytes(h.key, fingerprint=FP)[1] == payload_for(h.key, 5000)
+        try:
+            L3Store(sys.argv[1] + "/sealed", master_key=sealing.MasterKey(os.urandom(32))).put(
+                h, payload_for(h.key, 5000))
+        except EncryptionError as exc:
+            assert "pip install" in str(exc), exc
+            print("ok")
+        """
+    )
+    here = Path(__file__).resolve().parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here.parents[1]), str(here)])}
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path)], env=env, capture_output=True, text=True
+    )
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
