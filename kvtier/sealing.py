@@ -178,6 +178,34 @@ def seal_payload(key: DataKey, header: ChunkHeader, payload: Any, out: memoryvie
     return replace(sealed, tag=bytes(out[n : n + TAG_SIZE]))
 
 
+class PayloadSealer:
+    """Encrypts a payload piece by piece, in order, into a separate buffer, so that the pieces
+    already sealed can be written while the next is sealed; `finish` gives the header with the
+    tag. The same ciphertext as `seal_payload` (one GCM message)."""
+
+    def __init__(self, key: DataKey, header: ChunkHeader) -> None:
+        _, Cipher, algorithms, modes, _ = _crypto()
+        self.header = replace(
+            header,
+            encryption=ALGORITHM,
+            key_id=key.key_id,
+            nonce=os.urandom(NONCE_SIZE),
+            tag=bytes(TAG_SIZE),
+        )
+        self._enc = Cipher(algorithms.AES(key.secret), modes.GCM(self.header.nonce)).encryptor()
+        self._enc.authenticate_additional_data(kvbin.sealed_aad(self.header))
+
+    def update(self, src: memoryview, dst: memoryview, start: int, end: int) -> None:
+        """Seal src[start:end] into dst[start:end]; dst needs 15 bytes of room past `end`."""
+        n = self._enc.update_into(src[start:end], dst[start : end + 15])
+        if n != end - start:  # pragma: no cover - GCM is a stream mode
+            raise KvbinFormatError(f"encrypted {n} of {end - start} bytes")
+
+    def finish(self) -> ChunkHeader:
+        self._enc.finalize()
+        return replace(self.header, tag=bytes(self._enc.tag))
+
+
 class PayloadOpener:
     """Decrypts a sealed payload in place, piece by piece in order, as its reads land; `finish`
     verifies the tag. Nothing decrypted may be used before `finish` returned."""

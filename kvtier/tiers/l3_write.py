@@ -16,7 +16,7 @@ import os
 import sqlite3
 import time
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -220,22 +220,32 @@ class ChunkWriter:
         if writer is not None:
             written = writer(header, str(tmp), direct, self.keep_page_cache, seal)
             return Written(written, tmp, final)
+        if seal is not None:  # sealed piece by piece while earlier pieces are written
+            with self._pools.borrow(_seal_size(len(view))) as stage:
+                header = write_sealed_file(
+                    header,
+                    view,
+                    str(tmp),
+                    seal,
+                    direct=direct,
+                    keep_page_cache=self.keep_page_cache,
+                    buffer=self._pools.buffer,
+                    stage=stage,
+                    pool=self._pools.pool("seal"),
+                )
+            return Written(header, tmp, final)
         crc: Future[int] | None = None
-        with contextlib.ExitStack() as stack:
-            if seal is not None:  # the ciphertext, in a buffer any writer thread may reuse
-                stage = stack.enter_context(self._pools.borrow(_seal_size(len(view))))
-                header, view = seal_to(seal, header, view, stage)
-            if len(view) >= _CRC_BESIDE_WRITE:
-                crc = self._pools.pool("crc").submit(kvbin.checksum, header.checksum, view)
-            header = write_chunk_file(
-                header,
-                view,
-                str(tmp),
-                direct=direct,
-                keep_page_cache=self.keep_page_cache,
-                buffer=self._pools.buffer,
-                crc=crc,
-            )
+        if len(view) >= _CRC_BESIDE_WRITE:
+            crc = self._pools.pool("crc").submit(kvbin.checksum, header.checksum, view)
+        header = write_chunk_file(
+            header,
+            view,
+            str(tmp),
+            direct=direct,
+            keep_page_cache=self.keep_page_cache,
+            buffer=self._pools.buffer,
+            crc=crc,
+        )
         return Written(header, tmp, final)
 
     def _write_error(self, exc: OSError, header: ChunkHeader | None) -> StoreError:
@@ -266,12 +276,12 @@ def write_chunk_file(
     buffer: Callable[[str, int], memoryview],
     crc: Future[int] | None = None,
     seal: sealing.DataKey | None = None,
+    pool: Executor | None = None,
 ) -> ChunkHeader:
     """Write a chunk to the new file `tmp` and fdatasync it; returns the header as written.
 
-    With `seal` (a tenant data key) the payload is first encrypted into an aligned scratch
-    buffer (AES-256-GCM, `kvtier.sealing`) and the file holds that ciphertext and a v2 header;
-    the checksum is then the ciphertext's and `crc` must be None.
+    With `seal` (a tenant data key) the file holds the payload's ciphertext and a v2 header
+    (`write_sealed_file`, its pieces written on `pool` when given); `crc` must then be None.
 
     The payload goes first (at offset 4096), with O_DIRECT when `direct` and the filesystem
     allows it, while `crc` (a future computing its checksum from the same buffer) runs beside
@@ -283,7 +293,11 @@ def write_chunk_file(
     if seal is not None:
         if crc is not None:
             raise ValueError("a sealed chunk's checksum is the ciphertext's: pass crc=None")
-        header, view = seal_to(seal, header, view, buffer(SEAL_BUFFER, _seal_size(len(view))))
+        stage = buffer(SEAL_BUFFER, _seal_size(len(view)))
+        return write_sealed_file(
+            header, view, tmp, seal, direct=direct, keep_page_cache=keep_page_cache,
+            buffer=buffer, stage=stage, pool=pool,
+        )  # fmt: skip
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     try:
         direct = direct and l3_io.set_direct(fd, True)
@@ -324,15 +338,88 @@ def _seal_size(payload_len: int) -> int:
     return kvbin.padded(payload_len) + kvbin.ALIGN
 
 
-def seal_to(
-    key: sealing.DataKey, header: ChunkHeader, view: memoryview, stage: memoryview
-) -> tuple[ChunkHeader, memoryview]:
-    """Encrypt the payload into the aligned `stage` (zero padding after it); returns the
-    sealed header and the ciphertext, which is what the file holds."""
-    size = kvbin.padded(len(view))
-    header = sealing.seal_payload(key, header, view, stage)
-    stage[len(view) : size] = bytes(size - len(view))
-    return header, stage[: len(view)]
+SEAL_PIECE = 4 << 20  # a sealed payload is encrypted and written in pieces this big
+
+
+def write_sealed_file(
+    header: ChunkHeader,
+    view: memoryview,
+    tmp: str,
+    key: sealing.DataKey,
+    *,
+    direct: bool,
+    keep_page_cache: bool,
+    buffer: Callable[[str, int], memoryview],
+    stage: memoryview,
+    pool: Executor | None = None,
+) -> ChunkHeader:
+    """Write a sealed chunk to the new file `tmp` and fdatasync it; returns its v2 header.
+
+    The payload is encrypted (AES-256-GCM, one message) into the aligned `stage` in
+    `SEAL_PIECE` pieces; each piece is checksummed and handed to `pool` to be written while
+    the next one is sealed, so the encryption overlaps the device (without a pool the pieces
+    are written in turn). The caller's payload is only read: L2 stays plaintext. The header,
+    holding the tag and the ciphertext's checksum, is written last, as for a plain chunk.
+    """
+    n = len(view)
+    size = kvbin.padded(n)
+    if len(stage) < size + 15:
+        raise ValueError(f"stage has {len(stage)} bytes, needs {size + 15}")
+    sealer = sealing.PayloadSealer(key, header)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    writes: list[Future[int]] = []
+    try:
+        direct = direct and l3_io.set_direct(fd, True)
+        value = 0
+        for start in range(0, max(n, 1), SEAL_PIECE):
+            end = min(n, start + SEAL_PIECE)
+            sealer.update(view, stage, start, end)
+            value = kvbin.checksum(header.checksum, stage[start:end], value)
+            if end == n:  # the last piece carries the zero padding
+                stage[n:size] = bytes(size - n)
+                end = size
+            part = stage[start:end]
+            if pool is not None:
+                writes.append(pool.submit(l3_io.pwrite_all, fd, [part], HEADER_SIZE + start))
+            else:
+                direct = _pwrite_direct(fd, part, HEADER_SIZE + start, direct)
+        errors = [exc for exc in (w.exception() for w in writes) if exc is not None]
+        if errors:
+            if not (direct and all(getattr(e, "errno", None) == errno.EINVAL for e in errors)):
+                raise errors[0]
+            direct = False  # the device wants another alignment: write it all buffered
+            l3_io.set_direct(fd, False)
+            l3_io.pwrite_all(fd, [stage[:size]], HEADER_SIZE)
+        header = replace(sealer.finish(), payload_crc=value)
+        hdr = buffer("whdr", HEADER_SIZE)[:HEADER_SIZE]
+        hdr[:] = kvbin.encode(header, value)
+        l3_io.pwrite_all(fd, [hdr], 0)
+        os.fdatasync(fd)
+        if not direct and not keep_page_cache:
+            l3_io.drop_cache(fd)
+    except BaseException:
+        for w in writes:
+            w.exception()  # they write `fd` and read `stage`: let them finish first
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    os.close(fd)
+    return header
+
+
+def _pwrite_direct(fd: int, part: memoryview, offset: int, direct: bool) -> bool:
+    """pwrite; where O_DIRECT is refused for this alignment, switch the file to buffered.
+    Returns whether the file is still written with O_DIRECT."""
+    try:
+        l3_io.pwrite_all(fd, [part], offset)
+        return direct
+    except OSError as exc:
+        if not direct or exc.errno != errno.EINVAL:
+            raise
+    l3_io.set_direct(fd, False)
+    l3_io.pwrite_all(fd, [part], offset)
+    return False
 
 
 def _direct_segments(

@@ -242,8 +242,9 @@ def _serve(rx: Connection, tx: Connection) -> None:
         try:
             view = views[slab][offset : offset + length]
             out = write_chunk_file(
-                header, view, tmp, direct=direct, keep_page_cache=keep, buffer=buffer, seal=seal
-            )
+                header, view, tmp, direct=direct, keep_page_cache=keep, buffer=buffer, seal=seal,
+                pool=pieces,  # a sealed chunk's pieces: written while the next is sealed
+            )  # fmt: skip
             reply: tuple[Any, ...] = (rid, out, None)
         except BaseException as exc:  # sent back to the caller, whose put fails with it
             reply = (rid, None, (getattr(exc, "errno", None), f"{type(exc).__name__}: {exc}"))
@@ -251,7 +252,8 @@ def _serve(rx: Connection, tx: Connection) -> None:
             tx.send(reply)
 
     setup()
-    with ThreadPoolExecutor(max(1, threads), initializer=setup) as pool:
+    pieces = ThreadPoolExecutor(max(1, threads), initializer=setup)
+    with pieces, ThreadPoolExecutor(max(1, threads), initializer=setup) as pool:
         while True:
             try:
                 msg = rx.recv()

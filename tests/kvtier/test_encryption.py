@@ -363,3 +363,38 @@ def test_a_plain_store_works_where_cryptography_is_missing(tmp_path: Path) -> No
         [sys.executable, "-c", code, str(tmp_path)], env=env, capture_output=True, text=True
     )
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+@pytest.mark.parametrize("pool", [True, False])
+def test_a_large_payload_is_sealed_and_written_in_pieces(tmp_path: Path, pool: bool) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kvtier.tiers import l3_io
+    from kvtier.tiers.l3_write import SEAL_PIECE, write_chunk_file
+
+    size = 2 * SEAL_PIECE + 5000  # three pieces, the last one short
+    h = replace(header(size=size), checksum="crc32")
+    data = payload_for(h.key, size)
+    key = sealing.DataKey.new(h.tenant)
+    src = l3_io.aligned_buffer(size)
+    src[:size] = data
+    bufs: dict[str, memoryview] = {}
+
+    def buffer(name: str, n: int) -> memoryview:
+        if name not in bufs or len(bufs[name]) < n:
+            bufs[name] = l3_io.aligned_buffer(n)
+        return bufs[name]
+
+    with ThreadPoolExecutor(2) as ex:
+        out = write_chunk_file(
+            h, src[:size], str(tmp_path / "c.tmp"), direct=True, keep_page_cache=False,
+            buffer=buffer, seal=key, pool=ex if pool else None,
+        )  # fmt: skip
+    assert bytes(src[:size]) == data  # the caller's payload (L2) stays plaintext
+    raw = (tmp_path / "c.tmp").read_bytes()
+    assert out.sealed and data[:4096] not in raw
+    got_h, got = sealing.decode_chunk(raw, chunk_key=h.key, fingerprint=FP, keys=lambda _: key)
+    assert got == data and got_h.tag == out.tag
+    with L3Store(tmp_path / "l3", master_key=sealing.MasterKey(os.urandom(32))) as store:
+        store.put(h, data)
+        assert store.get_bytes(h.key, fingerprint=FP)[1] == data
