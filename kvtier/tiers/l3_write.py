@@ -231,7 +231,7 @@ class ChunkWriter:
                     keep_page_cache=self.keep_page_cache,
                     buffer=self._pools.buffer,
                     stage=stage,
-                    pool=self._pools.pool("seal"),
+                    pool=self._pools.pool("seal", 2 * self._pools.threads),
                 )
             return Written(header, tmp, final)
         crc: Future[int] | None = None
