@@ -38,6 +38,12 @@ class SessionRecord:
     # The data key that sealed `token_ids` (then nonce || ciphertext || tag), None: plain.
     key_id: bytes | None = None
 
+    @property
+    def token_count(self) -> int:
+        """Tokens the record covers, sealed or not (a seal adds a 12-byte nonce and a tag)."""
+        sealed = 0 if self.key_id is None else 12 + 16
+        return max(0, len(self.token_ids) - sealed) // 4
+
     def validate(self) -> None:
         if not isinstance(self.session_id, str) or not isinstance(self.tenant, str):
             raise ValueError("session_id and tenant must be str")

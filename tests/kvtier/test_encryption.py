@@ -300,6 +300,9 @@ def test_session_records_are_sealed_and_a_bad_one_is_dropped(model, tmp_path: Pa
     assert key_id is not None and token_bytes[:32] not in bytes(sealed)
     for name, data in all_files(root).items():
         assert token_bytes[:32] not in data, name
+    with L3Store(root, read_only=True) as locked:  # no key (kvtop, exporter): sealed, counted
+        (rec,) = locked.list_sessions()
+        assert rec.key_id is not None and rec.token_count == ids.shape[1]
     flipped = bytearray(sealed)
     flipped[20] ^= 1
     db.execute("UPDATE sessions SET token_ids = ?", (bytes(flipped),))
