@@ -211,13 +211,16 @@ def stat_command(root: str, as_json: bool) -> None:
         "cold_root": str(store.dir("cold")),
         "tiers": tiers,
         "unreferenced": unreferenced,
+        "master_key_id": store.master_key_id,  # None: not encrypted
     }
+    sealed = f"AES-256-GCM, master key id {store.master_key_id}" if store.master_key_id else "off"
     lines = [
         f"root       {root}",
         f"chunks     {stats.chunks}",
         f"used       {_human(stats.used_bytes)} of {_human(stats.capacity_bytes)}",
         f"sessions   {stats.sessions}",
         f"cold root  {store.dir('cold')}",
+        f"encryption {sealed}",
     ]
     lines += [
         f"{name:10} {plural(t['chunks'], 'chunk')}, {_human(t['bytes'])}"

@@ -178,6 +178,8 @@ def test_cli_shred_then_gc(tmp_path: Path) -> None:
     with L3Store(root, master_key=mk) as store:
         store.put_many([(h, payload_for(h.key, 10_000)) for h in (mine, theirs)])
     runner = CliRunner()
+    out = runner.invoke(l3_command, ["stat", "--root", str(root), "--json"])
+    assert json.loads(out.output)["master_key_id"] == mk.key_id  # the id, never the key
     out = runner.invoke(
         l3_command, ["shred", "--root", str(root), "--tenant", "acme", "--yes", "--json"]
     )
