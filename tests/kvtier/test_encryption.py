@@ -244,6 +244,8 @@ def logits(model, ids: torch.Tensor, pkv=None) -> torch.Tensor:
 
 def hibernated(model, config: CacheConfig, ids: torch.Tensor, sid: str = "s", tenant: str = "t"):
     cache = TieredCache(config, model)
+    if config.l3_writer != "auto":  # the writer asked for is the one that seals
+        assert cache.engine.l3_writer == config.l3_writer
     s = cache.session(sid, tenant=tenant)
     logits(model, ids, s.restore(ids))
     s.commit(ids)
