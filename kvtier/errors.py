@@ -71,3 +71,29 @@ class SessionError(KvtierError):
 
 class InvalidRequest(KvtierError, ValueError):
     """A client request is malformed; the message tells the client what to send instead."""
+
+
+# ---- encryption at rest -----------------------------------------------------------------------
+
+
+class EncryptionError(KvtierError):
+    """Base class of encryption-at-rest errors (kvtier.sealing, the L3 keyring)."""
+
+
+class MasterKeyError(EncryptionError, ConfigError):
+    """The master key file is missing, unreadable, not private (0600), malformed, or not the
+    key the store was created with. Nothing was read or deleted."""
+
+
+class MasterKeyRequired(MasterKeyError):
+    """The store is encrypted and no master key was given (or a plain store met sealed data)."""
+
+
+class AuthenticationFailed(ChecksumMismatch):
+    """An AES-GCM tag did not verify: the ciphertext, its header or its key was altered. Treated
+    like a checksum mismatch (quarantine, then recompute)."""
+
+
+class TenantKeyShredded(StoreError):
+    """The data key that sealed this chunk or record was destroyed (crypto-shred): the bytes
+    are unreadable for good. Treat it as a miss; `kvtier l3 gc` removes the files."""

@@ -1,4 +1,4 @@
-"""The .kvbin v1 chunk format: a pure codec of the 4096-byte header.
+"""The .kvbin chunk format (v1 plain, v2 sealed): a pure codec of the 4096-byte header.
 
 See docs/architecture.md, "Formats", and docs/kvbin-format.md.
 
@@ -24,7 +24,9 @@ except ImportError:  # pragma: no cover - exercised on machines without the pack
     _crc32c = None
 
 MAGIC = b"\x89KVBIN\r\n"  # 0x89 catches 7-bit transfers, CR LF catches newline translation
-FORMAT_VERSION = 1
+FORMAT_VERSION = 1  # plain chunks; the version in every model fingerprint
+SEALED_VERSION = 2  # v1 plus the AES-256-GCM fields (key id, nonce, tag); see docs
+VERSIONS = (FORMAT_VERSION, SEALED_VERSION)
 HEADER_SIZE = 4096
 ALIGN = 4096
 KEY_SIZE = 16
@@ -36,12 +38,18 @@ DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 CODECS: tuple[str, ...] = ("native", "int8", "fp8")  # code = index
 COMPRESSIONS: tuple[str, ...] = ("none",)  # code = index; lossless codecs come later
 CHECKSUMS: tuple[str, ...] = ("crc32c", "crc32")  # code = index; crc32 is zlib's (fallback)
+ENCRYPTIONS: tuple[str, ...] = ("none", "aes-256-gcm")  # code = index; v2 files only for != 0
+KEY_ID_SIZE, NONCE_SIZE, TAG_SIZE = 16, 12, 16
 
 # Fixed part of the header, little-endian. Offsets are documented in docs/kvbin-format.md.
 _FIXED = struct.Struct("<8sHHI16s16s16sIIIIBBHIdQII")
 _TENANT_OFF = _FIXED.size  # 112
 _PARAMS_OFF = _TENANT_OFF + TENANT_MAX  # 176
 _USED_END = _PARAMS_OFF + CODEC_PARAMS_MAX  # 432
+_KEY_ID_OFF = _USED_END  # v2: 432, id of the tenant data key that sealed the payload
+_NONCE_OFF = _KEY_ID_OFF + KEY_ID_SIZE  # v2: 448, the AES-GCM nonce (96 bits, random)
+_TAG_OFF = _NONCE_OFF + NONCE_SIZE  # v2: 460, the AES-GCM tag
+_SEALED_END = _TAG_OFF + TAG_SIZE  # 476
 _HCRC_OFF = HEADER_SIZE - 4  # 4092: header checksum over bytes [0, 4092)
 _ZERO = bytes(HEADER_SIZE)
 
@@ -110,6 +118,13 @@ class ChunkHeader:
     compression: str = "none"
     checksum: str = ""  # payload/header checksum algorithm; "" = best available at encode
     payload_crc: int = 0  # set by decode
+    # Encryption at rest (v2 files): the payload is AES-256-GCM ciphertext of the plain payload
+    # (same length), sealed with the data key `key_id` under `nonce`; `tag` authenticates it
+    # and `sealed_aad(header)`. Set by the sealing writer (kvtier.sealing), never by callers.
+    encryption: str = "none"
+    key_id: bytes = b""
+    nonce: bytes = b""
+    tag: bytes = b""
 
     def validate(self) -> None:
         """Raise KvbinFormatError naming the first field that cannot be stored in v1."""
@@ -148,6 +163,56 @@ class ChunkHeader:
             )
         if not isinstance(self.created, (int, float)) or not math.isfinite(self.created):
             raise KvbinFormatError(f"created must be finite unix seconds, got {self.created!r}")
+        if self.encryption not in ENCRYPTIONS:
+            raise KvbinFormatError(
+                f"encryption {self.encryption!r} unknown; use one of {ENCRYPTIONS}"
+            )
+        sizes = (KEY_ID_SIZE, NONCE_SIZE, TAG_SIZE)
+        if self.encryption != "none" and not all(
+            isinstance(v, (bytes, bytearray)) and len(v) == n
+            for v, n in zip((self.key_id, self.nonce, self.tag), sizes, strict=True)
+        ):
+            raise KvbinFormatError(
+                "a sealed header needs a 16-byte key id, 12-byte nonce, 16-byte tag"
+            )
+        if self.encryption == "none" and (self.key_id or self.nonce or self.tag):
+            raise KvbinFormatError("key id, nonce and tag are set but encryption is 'none'")
+
+    @property
+    def sealed(self) -> bool:
+        """Whether the payload is ciphertext (a v2 file)."""
+        return self.encryption != "none"
+
+
+def sealed_aad(header: ChunkHeader) -> bytes:
+    """The associated data an AES-GCM seal of this chunk's payload is bound to: every field
+    that says what the payload is and whose it is (the chunk key, its parent, the model, the
+    tenant, the data key, geometry, codec and length). A sealed payload moved under another
+    key, tenant or header does not open."""
+    tenant = header.tenant.encode("utf-8")
+    return b"".join(
+        (
+            b"kvtier.kvbin.v2\x00",
+            bytes(header.key),
+            bytes(header.parent),
+            bytes(header.fingerprint),
+            bytes(header.key_id),
+            struct.pack(
+                "<IIIIBBHQB",
+                header.tokens,
+                header.layers,
+                header.kv_heads,
+                header.head_dim,
+                DTYPES.index(header.dtype) + 1,
+                CODECS.index(header.codec),
+                len(header.codec_params),
+                header.payload_len,
+                len(tenant),
+            ),
+            bytes(header.codec_params),
+            tenant,
+        )
+    )
 
 
 def encode(header: ChunkHeader, payload_crc: int) -> bytes:
@@ -161,6 +226,7 @@ def encode(header: ChunkHeader, payload_crc: int) -> bytes:
     flags = (
         (CODECS.index(header.codec) << _CODEC_SHIFT)
         | (COMPRESSIONS.index(header.compression) << _COMPRESSION_SHIFT)
+        | (ENCRYPTIONS.index(header.encryption) << _ENCRYPTION_SHIFT)
         | (CHECKSUMS.index(algo) << _CHECKSUM_SHIFT)
     )
     buf = bytearray(HEADER_SIZE)
@@ -168,7 +234,7 @@ def encode(header: ChunkHeader, payload_crc: int) -> bytes:
         buf,
         0,
         MAGIC,
-        FORMAT_VERSION,
+        SEALED_VERSION if header.sealed else FORMAT_VERSION,
         HEADER_SIZE // ALIGN,  # header length in 4 KiB units
         flags,
         bytes(header.fingerprint),
@@ -189,6 +255,10 @@ def encode(header: ChunkHeader, payload_crc: int) -> bytes:
     )
     buf[_TENANT_OFF : _TENANT_OFF + len(tenant)] = tenant
     buf[_PARAMS_OFF : _PARAMS_OFF + len(header.codec_params)] = header.codec_params
+    if header.sealed:
+        buf[_KEY_ID_OFF:_NONCE_OFF] = header.key_id
+        buf[_NONCE_OFF:_TAG_OFF] = header.nonce
+        buf[_TAG_OFF:_SEALED_END] = header.tag
     struct.pack_into("<I", buf, _HCRC_OFF, checksum(algo, memoryview(buf)[:_HCRC_OFF]))
     return bytes(buf)
 
@@ -209,9 +279,9 @@ def decode(data: Any) -> ChunkHeader:
     if bytes(view[:8]) != MAGIC:
         raise KvbinFormatError(f"bad magic {bytes(view[:8])!r}: not a .kvbin file")
     (version,) = struct.unpack_from("<H", view, 8)
-    if version != FORMAT_VERSION:
+    if version not in VERSIONS:
         raise UnsupportedVersion(
-            f".kvbin format version {version}; this kvtier reads version {FORMAT_VERSION} "
+            f".kvbin format version {version}; this kvtier reads versions {VERSIONS} "
             "only: upgrade kvtier to read it, or delete the chunk"
         )
     (flags,) = struct.unpack_from("<I", view, 12)
@@ -225,10 +295,10 @@ def decode(data: Any) -> ChunkHeader:
         raise ChecksumMismatch(
             f"header checksum mismatch ({algo} stored {stored:08x}, computed {actual:08x})"
         )
-    return _fields(view, flags, algo)
+    return _fields(view, flags, algo, version)
 
 
-def _fields(view: memoryview, flags: int, algo: str) -> ChunkHeader:
+def _fields(view: memoryview, flags: int, algo: str, version: int) -> ChunkHeader:
     """Field validation of a header whose checksum is already verified."""
     (
         _magic,
@@ -262,8 +332,14 @@ def _fields(view: memoryview, flags: int, algo: str) -> ChunkHeader:
         raise KvbinFormatError(f"unknown codec code {codec_code}")
     if comp_code >= len(COMPRESSIONS):
         raise KvbinFormatError(f"unknown compression code {comp_code}")
-    if enc_code != 0:
+    if enc_code >= len(ENCRYPTIONS):
         raise KvbinFormatError(f"encryption code {enc_code} is not supported by this reader")
+    if (enc_code != 0) != (version == SEALED_VERSION):
+        raise KvbinFormatError(
+            f"version {version} with encryption code {enc_code}: v1 files are plain and v2 "
+            "files sealed"
+        )
+    sealed_end = _SEALED_END if enc_code else _USED_END
     if not 1 <= dtype_code <= len(DTYPES):
         raise KvbinFormatError(f"unknown element type code {dtype_code}")
     if tenant_len > TENANT_MAX or params_len > CODEC_PARAMS_MAX:
@@ -271,8 +347,10 @@ def _fields(view: memoryview, flags: int, algo: str) -> ChunkHeader:
     if payload_len >= 2**63 or not math.isfinite(created):
         raise KvbinFormatError("impossible payload length or created time")
     tenant_bytes = bytes(view[_TENANT_OFF : _TENANT_OFF + tenant_len])
-    if any(view[_TENANT_OFF + tenant_len : _PARAMS_OFF]) or any(
-        view[_PARAMS_OFF + params_len : _HCRC_OFF]
+    if (
+        any(view[_TENANT_OFF + tenant_len : _PARAMS_OFF])
+        or any(view[_PARAMS_OFF + params_len : _USED_END])
+        or any(view[sealed_end:_HCRC_OFF])
     ):
         raise KvbinFormatError("non-zero bytes in the header's padding")
     try:
@@ -296,6 +374,10 @@ def _fields(view: memoryview, flags: int, algo: str) -> ChunkHeader:
         compression=COMPRESSIONS[comp_code],
         checksum=algo,
         payload_crc=payload_crc,
+        encryption=ENCRYPTIONS[enc_code],
+        key_id=bytes(view[_KEY_ID_OFF:_NONCE_OFF]) if enc_code else b"",
+        nonce=bytes(view[_NONCE_OFF:_TAG_OFF]) if enc_code else b"",
+        tag=bytes(view[_TAG_OFF:_SEALED_END]) if enc_code else b"",
     )
 
 

@@ -101,6 +101,9 @@ class Facts:
     links: tuple[LinkFacts, ...] = field(default_factory=tuple)
     gpus: int = 0
     cap_ipc_lock: bool = False  # the process may lock beyond RLIMIT_MEMLOCK (L2 then ignores it)
+    swaps: tuple[tuple[str, str], ...] | None = (
+        None  # active swap areas (name, type); None: unknown
+    )
 
 
 # ---- collection (I/O) ---------------------------------------------------------------------------
@@ -299,6 +302,7 @@ def collect(
         l3 = collect_l3(l3_root, proc_root=proc_root, sys_root=sys_root, owner=owner, device=device)
         topology = pcie.read_topology(l3.probed, sys_root=sys_root, device=device)
     thp = read_text(os.path.join(sys_root, "kernel", "mm", "transparent_hugepage", "enabled"))
+    swaps_text = read_text(os.path.join(proc_root, "swaps"))
     return Facts(
         sysctl=sysctl,
         hugepages_total=info.hugepages_total,
@@ -314,7 +318,14 @@ def collect(
         links=collect_links(sys_root, topology),
         gpus=len(pcie.gpus(sys_root)),
         cap_ipc_lock=cap_ipc_lock,
+        swaps=None if swaps_text is None else parse_swaps(swaps_text),
     )
+
+
+def parse_swaps(text: str) -> tuple[tuple[str, str], ...]:
+    """(name, type) of each active swap area in /proc/swaps (its first line is a header)."""
+    rows = [line.split() for line in text.splitlines()[1:]]
+    return tuple((r[0], r[1]) for r in rows if len(r) >= 2)
 
 
 # ---- checks (pure) ------------------------------------------------------------------------------
@@ -430,6 +441,36 @@ def check_memory(facts: Facts) -> Iterator[Finding]:
         "thp", sev, str(thp), tuning.THP_MODE, tuning.THP_WHY,
         "echo madvise > /sys/kernel/mm/transparent_hugepage/enabled; "
         "kernel command line transparent_hugepage=madvise to keep it",
+    )  # fmt: skip
+
+
+SWAP_WHY = (
+    "swapped-out pages of the server (request text, token ids, KV being staged, unwrapped data "
+    "keys) would sit on a disk in plaintext, outside the encryption at rest of L3 and beyond "
+    "the reach of a crypto-shred (docs/security.md); the locked L2 arena never swaps"
+)
+
+
+def check_swap(facts: Facts) -> Iterator[Finding]:
+    """Active swap on a disk: warn (docs/security.md). Swap in compressed RAM (zram) is RAM."""
+    if facts.swaps is None:
+        yield Finding(
+            "swap", "info", "unknown (/proc/swaps unreadable)", "no swap on disk", SWAP_WHY,
+            "check with `swapon --show` on the host; turn disk swap off (swapoff -a, /etc/fstab)",
+        )  # fmt: skip
+        return
+    disk_swaps = [name for name, _ in facts.swaps if not os.path.basename(name).startswith("zram")]
+    ram = len(facts.swaps) - len(disk_swaps)
+    if disk_swaps:
+        sev, observed = "warning", "active: " + ", ".join(disk_swaps)
+    elif ram:
+        sev, observed = "info", f"{ram} zram area(s) only (compressed RAM, not a disk)"
+    else:
+        sev, observed = "ok", "none"
+    yield Finding(
+        "swap", sev, observed, "no swap on disk", SWAP_WHY,
+        "swapoff -a now; remove the swap lines from /etc/fstab (or `systemctl mask` the "
+        "swap units) so it stays off; or encrypt swap with a random key at boot (crypttab)",
     )  # fmt: skip
 
 
@@ -555,7 +596,7 @@ def check_pcie(facts: Facts) -> Iterator[Finding]:
         )  # fmt: skip
 
 
-CHECKS = (check_sysctl, check_memory, check_fstrim, check_l3, check_pcie)
+CHECKS = (check_sysctl, check_memory, check_swap, check_fstrim, check_l3, check_pcie)
 
 
 def check(facts: Facts) -> list[Finding]:

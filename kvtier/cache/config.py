@@ -53,6 +53,11 @@ class CacheConfig:
         default_factory=lambda: {"l1": 200e9, "l2": 10e9, "l3": 1e9}
     )
     initial_prefill_s_per_token: float = 1e-3
+    # Encryption at rest (docs/security.md): seal L3 chunk payloads and session records with
+    # per-tenant data keys wrapped by the master key in this file (32 bytes, mode 0600). An
+    # encrypted store needs its key to start; a wrong one is refused before anything is read.
+    encrypt: bool = False
+    master_key_file: str | Path | None = None
 
     def __post_init__(self) -> None:
         if self.chunk_tokens <= 0 or self.chunk_tokens % 16:
@@ -92,4 +97,9 @@ class CacheConfig:
             raise ConfigError(f"initial_bandwidth values must be positive, got {bad}")
         if not str(self.l3_root):
             raise ConfigError("l3_root must name a directory")
+        if self.encrypt and not self.master_key_file:
+            raise ConfigError(
+                "encrypt needs master_key_file: a file of 32 random bytes, mode 0600 "
+                "(create it with: (umask 077; head -c 32 /dev/urandom > PATH))"
+            )
         self.l3_root = Path(self.l3_root)

@@ -42,6 +42,7 @@ from kvtier.geometry import KVGeometry, model_fingerprint, normalize_dtype
 from kvtier.integrations.hf import KvtierCache
 from kvtier.kvbin import ChunkHeader
 from kvtier.policy import make_policy
+from kvtier.sealing import load_master_key
 from kvtier.snapshot import RESTORE_BUCKETS, CacheSnapshot
 from kvtier.tiers.l1 import L1Pool
 from kvtier.tiers.l2 import HostArena
@@ -81,6 +82,9 @@ class TieredCache(LifecycleMixin):
         self.counters = Counters()
         # Every resource is released again if a later step fails (reopening the root works).
         with contextlib.ExitStack() as undo:
+            master = None
+            if config.encrypt and config.master_key_file is not None:
+                master = load_master_key(config.master_key_file)
             l1_bytes = config.l1_bytes or _default_l1_bytes(self.device)
             self.l1 = L1Pool(self.geometry, l1_bytes, self.device, self.chunk_tokens)
             self.l3 = L3Store(
@@ -88,6 +92,8 @@ class TieredCache(LifecycleMixin):
                 keep_page_cache=config.keep_page_cache,
                 max_bytes=config.l3_max_bytes,
                 cold_dir=config.l3_cold_root,
+                master_key=master,
+                need_key=True,
             )
             undo.callback(self.l3.close)
             self.l2, self.engine = self._build_tiers(config, undo)

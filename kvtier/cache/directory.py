@@ -23,7 +23,13 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-from kvtier.errors import ChunkNotFound, FingerprintMismatch, KvbinFormatError, StoreFullError
+from kvtier.errors import (
+    ChunkNotFound,
+    FingerprintMismatch,
+    KvbinFormatError,
+    StoreFullError,
+    TenantKeyShredded,
+)
 from kvtier.policy import EvictionPolicy
 from kvtier.tiers.l2 import HostArena
 from kvtier.transfer import TransferEngine
@@ -257,7 +263,9 @@ class ChunkDirectory:
             return
         if e.l2_slot is not None:
             self.free_slot(e)
-        if isinstance(exc, (ChunkNotFound, KvbinFormatError, FingerprintMismatch)):
+        if isinstance(
+            exc, (ChunkNotFound, KvbinFormatError, FingerprintMismatch, TenantKeyShredded)
+        ):
             self._n.checksum_failures += isinstance(exc, KvbinFormatError)
             self.forget_l3(e.key)
         log.warning("L3 read of %s failed (%s); recomputing from there", e.key.hex(), exc)

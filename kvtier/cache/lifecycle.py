@@ -21,6 +21,7 @@ from kvtier.cache.keys import SHARED_TENANT, ZERO_KEY, chunk_key
 from kvtier.cache.restore import common_prefix
 from kvtier.cache.session import Session, as_list
 from kvtier.errors import SessionError
+from kvtier.tiers.l3_keys import tenant_chunk_keys
 from kvtier.types import SessionState
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -28,7 +29,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from kvtier.cache.costmodel import CostModel
     from kvtier.cache.stats import Counters
     from kvtier.tiers.l2 import HostArena
-    from kvtier.tiers.l3 import L3Store, SessionRecord
+    from kvtier.tiers.l3 import L3Store, SessionRecord, ShredReport
     from kvtier.transfer import TransferEngine
 
 log = logging.getLogger("kvtier.cache")
@@ -262,6 +263,56 @@ class LifecycleMixin:
         with self._lock:
             self._reap()
             return self.directory.drop_l2_durable()
+
+    # -- crypto-shred ------------------------------------------------------------------------------
+
+    def shred_tenant(self, tenant: str) -> ShredReport:
+        """Forget every session and chunk of `tenant` in every tier, and destroy its data key.
+
+        L1 and L2 copies are dropped now and its sessions closed without a record; in L3 the
+        tenant's data key and session records are destroyed in one transaction
+        (`L3Store.shred_tenant`), so its chunk files are unreadable at once and the next gc
+        removes them (a plain store deletes them now). Its next request recomputes. Raises
+        SessionError while one of its sessions has a request running (retry after it)."""
+        if not isinstance(tenant, str) or not tenant or tenant == SHARED_TENANT:
+            raise SessionError("shred needs a tenant name (the shared tenant cannot be shredded)")
+        with self._lock:
+            self._check_open()
+            mine = [s for s in self._sessions.values() if s.tenant == tenant]
+            if any(s.state is SessionState.ACTIVE for s in mine):
+                raise SessionError(
+                    f"tenant {tenant[:64]!r} has a request running; shred it when it finished"
+                )
+            for s in mine:
+                self._release_l1(s)
+                s.state = SessionState.CLOSED
+                self._sessions.pop((s.tenant, s.session_id), None)
+        # Writes in flight (its own among them) land before its key goes; its records are
+        # written in order on the record thread: drain it too.
+        self.engine.flush()
+        self._bg.submit(lambda: None).result()
+        for _ in range(100):
+            with self._lock:
+                self._reap()
+                d = self.directory
+                keys = set(tenant_chunk_keys(self.l3.index, tenant))
+                keys |= {k for k, e in d.entries.items() if e.tenant == tenant}
+                busy = [e for k in keys if (e := d.get(k)) is not None and e.busy]
+                if not busy:
+                    for k in keys:
+                        e = d.get(k)
+                        if e is not None:
+                            if e.l2_slot is not None:
+                                d.free_slot(e)
+                            d.entries.pop(k, None)
+                        d.forget_l3(k)
+                    return self.l3.shred_tenant(tenant)
+                waits = [f for e in busy for f in (e.l3_read, e.l3_write) if f is not None]
+            for f in waits:  # reads and writes of its chunks: outside the lock
+                f.exception()
+            if not waits:
+                time.sleep(0.01)  # a restore is copying from its L2 slot (pinned)
+        raise SessionError(f"tenant {tenant[:64]!r} stays busy; retry the shred")
 
     # -- lifecycle -------------------------------------------------------------------------------
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvtier.cache.directory import Chunk
-from kvtier.cache.keys import ZERO_KEY, chunk_key
+from kvtier.cache.keys import SHARED_TENANT, ZERO_KEY, chunk_key
 from kvtier.types import RestoreSource
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -96,7 +96,11 @@ def plan(cache: TieredCache, s: Session, want: list[int]) -> RestorePlan | None:
         entry: Chunk | None = None
         src = ""
         if len(toks) == C:
-            entry, src = locate(cache, cache.key_for(parent, toks, s), parent)
+            key = cache.key_for(parent, toks, s)
+            entry, src = locate(cache, key, parent)
+            if entry is not None and not entry.tenant:  # found in L3: whose is it (shred)?
+                own = key == chunk_key(parent, toks, s.ns)
+                entry.tenant = s.tenant if own else SHARED_TENANT
         if (
             entry is None
             and tail
@@ -105,6 +109,8 @@ def plan(cache: TieredCache, s: Session, want: list[int]) -> RestorePlan | None:
         ):
             # the session's own hibernated partial tail, at the end of its stored prefix
             entry, src = locate(cache, s.tail_key, parent)
+            if entry is not None and not entry.tenant:
+                entry.tenant = s.tenant
         if entry is None:
             n.misses["l3"] += 1
             break

@@ -211,13 +211,16 @@ def stat_command(root: str, as_json: bool) -> None:
         "cold_root": str(store.dir("cold")),
         "tiers": tiers,
         "unreferenced": unreferenced,
+        "master_key_id": store.master_key_id,  # None: not encrypted
     }
+    sealed = f"AES-256-GCM, master key id {store.master_key_id}" if store.master_key_id else "off"
     lines = [
         f"root       {root}",
         f"chunks     {stats.chunks}",
         f"used       {_human(stats.used_bytes)} of {_human(stats.capacity_bytes)}",
         f"sessions   {stats.sessions}",
         f"cold root  {store.dir('cold')}",
+        f"encryption {sealed}",
     ]
     lines += [
         f"{name:10} {plural(t['chunks'], 'chunk')}, {_human(t['bytes'])}"
@@ -354,4 +357,30 @@ def gc_command(
         as_json,
         f"deleted {plural(report.chunks, 'chunk')} ({_human(report.bytes)}); "
         f"{plural(report.sessions_expired, 'expired session')} dropped",
+    )
+
+
+@command.command("shred")
+@root_option
+@json_option
+@click.option("--tenant", required=True, help="The tenant whose data is destroyed.")
+@click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
+def shred_command(root: str, as_json: bool, tenant: str, yes: bool) -> None:
+    """Crypto-shred TENANT: destroy its data key and session records, so every chunk and
+    record of it is unreadable at once (the files go with the next `kvtier l3 gc`). Needs no
+    master key. In a store without encryption its chunk files and records are deleted now.
+    A running server holds the store: use its DELETE /v1/tenants/TENANT instead."""
+    if not yes:
+        click.confirm(f"destroy every chunk and session of tenant {tenant!r} for good?", abort=True)
+    with _open(root, read_only=False) as store, _failing_cleanly():
+        report = store.shred_tenant(tenant)
+    how = (
+        f"data key destroyed: {plural(report.chunks, 'chunk')} unreadable, removed by the next gc"
+        if report.encrypted
+        else f"store is not encrypted: {plural(report.chunks, 'chunk')} deleted"
+    )
+    _emit(
+        asdict(report),
+        as_json,
+        f"tenant {_shown(tenant)} shredded; {how}; {plural(report.sessions, 'session')} deleted",
     )

@@ -1,4 +1,4 @@
-"""Session admin routes: list, hibernate, prefetch and forget sessions.
+"""Admin routes: list, hibernate, prefetch and forget sessions; crypto-shred a tenant.
 
 Who may call them is kvtier.server.auth's to say: with API keys, an admin key for every
 operation, while a tenant's key lists and deletes its own sessions only (another tenant's
@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 
+from kvtier.errors import SessionError
 from kvtier.server.auth import require_admin, session_scope
 from kvtier.server.engine import Overloaded
 from kvtier.server.http import MAX_SESSION_ID, MAX_TENANT, ApiError, check_id
@@ -100,3 +101,17 @@ def install_admin_routes(app: FastAPI, state: State) -> None:
     ) -> dict[str, Any]:
         out = await _admin(request, session_id, "forget", tenant, admin_only=False)
         return {"id": session_id, "object": "session", "deleted": True, "status": out["status"]}
+
+    @app.delete("/v1/tenants/{tenant}")
+    async def shred_tenant(request: Request, tenant: str) -> dict[str, Any]:
+        """Crypto-shred a tenant: its sessions leave L1 and L2 now, its data key and session
+        records are destroyed in L3 (its chunk files are unreadable; the next gc removes
+        them). Its next request recomputes."""
+        require_admin(request)
+        check_id(tenant, "tenant", MAX_TENANT)
+        engine = state.ready_engine()
+        try:
+            done = await asyncio.to_thread(engine.backend.shred_tenant, tenant)
+        except SessionError as exc:  # one of its requests is running: retry after it
+            raise ApiError(409, str(exc), headers={"Retry-After": "1"}) from None
+        return {"id": tenant, "object": "tenant", "deleted": True, **done}

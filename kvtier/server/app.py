@@ -19,7 +19,13 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvtier import __version__
-from kvtier.errors import InvalidRequest, KvtierError, L1BudgetExceeded, StoreError
+from kvtier.errors import (
+    EncryptionError,
+    InvalidRequest,
+    KvtierError,
+    L1BudgetExceeded,
+    StoreError,
+)
 from kvtier.server.admin import install_admin_routes
 from kvtier.server.auth import Auth, authenticate, tenant_of
 from kvtier.server.backend import make_backend
@@ -150,9 +156,10 @@ def create_app(
             return
         try:
             backend = await asyncio.to_thread(make_backend, served, config)
-        except StoreError as exc:
-            # The L3 root cannot be used (another process holds it, unsafe permissions): no
-            # waiting fixes that, so stop and say why rather than stay up never ready.
+        except (StoreError, EncryptionError) as exc:
+            # The L3 root cannot be used (another process holds it, unsafe permissions, a
+            # wrong or missing master key): no waiting fixes that, so stop and say why rather
+            # than stay up never ready.
             state.load_error = exc
             state.fatal(exc)
             return

@@ -47,6 +47,7 @@ class Backend(Protocol):
     def prefetch(self, session_id: str, tenant: str | None = None) -> bool: ...
     def forget(self, session_id: str, tenant: str | None = None) -> bool: ...
     def tenants_of(self, session_id: str) -> list[str]: ...
+    def shred_tenant(self, tenant: str) -> dict[str, Any]: ...
     def evict_l2(self) -> None: ...
     def calibrating(self) -> contextlib.AbstractContextManager[None]: ...
     def snapshot(self) -> CacheSnapshot | None: ...
@@ -83,6 +84,8 @@ class RecomputeBackend:
 
     def tenants_of(self, session_id: str) -> list[str]:
         return []
+    def shred_tenant(self, tenant: str) -> dict[str, Any]:
+        return {"sessions": 0, "keys": 0, "chunks": 0, "encrypted": False}  # nothing is kept
 
     def evict_l2(self) -> None:
         return None
@@ -123,6 +126,8 @@ class TieredBackend:
                 write_policy=config.write_policy,
                 l3_writer=config.l3_writer,
                 model_id=config.model_id or model_id,
+                encrypt=config.encrypt,
+                master_key_file=config.master_key_file,
             ),
             model=model,
         )
@@ -162,6 +167,16 @@ class TieredBackend:
 
     def forget(self, session_id: str, tenant: str | None = None) -> bool:
         return self._each(session_id, tenant, "close")
+
+    def shred_tenant(self, tenant: str) -> dict[str, Any]:
+        """Crypto-shred the tenant (TieredCache.shred_tenant): what was destroyed."""
+        report = self.cache.shred_tenant(tenant)
+        return {
+            "sessions": report.sessions,
+            "keys": report.keys,
+            "chunks": report.chunks,
+            "encrypted": report.encrypted,
+        }
 
     def evict_l2(self) -> None:
         """Drop L2's copies of chunks durable in L3 (the next restore of them reads L3)."""

@@ -73,6 +73,10 @@ class ServerConfig:
     # Authentication (kvtier.server.auth): the API keys file; None = single-tenant and local
     api_keys: Path | None = None
     trust_tenant_header: bool = False  # with api_keys: X-Tenant names the tenant (a gateway's)
+    # Encryption at rest of L3 (docs/security.md): chunk payloads and session records sealed
+    # with per-tenant data keys wrapped by the master key in this file (32 bytes, mode 0600).
+    encrypt: bool = False
+    master_key_file: Path | None = None
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
@@ -100,6 +104,11 @@ class ServerConfig:
             raise ConfigError(
                 "trust_tenant_header: only with api_keys (without a keys file X-Tenant is "
                 "always used); give --api-keys too, or drop --trust-tenant-header"
+            )
+        if self.encrypt and self.master_key_file is None:
+            raise ConfigError(
+                "encrypt: needs master_key_file (flag --master-key-file, variable "
+                "KVTIER_MASTER_KEY_FILE): a file of 32 random bytes, mode 0600"
             )
 
     @classmethod
@@ -167,7 +176,7 @@ def _coerce(name: str, value: Any) -> Any:
         return parse_size(value, name)
     default = _FIELDS[name].default
     try:
-        if name in ("l3_root", "l3_cold_root", "model", "api_keys"):
+        if name in ("l3_root", "l3_cold_root", "model", "api_keys", "master_key_file"):
             return Path(value).expanduser()
         if name == "device":
             return str(value)

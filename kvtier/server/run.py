@@ -109,6 +109,18 @@ def options(f: Callable[..., Any]) -> Callable[..., Any]:
             "full contexts, at most half the free GPU memory or 1 GiB on the CPU).",
         ),
         click.option("--max-body-bytes", help="Largest request body."),
+        click.option(
+            "--encrypt/--no-encrypt",
+            default=None,
+            help="Encrypt L3 at rest: chunk payloads and session records sealed with "
+            "AES-256-GCM, one data key per tenant (default off; docs/security.md).",
+        ),
+        click.option(
+            "--master-key-file",
+            type=click.Path(dir_okay=False, path_type=Path),
+            help="The master key for --encrypt: 32 random bytes (or 64 hex digits) in a file "
+            "of mode 0600.",
+        ),
         click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"])),
         click.option(
             "--api-keys",
@@ -145,6 +157,10 @@ def load_config(flags: dict[str, Any]) -> ServerConfig:
         from kvtier import apikeys
 
         apikeys.load(config.api_keys)
+    if config.encrypt and config.master_key_file is not None:
+        from kvtier.sealing import load_master_key
+
+        load_master_key(config.master_key_file)  # unreadable, not 0600, malformed: say so now
     return config
 
 

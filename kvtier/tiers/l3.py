@@ -14,20 +14,23 @@ and the read path with quarantine (l3_read).
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import sqlite3
 import threading
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from kvtier import kvbin
-from kvtier.errors import StoreError
+from kvtier import kvbin, sealing
+from kvtier.errors import AuthenticationFailed, StoreError, TenantKeyShredded
 from kvtier.kvbin import HEADER_SIZE, ChunkHeader
 from kvtier.tiers import l3_io
 from kvtier.tiers.l3_access import AccessTimes
 from kvtier.tiers.l3_cap import EvictListener, SizeCap
 from kvtier.tiers.l3_index import ChunkRow, Index, SessionRecord
+from kvtier.tiers.l3_keys import Keyring, check_master_key, shred_records, tenant_chunk_keys
 from kvtier.tiers.l3_layout import TIERS, Layout, subdirs
 from kvtier.tiers.l3_pools import IOPools
 from kvtier.tiers.l3_read import READ_PIECE as READ_PIECE
@@ -38,7 +41,21 @@ from kvtier.tiers.l3_stats import Counters, L3Stats
 from kvtier.tiers.l3_write import ChunkWriter, TempWriter
 from kvtier.tiers.l3_write import write_chunk_file as write_chunk_file
 
-__all__ = ["L3Stats", "L3Store", "SessionRecord", "StoreInUse"]
+__all__ = ["L3Stats", "L3Store", "SessionRecord", "ShredReport", "StoreInUse"]
+log = logging.getLogger("kvtier.tiers.l3")
+
+
+@dataclass(frozen=True)
+class ShredReport:
+    """What `L3Store.shred_tenant` did: data keys destroyed, session records deleted, and the
+    tenant's chunk files now unreadable (removed by the next gc; for a plain store, deleted)."""
+
+    tenant: str
+    keys: int
+    sessions: int
+    chunks: int
+    encrypted: bool
+
 
 _subdirs = subdirs  # l3_maint imports it from here, like write_chunk_file (l3_writer)
 
@@ -58,11 +75,19 @@ class L3Store:
         adopt_cold_root: bool = False,
         checksum: str | None = None,
         io_threads: int = 4,
+        master_key: sealing.MasterKey | None = None,
+        need_key: bool = False,
     ) -> None:
         """`cold_dir`: where cold chunks live (default `<root>/cold`). It is recorded in the
         index by the first writable open that names one (or by the first migrate); later opens
         that name none use the recorded one, and one naming another is refused (StoreError)
-        unless `adopt_cold_root` (the files were moved there) records it instead."""
+        unless `adopt_cold_root` (the files were moved there) records it instead.
+
+        `master_key`: encrypt at rest (docs/security.md). A new, empty store records the key's
+        id and seals every chunk payload and session record; an encrypted store refuses
+        another key (MasterKeyError) before anything is read or deleted. Opened without its
+        key an encrypted store is locked: gc, fsck, stats and shred work, reads and writes
+        raise MasterKeyRequired; with `need_key` the open itself does."""
         self.root = Path(root)
         self.keep_page_cache = keep_page_cache
         self.max_bytes = max_bytes
@@ -87,6 +112,12 @@ class L3Store:
         try:
             self.index = Index(self.root, read_only=read_only)
             try:
+                self.master_key_id = check_master_key(
+                    self.index, master_key, need_key=need_key, writable=not read_only
+                )
+                self.keyring = (
+                    Keyring(self.index, master_key) if self.master_key_id is not None else None
+                )
                 self._layout.dirs["cold"] = resolve_cold_root(
                     self.index, self.root, cold_dir, writable=not read_only, adopt=adopt_cold_root
                 )
@@ -119,6 +150,7 @@ class L3Store:
             checksum=self.checksum,
             direct_io=self.direct_io,
             keep_page_cache=self.keep_page_cache,
+            keyring=self.keyring,
         )
         self._quarantine = Quarantine(layout, index, self._counters, read_only=self.read_only)
         self._reader = ChunkReader(
@@ -131,6 +163,7 @@ class L3Store:
             lock,
             read_only=self.read_only,
             direct_io=self.direct_io,
+            keyring=self.keyring,
         )
         # What maintenance (l3_maint), tests and benchmarks reach for on the store itself.
         self._room_lock = self._cap.room_lock
@@ -318,16 +351,64 @@ class L3Store:
 
     # ---- sessions ----------------------------------------------------------------------------
 
+    @property
+    def encrypted(self) -> bool:
+        """Chunk payloads and session token ids are sealed (AES-256-GCM) in this store."""
+        return self.keyring is not None
+
     def save_session(self, record: SessionRecord) -> None:
-        """Persist a session (replacing any with the same id and tenant) in one commit."""
+        """Persist a session (replacing any with the same id and tenant) in one commit; in an
+        encrypted store its token ids are sealed with the tenant's data key."""
         self._check_writable()
+        if self.keyring is not None:
+            key = self.keyring.for_tenant(record.tenant)
+            sealed = sealing.seal_record(
+                key, record.session_id, record.fingerprint, bytes(record.token_ids)
+            )
+            record = replace(record, token_ids=sealed, key_id=key.key_id)
         self.index.save_session(record)
 
     def load_session(self, session_id: str, tenant: str) -> SessionRecord | None:
-        return self.index.load_session(session_id, tenant)
+        rec = self.index.load_session(session_id, tenant)
+        return None if rec is None else self._open_record(rec)
 
     def list_sessions(self) -> list[SessionRecord]:
-        return self.index.list_sessions()
+        """Every readable session record (token ids opened). Records of a shredded tenant, or
+        failing their tag (then deleted), are left out. A store opened without its master key
+        returns sealed records as stored (`key_id` set)."""
+        records = (self._open_record(r) for r in self.index.list_sessions())
+        return [r for r in records if r is not None]
+
+    def _open_record(self, rec: SessionRecord) -> SessionRecord | None:
+        if rec.key_id is None or self.keyring is None or self.keyring.locked:
+            return rec
+        try:
+            key = self.keyring.by_id(rec.key_id, rec.tenant)
+            data = sealing.open_record(key, rec.session_id, rec.fingerprint, rec.token_ids)
+        except TenantKeyShredded:
+            return None
+        except AuthenticationFailed as exc:
+            self._count("checksum_failures")
+            log.warning("%s", exc)
+            if not self.read_only:
+                self.index.delete_session(rec.session_id, rec.tenant)
+            return None
+        return replace(rec, token_ids=data, key_id=None)
+
+    def shred_tenant(self, tenant: str) -> ShredReport:
+        """Crypto-shred: destroy `tenant`'s data key and session records at once (one
+        transaction, secure_delete, WAL checkpointed). Every chunk of the tenant is unreadable
+        from then on; `gc` deletes the files. A plain store has no key to destroy: the
+        tenant's chunk files and records are deleted now instead."""
+        self._check_writable()
+        keys = tenant_chunk_keys(self.index, tenant)
+        if self.keyring is not None:
+            n_keys, n_sessions = self.keyring.shred(tenant)
+            return ShredReport(tenant, n_keys, n_sessions, len(keys), True)
+        rows = [r for r in (self.index.get_chunk(k) for k in keys) if r is not None]
+        self._delete_rows(rows)
+        _, n_sessions = shred_records(self.index, tenant)
+        return ShredReport(tenant, 0, n_sessions, len(rows), False)
 
     def delete_session(self, session_id: str, tenant: str) -> bool:
         self._check_writable()

@@ -18,7 +18,7 @@ from kvtier.kvbin import KEY_SIZE, ChunkHeader
 from kvtier.types import SessionState
 
 INDEX_NAME = "index.sqlite"
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 SESSION_STATES = frozenset(s.value for s in SessionState)
 
 
@@ -35,13 +35,21 @@ class SessionRecord:
     ttl_s: float | None
     last_active: float
     state: str
+    # The data key that sealed `token_ids` (then nonce || ciphertext || tag), None: plain.
+    key_id: bytes | None = None
+
+    @property
+    def token_count(self) -> int:
+        """Tokens the record covers, sealed or not (a seal adds a 12-byte nonce and a tag)."""
+        sealed = 0 if self.key_id is None else 12 + 16
+        return max(0, len(self.token_ids) - sealed) // 4
 
     def validate(self) -> None:
         if not isinstance(self.session_id, str) or not isinstance(self.tenant, str):
             raise ValueError("session_id and tenant must be str")
         if len(self.fingerprint) != KEY_SIZE:
             raise ValueError(f"fingerprint must be {KEY_SIZE} bytes, got {len(self.fingerprint)}")
-        if len(self.token_ids) % 4:
+        if self.key_id is None and len(self.token_ids) % 4:
             raise ValueError("token_ids must be an int32 little-endian array (length % 4 == 0)")
         for key in self.chunk_keys:
             if len(key) != KEY_SIZE:
@@ -125,6 +133,20 @@ _V2 = (
 )
 
 
+# v3: encryption at rest. Tenant data keys wrapped by the master key (one live key per tenant;
+# deleting the row is the crypto-shred), the seal of each chunk (its header's v2 fields) and
+# of each session record (the key that sealed its token ids; NULL: plain).
+_V3 = (
+    "CREATE TABLE tenant_keys (key_id BLOB PRIMARY KEY, tenant TEXT NOT NULL UNIQUE, "
+    "wrapped BLOB NOT NULL, created REAL NOT NULL) WITHOUT ROWID",
+    "ALTER TABLE chunks ADD COLUMN encryption TEXT NOT NULL DEFAULT 'none'",
+    "ALTER TABLE chunks ADD COLUMN key_id BLOB NOT NULL DEFAULT x''",
+    "ALTER TABLE chunks ADD COLUMN nonce BLOB NOT NULL DEFAULT x''",
+    "ALTER TABLE chunks ADD COLUMN tag BLOB NOT NULL DEFAULT x''",
+    "ALTER TABLE sessions ADD COLUMN key_id BLOB",
+)
+
+
 def _steps(statements: tuple[str, ...]) -> Callable[[sqlite3.Connection], None]:
     """A migration step running `statements` one `execute` each, inside the caller's
     transaction (`executescript` would commit it first and make the step non-atomic)."""
@@ -137,17 +159,22 @@ def _steps(statements: tuple[str, ...]) -> Callable[[sqlite3.Connection], None]:
 
 
 # MIGRATIONS[i] upgrades schema version i to i + 1. Append; never edit a released step.
-MIGRATIONS: tuple[Callable[[sqlite3.Connection], None], ...] = (_steps(_V1), _steps(_V2))
+MIGRATIONS: tuple[Callable[[sqlite3.Connection], None], ...] = (
+    _steps(_V1),
+    _steps(_V2),
+    _steps(_V3),
+)
 
 _HEADER_COLS = (
     "parent, fingerprint, tenant, tokens, layers, kv_heads, head_dim, dtype, codec, "
-    "codec_params, payload_len, created, compression, checksum, payload_crc"
+    "codec_params, payload_len, created, compression, checksum, payload_crc, "
+    "encryption, key_id, nonce, tag"
 )
 _ROW_COLS = f"key, tier, size, last_access, {_HEADER_COLS}"
 # An upsert, not INSERT OR REPLACE: REPLACE deletes the old row without firing the delete
 # trigger that keeps `totals` right.
 _PUT_ROW = (
-    f"INSERT INTO chunks ({_ROW_COLS}) VALUES ({', '.join('?' * 19)}) ON CONFLICT (key) DO UPDATE "
+    f"INSERT INTO chunks ({_ROW_COLS}) VALUES ({', '.join('?' * 23)}) ON CONFLICT (key) DO UPDATE "
     "SET " + ", ".join(f"{c.strip()} = excluded.{c.strip()}" for c in _ROW_COLS.split(",")[1:])
 )
 
@@ -189,6 +216,9 @@ class Index:
             # FULL: a committed put survives power loss, not only a process crash.
             self.db.execute("PRAGMA synchronous = FULL")
             self.db.execute("PRAGMA foreign_keys = ON")
+            # Deleted rows (a shredded tenant's wrapped key, its records) are overwritten with
+            # zeros in the page, not left in free space (docs/security.md).
+            self.db.execute("PRAGMA secure_delete = ON")
             self._migrate()
         version = self.db.execute("PRAGMA user_version").fetchone()[0]
         if version != SCHEMA_VERSION:
@@ -377,7 +407,7 @@ class Index:
             )
             cur = self.db.execute(
                 "INSERT INTO sessions (session_id, tenant, fingerprint, token_ids, chunk_keys, "
-                "pinned, ttl_s, last_active, state) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "pinned, ttl_s, last_active, state, key_id) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (
                     rec.session_id,
                     rec.tenant,
@@ -388,6 +418,7 @@ class Index:
                     rec.ttl_s,
                     rec.last_active,
                     rec.state,
+                    None if rec.key_id is None else bytes(rec.key_id),
                 ),
             )
             self.db.executemany(
@@ -441,7 +472,8 @@ class Index:
 
 
 _SESSION_COLS = (
-    "session_id, tenant, fingerprint, token_ids, chunk_keys, pinned, ttl_s, last_active, state"
+    "session_id, tenant, fingerprint, token_ids, chunk_keys, pinned, ttl_s, last_active, state, "
+    "key_id"
 )
 
 
@@ -457,6 +489,7 @@ def _session(row: tuple) -> SessionRecord:
         ttl_s=row[6],
         last_active=row[7],
         state=row[8],
+        key_id=None if row[9] is None else bytes(row[9]),
     )
 
 
@@ -482,6 +515,10 @@ def _row_values(row: ChunkRow) -> tuple:
         h.compression,
         h.checksum,
         h.payload_crc,
+        h.encryption,
+        bytes(h.key_id),
+        bytes(h.nonce),
+        bytes(h.tag),
     )
 
 
@@ -503,5 +540,9 @@ def _row(r: tuple) -> ChunkRow:
         compression=r[16],
         checksum=r[17],
         payload_crc=r[18],
+        encryption=r[19],
+        key_id=bytes(r[20]),
+        nonce=bytes(r[21]),
+        tag=bytes(r[22]),
     )
     return ChunkRow(header=header, tier=r[1], size=r[2], last_access=r[3])

@@ -20,6 +20,7 @@ from kvtier.kvbin import HEADER_SIZE
 from kvtier.tiers import l3_io
 from kvtier.tiers.l3 import TIERS, L3Store, _subdirs
 from kvtier.tiers.l3_index import ChunkRow
+from kvtier.tiers.l3_keys import shredded_chunks
 
 Progress = Callable[[int, int], None]
 
@@ -181,6 +182,14 @@ def _check_sessions(store: L3Store, report: FsckReport, repair: bool) -> None:
         if rec is None:
             continue
         name = f"session {session_id[:40]!r} (tenant {tenant[:40]!r})"
+        if rec.key_id is not None:  # sealed token ids: cut only with the master key
+            if store.keyring is None or store.keyring.locked:
+                report.left.append(f"{name} references a missing chunk; its record is sealed: "
+                                   "repair it with the store's master key")  # fmt: skip
+                continue
+            rec = store.load_session(session_id, tenant)
+            if rec is None:
+                continue
         kept, tokens = 0, 0
         for key in rec.chunk_keys:
             row = store.index.get_chunk(key)
@@ -195,7 +204,7 @@ def _check_sessions(store: L3Store, report: FsckReport, repair: bool) -> None:
         if not repair:
             report.left.append(what)
             continue
-        store.index.save_session(
+        store.save_session(  # sealed again in an encrypted store
             replace(rec, chunk_keys=rec.chunk_keys[:kept], token_ids=rec.token_ids[: 4 * tokens])
         )
         report.sessions_truncated.append(what)
@@ -278,6 +287,7 @@ class GcReport:
     sessions_expired: int = 0
     chunks: int = 0
     bytes: int = 0
+    shredded: int = 0  # of `chunks`: sealed by a destroyed data key (kvtier l3 shred)
 
 
 def gc(
@@ -289,7 +299,8 @@ def gc(
     progress: Progress | None = None,
 ) -> GcReport:
     """Drop expired unpinned sessions, then delete chunks that no session references: those unused
-    for `older_than_s`, then the least recently used until the store fits `max_bytes`."""
+    for `older_than_s`, then the least recently used until the store fits `max_bytes`. Chunks
+    whose data key was destroyed (crypto-shred) are deleted first, whatever their age."""
     store._check_writable()
     store._flush_touches()
     now = time.time() if now is None else now
@@ -297,7 +308,8 @@ def gc(
     for session_id, tenant in store.index.expired_sessions(now):
         store.index.delete_session(session_id, tenant)
         report.sessions_expired += 1
-    victims: dict[bytes, ChunkRow] = {}
+    victims: dict[bytes, ChunkRow] = {r.header.key: r for r in shredded_chunks(store.index)}
+    report.shredded = len(victims)
     if older_than_s is not None:
         for row in store.index.unreferenced_lru(older_than=now - older_than_s):
             victims[row.header.key] = row

@@ -7,7 +7,9 @@ Writes run at background priority; reads are on a restore's critical path and do
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 from kvtier.tiers import l3_io
@@ -21,6 +23,7 @@ class IOPools:
         self._lock = lock
         self._pools: dict[str, ThreadPoolExecutor] = {}
         self._local = threading.local()
+        self._shared: list[memoryview] = []  # idle staging buffers any thread may borrow
 
     def pool(self, name: str, threads: int | None = None) -> ThreadPoolExecutor:
         """The store's named thread pool, created on first use (writers, crc, readers)."""
@@ -44,6 +47,25 @@ class IOPools:
             buf = l3_io.aligned_buffer(size)
             setattr(self._local, name, buf)
         return buf
+
+    @contextlib.contextmanager
+    def borrow(self, size: int) -> Iterator[memoryview]:
+        """An aligned buffer of at least `size` bytes from a free list shared by every thread
+        (a sealed write's ciphertext): a short-lived caller thread reuses buffers whose pages
+        are already faulted in instead of growing its own."""
+        with self._lock:
+            fits = [b for b in self._shared if len(b) >= size]
+            buf = fits[0] if fits else None
+            if buf is not None:
+                self._shared.remove(buf)
+        if buf is None:
+            buf = l3_io.aligned_buffer(size)
+        try:
+            yield buf
+        finally:
+            with self._lock:
+                if len(self._shared) < 2 * self.threads:
+                    self._shared.append(buf)
 
     def shutdown(self) -> None:
         """Wait for every pool's work to finish and stop its threads."""

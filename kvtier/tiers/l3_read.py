@@ -26,12 +26,15 @@ from kvtier.errors import (
     ChunkNotFound,
     FingerprintMismatch,
     KvbinFormatError,
+    MasterKeyRequired,
     StoreIOError,
 )
 from kvtier.kvbin import HEADER_SIZE, ChunkHeader
+from kvtier.sealing import PayloadOpener
 from kvtier.tiers import l3_io
 from kvtier.tiers.l3_access import AccessTimes
 from kvtier.tiers.l3_index import ChunkRow, Index
+from kvtier.tiers.l3_keys import Keyring
 from kvtier.tiers.l3_layout import TIERS, Layout, hex_key, tier_of
 from kvtier.tiers.l3_pools import IOPools
 from kvtier.tiers.l3_stats import Counters
@@ -98,9 +101,11 @@ class ChunkReader:
         *,
         read_only: bool,
         direct_io: bool,
+        keyring: Keyring | None = None,
     ) -> None:
         self._layout = layout
         self._index = index
+        self._keyring = keyring
         self._pools = pools
         self._counters = counters
         self._access = access
@@ -200,6 +205,11 @@ class ChunkReader:
         checksums each piece as it lands, in order: the checksum then costs about one piece's
         worth of time instead of the whole payload's. Nothing is returned, and no read is left
         running into `view`, before every check passed.
+
+        A sealed chunk (encrypted store) is decrypted in place piece by piece instead, and its
+        AES-GCM tag, which authenticates every byte of the ciphertext and the header's
+        identity, is the payload check (the CRC of the ciphertext is for fsck, which needs no
+        key). A tag mismatch is an `AuthenticationFailed`, a `ChecksumMismatch`.
         """
         hdr = self._header_buffer()
         body = size - HEADER_SIZE
@@ -226,6 +236,7 @@ class ChunkReader:
                 inflight.append((*span, pool.submit(read, *span, route)))
 
         header: ChunkHeader | None = None
+        opener: PayloadOpener | None = None
         value = 0
         try:
             if pool is None:
@@ -244,16 +255,36 @@ class ChunkReader:
                 issue()
                 if header is None:
                     header = self._check_header(hdr, key, size, fingerprint)
-                if verify and off < header.payload_len:
+                    opener = self._opener(header)
+                if opener is not None and off < header.payload_len:
+                    opener.update(view, off, min(end, header.payload_len))
+                elif verify and off < header.payload_len:
                     piece = view[off : min(end, header.payload_len)]
                     value = kvbin.checksum(header.checksum, piece, value)
         finally:
             for _, _, fut in inflight:  # never return while a read may still fill the buffer
                 fut.exception()
         assert header is not None
-        if verify:
+        if opener is not None:
+            opener.finish()
+        elif verify:
             kvbin.verify_crc(header, value)
         return header, route
+
+    def _opener(self, header: ChunkHeader) -> PayloadOpener | None:
+        """The decryptor of a sealed chunk; None for a plain chunk of a plain store."""
+        if not header.sealed:
+            if self._keyring is not None:
+                raise KvbinFormatError(
+                    "an unencrypted chunk in an encrypted store: it was not written by this store"
+                )
+            return None
+        if self._keyring is None:
+            raise MasterKeyRequired(
+                f"chunk {hex_key(header.key)} is sealed but this store is not encrypted; "
+                "open the store it came from with its master key"
+            )
+        return PayloadOpener(self._keyring.by_id(header.key_id, header.tenant), header)
 
     def _check_header(
         self, hdr: memoryview, key: bytes, size: int, fingerprint: bytes

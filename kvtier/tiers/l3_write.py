@@ -16,27 +16,30 @@ import os
 import sqlite3
 import time
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from kvtier import kvbin
+from kvtier import kvbin, sealing
 from kvtier.errors import KvbinFormatError, StoreError, StoreFullError, StoreIOError
 from kvtier.kvbin import HEADER_SIZE, ChunkHeader
 from kvtier.tiers import l3_io
 from kvtier.tiers.l3_cap import SizeCap
 from kvtier.tiers.l3_commit import GroupCommit
 from kvtier.tiers.l3_index import ChunkRow, Index
+from kvtier.tiers.l3_keys import Keyring
 from kvtier.tiers.l3_layout import Layout, hex_key
 from kvtier.tiers.l3_pools import IOPools
 from kvtier.tiers.l3_stats import Counters
 
 _CRC_BESIDE_WRITE = 1 << 20  # payloads from this size are checksummed on a worker during the write
 _tmp_seq = itertools.count()
+SEAL_BUFFER = "wseal"  # the scratch buffer a sealed chunk's ciphertext is written from
 
-TempWriter = Callable[[ChunkHeader, str, bool, bool], ChunkHeader]
-"""(header, temp path, O_DIRECT wanted, keep page cache) -> the header as written."""
+TempWriter = Callable[[ChunkHeader, str, bool, bool, "sealing.DataKey | None"], ChunkHeader]
+"""(header, temp path, O_DIRECT wanted, keep page cache, data key to seal with or None) -> the
+header as written."""
 
 
 @dataclass(frozen=True)
@@ -62,8 +65,10 @@ class ChunkWriter:
         checksum: str,
         direct_io: bool,
         keep_page_cache: bool,
+        keyring: Keyring | None = None,
     ) -> None:
         self._layout = layout
+        self._keyring = keyring
         self._index = index
         self._pools = pools
         self._counters = counters
@@ -209,8 +214,26 @@ class ChunkWriter:
         memory)."""
         tmp, final = self._temp_path(header)
         direct = self.direct_io and not self.keep_page_cache
+        # Encrypted stores seal here, on the writer thread (or in the writer process): chunks
+        # of a batch are sealed in parallel, never on the serving thread.
+        seal = self._keyring.for_tenant(header.tenant) if self._keyring is not None else None
         if writer is not None:
-            return Written(writer(header, str(tmp), direct, self.keep_page_cache), tmp, final)
+            written = writer(header, str(tmp), direct, self.keep_page_cache, seal)
+            return Written(written, tmp, final)
+        if seal is not None:  # sealed piece by piece while earlier pieces are written
+            with self._pools.borrow(_seal_size(len(view))) as stage:
+                header = write_sealed_file(
+                    header,
+                    view,
+                    str(tmp),
+                    seal,
+                    direct=direct,
+                    keep_page_cache=self.keep_page_cache,
+                    buffer=self._pools.buffer,
+                    stage=stage,
+                    pool=self._pools.pool("seal", 2 * self._pools.threads),
+                )
+            return Written(header, tmp, final)
         crc: Future[int] | None = None
         if len(view) >= _CRC_BESIDE_WRITE:
             crc = self._pools.pool("crc").submit(kvbin.checksum, header.checksum, view)
@@ -252,8 +275,13 @@ def write_chunk_file(
     keep_page_cache: bool,
     buffer: Callable[[str, int], memoryview],
     crc: Future[int] | None = None,
+    seal: sealing.DataKey | None = None,
+    pool: Executor | None = None,
 ) -> ChunkHeader:
     """Write a chunk to the new file `tmp` and fdatasync it; returns the header as written.
+
+    With `seal` (a tenant data key) the file holds the payload's ciphertext and a v2 header
+    (`write_sealed_file`, its pieces written on `pool` when given); `crc` must then be None.
 
     The payload goes first (at offset 4096), with O_DIRECT when `direct` and the filesystem
     allows it, while `crc` (a future computing its checksum from the same buffer) runs beside
@@ -262,6 +290,14 @@ def write_chunk_file(
     scratch buffers of the calling thread. Used by the store's writer threads and by the L3
     writer process alike.
     """
+    if seal is not None:
+        if crc is not None:
+            raise ValueError("a sealed chunk's checksum is the ciphertext's: pass crc=None")
+        stage = buffer(SEAL_BUFFER, _seal_size(len(view)))
+        return write_sealed_file(
+            header, view, tmp, seal, direct=direct, keep_page_cache=keep_page_cache,
+            buffer=buffer, stage=stage, pool=pool,
+        )  # fmt: skip
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     try:
         direct = direct and l3_io.set_direct(fd, True)
@@ -294,6 +330,96 @@ def write_chunk_file(
         raise
     os.close(fd)
     return header
+
+
+def _seal_size(payload_len: int) -> int:
+    """Bytes of the scratch buffer a sealed payload is encrypted into: the padded payload,
+    and room for the tag behind it."""
+    return kvbin.padded(payload_len) + kvbin.ALIGN
+
+
+SEAL_PIECE = 4 << 20  # a sealed payload is encrypted and written in pieces this big
+
+
+def write_sealed_file(
+    header: ChunkHeader,
+    view: memoryview,
+    tmp: str,
+    key: sealing.DataKey,
+    *,
+    direct: bool,
+    keep_page_cache: bool,
+    buffer: Callable[[str, int], memoryview],
+    stage: memoryview,
+    pool: Executor | None = None,
+) -> ChunkHeader:
+    """Write a sealed chunk to the new file `tmp` and fdatasync it; returns its v2 header.
+
+    The payload is encrypted (AES-256-GCM, one message) into the aligned `stage` in
+    `SEAL_PIECE` pieces; each piece is checksummed and handed to `pool` to be written while
+    the next one is sealed, so the encryption overlaps the device (without a pool the pieces
+    are written in turn). The caller's payload is only read: L2 stays plaintext. The header,
+    holding the tag and the ciphertext's checksum, is written last, as for a plain chunk.
+    """
+    n = len(view)
+    size = kvbin.padded(n)
+    if len(stage) < size + 15:
+        raise ValueError(f"stage has {len(stage)} bytes, needs {size + 15}")
+    sealer = sealing.PayloadSealer(key, header)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    writes: list[Future[int]] = []
+    try:
+        direct = direct and l3_io.set_direct(fd, True)
+        value = 0
+        for start in range(0, max(n, 1), SEAL_PIECE):
+            end = min(n, start + SEAL_PIECE)
+            sealer.update(view, stage, start, end)
+            value = kvbin.checksum(header.checksum, stage[start:end], value)
+            if end == n:  # the last piece carries the zero padding
+                stage[n:size] = bytes(size - n)
+                end = size
+            part = stage[start:end]
+            if pool is not None:
+                writes.append(pool.submit(l3_io.pwrite_all, fd, [part], HEADER_SIZE + start))
+            else:
+                direct = _pwrite_direct(fd, part, HEADER_SIZE + start, direct)
+        errors = [exc for exc in (w.exception() for w in writes) if exc is not None]
+        if errors:
+            if not (direct and all(getattr(e, "errno", None) == errno.EINVAL for e in errors)):
+                raise errors[0]
+            direct = False  # the device wants another alignment: write it all buffered
+            l3_io.set_direct(fd, False)
+            l3_io.pwrite_all(fd, [stage[:size]], HEADER_SIZE)
+        header = replace(sealer.finish(), payload_crc=value)
+        hdr = buffer("whdr", HEADER_SIZE)[:HEADER_SIZE]
+        hdr[:] = kvbin.encode(header, value)
+        l3_io.pwrite_all(fd, [hdr], 0)
+        os.fdatasync(fd)
+        if not direct and not keep_page_cache:
+            l3_io.drop_cache(fd)
+    except BaseException:
+        for w in writes:
+            w.exception()  # they write `fd` and read `stage`: let them finish first
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    os.close(fd)
+    return header
+
+
+def _pwrite_direct(fd: int, part: memoryview, offset: int, direct: bool) -> bool:
+    """pwrite; where O_DIRECT is refused for this alignment, switch the file to buffered.
+    Returns whether the file is still written with O_DIRECT."""
+    try:
+        l3_io.pwrite_all(fd, [part], offset)
+        return direct
+    except OSError as exc:
+        if not direct or exc.errno != errno.EINVAL:
+            raise
+    l3_io.set_direct(fd, False)
+    l3_io.pwrite_all(fd, [part], offset)
+    return False
 
 
 def _direct_segments(

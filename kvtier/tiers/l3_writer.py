@@ -123,9 +123,12 @@ class WriterProcess:
         tmp: str,
         direct: bool,
         keep_page_cache: bool,
+        seal: Any = None,
     ) -> ChunkHeader:
         """Have the child write the chunk at (slab, offset) to `tmp`; blocks until it has, the
-        child is gone, or `timeout` seconds have passed (then the child is stopped)."""
+        child is gone, or `timeout` seconds have passed (then the child is stopped). `seal`:
+        the tenant's data key (kvtier.sealing.DataKey) in an encrypted store, sent over the
+        private pipe with the request: the child encrypts the slot's bytes as it writes."""
         future: Future[ChunkHeader] = Future()
         with self._lock:
             if self._dead is not None:
@@ -135,7 +138,7 @@ class WriterProcess:
         try:
             with self._send_lock:
                 self._tx.send(("write", rid, slab, offset, length, header, tmp, direct,
-                               keep_page_cache))  # fmt: skip
+                               keep_page_cache, seal))  # fmt: skip
         except OSError as exc:
             self._fail(f"sending to it failed: {exc}")
         try:
@@ -235,12 +238,13 @@ def _serve(rx: Connection, tx: Connection) -> None:
         return buf
 
     def job(msg: tuple[Any, ...]) -> None:
-        _, rid, slab, offset, length, header, tmp, direct, keep = msg
+        _, rid, slab, offset, length, header, tmp, direct, keep, seal = msg
         try:
             view = views[slab][offset : offset + length]
             out = write_chunk_file(
-                header, view, tmp, direct=direct, keep_page_cache=keep, buffer=buffer
-            )
+                header, view, tmp, direct=direct, keep_page_cache=keep, buffer=buffer, seal=seal,
+                pool=pieces,  # a sealed chunk's pieces: written while the next is sealed
+            )  # fmt: skip
             reply: tuple[Any, ...] = (rid, out, None)
         except BaseException as exc:  # sent back to the caller, whose put fails with it
             reply = (rid, None, (getattr(exc, "errno", None), f"{type(exc).__name__}: {exc}"))
@@ -248,7 +252,8 @@ def _serve(rx: Connection, tx: Connection) -> None:
             tx.send(reply)
 
     setup()
-    with ThreadPoolExecutor(max(1, threads), initializer=setup) as pool:
+    pieces = ThreadPoolExecutor(max(1, threads), initializer=setup)
+    with pieces, ThreadPoolExecutor(max(1, threads), initializer=setup) as pool:
         while True:
             try:
                 msg = rx.recv()

@@ -136,8 +136,8 @@ class DiskMover:
             return None
         slab, offset = self.arena.locate(slot)
 
-        def write(header: Any, tmp: str, direct: bool, keep: bool) -> Any:
-            return proc.write(slab, offset, header.payload_len, header, tmp, direct, keep)
+        def write(header: Any, tmp: str, direct: bool, keep: bool, seal: Any = None) -> Any:
+            return proc.write(slab, offset, header.payload_len, header, tmp, direct, keep, seal)
 
         return write
 

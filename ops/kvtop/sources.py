@@ -135,7 +135,7 @@ class L3Source:
                 tenant=r.tenant,
                 state=r.state,
                 pinned=r.pinned,
-                tokens=len(r.token_ids) // 4,
+                tokens=r.token_count,  # also for a sealed record (encrypted store)
                 bytes=sum(sizes.get(k, 0) for k in r.chunk_keys),
                 chunks_l1=0,
                 chunks_l2=0,

@@ -91,7 +91,7 @@ def test_wrong_magic() -> None:
 
 def test_future_version_is_refused_with_a_clear_error() -> None:
     bad = bytearray(kvbin.encode(make_header(), 1))
-    struct.pack_into("<H", bad, 8, FORMAT_VERSION + 1)
+    struct.pack_into("<H", bad, 8, max(kvbin.VERSIONS) + 1)
     with pytest.raises(UnsupportedVersion, match="upgrade kvtier"):
         kvbin.decode(bytes(bad))
 

@@ -142,9 +142,9 @@ CORRUPTIONS = {
         "magic",
     ),
     "future version": (
-        lambda p: _corrupt_header_field(p, "<H", 8, 2),
+        lambda p: _corrupt_header_field(p, "<H", 8, 3),
         UnsupportedVersion,
-        "version 2",
+        "version 3",
     ),
     "payload length lies": (
         lambda p: _corrupt_header_field(p, "<Q", 96, 5),

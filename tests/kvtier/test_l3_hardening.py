@@ -80,6 +80,11 @@ def test_a_failed_upgrade_leaves_the_old_schema_and_data_intact(
         db.execute(f"DROP TRIGGER {name}")
     db.execute("DROP TABLE meta")
     db.execute("DROP TABLE totals")
+    db.execute("DROP TABLE tenant_keys")  # and what schema 3 added
+    for table, column in [("chunks", c) for c in ("encryption", "key_id", "nonce", "tag")] + [
+        ("sessions", "key_id")
+    ]:
+        db.execute(f"ALTER TABLE {table} DROP COLUMN {column}")
     db.execute("PRAGMA user_version = 1")
     db.commit()
     db.close()
@@ -90,7 +95,7 @@ def test_a_failed_upgrade_leaves_the_old_schema_and_data_intact(
         real[1](db)  # every statement of the step ran...
         raise sqlite3.OperationalError("database or disk is full (injected)")  # ...then this
 
-    monkeypatch.setattr(l3_index, "MIGRATIONS", (real[0], broken))
+    monkeypatch.setattr(l3_index, "MIGRATIONS", (real[0], broken, *real[2:]))
     with pytest.raises(sqlite3.OperationalError, match="injected"):
         L3Store(root)
     assert _schema(root / "index.sqlite") == v1
