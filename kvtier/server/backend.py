@@ -84,6 +84,7 @@ class RecomputeBackend:
 
     def tenants_of(self, session_id: str) -> list[str]:
         return []
+
     def shred_tenant(self, tenant: str) -> dict[str, Any]:
         return {"sessions": 0, "keys": 0, "chunks": 0, "encrypted": False}  # nothing is kept
 
