@@ -105,11 +105,14 @@ class BatchRunner:
         self._trash: int | None = None  # the page padding rows of a graph step write to
         # a step replays its graph only when its attention work, the sum over its new tokens of
         # their context lengths, is at most this: the "rows" kernel re-reads a sequence's K/V for
-        # every prompt token, where the eager path's flash kernel for prompt chunks shares it
-        # (bench/paged_step.py on an H200: 64 decode tokens plus two 512-token chunks over
-        # 3,000-token contexts, 3.3 M token pairs, took 60 ms replayed and 45 ms eager, while
-        # a decode-only step took 11 ms replayed and 35 ms eager)
-        self.graph_max_pairs = 1_000_000
+        # every prompt token, where the eager path's flash kernel for prompt chunks shares it.
+        # Measured on an H200 (bench/paged_step.py, Qwen2-7B shape): 64 decode tokens plus two
+        # 512-token chunks over 3,000-token contexts (3.3 M pairs) took 60 ms replayed and 45 ms
+        # eager on an idle host; but inside the serving process (bench/agent_fleet.py
+        # --concurrent) such eager steps took 108 ms at the median, their ~2,300 kernel launches
+        # sharing the interpreter with the HTTP, restore and commit threads, where a replay
+        # launches one graph.
+        self.graph_max_pairs = 4_000_000
         self.graph_steps = 0  # forwards replayed from a CUDA graph
         self.eager_steps = 0
 

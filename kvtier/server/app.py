@@ -136,6 +136,18 @@ def _warm_up(served: ServedModel) -> None:
         served.model(input_ids=ids)
     if served.device.type == "cuda":
         torch.cuda.synchronize(served.device)
+    # A request's own first-use costs, paid here rather than by the first client: the chat
+    # template is compiled (jinja) at its first render, the request model at its first
+    # validation. (On a GPU host the first request after a restart took 34 ms where the same
+    # kind of request took 10 ms later, with the same restore decision.)
+    body = {"model": "default", "messages": [{"role": "user", "content": "warm-up"}]}
+    chat = ChatRequest.model_validate(body)
+    messages = [{"role": m.role, "content": m.text()} for m in chat.messages]
+    with contextlib.suppress(Exception):  # a template that cannot render says so per request
+        prompt = served.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False
+        )
+        served.tokenizer.encode(prompt, add_special_tokens=False)
 
 
 def create_app(
