@@ -67,3 +67,9 @@ class SessionError(KvtierError):
 
 class InvalidRequest(KvtierError, ValueError):
     """A client request is malformed; the message tells the client what to send instead."""
+
+
+class L4Unavailable(StoreError):
+    """The shared tier (Redis) is down, slow or refused the call, or its circuit breaker is
+    open. kvtier never passes it to a caller: it serves from L3 or recomputes instead; check
+    the Redis server (`redis-cli -u <l4_url> ping`) and its logs."""

@@ -1,0 +1,368 @@
+"""L4Store: the Redis client of the shared tier, behind a circuit breaker.
+
+Every call goes through `_call`: refused at once while the breaker is open, timed, counted,
+and any Redis or socket failure becomes `L4Unavailable` (never anything else), so a caller can
+always fall back to L3 or a recompute. A chunk Redis does not hold (expired, evicted under
+`maxmemory`, never written) is a miss (`ChunkNotFound`), not an error.
+
+Writes put the whole value under a temp key, then RENAME it over the final key in one
+MULTI/EXEC (kvtier.tiers.l4.keys): a reader sees the old value or the complete new one, and a
+connection cut mid-value leaves at most a temp key, which expires with its TTL.
+
+Reads of many chunks (`get_chunks`) are split over `streams` connections, each one pipelining
+its GETs, and every value is verified (kvtier.tiers.l4.codec) before it reaches its sink.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Collection, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from kvtier.errors import (
+    ChunkNotFound,
+    ConfigError,
+    FingerprintMismatch,
+    KvbinFormatError,
+    L4Unavailable,
+)
+from kvtier.kvbin import ChunkHeader
+from kvtier.tiers.l3_index import SessionRecord
+from kvtier.tiers.l4 import codec, keys
+from kvtier.tiers.l4.breaker import CLOSED, Breaker
+
+log = logging.getLogger("kvtier.tiers.l4")
+T = TypeVar("T")
+
+Sink = Callable[[int, ChunkHeader, memoryview], None]
+"""(index in the request, verified header, payload) -> copies the payload where it belongs."""
+
+
+@dataclass
+class ReadBatch:
+    """One `get_chunks` call: a future per key, and the bytes and seconds it took."""
+
+    futures: list[Future[ChunkHeader]]
+    started: float
+    nbytes: int = 0
+    finished: float = 0.0
+
+    @property
+    def seconds(self) -> float:
+        return max(0.0, self.finished - self.started)
+
+
+class L4Store:
+    """Chunks and session records in Redis; see the module docstring."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        ttl_s: float | None = 86400.0,
+        timeout_s: float = 2.0,
+        connect_timeout_s: float = 0.5,
+        streams: int = 4,
+        breaker: Breaker | None = None,
+    ) -> None:
+        try:
+            import redis
+        except ImportError:  # pragma: no cover - the l4 extra is missing
+            raise ConfigError(
+                "l4_url needs the `redis` package: pip install 'kvtier[l4]'"
+            ) from None
+        self._redis = redis
+        self.url = url
+        self.shown_url = keys.redact(url)
+        try:
+            self._pool = redis.ConnectionPool.from_url(
+                url,
+                socket_timeout=timeout_s,
+                socket_connect_timeout=connect_timeout_s,
+                health_check_interval=0,
+            )
+        except ValueError as exc:
+            raise ConfigError(
+                f"l4_url {self.shown_url!r} is not a Redis URL ({exc}); use redis://host:port/db"
+            ) from None
+        self._r = redis.Redis(connection_pool=self._pool)
+        self.ttl_ms = None if ttl_s is None else max(1, int(ttl_s * 1000))
+        self.breaker = breaker or Breaker()
+        self.streams = max(1, streams)
+        self._lock = threading.Lock()
+        self._n = dict.fromkeys(
+            (
+                "bytes_written",
+                "bytes_read",
+                "hits",
+                "misses",
+                "errors",
+                "writes_shed",
+                "get_count",
+                "put_count",
+            ),
+            0,
+        )
+        self._secs = {"get_seconds_sum": 0.0, "put_seconds_sum": 0.0}
+        self._pool_threads = ThreadPoolExecutor(self.streams, thread_name_prefix="kvtier-l4r")
+        self.run_id: str | None = None
+        self.memory: dict[str, Any] = {}
+        self._closed = False
+
+    # -- the guarded call ------------------------------------------------------------------------
+
+    def _call(self, what: str, fn: Callable[[], T]) -> T:
+        if self._closed:
+            raise L4Unavailable("the L4 store is closed")
+        if not self.breaker.allow():
+            raise L4Unavailable(f"L4 ({self.shown_url}) circuit breaker is open; {what} skipped")
+        r = self._redis
+        try:
+            out = fn()
+        except (r.ConnectionError, OSError) as exc:
+            self.breaker.trip()
+            self.count("errors")
+            raise L4Unavailable(f"L4 {what} failed: {self.shown_url} unreachable ({exc})") from exc
+        except r.TimeoutError as exc:
+            self.breaker.failure()
+            self.count("errors")
+            raise L4Unavailable(f"L4 {what} timed out on {self.shown_url} ({exc})") from exc
+        except r.RedisError as exc:
+            # The server answered (OOM under maxmemory noeviction, a read-only replica...):
+            # the breaker stays closed, the call is an error for this chunk only.
+            self.breaker.success()
+            self.count("errors")
+            raise L4Unavailable(f"L4 {what} refused by {self.shown_url}: {exc}") from exc
+        self.breaker.success()
+        return out
+
+    def count(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self._n[name] += n
+
+    def _timed(self, kind: str, seconds: float, nbytes: int, ops: int = 1) -> None:
+        with self._lock:
+            self._secs[f"{kind}_seconds_sum"] += seconds
+            self._n[f"{kind}_count"] += ops
+            self._n["bytes_read" if kind == "get" else "bytes_written"] += nbytes
+
+    # -- health ----------------------------------------------------------------------------------
+
+    def ping(self) -> float:
+        """Round trip of a PING in seconds; also refreshes `run_id` and `memory`."""
+
+        def go() -> float:
+            t0 = time.perf_counter()
+            self._r.ping()
+            rtt = time.perf_counter() - t0
+            info = self._r.info("server")
+            mem = self._r.info("memory")
+            self.run_id = str(info.get("run_id", ""))
+            self.memory = {k: mem.get(k) for k in ("used_memory", "maxmemory", "maxmemory_policy")}
+            return rtt
+
+        return self._call("ping", go)
+
+    @property
+    def up(self) -> bool:
+        return self.breaker.state == CLOSED and not self._closed
+
+    # -- chunks ----------------------------------------------------------------------------------
+
+    def put_chunk(self, header: ChunkHeader, payload: Any) -> int:
+        """Store one chunk (temp key, then RENAME in MULTI/EXEC); returns the bytes sent."""
+        value = codec.pack_chunk(header, payload)
+        final = keys.chunk(header.key)
+
+        def go() -> None:
+            tmp = keys.temp(final)
+            with self._r.pipeline(transaction=True) as p:
+                p.set(tmp, value, px=self.ttl_ms)
+                p.rename(tmp, final)
+                p.execute()
+
+        t0 = time.perf_counter()
+        self._call("put", go)
+        self._timed("put", time.perf_counter() - t0, len(value))
+        return len(value)
+
+    def exists(self, chunk_keys: Sequence[bytes]) -> list[bool]:
+        """Which of `chunk_keys` Redis holds now (one pipelined round trip)."""
+        if not chunk_keys:
+            return []
+
+        def go() -> list[Any]:
+            with self._r.pipeline(transaction=False) as p:
+                for k in chunk_keys:
+                    p.exists(keys.chunk(k))
+                return list(p.execute())
+
+        return [bool(x) for x in self._call("exists", go)]
+
+    def delete_chunk(self, key: bytes) -> None:
+        self._call("delete", lambda: self._r.delete(keys.chunk(key)))
+
+    def get_chunks(
+        self,
+        chunk_keys: Sequence[bytes],
+        fingerprint: bytes,
+        sink: Sink,
+        tenants: Collection[str] | None = None,
+    ) -> ReadBatch:
+        """Start reading `chunk_keys`, `streams` pipelines in parallel; returns at once.
+
+        Each future yields the chunk's verified header once `sink` has its payload, or fails
+        with ChunkNotFound (a miss), KvbinFormatError/FingerprintMismatch (a damaged or foreign
+        value, deleted from Redis) or L4Unavailable."""
+        batch = ReadBatch([Future() for _ in chunk_keys], time.perf_counter())
+        if not chunk_keys:
+            batch.finished = batch.started
+            return batch
+        n = min(self.streams, len(chunk_keys))
+        groups = [list(range(i, len(chunk_keys), n)) for i in range(n)]
+        left = [n]
+
+        def stream(idx: list[int]) -> None:
+            try:
+                self._stream(idx, chunk_keys, fingerprint, sink, tenants, batch)
+            except BaseException as exc:  # every future of the group settles, whatever happens
+                for i in idx:
+                    if not batch.futures[i].done():
+                        batch.futures[i].set_exception(exc)
+            finally:
+                with self._lock:
+                    left[0] -= 1
+                    if left[0] == 0:
+                        batch.finished = time.perf_counter()
+
+        for g in groups:
+            try:
+                self._pool_threads.submit(stream, g)
+            except RuntimeError:  # closed meanwhile
+                stream_error = L4Unavailable("the L4 store is closed")
+                for i in g:
+                    batch.futures[i].set_exception(stream_error)
+        return batch
+
+    def _stream(
+        self,
+        idx: list[int],
+        chunk_keys: Sequence[bytes],
+        fingerprint: bytes,
+        sink: Sink,
+        tenants: Collection[str] | None,
+        batch: ReadBatch,
+    ) -> None:
+        def go() -> list[Any]:
+            with self._r.pipeline(transaction=False) as p:
+                for i in idx:
+                    p.get(keys.chunk(chunk_keys[i]))
+                return list(p.execute())
+
+        t0 = time.perf_counter()
+        try:
+            values = self._call("get", go)
+        except L4Unavailable as exc:
+            for i in idx:
+                batch.futures[i].set_exception(exc)
+            return
+        got = 0
+        for i, value in zip(idx, values, strict=True):
+            key = chunk_keys[i]
+            fut = batch.futures[i]
+            if value is None:
+                self.count("misses")
+                fut.set_exception(ChunkNotFound(f"chunk {key.hex()} is not in L4"))
+                continue
+            try:
+                header, payload = codec.unpack_chunk(value, key, fingerprint, tenants)
+                sink(i, header, payload)
+            except (KvbinFormatError, FingerprintMismatch) as exc:
+                self.count("errors")
+                log.warning("L4 chunk %s is unusable (%s); deleted, recomputing", key.hex(), exc)
+                try:
+                    self.delete_chunk(key)
+                except L4Unavailable:
+                    pass
+                fut.set_exception(exc)
+                continue
+            except BaseException as exc:
+                fut.set_exception(exc)
+                continue
+            got += len(value)
+            self.count("hits")
+            fut.set_result(header)
+        with self._lock:
+            batch.nbytes += got
+        self._timed("get", time.perf_counter() - t0, got, len(idx))
+
+    # -- session records -------------------------------------------------------------------------
+
+    def put_record(self, rec: SessionRecord) -> None:
+        value = codec.pack_record(rec)
+        final = keys.record(rec.fingerprint, rec.tenant, rec.session_id)
+
+        def go() -> None:
+            tmp = keys.temp(final)
+            with self._r.pipeline(transaction=True) as p:
+                p.set(tmp, value, px=self.ttl_ms)
+                p.rename(tmp, final)
+                p.execute()
+
+        self._call("record put", go)
+
+    def get_record(self, fingerprint: bytes, tenant: str, session_id: str) -> SessionRecord | None:
+        """The session's record, or None (none stored, or a damaged one, which is deleted)."""
+        final = keys.record(fingerprint, tenant, session_id)
+        value: Any = self._call("record get", lambda: self._r.get(final))
+        if value is None:
+            return None
+        try:
+            rec = codec.unpack_record(value)
+        except KvbinFormatError as exc:
+            self.count("errors")
+            log.warning("L4 session record %s is damaged (%s); deleted", final, exc)
+            self._call("record delete", lambda: self._r.delete(final))
+            return None
+        if (rec.fingerprint, rec.tenant, rec.session_id) != (fingerprint, tenant, session_id):
+            self.count("errors")
+            return None  # a digest collision or a planted value: never another's session
+        return rec
+
+    def delete_record(self, fingerprint: bytes, tenant: str, session_id: str) -> None:
+        final = keys.record(fingerprint, tenant, session_id)
+        self._call("record delete", lambda: self._r.delete(final))
+
+    # -- stats, lifetime -------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        """The contract of `CacheSnapshot.l4` (docs/architecture.md, "L4")."""
+        with self._lock:
+            n = dict(self._n)
+            secs = dict(self._secs)
+        return {
+            "up": self.up,
+            "breaker": self.breaker.state,
+            "bytes_written": n["bytes_written"],
+            "bytes_read": n["bytes_read"],
+            "hits": n["hits"],
+            "misses": n["misses"],
+            "errors": n["errors"],
+            "writes_shed": n["writes_shed"],
+            "get_seconds_sum": secs["get_seconds_sum"],
+            "get_count": n["get_count"],
+            "put_seconds_sum": secs["put_seconds_sum"],
+            "put_count": n["put_count"],
+            "url": self.shown_url,
+        }
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._pool_threads.shutdown(wait=True)
+        self._pool.disconnect()
