@@ -76,6 +76,7 @@ class SharedTier:
         self.queue_max = cfg.l4_write_queue
         self._jobs: collections.deque[_Job] = collections.deque()
         self._queued = 0  # chunks in queued jobs
+        self._active = False  # a job is being written
         self._cv = threading.Condition()
         self._stop = False
         self._closing = False
@@ -201,12 +202,28 @@ class SharedTier:
             self._queued += len(chunks)
             self._cv.notify_all()
 
+    def wait_idle(self, timeout: float = 30.0) -> bool:
+        """Wait until every queued write-behind has been handled (written, skipped or given
+        up); False on timeout. Jobs still inside `l4_min_idle_s` are waited for too."""
+        deadline = time.monotonic() + timeout
+        with self._cv:
+            while self._queued or self._jobs or self._active:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cv.wait(left)
+        return True
+
     def requeue_all(self) -> None:
         """Redis restarted (new run_id): write every hibernated session again."""
-        with self.cache._lock:
+        if not self._lock_cache():
+            return  # closing
+        try:
             for s in list(self.cache._sessions.values()):
                 if s.state is SessionState.HIBERNATED:
                     self.enqueue(s, self.cache._record(s))
+        finally:
+            self.cache._lock.release()
 
     def _write_loop(self) -> None:
         while True:
@@ -221,6 +238,7 @@ class SharedTier:
                     self._cv.wait(wait)
                     continue
                 self._jobs.popleft()
+                self._active = True
             try:
                 self._write_job(job)
             except Exception as exc:  # a background write never takes the thread down
@@ -228,6 +246,7 @@ class SharedTier:
             finally:
                 with self._cv:
                     self._queued -= len(job.chunks)
+                    self._active = False
                     self._cv.notify_all()
 
     def _still_hibernated(self, rec: SessionRecord) -> bool:

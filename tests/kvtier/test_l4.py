@@ -1,0 +1,374 @@
+"""L4, the shared tier on Redis: a session hibernated on one host resumes on another.
+
+Every test runs a real redis-server on a free loopback port (tests/kvtier/redis_server.py)
+and real TieredCaches with separate L3 roots; the model is a tiny Llama with random weights.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from array import array
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import tiny_llama
+from redis_server import RedisServer, free_port, need_redis
+from transformers import DynamicCache
+
+from kvtier import CacheConfig, TieredCache
+from kvtier.cache.keys import ZERO_KEY, chunk_key, namespace
+from kvtier.integrations.hf import cache_kwarg
+from kvtier.tiers.l3 import SessionRecord
+from kvtier.tiers.l4 import codec, keys
+
+CHUNK = 16
+L4_KEYS = {
+    "up",
+    "breaker",
+    "bytes_written",
+    "bytes_read",
+    "hits",
+    "misses",
+    "errors",
+    "writes_shed",
+    "get_seconds_sum",
+    "get_count",
+    "put_seconds_sum",
+    "put_count",
+    "url",
+}
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path):
+    need_redis()
+    srv = RedisServer(tmp_path / "redis")
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama()
+
+
+def config(root: Path, url: str, **kw) -> CacheConfig:
+    base = dict(
+        l3_root=root,
+        l1_bytes=64 << 20,
+        l2_bytes=16 << 20,
+        chunk_tokens=CHUNK,
+        cost_model=False,  # always load: these tests check the loaded bytes
+        pin_memory=False,
+        l4_url=url,
+        l4_health_s=0.1,
+        l4_backoff_s=0.2,
+    )
+    base.update(kw)
+    return CacheConfig(**base)
+
+
+def greedy(model, ids: torch.Tensor, pkv, steps: int = 5):
+    out = model.generate(
+        ids,
+        **{cache_kwarg(model): pkv},
+        max_new_tokens=steps,
+        do_sample=False,
+        output_scores=True,
+        return_dict_in_generate=True,
+        pad_token_id=0,
+    )
+    return out.sequences, torch.stack(out.scores)
+
+
+def turn(model, cache: TieredCache, sid: str, ids: torch.Tensor, tenant: str = "t"):
+    """One greedy turn on `cache`, checked against a full recompute; returns
+    (sequence, restore_source, tokens restored)."""
+    s = cache.session(sid, tenant=tenant)
+    pkv = s.restore(ids)
+    restored = pkv.get_seq_length()
+    seq, scores = greedy(model, ids, pkv)
+    s.commit(seq)
+    ref_seq, ref_scores = greedy(model, ids, DynamicCache())
+    assert torch.equal(seq, ref_seq), "tokens differ from a full recompute"
+    torch.testing.assert_close(scores, ref_scores, atol=1e-5, rtol=0)
+    return seq, s.restore_source, restored
+
+
+def prompt(n: int, seed: int = 0) -> torch.Tensor:
+    return torch.tensor([[(i * 7 + seed * 13) % 250 + 1 for i in range(n)]])
+
+
+def hibernate_to_l4(cache: TieredCache, sid: str, tenant: str = "t") -> None:
+    cache.session(sid, tenant=tenant).hibernate()
+    assert cache.l4 is not None and cache.l4.wait_idle(30)
+
+
+def test_session_hibernated_on_one_host_resumes_on_another(tmp_path: Path, model, redis_server):
+    a = TieredCache(config(tmp_path / "a", redis_server.url), model)
+    b = TieredCache(config(tmp_path / "b", redis_server.url), model)
+    try:
+        seq, src, _ = turn(model, a, "s1", prompt(70))
+        assert src == "recompute"
+        hibernate_to_l4(a, "s1")
+        ids = torch.cat([seq, torch.tensor([[3, 4, 5]])], dim=1)
+        seq, src, restored = turn(model, b, "s1", ids)
+        assert src == "l4"
+        assert restored == 74  # 70 + 5 generated, less the last token (computed)
+        snap = b.stats()
+        assert set(snap.l4) == L4_KEYS
+        assert snap.l4["hits"] == 5 and snap.l4["up"] and snap.l4["breaker"] == "closed"
+        assert snap.tier("l4").hits == 5
+        assert dict(snap.restore_decisions)["l4"] == 1
+        assert a.stats().l4["put_count"] == 5  # 4 full chunks + the tail
+        # B hibernates the longer session (writing only its new chunks); a third host
+        # resumes it from chunks written by A and by B
+        hibernate_to_l4(b, "s1")
+        assert b.stats().l4["put_count"] == 2  # the 5th full chunk and the new tail
+        with TieredCache(config(tmp_path / "c", redis_server.url), model) as c:
+            ids = torch.cat([seq, torch.tensor([[9, 9]])], dim=1)
+            _, src, restored = turn(model, c, "s1", ids)
+            assert src == "l4" and restored == seq.shape[1] - 1 - 1  # what B held
+    finally:
+        a.close()
+        b.close()
+
+
+def test_stats_without_l4_say_none(tmp_path: Path, model) -> None:
+    with TieredCache(config(tmp_path / "a", None), model) as c:
+        snap = c.stats()
+        assert snap.l4 is None and snap.tier("l4") is None
+
+
+def test_a_corrupted_value_is_recomputed(tmp_path: Path, model, redis_server) -> None:
+    a = TieredCache(config(tmp_path / "a", redis_server.url), model)
+    b = TieredCache(config(tmp_path / "b", redis_server.url), model)
+    try:
+        seq, _, _ = turn(model, a, "s1", prompt(70))
+        hibernate_to_l4(a, "s1")
+        first = a.session("s1", tenant="t").chunk_keys[0]
+        r = redis_server.client()
+        name = keys.chunk(first)
+        byte = r.getrange(name, 5000, 5000)
+        r.setrange(name, 5000, bytes([byte[0] ^ 0xFF]))  # one payload byte flipped
+        ids = torch.cat([seq, torch.tensor([[3]])], dim=1)
+        _, src, restored = turn(model, b, "s1", ids)
+        assert src == "recompute" and restored == 0
+        snap = b.stats()
+        assert snap.l4["errors"] == 1 and snap.checksum_failures >= 1
+        assert not r.exists(name)  # the damaged value is deleted, never served again
+    finally:
+        a.close()
+        b.close()
+
+
+def test_killing_redis_mid_restore_recomputes(tmp_path: Path, model, redis_server) -> None:
+    url = redis_server.url
+    a = TieredCache(config(tmp_path / "a", url, l4_timeout_s=10.0), model)
+    b = TieredCache(config(tmp_path / "b", url, l4_timeout_s=10.0, l4_backoff_s=30.0), model)
+    try:
+        seq, _, _ = turn(model, a, "s1", prompt(70))
+        hibernate_to_l4(a, "s1")
+        b.session("s1", tenant="t")  # found in L4: the restore will read its chunks there
+        redis_server.client().client_pause(5000)  # every reply waits: the restore is mid-read
+        ids = torch.cat([seq, torch.tensor([[3]])], dim=1)
+        box: dict = {}
+
+        def run() -> None:
+            try:
+                box["out"] = turn(model, b, "s1", ids)
+            except BaseException as exc:  # the test fails below on any exception
+                box["exc"] = exc
+
+        t = threading.Thread(target=run)
+        t.start()
+        time.sleep(0.5)
+        redis_server.kill()
+        t.join(60)
+        assert not t.is_alive()
+        assert "exc" not in box, box.get("exc")
+        _, src, restored = box["out"]
+        assert src == "recompute" and restored == 0
+        snap = b.stats()
+        assert snap.l4["breaker"] == "open" and not snap.l4["up"] and snap.l4["errors"] >= 1
+        # with the breaker open, sessions and restores skip L4 at once and stay exact
+        t0 = time.perf_counter()
+        _, src, _ = turn(model, b, "s2", prompt(40, seed=3))
+        assert src == "recompute" and time.perf_counter() - t0 < 5
+    finally:
+        a.close()
+        b.close()
+
+
+def test_redis_down_from_the_start_degrades_to_l3(tmp_path: Path, model) -> None:
+    need_redis()
+    url = f"redis://:secret@127.0.0.1:{free_port()}/0"  # nothing listens there
+    with TieredCache(config(tmp_path / "a", url), model) as a:
+        seq, src, _ = turn(model, a, "s1", prompt(40))
+        a.session("s1", tenant="t").hibernate()
+        a.evict_l2()
+        _, src, restored = turn(model, a, "s1", torch.cat([seq, torch.tensor([[1]])], 1))
+        assert src == "l3" and restored == seq.shape[1] - 1
+        snap = a.stats()
+        assert snap.l4["up"] is False and snap.l4["breaker"] in ("open", "half_open")
+        assert "secret" not in snap.l4["url"] and snap.l4["url"].startswith("redis://127.0.0.1:")
+
+
+def test_a_redis_restart_loses_nothing_l3_holds(tmp_path: Path, model, redis_server) -> None:
+    a = TieredCache(config(tmp_path / "a", redis_server.url), model)
+    try:
+        seq, _, _ = turn(model, a, "s1", prompt(50))
+        hibernate_to_l4(a, "s1")
+        time.sleep(0.3)  # A's health check has seen this Redis
+        redis_server.kill()
+        redis_server.start()  # empty: no persistence
+        deadline = time.monotonic() + 20
+        r = redis_server.client()
+        while time.monotonic() < deadline and not r.keys("kvtier:s:*"):
+            time.sleep(0.1)  # A notices the new run_id and writes its sessions again
+        assert r.keys("kvtier:s:*"), "the hibernated session was not written again"
+        assert a.l4 is not None and a.l4.wait_idle(30)
+        with TieredCache(config(tmp_path / "b", redis_server.url), model) as b:
+            ids = torch.cat([seq, torch.tensor([[2]])], dim=1)
+            _, src, restored = turn(model, b, "s1", ids)
+            assert src == "l4" and restored == seq.shape[1] - 1
+    finally:
+        a.close()
+
+
+def test_tenants_are_isolated_in_l4(tmp_path: Path, model, redis_server) -> None:
+    a = TieredCache(config(tmp_path / "a", redis_server.url), model)
+    b = TieredCache(config(tmp_path / "b", redis_server.url), model)
+    try:
+        seq, _, _ = turn(model, a, "same-id", prompt(60), tenant="a")
+        hibernate_to_l4(a, "same-id", tenant="a")
+        # the same session id under another tenant finds nothing
+        _, src, restored = turn(model, b, "same-id", prompt(60, seed=5), tenant="b")
+        assert src == "recompute" and restored == 0
+        # a record of tenant a planted under tenant b's key is refused, and so are its chunks
+        r = redis_server.client()
+        fp = a.fingerprint
+        r.set(keys.record(fp, "b", "planted"), r.get(keys.record(fp, "a", "same-id")))
+        s = b.session("planted", tenant="b")
+        assert s.tokens == [] and b.stats().l4["errors"] == 1
+        # tenant a's chunk copied under tenant b's chunk key, named by a valid record of
+        # tenant b, fails the tenant check of the chunk's header
+        sa = a.session("same-id", tenant="a")
+        toks = seq[0, :CHUNK].tolist()
+        kb = chunk_key(ZERO_KEY, toks, namespace(fp, "b"))
+        r.set(keys.chunk(kb), r.get(keys.chunk(sa.chunk_keys[0])))
+        rec = SessionRecord(
+            "stolen",
+            "b",
+            fp,
+            array("i", toks).tobytes(),
+            (kb,),
+            False,
+            None,
+            time.time(),
+            "hibernated",
+        )
+        r.set(keys.record(fp, "b", "stolen"), codec.pack_record(rec))
+        ids = torch.cat([seq[:, :CHUNK], torch.tensor([[5, 6]])], dim=1)
+        _, src, restored = turn(model, b, "stolen", ids, tenant="b")
+        assert restored == 0 and src == "recompute"
+        assert b.stats().l4["errors"] == 2
+    finally:
+        a.close()
+        b.close()
+
+
+def test_write_behind_sheds_when_its_queue_is_full(tmp_path: Path, model, redis_server) -> None:
+    cfg = config(tmp_path / "a", redis_server.url, l4_write_queue=2)
+    with TieredCache(cfg, model) as a:
+        turn(model, a, "s1", prompt(70))  # 5 chunks: more than the queue holds
+        hibernate_to_l4(a, "s1")
+        snap = a.stats()
+        assert snap.l4["writes_shed"] == 5 and snap.l4["put_count"] == 0
+        assert not redis_server.client().keys("kvtier:*")
+
+
+def test_min_idle_writes_only_sessions_that_stay_hibernated(
+    tmp_path: Path, model, redis_server
+) -> None:
+    cfg = config(tmp_path / "a", redis_server.url, l4_min_idle_s=0.5)
+    with TieredCache(cfg, model) as a:
+        seq, _, _ = turn(model, a, "busy", prompt(40))
+        a.session("busy", tenant="t").hibernate()
+        turn(model, a, "busy", torch.cat([seq, torch.tensor([[1]])], 1))  # back before 0.5 s
+        turn(model, a, "quiet", prompt(40, seed=1))
+        a.session("quiet", tenant="t").hibernate()
+        assert a.l4 is not None and a.l4.wait_idle(30)
+        r = redis_server.client()
+        fp = a.fingerprint
+        assert r.exists(keys.record(fp, "t", "quiet"))
+        assert not r.exists(keys.record(fp, "t", "busy"))
+
+
+def wide_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=256,
+        hidden_size=256,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=4096,
+    )
+    return LlamaForCausalLM(cfg).eval().to(torch.float32)
+
+
+def test_maxmemory_churn_never_serves_wrong_kv(tmp_path: Path, redis_server) -> None:
+    """64 MB of allkeys-lru Redis under 160 MB of sessions: evicted chunks are misses (the
+    restore recomputes from there), every restored prefix is exact, and the sessions written
+    last are served from L4."""
+    r = redis_server.client()
+    r.config_set("maxmemory", "64mb")
+    r.config_set("maxmemory-policy", "allkeys-lru")
+    r.config_set("maxmemory-samples", "10")
+    big = wide_llama()  # 4 layers x 4 KV heads x 64 dims x fp32: 8 KiB a token
+    cfg = dict(chunk_tokens=256, l1_bytes=64 << 20, l2_bytes=24 << 20)
+    n_sessions, length = 20, 4 * 256 + 8  # 4 chunks of 2 MiB and a tail each: 160 MiB in all
+    a = TieredCache(config(tmp_path / "a", redis_server.url, **cfg), big)
+    # B writes nothing back within the test (selective policy), so only A's writes churn
+    b = TieredCache(config(tmp_path / "b", redis_server.url, l4_min_idle_s=3600, **cfg), big)
+    try:
+        prompts = [
+            torch.randint(1, 250, (1, length), generator=torch.Generator().manual_seed(i))
+            for i in range(n_sessions)
+        ]
+        for i, ids in enumerate(prompts):
+            s = a.session(f"s{i}", tenant="t")
+            pkv = s.restore(ids)
+            with torch.no_grad():
+                big(ids[:, pkv.get_seq_length() :], **{cache_kwarg(big): pkv})
+            s.commit(ids)
+            hibernate_to_l4(a, f"s{i}")
+        used = redis_server.client().info("memory")
+        assert used["used_memory"] <= 70 << 20
+        served = []
+        for i, ids in enumerate(prompts):
+            full = torch.cat([ids, torch.tensor([[7]])], dim=1)
+            s = b.session(f"s{i}", tenant="t")
+            pkv = s.restore(full)
+            restored = pkv.get_seq_length()
+            with torch.no_grad():
+                out = big(full[:, restored:], **{cache_kwarg(big): pkv})
+                ref = big(full)
+            torch.testing.assert_close(out.logits[0, -1], ref.logits[0, -1], atol=1e-4, rtol=0)
+            s.commit(full)
+            s.hibernate()
+            served.append(restored)
+        hits = sum(1 for n in served if n > 0)
+        assert all(n == length for n in served[-3:]), served  # the newest 24 MiB survive
+        assert hits >= 3, served
+        assert hits < n_sessions, served  # churn did evict: a miss, never an error
+        assert b.stats().l4["errors"] == 0
+    finally:
+        a.close()
+        b.close()
