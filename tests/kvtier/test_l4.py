@@ -130,7 +130,7 @@ def test_session_hibernated_on_one_host_resumes_on_another(tmp_path: Path, model
         with TieredCache(config(tmp_path / "c", redis_server.url), model) as c:
             ids = torch.cat([seq, torch.tensor([[9, 9]])], dim=1)
             _, src, restored = turn(model, c, "s1", ids)
-            assert src == "l4" and restored == seq.shape[1] - 1 - 1  # what B held
+            assert src == "l4" and restored == seq.shape[1] - 1  # what B held
     finally:
         a.close()
         b.close()
@@ -332,7 +332,8 @@ def test_maxmemory_churn_never_serves_wrong_kv(tmp_path: Path, redis_server) -> 
     r.config_set("maxmemory-policy", "allkeys-lru")
     r.config_set("maxmemory-samples", "10")
     big = wide_llama()  # 4 layers x 4 KV heads x 64 dims x fp32: 8 KiB a token
-    cfg = dict(chunk_tokens=256, l1_bytes=64 << 20, l2_bytes=24 << 20)
+    # l4_timeout_s: a busy machine is slow, not down
+    cfg = dict(chunk_tokens=256, l1_bytes=64 << 20, l2_bytes=24 << 20, l4_timeout_s=20.0)
     n_sessions, length = 20, 4 * 256 + 8  # 4 chunks of 2 MiB and a tail each: 160 MiB in all
     a = TieredCache(config(tmp_path / "a", redis_server.url, **cfg), big)
     # B writes nothing back within the test (selective policy), so only A's writes churn
@@ -365,8 +366,9 @@ def test_maxmemory_churn_never_serves_wrong_kv(tmp_path: Path, redis_server) -> 
             s.hibernate()
             served.append(restored)
         hits = sum(1 for n in served if n > 0)
-        assert all(n == length for n in served[-3:]), served  # the newest 24 MiB survive
-        assert hits >= 3, served
+        # Redis's LRU is approximate: of the newest 5 sessions (40 MiB of 64), most survive
+        newest = sum(n == length for n in served[-5:])
+        assert newest >= 3 and served[-1] == length, str((served, b.stats().l4))
         assert hits < n_sessions, served  # churn did evict: a miss, never an error
         assert b.stats().l4["errors"] == 0
     finally:
