@@ -374,3 +374,27 @@ def test_maxmemory_churn_never_serves_wrong_kv(tmp_path: Path, redis_server) -> 
     finally:
         a.close()
         b.close()
+
+
+def test_l4_url_reaches_the_server_cache(tmp_path: Path, redis_server) -> None:
+    """`kvtier serve --l4-url` (KVTIER_L4_URL, TOML l4_url) gives the server's cache an L4."""
+    from kvtier.server.backend import TieredBackend
+    from kvtier.server.config import ServerConfig
+    from kvtier.server.model import build_default
+
+    assert ServerConfig.load({}, env={}).l4_url is None
+    toml = tmp_path / "kvtier.toml"
+    toml.write_text('[serve]\nl4_url = "redis://toml:1/0"\nl4_min_idle_s = 5\n')
+    assert ServerConfig.load({}, env={}, file=toml).l4_url == "redis://toml:1/0"
+    env = {"KVTIER_L4_URL": "redis://env:2/0"}
+    assert ServerConfig.load({}, env=env, file=toml).l4_url == "redis://env:2/0"
+    cfg = ServerConfig.load(
+        {"l4_url": redis_server.url, "l3_root": str(tmp_path / "l3")}, env=env, file=toml
+    )
+    backend = TieredBackend(build_default("cpu").model, cfg, "shared")
+    try:
+        snap = backend.cache.stats()
+        assert snap.l4 is not None and snap.l4["url"] == redis_server.url
+        assert backend.cache.config.l4_min_idle_s == 5
+    finally:
+        backend.close()
