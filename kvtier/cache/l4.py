@@ -143,14 +143,14 @@ class SharedTier:
         arena = self.cache.l2
         slots = p.slots
 
-        def sink(i: int, header: ChunkHeader, payload: memoryview) -> None:
-            dst = memoryview(arena.buffer(slots[i])).cast("B")
-            if len(payload) > len(dst):
+        def dest(i: int, header: ChunkHeader) -> memoryview:
+            view = memoryview(arena.buffer(slots[i])).cast("B")
+            if header.payload_len > len(view):
                 raise KvbinFormatError(f"L4 chunk {header.key.hex()} does not fit an L2 slot")
-            dst[: len(payload)] = payload
+            return view
 
         p.batch = self.store.get_chunks(
-            p.keys, self.cache.fingerprint, sink, tenants=(tenant, SHARED_TENANT)
+            p.keys, self.cache.fingerprint, dest, tenants=(tenant, SHARED_TENANT)
         )
         for key, src, dst in zip(p.keys, p.batch.futures, p.futures, strict=True):
             src.add_done_callback(self._settler(key, dst))

@@ -161,12 +161,10 @@ def test_put_get_miss_and_records(redis_server) -> None:
         r = redis_server.client()
         assert 0 < r.pttl(keys.chunk(k)) <= 60_000  # chunks get a TTL
         assert r.keys("*tmp*") == []  # the temp key was renamed away
-        out: dict[int, bytes] = {}
+        buf = bytearray(len(payload))
         missing = os.urandom(16)
-        batch = store.get_chunks(
-            [k, missing], FP, lambda i, h, p: out.__setitem__(i, bytes(p)), tenants=("t",)
-        )
-        assert batch.futures[0].result(10).key == k and out[0] == payload
+        batch = store.get_chunks([k, missing], FP, lambda i, h: memoryview(buf), tenants=("t",))
+        assert batch.futures[0].result(10).key == k and buf == payload
         with pytest.raises(ChunkNotFound):
             batch.futures[1].result(10)
         assert store.exists([k, missing]) == [True, False]
@@ -208,3 +206,43 @@ def test_a_bad_url_is_a_config_error() -> None:
 
     with pytest.raises(ConfigError, match="l4_url"):
         CacheConfig(l3_root="x", l4_url="localhost:6379")
+
+
+def test_a_pipeline_stays_in_step_past_bad_values(redis_server) -> None:
+    """Reads land straight in their buffers; a damaged, short, foreign, missing or wrong-type
+    value fails its own key only, and the replies after it are still read right."""
+    store = L4Store(redis_server.url, streams=1)
+    r = redis_server.client()
+    try:
+        ks = [os.urandom(16) for _ in range(7)]
+        payloads = [os.urandom(200_000 + i) for i in range(7)]
+        for k, p in zip(ks, payloads, strict=True):
+            store.put_chunk(header(k, len(p)), p)
+        name = keys.chunk(ks[1])
+        r.setrange(name, kvbin.HEADER_SIZE + 7, b"\x00\x01")  # damaged payload
+        r.set(keys.chunk(ks[2]), b"short")  # truncated
+        r.delete(keys.chunk(ks[3]))  # evicted
+        r.delete(keys.chunk(ks[4]))
+        r.rpush(keys.chunk(ks[4]), b"x")  # not a string
+        r.set(keys.chunk(ks[5]), r.get(keys.chunk(ks[6])))  # another chunk's value
+        bufs = [bytearray(len(p)) for p in payloads]
+        batch = store.get_chunks(ks, FP, lambda i, h: memoryview(bufs[i]), tenants=("t",))
+        assert batch.futures[0].result(10).key == ks[0] and bufs[0] == payloads[0]
+        with pytest.raises(ChecksumMismatch):
+            batch.futures[1].result(10)
+        with pytest.raises(KvbinFormatError, match="truncated"):
+            batch.futures[2].result(10)
+        with pytest.raises(ChunkNotFound):
+            batch.futures[3].result(10)
+        with pytest.raises(L4Unavailable, match="WRONGTYPE"):
+            batch.futures[4].result(10)
+        with pytest.raises(KvbinFormatError, match="not"):
+            batch.futures[5].result(10)
+        assert batch.futures[6].result(10).key == ks[6] and bufs[6] == payloads[6]
+        assert not r.exists(name)  # damaged values are deleted
+        assert store.stats()["breaker"] == CLOSED
+        # the connection is still good for the next read
+        again = store.get_chunks([ks[0]], FP, lambda i, h: memoryview(bufs[0]))
+        assert again.futures[0].result(10).key == ks[0]
+    finally:
+        store.close()

@@ -25,13 +25,18 @@ from kvtier.tiers.l3_index import SessionRecord
 RECORD_MAGIC = b"KVTSREC1"
 
 
-def pack_chunk(header: ChunkHeader, payload: Any) -> bytes:
-    """The value stored for a chunk: its .kvbin header (checksums filled in) + payload."""
+def chunk_parts(header: ChunkHeader, payload: Any) -> tuple[bytes, memoryview]:
+    """The value stored for a chunk in two parts, its .kvbin header (checksums filled in) and
+    its payload (not copied): the store sends them as they are, Redis joins them."""
     view = memoryview(payload).cast("B")
     algo = header.checksum or kvbin.default_checksum()
     header = replace(header, checksum=algo, payload_len=len(view))
-    head = kvbin.encode(header, kvbin.checksum(algo, view))
-    return b"".join((head, view))
+    return kvbin.encode(header, kvbin.checksum(algo, view)), view
+
+
+def pack_chunk(header: ChunkHeader, payload: Any) -> bytes:
+    """The value stored for a chunk: its .kvbin header + payload, in one piece."""
+    return b"".join(chunk_parts(header, payload))
 
 
 def unpack_chunk(
@@ -43,12 +48,29 @@ def unpack_chunk(
     FingerprintMismatch for another model's chunk; `tenants`, when given, are the tenants the
     reader may be served (its own and the shared one)."""
     view = memoryview(value).cast("B")
+    if len(view) < HEADER_SIZE:
+        raise KvbinFormatError(f"L4 value of chunk {key.hex()} is {len(view)} bytes: truncated")
     header = kvbin.decode(view[:HEADER_SIZE])
+    check_header(header, key, len(view) - HEADER_SIZE, fingerprint, tenants)
+    payload = view[HEADER_SIZE:]
+    kvbin.verify_payload(header, payload)
+    return header, payload
+
+
+def check_header(
+    header: ChunkHeader,
+    key: bytes,
+    payload_size: int,
+    fingerprint: bytes,
+    tenants: Collection[str] | None,
+) -> ChunkHeader:
+    """The checks of a decoded header against what the reader asked for (the payload's
+    checksum is verified by the caller, over the bytes)."""
     if header.key != key:
         raise KvbinFormatError(f"L4 value holds chunk {header.key.hex()}, not {key.hex()}")
-    if header.payload_len != len(view) - HEADER_SIZE:
+    if header.payload_len != payload_size:
         raise KvbinFormatError(
-            f"L4 value of chunk {key.hex()} has {len(view) - HEADER_SIZE} payload bytes, its "
+            f"L4 value of chunk {key.hex()} has {payload_size} payload bytes, its "
             f"header says {header.payload_len} (truncated or overwritten)"
         )
     if header.fingerprint != fingerprint:
@@ -58,9 +80,7 @@ def unpack_chunk(
         )
     if tenants is not None and header.tenant not in tenants:
         raise KvbinFormatError(f"L4 chunk {key.hex()} belongs to another tenant")
-    payload = view[HEADER_SIZE:]
-    kvbin.verify_payload(header, payload)
-    return header, payload
+    return header
 
 
 def pack_record(rec: SessionRecord) -> bytes:

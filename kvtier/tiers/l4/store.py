@@ -5,9 +5,10 @@ and any Redis or socket failure becomes `L4Unavailable` (never anything else), s
 always fall back to L3 or a recompute. A chunk Redis does not hold (expired, evicted under
 `maxmemory`, never written) is a miss (`ChunkNotFound`), not an error.
 
-Writes put the whole value under a temp key, then RENAME it over the final key in one
+Writes build the whole value under a temp key, then RENAME it over the final key, in one
 MULTI/EXEC (kvtier.tiers.l4.keys): a reader sees the old value or the complete new one, and a
-connection cut mid-value leaves at most a temp key, which expires with its TTL.
+connection cut mid-value leaves nothing (Redis runs no part of a transaction it did not get
+whole); a temp key left by anything else expires with its TTL.
 
 Reads of many chunks (`get_chunks`) are split over `streams` connections, each one pipelining
 its GETs, and every value is verified (kvtier.tiers.l4.codec) before it reaches its sink.
@@ -32,14 +33,12 @@ from kvtier.errors import (
 )
 from kvtier.kvbin import ChunkHeader
 from kvtier.tiers.l3_index import SessionRecord
-from kvtier.tiers.l4 import codec, keys
+from kvtier.tiers.l4 import codec, keys, wire
 from kvtier.tiers.l4.breaker import CLOSED, Breaker
+from kvtier.tiers.l4.wire import Dest
 
 log = logging.getLogger("kvtier.tiers.l4")
 T = TypeVar("T")
-
-Sink = Callable[[int, ChunkHeader, memoryview], None]
-"""(index in the request, verified header, payload) -> copies the payload where it belongs."""
 
 
 @dataclass
@@ -54,6 +53,14 @@ class ReadBatch:
     @property
     def seconds(self) -> float:
         return max(0.0, self.finished - self.started)
+
+
+def _array(n: int) -> bytes:
+    return b"*%d\r\n" % n
+
+
+def _bulk(arg: bytes) -> bytes:
+    return b"$%d\r\n%s\r\n" % (len(arg), arg)
 
 
 class L4Store:
@@ -123,14 +130,14 @@ class L4Store:
         r = self._redis
         try:
             out = fn()
+        except (r.TimeoutError, TimeoutError) as exc:
+            self.breaker.failure()
+            self.count("errors")
+            raise L4Unavailable(f"L4 {what} timed out on {self.shown_url} ({exc})") from exc
         except (r.ConnectionError, OSError) as exc:
             self.breaker.trip()
             self.count("errors")
             raise L4Unavailable(f"L4 {what} failed: {self.shown_url} unreachable ({exc})") from exc
-        except r.TimeoutError as exc:
-            self.breaker.failure()
-            self.count("errors")
-            raise L4Unavailable(f"L4 {what} timed out on {self.shown_url} ({exc})") from exc
         except r.RedisError as exc:
             # The server answered (OOM under maxmemory noeviction, a read-only replica...):
             # the breaker stays closed, the call is an error for this chunk only.
@@ -174,21 +181,49 @@ class L4Store:
     # -- chunks ----------------------------------------------------------------------------------
 
     def put_chunk(self, header: ChunkHeader, payload: Any) -> int:
-        """Store one chunk (temp key, then RENAME in MULTI/EXEC); returns the bytes sent."""
-        value = codec.pack_chunk(header, payload)
+        """Store one chunk; returns the bytes sent. The value goes under a temp key, which is
+        RENAMEd over the chunk's key in the same MULTI/EXEC."""
+        head, view = codec.chunk_parts(header, payload)
         final = keys.chunk(header.key)
-
-        def go() -> None:
-            tmp = keys.temp(final)
-            with self._r.pipeline(transaction=True) as p:
-                p.set(tmp, value, px=self.ttl_ms)
-                p.rename(tmp, final)
-                p.execute()
-
         t0 = time.perf_counter()
-        self._call("put", go)
-        self._timed("put", time.perf_counter() - t0, len(value))
-        return len(value)
+        self._call("put", lambda: self._set_renamed(final, head, view))
+        nbytes = len(head) + len(view)
+        self._timed("put", time.perf_counter() - t0, nbytes)
+        return nbytes
+
+    def _set_renamed(self, final: str, *parts: Any) -> None:
+        """MULTI, SET <temp> <parts joined> PX ttl, RENAME <temp> <final>, EXEC.
+
+        Packed here rather than by redis-py's pipeline so that the value's parts (the 4 KiB
+        header and the payload, in the caller's buffer) go to the socket as they are: joining
+        them first costs a copy of the whole chunk, a fifth of a loopback SET's time at 14 MB.
+        """
+        tmp = keys.temp(final)
+        size = sum(len(p) for p in parts)
+        px = [] if self.ttl_ms is None else [b"PX", str(self.ttl_ms).encode()]
+        set_args = [b"SET", tmp.encode()]
+        packed = [b"*1\r\n$5\r\nMULTI\r\n"]
+        packed.append(_array(len(set_args) + 1 + len(px)) + b"".join(map(_bulk, set_args)))
+        packed.append(b"$%d\r\n" % size)
+        packed.extend(parts)
+        packed.append(b"\r\n" + b"".join(map(_bulk, px)))
+        packed.append(_array(3) + b"".join(map(_bulk, (b"RENAME", tmp.encode(), final.encode()))))
+        packed.append(b"*1\r\n$4\r\nEXEC\r\n")
+        conn = self._pool.get_connection()
+        try:
+            conn.send_packed_command(packed, check_health=False)
+            replies = [conn.read_response() for _ in range(4)]  # OK, QUEUED, QUEUED, [..]
+            done = replies[3]
+            if not isinstance(done, list) or len(done) != 2:
+                raise self._redis.ResponseError(f"unexpected EXEC reply {done!r:.80}")
+            for r in done:
+                if isinstance(r, Exception):
+                    raise r
+        except BaseException:
+            conn.disconnect()  # replies may be left unread: never reuse the connection
+            raise
+        finally:
+            self._pool.release(conn)
 
     def exists(self, chunk_keys: Sequence[bytes]) -> list[bool]:
         """Which of `chunk_keys` Redis holds now (one pipelined round trip)."""
@@ -210,12 +245,14 @@ class L4Store:
         self,
         chunk_keys: Sequence[bytes],
         fingerprint: bytes,
-        sink: Sink,
+        dest: Dest,
         tenants: Collection[str] | None = None,
     ) -> ReadBatch:
         """Start reading `chunk_keys`, `streams` pipelines in parallel; returns at once.
 
-        Each future yields the chunk's verified header once `sink` has its payload, or fails
+        `dest(i, header)` names where chunk i's payload goes (kvtier.tiers.l4.wire reads it
+        there straight from the socket). Each future yields the chunk's verified header once
+        its payload is there, or fails
         with ChunkNotFound (a miss), KvbinFormatError/FingerprintMismatch (a damaged or foreign
         value, deleted from Redis) or L4Unavailable."""
         batch = ReadBatch([Future() for _ in chunk_keys], time.perf_counter())
@@ -228,7 +265,7 @@ class L4Store:
 
         def stream(idx: list[int]) -> None:
             try:
-                self._stream(idx, chunk_keys, fingerprint, sink, tenants, batch)
+                self._stream(idx, chunk_keys, fingerprint, dest, tenants, batch)
             except BaseException as exc:  # every future of the group settles, whatever happens
                 for i in idx:
                     if not batch.futures[i].done():
@@ -253,49 +290,61 @@ class L4Store:
         idx: list[int],
         chunk_keys: Sequence[bytes],
         fingerprint: bytes,
-        sink: Sink,
+        dest: Dest,
         tenants: Collection[str] | None,
         batch: ReadBatch,
     ) -> None:
-        def go() -> list[Any]:
-            with self._r.pipeline(transaction=False) as p:
-                for i in idx:
-                    p.get(keys.chunk(chunk_keys[i]))
-                return list(p.execute())
+        names = [keys.chunk(chunk_keys[i]) for i in idx]
+        mine = [chunk_keys[i] for i in idx]
+
+        def go() -> list[wire.Reply]:
+            conn = self._pool.get_connection()
+            try:
+                return wire.get_many(
+                    conn,
+                    names,
+                    mine,
+                    fingerprint,
+                    tenants,
+                    lambda j, h: dest(idx[j], h),
+                    self._redis.ResponseError,
+                )
+            except BaseException:
+                conn.disconnect()  # replies may be left unread: never reuse the connection
+                raise
+            finally:
+                self._pool.release(conn)
 
         t0 = time.perf_counter()
         try:
-            values = self._call("get", go)
+            replies = self._call("get", go)
         except L4Unavailable as exc:
             for i in idx:
                 batch.futures[i].set_exception(exc)
             return
         got = 0
-        for i, value in zip(idx, values, strict=True):
+        for i, rep in zip(idx, replies, strict=True):
             key = chunk_keys[i]
             fut = batch.futures[i]
-            if value is None:
+            if rep.error is not None:
+                self.count("errors")
+                if isinstance(rep.error, (KvbinFormatError, FingerprintMismatch)):
+                    log.warning("L4 chunk %s is unusable (%s); deleted", key.hex(), rep.error)
+                    try:
+                        self.delete_chunk(key)
+                    except L4Unavailable:
+                        pass
+                    fut.set_exception(rep.error)
+                else:
+                    fut.set_exception(L4Unavailable(f"L4 get of {key.hex()}: {rep.error}"))
+                continue
+            if rep.header is None:
                 self.count("misses")
                 fut.set_exception(ChunkNotFound(f"chunk {key.hex()} is not in L4"))
                 continue
-            try:
-                header, payload = codec.unpack_chunk(value, key, fingerprint, tenants)
-                sink(i, header, payload)
-            except (KvbinFormatError, FingerprintMismatch) as exc:
-                self.count("errors")
-                log.warning("L4 chunk %s is unusable (%s); deleted, recomputing", key.hex(), exc)
-                try:
-                    self.delete_chunk(key)
-                except L4Unavailable:
-                    pass
-                fut.set_exception(exc)
-                continue
-            except BaseException as exc:
-                fut.set_exception(exc)
-                continue
-            got += len(value)
+            got += rep.size
             self.count("hits")
-            fut.set_result(header)
+            fut.set_result(rep.header)
         with self._lock:
             batch.nbytes += got
         self._timed("get", time.perf_counter() - t0, got, len(idx))
