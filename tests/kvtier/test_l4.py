@@ -398,3 +398,46 @@ def test_l4_url_reaches_the_server_cache(tmp_path: Path, redis_server) -> None:
         assert backend.cache.config.l4_min_idle_s == 5
     finally:
         backend.close()
+
+
+def test_the_cost_model_pays_l4_latency_once_per_plan() -> None:
+    from kvtier.cache.costmodel import CostModel
+
+    m = CostModel({"l2": 10e9, "l3": 1e9, "l4": 1e9}, prefill_s_per_token=1e-5)
+    seg = [("l4", 1_000_000, 256)] * 4  # 1 ms of bytes each vs 2.56 ms of prefill each
+    assert m.plan(seg) == 4
+    m.observe_latency("l4", 0.050)  # a far Redis: 50 ms a round trip
+    assert m.latency["l4"] == pytest.approx(0.050)
+    assert m.plan(seg) == 0  # 54 ms to load 1024 tokens that recompute in 10 ms
+    assert m.plan(seg * 16) == 64  # 64 chunks: 114 ms of load beat 164 ms of prefill
+    m.observe_latency("l4", 0.0001)
+    m.observe_latency("l4", 0.0001)
+    assert m.latency["l4"] < 0.02 and m.plan(seg) == 4
+
+
+def test_a_slow_l4_is_measured_and_recomputed(tmp_path: Path, model, redis_server) -> None:
+    """B measures L4 on its restores; told L4 does 1 kB/s, it recomputes instead."""
+    a = TieredCache(config(tmp_path / "a", redis_server.url), model)
+    fast = config(tmp_path / "b", redis_server.url, cost_model=True)
+    slow = config(
+        tmp_path / "c",
+        redis_server.url,
+        cost_model=True,
+        initial_bandwidth={"l1": 200e9, "l2": 10e9, "l3": 1e9, "l4": 1e3},
+        initial_prefill_s_per_token=1e-2,
+    )
+    try:
+        seq, _, _ = turn(model, a, "s1", prompt(70))
+        hibernate_to_l4(a, "s1")
+        ids = torch.cat([seq, torch.tensor([[3]])], dim=1)
+        with TieredCache(fast, model) as b:
+            b.cost.prefill_s_per_token = 1.0  # recomputing is hopeless: always load
+            _, src, _ = turn(model, b, "s1", ids)
+            assert src == "l4"
+            assert b.cost.samples["l4"] == 1 and b.cost.bandwidth["l4"] != 1e9
+            assert b.cost.latency.get("l4", 0) > 0  # the lookup's round trip
+        with TieredCache(slow, model) as c:
+            _, src, restored = turn(model, c, "s1", ids)
+            assert src == "recompute" and restored == 0
+    finally:
+        a.close()
