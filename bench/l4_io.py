@@ -212,6 +212,7 @@ def main() -> None:
     args = ap.parse_args()
     root = Path(tempfile.mkdtemp(prefix="kvtier-l4bench-"))
     proc, port = start_redis(root)
+    server = redis.Redis(port=port).info("server")["redis_version"]
     try:
         rounds = [one_round(port, args, r) for r in range(args.rounds)]
         bench = redis_benchmark(port, 4 * args.chunks)
@@ -222,7 +223,7 @@ def main() -> None:
     algo = kvbin.default_checksum()
     print(
         f"L4 on loopback: {os.cpu_count()} CPUs, {platform.machine()}, "
-        f"redis {redis.Redis.__module__.split('.')[0]} client {redis.__version__}, "
+        f"redis-server {server}, redis-py {redis.__version__}, "
         f"values {(PAYLOAD + kvbin.HEADER_SIZE) / 1e6:.1f} MB, {args.chunks} per figure, "
         f"{args.rounds} rounds, checksum {algo}"
     )
