@@ -66,7 +66,7 @@ def locate(cache: TieredCache, key: bytes, parent: bytes = ZERO_KEY) -> tuple[Ch
         return e, "l2"  # a prefetch is bringing it into L2; the restore waits for it
     tokens = d.l3_tokens.get(key)
     if tokens is None:
-        if cache.l4 is not None and (tokens := cache.l4.known.get(key)) is not None:
+        if cache.l4 is not None and cache.l4.store.up and (tokens := cache.l4.known.get(key)):
             return d.ensure(key, parent, tokens), "l4"
         return None, ""
     return d.ensure(key, parent, tokens), "l3"

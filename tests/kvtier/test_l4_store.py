@@ -246,3 +246,16 @@ def test_a_pipeline_stays_in_step_past_bad_values(redis_server) -> None:
         assert again.futures[0].result(10).key == ks[0]
     finally:
         store.close()
+
+
+def test_exists_renews_the_ttl_of_chunks_it_finds(redis_server) -> None:
+    store = L4Store(redis_server.url, ttl_s=60)
+    try:
+        k = os.urandom(16)
+        store.put_chunk(header(k, 100), os.urandom(100))
+        r = redis_server.client()
+        r.pexpire(keys.chunk(k), 1000)  # about to expire
+        assert store.exists([k, os.urandom(16)]) == [True, False]
+        assert r.pttl(keys.chunk(k)) > 50_000
+    finally:
+        store.close()

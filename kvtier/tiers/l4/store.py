@@ -226,14 +226,18 @@ class L4Store:
             self._pool.release(conn)
 
     def exists(self, chunk_keys: Sequence[bytes]) -> list[bool]:
-        """Which of `chunk_keys` Redis holds now (one pipelined round trip)."""
+        """Which of `chunk_keys` Redis holds now (one pipelined round trip). With a TTL, the
+        ones it holds get their TTL renewed (PEXPIRE), so they outlive a record naming them."""
         if not chunk_keys:
             return []
 
         def go() -> list[Any]:
             with self._r.pipeline(transaction=False) as p:
                 for k in chunk_keys:
-                    p.exists(keys.chunk(k))
+                    if self.ttl_ms is None:
+                        p.exists(keys.chunk(k))
+                    else:
+                        p.pexpire(keys.chunk(k), self.ttl_ms)
                 return list(p.execute())
 
         return [bool(x) for x in self._call("exists", go)]
