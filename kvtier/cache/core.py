@@ -219,6 +219,8 @@ class TieredCache(LifecycleMixin):
             if rec.fingerprint != self.fingerprint:
                 continue
             self._sessions[(rec.tenant, rec.session_id)] = self._from_record(rec)
+            if self.l4 is not None:  # chunks this host's L3 lost may still be in L4
+                self.l4.note_record(rec)
 
     def _from_record(self, rec: SessionRecord) -> Session:
         """A hibernated session from its record (L3's index, or L4)."""

@@ -256,9 +256,8 @@ class L4Store:
 
         `dest(i, header)` names where chunk i's payload goes (kvtier.tiers.l4.wire reads it
         there straight from the socket). Each future yields the chunk's verified header once
-        its payload is there, or fails
-        with ChunkNotFound (a miss), KvbinFormatError/FingerprintMismatch (a damaged or foreign
-        value, deleted from Redis) or L4Unavailable."""
+        its payload is there, or fails with ChunkNotFound (a miss), KvbinFormatError or
+        FingerprintMismatch (a damaged or foreign value, deleted from Redis) or L4Unavailable."""
         batch = ReadBatch([Future() for _ in chunk_keys], time.perf_counter())
         if not chunk_keys:
             batch.finished = batch.started
@@ -268,17 +267,27 @@ class L4Store:
         left = [n]
 
         def stream(idx: list[int]) -> None:
-            try:
-                self._stream(idx, chunk_keys, fingerprint, dest, tenants, batch)
-            except BaseException as exc:  # every future of the group settles, whatever happens
-                for i in idx:
-                    if not batch.futures[i].done():
-                        batch.futures[i].set_exception(exc)
-            finally:
+            ended = [False]
+
+            def finish(nbytes: int) -> None:
+                """The group's bytes are in: count them, and end the batch's clock with the
+                last group (before any future settles, so a waiter sees the timing)."""
                 with self._lock:
+                    if ended[0]:
+                        return
+                    ended[0] = True
+                    batch.nbytes += nbytes
                     left[0] -= 1
                     if left[0] == 0:
                         batch.finished = time.perf_counter()
+
+            try:
+                self._stream(idx, chunk_keys, fingerprint, dest, tenants, finish, batch)
+            except BaseException as exc:  # every future of the group settles, whatever happens
+                finish(0)
+                for i in idx:
+                    if not batch.futures[i].done():
+                        batch.futures[i].set_exception(exc)
 
         for g in groups:
             try:
@@ -296,6 +305,7 @@ class L4Store:
         fingerprint: bytes,
         dest: Dest,
         tenants: Collection[str] | None,
+        finish: Callable[[int], None],
         batch: ReadBatch,
     ) -> None:
         names = [keys.chunk(chunk_keys[i]) for i in idx]
@@ -323,10 +333,13 @@ class L4Store:
         try:
             replies = self._call("get", go)
         except L4Unavailable as exc:
+            finish(0)
             for i in idx:
                 batch.futures[i].set_exception(exc)
             return
-        got = 0
+        got = sum(r.size for r in replies if r.error is None and r.header is not None)
+        finish(got)
+        self._timed("get", time.perf_counter() - t0, got, len(idx))
         for i, rep in zip(idx, replies, strict=True):
             key = chunk_keys[i]
             fut = batch.futures[i]
@@ -346,12 +359,8 @@ class L4Store:
                 self.count("misses")
                 fut.set_exception(ChunkNotFound(f"chunk {key.hex()} is not in L4"))
                 continue
-            got += rep.size
             self.count("hits")
             fut.set_result(rep.header)
-        with self._lock:
-            batch.nbytes += got
-        self._timed("get", time.perf_counter() - t0, got, len(idx))
 
     # -- session records -------------------------------------------------------------------------
 
