@@ -444,3 +444,21 @@ def test_a_slow_l4_is_measured_and_recomputed(tmp_path: Path, model, redis_serve
             assert src == "recompute" and restored == 0
     finally:
         a.close()
+
+
+def test_a_restarted_host_finds_chunks_its_l3_lost_in_l4(tmp_path: Path, model, redis_server):
+    """A session record from L3 whose chunks L3 no longer holds restores from L4."""
+    from kvtier.tiers.l3 import L3Store
+
+    a = TieredCache(config(tmp_path / "a", redis_server.url), model)
+    seq, _, _ = turn(model, a, "s1", prompt(70))
+    hibernate_to_l4(a, "s1")
+    s = a.session("s1", tenant="t")
+    lost = [*s.chunk_keys, s.tail_key]
+    a.close()
+    store = L3Store(tmp_path / "a")
+    assert all(store.delete(k) for k in lost)
+    store.close()
+    with TieredCache(config(tmp_path / "a", redis_server.url), model) as again:
+        _, src, restored = turn(model, again, "s1", torch.cat([seq, torch.tensor([[4]])], 1))
+        assert src == "l4" and restored == seq.shape[1] - 1
