@@ -40,6 +40,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from kvtier.cache.session import Session
 
 log = logging.getLogger("kvtier.cache")
+KNOWN_MAX = 1 << 20  # chunk keys remembered as L4 candidates (about 100 MB at most)
 
 
 @dataclass
@@ -47,6 +48,7 @@ class _Job:
     record: SessionRecord
     chunks: list[tuple[bytes, bytes, int, str]]  # key, parent, tokens, tenant
     not_before: float
+    delete: bool = False  # drop the session's record instead
 
 
 @dataclass
@@ -71,7 +73,9 @@ class SharedTier:
             streams=cfg.l4_read_streams,
             breaker=Breaker(backoff_s=cfg.l4_backoff_s),
         )
-        self.known: dict[bytes, int] = {}
+        # key -> tokens of chunks believed in L4 (oldest forgotten first past KNOWN_MAX);
+        # written by the cache's threads and the L4 threads: single dict operations only
+        self.known: collections.OrderedDict[bytes, int] = collections.OrderedDict()
         self.min_idle_s = cfg.l4_min_idle_s
         self.queue_max = cfg.l4_write_queue
         self._jobs: collections.deque[_Job] = collections.deque()
@@ -106,18 +110,26 @@ class SharedTier:
         C = self.cache.chunk_tokens
         n_tokens = len(rec.token_ids) // 4
         for i, key in enumerate(rec.chunk_keys):
-            self.known.setdefault(key, min(C, n_tokens - i * C))
+            self.remember(key, min(C, n_tokens - i * C))
+
+    def remember(self, key: bytes, tokens: int) -> None:
+        self.known[key] = tokens
+        while len(self.known) > KNOWN_MAX:
+            try:
+                self.known.popitem(last=False)
+            except KeyError:  # emptied by another thread meanwhile
+                break
 
     def forget_session(self, s: Session) -> None:
-        """A closed session: drop its record from L4 too (off the caller's path)."""
-        fp, tenant, sid = self.cache.fingerprint, s.tenant, s.session_id
-        threading.Thread(target=self._delete_record, args=(fp, tenant, sid), daemon=True).start()
-
-    def _delete_record(self, fp: bytes, tenant: str, sid: str) -> None:
-        try:
-            self.store.delete_record(fp, tenant, sid)
-        except StoreError as exc:
-            log.info("L4 record delete skipped: %s", exc)
+        """A closed session: its record leaves L4 too, through the write queue (in order
+        after any write of it queued before; never shed)."""
+        rec = SessionRecord(s.session_id, s.tenant, self.cache.fingerprint, b"", (), False,
+                            None, 0.0, "closed")  # fmt: skip
+        with self._cv:
+            if self._stop:
+                return
+            self._jobs.append(_Job(rec, [], time.monotonic(), delete=True))
+            self._cv.notify_all()
 
     # -- restores (under the cache's lock, except the read threads) -----------------------------
 
@@ -232,12 +244,15 @@ class SharedTier:
                     self._cv.wait()
                 if self._stop and (not self._closing or not self._jobs):
                     return
-                job = self._jobs[0]
-                wait = job.not_before - time.monotonic()
+                # the first job due (a record delete is due at once; writes wait out
+                # l4_min_idle_s in the order they came); closing, every job is due
+                now = time.monotonic()
+                job = next((j for j in self._jobs if j.not_before <= now), self._jobs[0])
+                wait = job.not_before - now
                 if wait > 0 and not self._closing:
                     self._cv.wait(wait)
                     continue
-                self._jobs.popleft()
+                self._jobs.remove(job)
                 self._active = True
             try:
                 self._write_job(job)
@@ -272,6 +287,12 @@ class SharedTier:
 
     def _write_job(self, job: _Job) -> None:
         rec = job.record
+        if job.delete:
+            try:
+                self.store.delete_record(rec.fingerprint, rec.tenant, rec.session_id)
+            except StoreError as exc:
+                log.info("L4 record delete skipped: %s", exc)
+            return
         if not self._still_hibernated(rec):
             return  # restored again meanwhile: its next hibernate queues it anew
         try:
@@ -279,7 +300,7 @@ class SharedTier:
             for (key, parent, tokens, tenant), present in zip(job.chunks, have, strict=True):
                 if not present and not self._put_chunk(key, parent, tokens, tenant):
                     return  # the record is not published without its chunks
-                self.known[key] = tokens
+                self.remember(key, tokens)
             self.store.put_record(rec)
         except StoreError as exc:
             log.info("L4 write-behind of session %r stopped: %s", rec.session_id[:64], exc)

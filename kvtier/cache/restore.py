@@ -199,6 +199,8 @@ def publish(cache: TieredCache, s: Session, p: RestorePlan) -> str:
     deepest tier the prefix came from."""
     for i, fut in p.reads.items():
         settle_read(cache, p.segments[i][1], fut)
+        if i in p.l4_reads and fut.exception() is not None:
+            cache.counters.misses["l4"] += 1  # evicted, expired, damaged or unreachable
     usable = p.segments[: p.usable]
     unpin(p)
     C = cache.chunk_tokens

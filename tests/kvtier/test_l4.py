@@ -462,3 +462,27 @@ def test_a_restarted_host_finds_chunks_its_l3_lost_in_l4(tmp_path: Path, model, 
     with TieredCache(config(tmp_path / "a", redis_server.url), model) as again:
         _, src, restored = turn(model, again, "s1", torch.cat([seq, torch.tensor([[4]])], 1))
         assert src == "l4" and restored == seq.shape[1] - 1
+
+
+def test_closing_a_session_drops_its_l4_record_at_once(tmp_path: Path, model, redis_server):
+    """A record delete is not held up behind writes waiting out l4_min_idle_s."""
+    a = TieredCache(config(tmp_path / "a", redis_server.url), model)
+    slow = config(tmp_path / "b", redis_server.url, l4_min_idle_s=3600)
+    b = TieredCache(slow, model)
+    try:
+        turn(model, a, "s1", prompt(40))
+        hibernate_to_l4(a, "s1")
+        r = redis_server.client()
+        assert r.exists(keys.record(a.fingerprint, "t", "s1"))
+        turn(model, b, "other", prompt(40, seed=2))
+        b.session("other", tenant="t").hibernate()  # queued for an hour
+        b.session("s1", tenant="t").close()  # found in L4, then closed
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and r.exists(keys.record(a.fingerprint, "t", "s1")):
+            time.sleep(0.05)
+        assert not r.exists(keys.record(a.fingerprint, "t", "s1"))
+        with TieredCache(config(tmp_path / "c", redis_server.url), model) as c:
+            assert c.session("s1", tenant="t").tokens == []  # gone for every host
+    finally:
+        a.close()
+        b.close()
