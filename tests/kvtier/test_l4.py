@@ -486,3 +486,31 @@ def test_closing_a_session_drops_its_l4_record_at_once(tmp_path: Path, model, re
     finally:
         a.close()
         b.close()
+
+
+def test_a_slow_redis_times_out_opens_the_breaker_and_recomputes(
+    tmp_path: Path, model, redis_server
+) -> None:
+    a = TieredCache(config(tmp_path / "a", redis_server.url), model)
+    b = TieredCache(config(tmp_path / "b", redis_server.url, l4_timeout_s=0.3), model)
+    try:
+        seq, _, _ = turn(model, a, "s1", prompt(70))
+        hibernate_to_l4(a, "s1")
+        b.session("s1", tenant="t")
+        redis_server.client().client_pause(3000)  # Redis answers nothing for 3 s
+        t0 = time.perf_counter()
+        _, src, restored = turn(model, b, "s1", torch.cat([seq, torch.tensor([[3]])], 1))
+        assert src == "recompute" and restored == 0
+        assert time.perf_counter() - t0 < 2.5  # the timeout, not the pause
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and b.stats().l4["breaker"] == "closed":
+            time.sleep(0.05)  # the health ping times out too: two in a row open it
+        assert b.stats().l4["breaker"] != "closed"
+        time.sleep(3.5)  # the pause ends; the half-open probe closes the breaker
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and b.stats().l4["breaker"] != "closed":
+            time.sleep(0.05)
+        assert b.stats().l4["up"]
+    finally:
+        a.close()
+        b.close()
