@@ -57,7 +57,7 @@ class CacheConfig:
     l4_url: str | None = None  # redis://[:password@]host:port/db
     l4_ttl_s: float | None = 86400.0  # chunks and records expire this long after their write
     l4_min_idle_s: float = 0.0  # write a hibernated session to L4 once idle this long
-    l4_write_queue: int = 256  # chunks queued for L4 at most; a session beyond it is shed
+    l4_write_queue: int = 256  # chunks queued for L4 at most; a session past it is shed
     l4_read_streams: int = 4  # parallel pipelined connections of one restore's L4 reads
     l4_timeout_s: float = 2.0  # a Redis call slower than this fails (and counts for the breaker)
     l4_backoff_s: float = 1.0  # the breaker's first wait before a probe (doubles to 30 s)

@@ -24,7 +24,7 @@ import logging
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvtier.cache.keys import SHARED_TENANT
@@ -46,7 +46,7 @@ KNOWN_MAX = 1 << 20  # chunk keys remembered as L4 candidates (about 100 MB at m
 @dataclass
 class _Job:
     record: SessionRecord
-    chunks: list[tuple[bytes, bytes, int, str]]  # key, parent, tokens, tenant
+    chunks: list[tuple[bytes, int]]  # key, tokens
     not_before: float
     delete: bool = False  # drop the session's record instead
 
@@ -195,19 +195,17 @@ class SharedTier:
         """Queue the hibernated session for L4 (under the cache's lock); shed when full."""
         d = self.cache.directory
         chunks = []
-        parent = bytes(16)
         for key in rec.chunk_keys:
             e = d.get(key)
             tokens = e.tokens if e is not None else d.l3_tokens.get(key, 0)
-            tenant = (e.tenant if e is not None else "") or s.tenant
-            if tokens <= 0:
-                break  # no tier holds it any more: the record keeps the prefix before it
-            chunks.append((key, parent, tokens, tenant))
-            parent = key
+            # 0: no tier here holds it (a session found in L4): the writer checks L4 has it
+            chunks.append((key, tokens))
         with self._cv:
             if self._stop or self._closing:
                 return
-            if self._queued + len(chunks) > self.queue_max:
+            # the queue holds keys, not bytes: one session longer than the bound still goes
+            # when nothing else waits, else long contexts would never reach L4
+            if self._queued and self._queued + len(chunks) > self.queue_max:
                 self.store.count("writes_shed", max(1, len(chunks)))
                 return
             self._jobs.append(_Job(rec, chunks, time.monotonic() + self.min_idle_s))
@@ -296,16 +294,19 @@ class SharedTier:
         if not self._still_hibernated(rec):
             return  # restored again meanwhile: its next hibernate queues it anew
         try:
-            have = self.store.exists([k for k, _, _, _ in job.chunks])
-            for (key, parent, tokens, tenant), present in zip(job.chunks, have, strict=True):
-                if not present and not self._put_chunk(key, parent, tokens, tenant):
+            have = self.store.exists([k for k, _ in job.chunks])
+            for (key, tokens), present in zip(job.chunks, have, strict=True):
+                if not present and not (tokens and self._put_chunk(key)):
                     return  # the record is not published without its chunks
-                self.remember(key, tokens)
+                if tokens:
+                    self.remember(key, tokens)
             self.store.put_record(rec)
         except StoreError as exc:
             log.info("L4 write-behind of session %r stopped: %s", rec.session_id[:64], exc)
 
-    def _put_chunk(self, key: bytes, parent: bytes, tokens: int, tenant: str) -> bool:
+    def _put_chunk(self, key: bytes) -> bool:
+        """Put one chunk from an idle L2 copy (pinned meanwhile), else from L3 (verified);
+        False if neither holds it any more."""
         cache = self.cache
         pinned: Chunk | None = None
         write: Future[Any] | None = None
@@ -317,7 +318,7 @@ class SharedTier:
                     write = e.l3_write
                 elif (
                     e is not None
-                    and key not in cache.directory.l3_tokens
+                    and e.tenant  # known for chunks written from L1 (else L3's header says)
                     and e.l2_slot is not None
                     and e.l3_read is None
                     and not cache.engine.busy(e.l2_slot)
@@ -330,7 +331,7 @@ class SharedTier:
             write.exception()  # the L3 write lands first; the chunk is read back from there
         if pinned is not None:
             try:
-                header = replace(cache._header(pinned), tenant=tenant)
+                header = cache._header(pinned)
                 assert pinned.l2_slot is not None
                 view = memoryview(cache.l2.buffer(pinned.l2_slot)).cast("B")
                 self.store.put_chunk(header, view[: header.payload_len])

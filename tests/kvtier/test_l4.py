@@ -281,13 +281,28 @@ def test_tenants_are_isolated_in_l4(tmp_path: Path, model, redis_server) -> None
 
 
 def test_write_behind_sheds_when_its_queue_is_full(tmp_path: Path, model, redis_server) -> None:
-    cfg = config(tmp_path / "a", redis_server.url, l4_write_queue=2)
+    cfg = config(tmp_path / "a", redis_server.url, l4_write_queue=6, l4_min_idle_s=3600)
     with TieredCache(cfg, model) as a:
-        turn(model, a, "s1", prompt(70))  # 5 chunks: more than the queue holds
-        hibernate_to_l4(a, "s1")
+        turn(model, a, "s1", prompt(70))  # 5 chunks
+        a.session("s1", tenant="t").hibernate()  # queued (for an hour)
+        turn(model, a, "s2", prompt(70, seed=1))  # 5 more: past the 6 the queue holds
+        a.session("s2", tenant="t").hibernate()
         snap = a.stats()
         assert snap.l4["writes_shed"] == 5 and snap.l4["put_count"] == 0
         assert not redis_server.client().keys("kvtier:*")
+    # closing writes what is queued (from L3) and nothing that was shed
+    r = redis_server.client()
+    assert r.exists(keys.record(a.fingerprint, "t", "s1"))
+    assert not r.exists(keys.record(a.fingerprint, "t", "s2"))
+
+
+def test_a_session_longer_than_the_queue_goes_when_nothing_waits(
+    tmp_path: Path, model, redis_server
+) -> None:
+    with TieredCache(config(tmp_path / "a", redis_server.url, l4_write_queue=2), model) as a:
+        turn(model, a, "s1", prompt(70))  # 5 chunks, the queue holds 2
+        hibernate_to_l4(a, "s1")
+        assert a.stats().l4["put_count"] == 5 and a.stats().l4["writes_shed"] == 0
 
 
 def test_min_idle_writes_only_sessions_that_stay_hibernated(
