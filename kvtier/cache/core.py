@@ -185,29 +185,31 @@ class TieredCache(LifecycleMixin):
 
     def session(self, session_id: str, tenant: str = "default") -> Session:
         """Open a session, or find it again (after a restart from L3; hibernated on another
-        host from L4)."""
+        host, or hibernated here and resumed elsewhere since, from L4)."""
         if not isinstance(session_id, str) or not session_id:
             raise SessionError("session_id must be a non-empty string")
         _check_tenant(tenant)
         key = (tenant, session_id)
         with self._lock:
             self._check_open()
-            s = self._sessions.get(key)
-            if s is not None:  # hibernated sessions of earlier processes were loaded at start
-                return s
+            s = self._sessions.get(key)  # hibernated sessions of earlier processes: from L3
             if self.l4 is None:
-                s = self._sessions[key] = Session(self, session_id, tenant)
+                if s is None:
+                    s = self._sessions[key] = Session(self, session_id, tenant)
+                return s
+            if s is not None and s.state is not SessionState.HIBERNATED:
                 return s
         rec = self.l4.lookup(tenant, session_id)  # a Redis round trip: outside the lock
         with self._lock:
             self._check_open()
             s = self._sessions.get(key)
+            if rec is not None and rec.fingerprint != self.fingerprint:
+                rec = None
             if s is None:
-                if rec is not None and rec.fingerprint == self.fingerprint:
-                    s = self._from_record(rec)
-                else:
-                    s = Session(self, session_id, tenant)
+                s = self._from_record(rec) if rec else Session(self, session_id, tenant)
                 self._sessions[key] = s
+            elif rec and s.state is SessionState.HIBERNATED and rec.last_active > s.last_active:
+                self._from_record(rec, s)  # hibernated here, resumed elsewhere since
             return s
 
     def sessions(self) -> list[Session]:
@@ -222,9 +224,10 @@ class TieredCache(LifecycleMixin):
             if self.l4 is not None:  # chunks this host's L3 lost may still be in L4
                 self.l4.note_record(rec)
 
-    def _from_record(self, rec: SessionRecord) -> Session:
-        """A hibernated session from its record (L3's index, or L4)."""
-        s = Session(self, rec.session_id, rec.tenant)
+    def _from_record(self, rec: SessionRecord, s: Session | None = None) -> Session:
+        """A hibernated session from its record (L3's index, or L4); into `s` if given."""
+        if s is None:
+            s = Session(self, rec.session_id, rec.tenant)
         s.tokens = list(array("i", rec.token_ids))
         n_full = len(s.tokens) // self.chunk_tokens
         keys = list(rec.chunk_keys)

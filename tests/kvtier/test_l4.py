@@ -529,3 +529,27 @@ def test_a_slow_redis_times_out_opens_the_breaker_and_recomputes(
     finally:
         a.close()
         b.close()
+
+
+def test_turns_alternating_between_two_hosts_resume_from_l4(tmp_path: Path, model, redis_server):
+    """Each turn lands on the other host: a host that hibernated the session earlier adopts
+    the newer record another host wrote since, and loads the rest from L4."""
+    hosts = [
+        TieredCache(config(tmp_path / "a", redis_server.url), model),
+        TieredCache(config(tmp_path / "b", redis_server.url), model),
+    ]
+    try:
+        ids = prompt(40)
+        sources = []
+        for i in range(5):
+            cache = hosts[i % 2]
+            seq, src, restored = turn(model, cache, "s1", ids)
+            sources.append(src)
+            if i:
+                assert restored == ids.shape[1] - 4, (i, sources)  # all the previous turn held
+            hibernate_to_l4(cache, "s1")
+            ids = torch.cat([seq, torch.tensor([[i + 1, i + 2, i + 3]])], dim=1)
+        assert sources == ["recompute", "l4", "l4", "l4", "l4"]
+    finally:
+        for c in hosts:
+            c.close()
