@@ -97,3 +97,9 @@ class AuthenticationFailed(ChecksumMismatch):
 class TenantKeyShredded(StoreError):
     """The data key that sealed this chunk or record was destroyed (crypto-shred): the bytes
     are unreadable for good. Treat it as a miss; `kvtier l3 gc` removes the files."""
+
+
+class L4Unavailable(StoreError):
+    """The shared tier (Redis) is down, slow or refused the call, or its circuit breaker is
+    open. kvtier never passes it to a caller: it serves from L3 or recomputes instead; check
+    the Redis server (`redis-cli -u <l4_url> ping`) and its logs."""

@@ -10,6 +10,7 @@ kvtop renders it. This module imports nothing but the standard library's typing 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 # Upper bounds (seconds) of the restore-latency histogram buckets; shared with the exporter.
 RESTORE_BUCKETS: tuple[float, ...] = (
@@ -33,7 +34,7 @@ RESTORE_BUCKETS: tuple[float, ...] = (
 class TierStats:
     """One tier's occupancy and hit counters. Counters are totals since the cache started."""
 
-    tier: str  # "l1" | "l2" | "l3"
+    tier: str  # "l1" | "l2" | "l3" | "l4" (only with a shared tier)
     capacity_bytes: int
     used_bytes: int
     chunks: int
@@ -97,6 +98,10 @@ class CacheSnapshot:
     oom_retries: int = 0
     record_errors: int = 0  # session records that could not be saved or deleted in L3
     sessions: tuple[SessionInfo, ...] = field(default=(), compare=False)
+    # The shared tier: None without one, else the dict of `L4Store.stats()` (keys up, breaker,
+    # bytes_written, bytes_read, hits, misses, errors, writes_shed, get_seconds_sum,
+    # get_count, put_seconds_sum, put_count, url); docs/architecture.md, "L4".
+    l4: dict[str, Any] | None = field(default=None, compare=False)
 
     def tier(self, name: str) -> TierStats | None:
         return next((t for t in self.tiers if t.tier == name), None)

@@ -11,6 +11,7 @@ class Tier(str, enum.Enum):
     L1 = "l1"
     L2 = "l2"
     L3 = "l3"
+    L4 = "l4"  # the shared tier (Redis)
 
 
 class SessionState(str, enum.Enum):
@@ -26,6 +27,7 @@ class RestoreSource(str, enum.Enum):
     L1 = "l1"
     L2 = "l2"
     L3 = "l3"
+    L4 = "l4"
     RECOMPUTE = "recompute"
 
 

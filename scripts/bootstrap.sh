@@ -34,10 +34,11 @@ fi
 
 if [ "$mode" = "dev" ]; then
   # Debian packages the tests use: promtool + prometheus server (rules tests, real scrape),
-  # tmux (kvtop end-to-end). Installed only when missing.
+  # tmux (kvtop end-to-end), redis-server (the L4 tests start one). Installed only when missing.
   need=()
   command -v promtool >/dev/null || need+=(prometheus)
   command -v tmux >/dev/null || need+=(tmux)
+  command -v redis-server >/dev/null || need+=(redis-server)
   if [ ${#need[@]} -gt 0 ]; then
     if [ "$(id -u)" -eq 0 ]; then
       echo "bootstrap: apt-get install ${need[*]}"

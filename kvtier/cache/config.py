@@ -58,6 +58,15 @@ class CacheConfig:
     # encrypted store needs its key to start; a wrong one is refused before anything is read.
     encrypt: bool = False
     master_key_file: str | Path | None = None
+    # L4, the shared tier on Redis (docs/architecture.md, "L4"); None: no shared tier.
+    l4_url: str | None = None  # redis://[:password@]host:port/db
+    l4_ttl_s: float | None = 86400.0  # chunks and records expire this long after their write
+    l4_min_idle_s: float = 0.0  # write a hibernated session to L4 once idle this long
+    l4_write_queue: int = 256  # chunks queued for L4 at most; a session past it is shed
+    l4_read_streams: int = 4  # parallel pipelined connections of one restore's L4 reads
+    l4_timeout_s: float = 2.0  # a Redis call slower than this fails (and counts for the breaker)
+    l4_backoff_s: float = 1.0  # the breaker's first wait before a probe (doubles to 30 s)
+    l4_health_s: float = 5.0  # ping period (latency, restarts, the half-open probe)
 
     def __post_init__(self) -> None:
         if self.chunk_tokens <= 0 or self.chunk_tokens % 16:
@@ -95,6 +104,7 @@ class CacheConfig:
         bad = {k: v for k, v in self.initial_bandwidth.items() if not v or v <= 0}
         if bad:
             raise ConfigError(f"initial_bandwidth values must be positive, got {bad}")
+        self._check_l4()
         if not str(self.l3_root):
             raise ConfigError("l3_root must name a directory")
         if self.encrypt and not self.master_key_file:
@@ -103,3 +113,21 @@ class CacheConfig:
                 "(create it with: (umask 077; head -c 32 /dev/urandom > PATH))"
             )
         self.l3_root = Path(self.l3_root)
+
+    def _check_l4(self) -> None:
+        if self.l4_url is not None and not self.l4_url.startswith(
+            ("redis://", "rediss://", "unix://")
+        ):
+            raise ConfigError(
+                "l4_url must be a Redis URL (redis://host:port/db, rediss://, unix://), or None"
+            )
+        if self.l4_ttl_s is not None and self.l4_ttl_s <= 0:
+            raise ConfigError("l4_ttl_s must be positive (or None: L4 values never expire)")
+        if self.l4_min_idle_s < 0:
+            raise ConfigError("l4_min_idle_s must be >= 0")
+        for name in ("l4_write_queue", "l4_read_streams"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("l4_timeout_s", "l4_backoff_s", "l4_health_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")

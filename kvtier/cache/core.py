@@ -33,6 +33,7 @@ from kvtier.cache.config import CacheConfig
 from kvtier.cache.costmodel import CostModel
 from kvtier.cache.directory import Chunk, ChunkDirectory
 from kvtier.cache.keys import SHARED_TENANT, TENANT_MAX_BYTES, chunk_key, namespace
+from kvtier.cache.l4 import SharedTier
 from kvtier.cache.lifecycle import LifecycleMixin
 from kvtier.cache.session import Session
 from kvtier.cache.stats import Counters, SnapshotInputs, build_snapshot
@@ -99,7 +100,7 @@ class TieredCache(LifecycleMixin):
             self.l2, self.engine = self._build_tiers(config, undo)
             self._claim_l1()
             self.cost = CostModel(
-                config.initial_bandwidth,
+                {"l4": 1e9, **config.initial_bandwidth},
                 config.initial_prefill_s_per_token,
                 margin=config.load_margin,
             )
@@ -123,6 +124,10 @@ class TieredCache(LifecycleMixin):
             self.l3.add_evict_listener(self.directory.on_l3_evicted)
             self._bg = ThreadPoolExecutor(1, thread_name_prefix="kvtier-records")
             undo.callback(self._bg.shutdown, wait=True)
+            self.l4: SharedTier | None = None
+            if config.l4_url is not None:  # the shared tier; Redis may be down: it degrades
+                self.l4 = SharedTier(self)
+                undo.callback(self.l4.close)
             self._load_hibernated()
             undo.pop_all()
 
@@ -185,17 +190,32 @@ class TieredCache(LifecycleMixin):
     # -- sessions -------------------------------------------------------------------------------
 
     def session(self, session_id: str, tenant: str = "default") -> Session:
-        """Open a session, or find it again (also after a restart, from L3)."""
+        """Open a session, or find it again (after a restart from L3; hibernated on another
+        host, or hibernated here and resumed elsewhere since, from L4)."""
         if not isinstance(session_id, str) or not session_id:
             raise SessionError("session_id must be a non-empty string")
         _check_tenant(tenant)
+        key = (tenant, session_id)
         with self._lock:
             self._check_open()
-            key = (tenant, session_id)
+            s = self._sessions.get(key)  # hibernated sessions of earlier processes: from L3
+            if self.l4 is None:
+                if s is None:
+                    s = self._sessions[key] = Session(self, session_id, tenant)
+                return s
+            if s is not None and s.state is not SessionState.HIBERNATED:
+                return s
+        rec = self.l4.lookup(tenant, session_id)  # a Redis round trip: outside the lock
+        with self._lock:
+            self._check_open()
             s = self._sessions.get(key)
-            if s is None:  # hibernated sessions of earlier processes were loaded at start
-                s = Session(self, session_id, tenant)
+            if rec is not None and rec.fingerprint != self.fingerprint:
+                rec = None
+            if s is None:
+                s = self._from_record(rec) if rec else Session(self, session_id, tenant)
                 self._sessions[key] = s
+            elif rec and s.state is SessionState.HIBERNATED and rec.last_active > s.last_active:
+                self._from_record(rec, s)  # hibernated here, resumed elsewhere since
             return s
 
     def sessions(self) -> list[Session]:
@@ -206,18 +226,25 @@ class TieredCache(LifecycleMixin):
         for rec in self.l3.list_sessions():
             if rec.fingerprint != self.fingerprint:
                 continue
+            self._sessions[(rec.tenant, rec.session_id)] = self._from_record(rec)
+            if self.l4 is not None:  # chunks this host's L3 lost may still be in L4
+                self.l4.note_record(rec)
+
+    def _from_record(self, rec: SessionRecord, s: Session | None = None) -> Session:
+        """A hibernated session from its record (L3's index, or L4); into `s` if given."""
+        if s is None:
             s = Session(self, rec.session_id, rec.tenant)
-            s.tokens = list(array("i", rec.token_ids))
-            n_full = len(s.tokens) // self.chunk_tokens
-            keys = list(rec.chunk_keys)
-            s.chunk_keys = keys[:n_full]
-            s.tail_key = keys[n_full] if len(keys) > n_full else None
-            s.flushed = n_full
-            s.pinned = rec.pinned
-            s.ttl_s = rec.ttl_s
-            s.last_active = rec.last_active
-            s.state = SessionState.HIBERNATED
-            self._sessions[(rec.tenant, rec.session_id)] = s
+        s.tokens = list(array("i", rec.token_ids))
+        n_full = len(s.tokens) // self.chunk_tokens
+        keys = list(rec.chunk_keys)
+        s.chunk_keys = keys[:n_full]
+        s.tail_key = keys[n_full] if len(keys) > n_full else None
+        s.flushed = n_full
+        s.pinned = rec.pinned
+        s.ttl_s = rec.ttl_s
+        s.last_active = rec.last_active
+        s.state = SessionState.HIBERNATED
+        return s
 
     def _record(self, s: Session) -> SessionRecord:
         keys = tuple(s.chunk_keys) + ((s.tail_key,) if s.tail_key else ())
@@ -318,6 +345,8 @@ class TieredCache(LifecycleMixin):
         shared = chunk_key(parent, toks, self._shared_ns)
         d = self.directory
         if d.get(shared) is not None or (self._published and d.in_l3(shared)):
+            return shared
+        if self.l4 is not None and shared in self.l4.known:  # published on another host
             return shared
         return chunk_key(parent, toks, s.ns)
 
@@ -448,8 +477,10 @@ class TieredCache(LifecycleMixin):
                 l2_free=self.l2.free_slots,
                 l2_slot_bytes=self.l2.slot_bytes,
                 sessions=tuple(s.info() for s in self._sessions.values()),
+                l4_chunks=len(self.l4.known) if self.l4 is not None else 0,
             )
-        return build_snapshot(inputs, self.l3.stats(), self.engine.stats())
+        l4 = self.l4.stats() if self.l4 is not None else None
+        return build_snapshot(inputs, self.l3.stats(), self.engine.stats(), l4)
 
 
 def _check_tenant(tenant: str) -> None:

@@ -55,6 +55,7 @@ class CostModel:
         self.outlier = outlier
         self.probe_every = probe_every
         self.prefill_min_tokens = prefill_min_tokens
+        self.latency: dict[str, float] = {}  # seconds per round trip by source tier (L4)
         self.samples: dict[str, int] = {}
         # while set: every plan loads all segments, and samples replace the estimates (see the
         # module docstring); for a warm-up that has paid the set-up of every path
@@ -78,6 +79,14 @@ class CostModel:
             return
         self.bandwidth[src] = self._ema(self.bandwidth.get(src, 0.0), nbytes / seconds, src)
 
+    def observe_latency(self, src: str, seconds: float) -> None:
+        """A round trip to `src` (a tier behind a network: L4); each plan that loads from it
+        pays it once on top of its bytes."""
+        if seconds <= 0:
+            return
+        name = f"{src}_latency"
+        self.latency[src] = self._ema(self.latency.get(src, 0.0), seconds, name, bound_first=False)
+
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         if tokens <= 0 or seconds <= 0:
             return
@@ -89,6 +98,13 @@ class CostModel:
 
     def load_seconds(self, src: str, nbytes: int) -> float:
         return nbytes / self.bandwidth[src]
+
+    def plan_latency(self, src: str, seen: set[str]) -> float:
+        """The round trip of `src` if this plan has not paid it yet."""
+        if src in seen:
+            return 0.0
+        seen.add(src)
+        return self.latency.get(src, 0.0)
 
     def recompute_seconds(self, tokens: int) -> float:
         return tokens * self.prefill_s_per_token
@@ -103,8 +119,9 @@ class CostModel:
             return len(segments)
         best_k, best_saving = 0, 0.0
         load = tokens = 0.0
+        seen: set[str] = set()
         for k, (src, nbytes, ntok) in enumerate(segments, start=1):
-            load += self.load_seconds(src, nbytes) * self.margin
+            load += (self.load_seconds(src, nbytes) + self.plan_latency(src, seen)) * self.margin
             tokens += ntok
             saving = self.recompute_seconds(int(tokens)) - load
             if saving > best_saving:

@@ -47,7 +47,7 @@ class Chunk:
     tenant: str = ""  # the tenant its L3 header names (the shared tenant for published chunks)
     l2_slot: int | None = None
     l3_write: Future[Any] | None = None  # in-flight L2 -> L3 write
-    l3_read: Future[Any] | None = None  # in-flight L3 -> L2 read (prefetch or restore)
+    l3_read: Future[Any] | None = None  # in-flight L3 (or L4) -> L2 read (prefetch or restore)
     pins: int = 0  # restores copying from this chunk's L2 slot right now
     seen: int = 0
 
@@ -239,13 +239,18 @@ class ChunkDirectory:
     def start_read(self, e: Chunk, fingerprint: bytes) -> Future[Any] | None:
         """Reserve an L2 slot for `e` and start reading it from L3 (or join the read in
         flight); None if L2 has no free slot."""
+        return self.start_fetch(e, lambda slot: self.engine.read_l3(e.key, slot, fingerprint))
+
+    def start_fetch(self, e: Chunk, fetch: Callable[[int], Future[Any]]) -> Future[Any] | None:
+        """`start_read` with another source: `fetch(slot)` starts filling the slot (L4 reads
+        come this way); the read is tracked and settled like an L3 read."""
         if e.l3_read is not None:
             return e.l3_read
         slot = self.alloc()
         if slot is None:
             return None
         e.l2_slot = slot  # reserved: usable once the read succeeded
-        e.l3_read = self.engine.read_l3(e.key, slot, fingerprint)
+        e.l3_read = fetch(slot)
         self.reading.add(e.key)
         self.policy.touch(e.key)
         return e.l3_read
@@ -268,7 +273,7 @@ class ChunkDirectory:
         ):
             self._n.checksum_failures += isinstance(exc, KvbinFormatError)
             self.forget_l3(e.key)
-        log.warning("L3 read of %s failed (%s); recomputing from there", e.key.hex(), exc)
+        log.warning("read of %s into L2 failed (%s); recomputing from there", e.key.hex(), exc)
 
     # -- L2 slots ----------------------------------------------------------------------------------
 

@@ -27,6 +27,7 @@ from kvtier.types import SessionState
 if TYPE_CHECKING:  # pragma: no cover
     from kvtier.cache.config import CacheConfig
     from kvtier.cache.costmodel import CostModel
+    from kvtier.cache.l4 import SharedTier
     from kvtier.cache.stats import Counters
     from kvtier.tiers.l2 import HostArena
     from kvtier.tiers.l3 import L3Store, SessionRecord, ShredReport
@@ -53,6 +54,7 @@ class LifecycleMixin:
     _published: bool
     _sessions: dict[tuple[str, str], Session]
     _bg: ThreadPoolExecutor
+    l4: SharedTier | None
 
     if TYPE_CHECKING:  # pragma: no cover
 
@@ -192,6 +194,7 @@ class LifecycleMixin:
             s.state = SessionState.HIBERNATED
             if not wait:  # an admission eviction: keep the SQLite commit off the request's path
                 self._submit_record(self.l3.save_session, self._record(s))
+                self._to_l4(s)
                 return
             writes = self._queue_session_writes(s)
         for _, fut in writes:  # the fsyncs: outside the lock
@@ -202,7 +205,13 @@ class LifecycleMixin:
             if self._closed or s.state is not SessionState.HIBERNATED:
                 return  # closed (close saved it) or restored again meanwhile
             saved = self._submit_record(self.l3.save_session, self._record(s))
+            self._to_l4(s)
         saved.exception()  # in order after every record queued before it; errors are counted
+
+    def _to_l4(self, s: Session) -> None:
+        """Write-behind of a hibernated session to the shared tier (queued, may be shed)."""
+        if self.l4 is not None:
+            self.l4.enqueue(s, self._record(s))
 
     def _queue_session_writes(self, s: Session) -> list[tuple[Chunk, Future[Any]]]:
         """Queue L3 writes of the session's chunks that only L2 holds; returns the writes in
@@ -229,6 +238,8 @@ class LifecycleMixin:
             self._sessions.pop((s.tenant, s.session_id), None)
             # through the record thread, so it lands after any save queued before it
             self._submit_record(self.l3.delete_session, s.session_id, s.tenant)
+            if self.l4 is not None:
+                self.l4.forget_session(s)
 
     # -- sharing ---------------------------------------------------------------------------------
 
@@ -342,6 +353,8 @@ class LifecycleMixin:
                         fut.exception()
                         self.directory.settle_write(e, fut)
                     self._submit_record(self.l3.save_session, self._record(s))
+            if self.l4 is not None:  # its queued writes read L3, which is still open
+                self.l4.close()
             self._closed = True
             self._bg.shutdown(wait=True)
             self.engine.close()

@@ -35,6 +35,8 @@ class RestorePlan:
     want: list[int]
     segments: list[tuple[str, Chunk]]
     reads: dict[int, Future[Any]] = field(default_factory=dict)  # segment index -> its L3 read
+    l4_reads: set[int] = field(default_factory=set)  # the reads above that come from L4
+    l4: Any = None  # kvtier.cache.l4.PendingReads of this plan
     usable: int = 0  # leading segments whose bytes reached L1
     l3_bytes: int = 0
     t_l3: float = 0.0
@@ -51,7 +53,8 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 def locate(cache: TieredCache, key: bytes, parent: bytes = ZERO_KEY) -> tuple[Chunk | None, str]:
     """Where `key` can be loaded from: "l2" (a ready slot, or a read in flight that the
-    restore waits for outside the lock) or "l3" (a file). Never waits."""
+    restore waits for outside the lock), "l3" (a file) or "l4" (believed in the shared tier).
+    Never waits."""
     d = cache.directory
     e = d.get(key)
     if e is not None and e.l3_read is not None and e.l3_read.done():
@@ -63,6 +66,8 @@ def locate(cache: TieredCache, key: bytes, parent: bytes = ZERO_KEY) -> tuple[Ch
         return e, "l2"  # a prefetch is bringing it into L2; the restore waits for it
     tokens = d.l3_tokens.get(key)
     if tokens is None:
+        if cache.l4 is not None and cache.l4.store.up and (tokens := cache.l4.known.get(key)):
+            return d.ensure(key, parent, tokens), "l4"
         return None, ""
     return d.ensure(key, parent, tokens), "l3"
 
@@ -113,6 +118,8 @@ def plan(cache: TieredCache, s: Session, want: list[int]) -> RestorePlan | None:
                 entry.tenant = s.tenant
         if entry is None:
             n.misses["l3"] += 1
+            if cache.l4 is not None:
+                n.misses["l4"] += 1
             break
         segments.append((src, entry))
         parent = entry.key
@@ -129,11 +136,17 @@ def plan(cache: TieredCache, s: Session, want: list[int]) -> RestorePlan | None:
         loaded = sum(e.tokens for _, e in segments)
         cache.alloc_l1(s, max(len(want) + 1, loaded))
         s.tokens, s.chunk_keys, s.flushed, s.tail_key = [], [], 0, None
+        p.l4 = cache.l4.pending() if cache.l4 is not None else None
         for i, (src, e) in enumerate(segments):
-            if src != "l3" and e.l3_read is None:
+            if src not in ("l3", "l4") and e.l3_read is None:
                 continue
-            fut = start_read(cache, e)
+            if src == "l4" and e.l3_read is None:
+                fut = cache.directory.start_fetch(e, cache.l4.fetcher(p.l4, e.key))  # type: ignore[union-attr]
+                p.l4_reads.add(i)
+            else:
+                fut = start_read(cache, e)
             if fut is None:  # L2 is all in flight: load the prefix before this chunk
+                p.l4_reads.discard(i)
                 for _, rest in segments[i:]:
                     rest.pins -= 1
                 del segments[i:]
@@ -142,6 +155,9 @@ def plan(cache: TieredCache, s: Session, want: list[int]) -> RestorePlan | None:
     except BaseException:
         unpin(p)
         raise
+    finally:
+        if p.l4 is not None:  # every registered L4 read starts (and settles), whatever happened
+            cache.l4.launch(p.l4, s.tenant)  # type: ignore[union-attr]
     return p
 
 
@@ -161,7 +177,9 @@ def load(cache: TieredCache, s: Session, p: RestorePlan) -> None:
             usable = min(usable, i)
             break
     p.l3_bytes = sum(
-        cache.codec.payload_bytes(p.segments[i][1].tokens) for i in p.reads if i < usable
+        cache.codec.payload_bytes(p.segments[i][1].tokens)
+        for i in p.reads
+        if i < usable and i not in p.l4_reads
     )
     p.t_l3 = time.perf_counter() - t0
     rate = cache.config.l3_read_bytes_per_s
@@ -187,6 +205,8 @@ def publish(cache: TieredCache, s: Session, p: RestorePlan) -> str:
     deepest tier the prefix came from."""
     for i, fut in p.reads.items():
         settle_read(cache, p.segments[i][1], fut)
+        if i in p.l4_reads and fut.exception() is not None:
+            cache.counters.misses["l4"] += 1  # evicted, expired, damaged or unreachable
     usable = p.segments[: p.usable]
     unpin(p)
     C = cache.chunk_tokens
@@ -199,7 +219,7 @@ def publish(cache: TieredCache, s: Session, p: RestorePlan) -> str:
         pos += e.tokens
         n.hits[src] += 1
         n.restored_tokens[src] += e.tokens
-        if deepest == RestoreSource.RECOMPUTE.value or src == "l3":
+        if _DEPTH[src] > _DEPTH[deepest]:
             deepest = src
         cache.directory.policy.touch(e.key)
     s.flushed = len(s.chunk_keys)
@@ -210,10 +230,21 @@ def publish(cache: TieredCache, s: Session, p: RestorePlan) -> str:
         l2_bytes = sum(cache.codec.payload_bytes(e.tokens) for _, e in usable)
         if p.l3_bytes:
             cache.cost.observe_load("l3", p.l3_bytes, p.t_l3 + p.t_l2 * p.l3_bytes / l2_bytes)
-        if p.l3_bytes < l2_bytes:
-            l2_only = l2_bytes - p.l3_bytes
+        l4_bytes = sum(
+            cache.codec.payload_bytes(e.tokens)
+            for i, (_, e) in enumerate(usable)
+            if i in p.l4_reads
+        )
+        if l4_bytes and cache.l4 is not None:
+            cache.l4.observe(p.l4, l4_bytes, p.t_l2 * l4_bytes / l2_bytes)
+        if p.l3_bytes + l4_bytes < l2_bytes:
+            l2_only = l2_bytes - p.l3_bytes - l4_bytes
             cache.cost.observe_load("l2", l2_only, p.t_l2 * l2_only / l2_bytes)
     return deepest
+
+
+# The deepest source of a restore names it (`restore_source`).
+_DEPTH = {RestoreSource.RECOMPUTE.value: 0, "l1": 1, "l2": 2, "l3": 3, "l4": 4}
 
 
 def prefetch(cache: TieredCache, s: Session) -> None:

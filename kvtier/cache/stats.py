@@ -27,8 +27,8 @@ from kvtier.types import RestoreSource, SessionState
 class Counters:
     """Totals since the cache started; read only through `build_snapshot`."""
 
-    hits: dict[str, int] = field(default_factory=lambda: {"l1": 0, "l2": 0, "l3": 0})
-    misses: dict[str, int] = field(default_factory=lambda: {"l1": 0, "l2": 0, "l3": 0})
+    hits: dict[str, int] = field(default_factory=lambda: {"l1": 0, "l2": 0, "l3": 0, "l4": 0})
+    misses: dict[str, int] = field(default_factory=lambda: {"l1": 0, "l2": 0, "l3": 0, "l4": 0})
     evictions: dict[str, int] = field(default_factory=lambda: {"l1": 0, "l2": 0, "l3": 0})
     decisions: dict[str, int] = field(default_factory=lambda: {s.value: 0 for s in RestoreSource})
     restored_tokens: dict[str, int] = field(
@@ -72,13 +72,16 @@ class SnapshotInputs:
     l2_free: int
     l2_slot_bytes: int
     sessions: tuple[SessionInfo, ...]
+    l4_chunks: int = 0  # chunks the shared tier is believed to hold
 
 
-def build_snapshot(inp: SnapshotInputs, l3: Any, eng: Any) -> CacheSnapshot:
+def build_snapshot(
+    inp: SnapshotInputs, l3: Any, eng: Any, l4: dict[str, Any] | None = None
+) -> CacheSnapshot:
     """Assemble the snapshot from copied numbers and the store's/engine's stats."""
     n = inp.counters
     l2_used = inp.l2_slots - inp.l2_free
-    tiers = (
+    tiers: tuple[TierStats, ...] = (
         TierStats(
             "l1",
             inp.l1_budget,
@@ -107,6 +110,20 @@ def build_snapshot(inp: SnapshotInputs, l3: Any, eng: Any) -> CacheSnapshot:
             l3.evictions,  # the store counts what its size cap and gc delete
         ),
     )
+    if l4 is not None:  # a shared tier: its memory as Redis last reported it
+        mem = l4.get("memory") or {}
+        tiers += (
+            TierStats(
+                "l4",
+                int(mem.get("maxmemory") or 0),
+                int(mem.get("used_memory") or 0),
+                inp.l4_chunks,
+                n.hits["l4"],
+                n.misses["l4"],
+                0,
+            ),
+        )
+        l4 = {k: v for k, v in l4.items() if k != "memory"}
     by_state: dict[str, int] = {st.value: 0 for st in SessionState if st.value != "closed"}
     for s in inp.sessions:
         by_state[s.state] = by_state.get(s.state, 0) + 1
@@ -135,4 +152,5 @@ def build_snapshot(inp: SnapshotInputs, l3: Any, eng: Any) -> CacheSnapshot:
         oom_retries=n.oom_retries,
         record_errors=n.record_errors,
         sessions=inp.sessions,
+        l4=l4,
     )

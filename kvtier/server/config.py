@@ -51,6 +51,11 @@ class ServerConfig:
     l1_bytes: int = 256 * 2**20
     l2_bytes: int = 1 * 2**30
     l3_max_bytes: int = 0  # L3's size cap (unreferenced chunks go first); 0 = no cap
+    # L4, the shared tier: redis://host:port/db; None (or "") = none. Hosts sharing one Redis
+    # resume each other's sessions (docs/architecture.md, "L4")
+    l4_url: str | None = None
+    l4_ttl_s: float = 86400.0  # L4 chunks and session records expire this long after a write
+    l4_min_idle_s: float = 0.0  # write a hibernated session to L4 once idle this long
     chunk_tokens: int = 256
     codec: str = "native"
     write_policy: str = "write_through"

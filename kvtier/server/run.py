@@ -59,6 +59,11 @@ def options(f: Callable[..., Any]) -> Callable[..., Any]:
             help="L3 size cap, e.g. 500GB; past it, chunks no session references go first "
             "(default: no cap).",
         ),
+        click.option(
+            "--l4-url",
+            help="Shared tier (L4) on Redis, e.g. redis://10.0.0.5:6379/0: hosts sharing it "
+            "resume each other's sessions (default: none).",
+        ),
         click.option("--chunk-tokens", type=int, help="Tokens per chunk (default 256)."),
         click.option("--codec", help="L2/L3 codec: native, int8, fp8."),
         click.option("--write-policy", help="write_through, write_through_selective, write_back."),

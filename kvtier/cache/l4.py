@@ -1,0 +1,399 @@
+"""SharedTier: a TieredCache's side of L4 (the shared Redis tier, kvtier.tiers.l4).
+
+- Which chunks L4 is believed to hold (`known`, key -> tokens): the keys of session records
+  read from L4 and of chunks this process wrote there. A restore plans L4 after L2 and L3
+  (`kvtier.cache.restore.locate`); a chunk that Redis evicted or let expire is a miss there.
+- Restores: the L4 chunks of a plan get L2 slots like L3 reads do, and one `get_chunks` call
+  fetches them all (pipelined, several connections); each payload is verified and copied into
+  its slot on the L4 read threads, then the restore copies L2 -> L1 as for any other chunk.
+- Write-behind: a hibernated session is queued (bounded in chunks; a job that does not fit is
+  shed and counted) and written by one thread after `l4_min_idle_s`, if it is still hibernated
+  then: chunks Redis lacks are read back from L3 (verified) or from an idle L2 slot and put;
+  the session record is put last, so a record never names a chunk that was not written.
+- Health: a thread pings Redis every `l4_health_s` (the half-open probe of an open breaker);
+  the round trip feeds the cost model's L4 latency, and a new Redis `run_id` (a restart that
+  lost its data) queues every hibernated session again: nothing L3 holds is lost for good.
+
+No method here raises to a restore or a session lookup: Redis trouble is a miss.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from kvtier.cache.keys import SHARED_TENANT
+from kvtier.errors import ChunkNotFound, FingerprintMismatch, KvbinFormatError, StoreError
+from kvtier.kvbin import ChunkHeader
+from kvtier.tiers.l3 import SessionRecord
+from kvtier.tiers.l4 import Breaker, L4Store, ReadBatch
+from kvtier.types import SessionState
+
+if TYPE_CHECKING:  # pragma: no cover
+    from kvtier.cache.core import TieredCache
+    from kvtier.cache.directory import Chunk
+    from kvtier.cache.session import Session
+
+log = logging.getLogger("kvtier.cache")
+KNOWN_MAX = 1 << 20  # chunk keys remembered as L4 candidates (about 100 MB at most)
+
+
+@dataclass
+class _Job:
+    record: SessionRecord
+    chunks: list[tuple[bytes, int]]  # key, tokens
+    not_before: float
+    delete: bool = False  # drop the session's record instead
+
+
+@dataclass
+class PendingReads:
+    """The L4 reads of one restore plan, launched together once the plan has its slots."""
+
+    keys: list[bytes]
+    slots: list[int]
+    futures: list[Future[Any]]
+    batch: ReadBatch | None = None
+
+
+class SharedTier:
+    def __init__(self, cache: TieredCache) -> None:
+        cfg = cache.config
+        assert cfg.l4_url is not None
+        self.cache = cache
+        self.store = L4Store(
+            cfg.l4_url,
+            ttl_s=cfg.l4_ttl_s,
+            timeout_s=cfg.l4_timeout_s,
+            streams=cfg.l4_read_streams,
+            breaker=Breaker(backoff_s=cfg.l4_backoff_s),
+        )
+        # key -> tokens of chunks believed in L4 (oldest forgotten first past KNOWN_MAX);
+        # written by the cache's threads and the L4 threads: single dict operations only
+        self.known: collections.OrderedDict[bytes, int] = collections.OrderedDict()
+        self.min_idle_s = cfg.l4_min_idle_s
+        self.queue_max = cfg.l4_write_queue
+        self._jobs: collections.deque[_Job] = collections.deque()
+        self._queued = 0  # chunks in queued jobs
+        self._active = False  # a job is being written
+        self._cv = threading.Condition()
+        self._stop = False
+        self._closing = False
+        self._buf: Any = None
+        self._writer = threading.Thread(target=self._write_loop, name="kvtier-l4w", daemon=True)
+        self._health = threading.Thread(target=self._health_loop, name="kvtier-l4h", daemon=True)
+        self._health_s = cfg.l4_health_s
+        self._writer.start()
+        self._health.start()
+
+    # -- sessions --------------------------------------------------------------------------------
+
+    def lookup(self, tenant: str, session_id: str) -> SessionRecord | None:
+        """The session's record in L4 (outside the cache's lock); None on a miss or trouble."""
+        t0 = time.perf_counter()
+        try:
+            rec = self.store.get_record(self.cache.fingerprint, tenant, session_id)
+        except StoreError as exc:
+            log.info("L4 session lookup skipped: %s", exc)
+            return None
+        self._observe_latency(time.perf_counter() - t0)
+        if rec is not None:
+            self.note_record(rec)
+        return rec
+
+    def note_record(self, rec: SessionRecord) -> None:
+        C = self.cache.chunk_tokens
+        n_tokens = len(rec.token_ids) // 4
+        for i, key in enumerate(rec.chunk_keys):
+            self.remember(key, min(C, n_tokens - i * C))
+
+    def remember(self, key: bytes, tokens: int) -> None:
+        self.known[key] = tokens
+        while len(self.known) > KNOWN_MAX:
+            try:
+                self.known.popitem(last=False)
+            except KeyError:  # emptied by another thread meanwhile
+                break
+
+    def forget_session(self, s: Session) -> None:
+        """A closed session: its record leaves L4 too, through the write queue (in order
+        after any write of it queued before; never shed)."""
+        rec = SessionRecord(s.session_id, s.tenant, self.cache.fingerprint, b"", (), False,
+                            None, 0.0, "closed")  # fmt: skip
+        with self._cv:
+            if self._stop:
+                return
+            self._jobs.append(_Job(rec, [], time.monotonic(), delete=True))
+            self._cv.notify_all()
+
+    # -- restores (under the cache's lock, except the read threads) -----------------------------
+
+    def pending(self) -> PendingReads:
+        return PendingReads([], [], [])
+
+    def fetcher(self, p: PendingReads, key: bytes) -> Any:
+        """For `ChunkDirectory.start_fetch`: register the slot, hand back the chunk's future."""
+
+        def fetch(slot: int) -> Future[Any]:
+            fut: Future[Any] = Future()
+            p.keys.append(key)
+            p.slots.append(slot)
+            p.futures.append(fut)
+            return fut
+
+        return fetch
+
+    def launch(self, p: PendingReads, tenant: str) -> None:
+        """Start the plan's L4 reads (one pipelined, multi-stream `get_chunks`)."""
+        if not p.keys:
+            return
+        arena = self.cache.l2
+        slots = p.slots
+
+        def dest(i: int, header: ChunkHeader) -> memoryview:
+            view = memoryview(arena.buffer(slots[i])).cast("B")
+            if header.payload_len > len(view):
+                raise KvbinFormatError(f"L4 chunk {header.key.hex()} does not fit an L2 slot")
+            return view
+
+        p.batch = self.store.get_chunks(
+            p.keys, self.cache.fingerprint, dest, tenants=(tenant, SHARED_TENANT)
+        )
+        for key, src, dst in zip(p.keys, p.batch.futures, p.futures, strict=True):
+            src.add_done_callback(self._settler(key, dst))
+
+    def _settler(self, key: bytes, dst: Future[Any]) -> Any:
+        return lambda src: self._settle(key, src, dst)
+
+    def _settle(self, key: bytes, src: Future[Any], dst: Future[Any]) -> None:
+        exc = src.exception()
+        if exc is None:
+            dst.set_result(src.result())
+            return
+        if isinstance(exc, (ChunkNotFound, KvbinFormatError, FingerprintMismatch)):
+            self.known.pop(key, None)  # evicted, expired or damaged: not asked for again
+        dst.set_exception(exc)
+
+    def observe(self, p: PendingReads | None, usable_bytes: int, t_copy: float) -> None:
+        """Feed the cost model with the plan's L4 bytes and time (under the cache's lock)."""
+        if p is None or p.batch is None or usable_bytes <= 0 or not p.batch.finished:
+            return
+        self.cache.cost.observe_load("l4", usable_bytes, p.batch.seconds + t_copy)
+
+    def _observe_latency(self, seconds: float) -> None:
+        with self.cache._lock:
+            self.cache.cost.observe_latency("l4", seconds)
+
+    # -- write-behind ----------------------------------------------------------------------------
+
+    def enqueue(self, s: Session, rec: SessionRecord) -> None:
+        """Queue the hibernated session for L4 (under the cache's lock); shed when full."""
+        d = self.cache.directory
+        chunks = []
+        for key in rec.chunk_keys:
+            e = d.get(key)
+            tokens = e.tokens if e is not None else d.l3_tokens.get(key, 0)
+            # 0: no tier here holds it (a session found in L4): the writer checks L4 has it
+            chunks.append((key, tokens))
+        with self._cv:
+            if self._stop or self._closing:
+                return
+            # the queue holds keys, not bytes: one session longer than the bound still goes
+            # when nothing else waits, else long contexts would never reach L4
+            if self._queued and self._queued + len(chunks) > self.queue_max:
+                self.store.count("writes_shed", max(1, len(chunks)))
+                return
+            self._jobs.append(_Job(rec, chunks, time.monotonic() + self.min_idle_s))
+            self._queued += len(chunks)
+            self._cv.notify_all()
+
+    def wait_idle(self, timeout: float = 30.0) -> bool:
+        """Wait until every queued write-behind has been handled (written, skipped or given
+        up); False on timeout. Jobs still inside `l4_min_idle_s` are waited for too."""
+        deadline = time.monotonic() + timeout
+        with self._cv:
+            while self._queued or self._jobs or self._active:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cv.wait(left)
+        return True
+
+    def requeue_all(self) -> None:
+        """Redis restarted (new run_id): write every hibernated session again."""
+        if not self._lock_cache():
+            return  # closing
+        try:
+            for s in list(self.cache._sessions.values()):
+                if s.state is SessionState.HIBERNATED:
+                    self.enqueue(s, self.cache._record(s))
+        finally:
+            self.cache._lock.release()
+
+    def _write_loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._jobs and not self._stop:
+                    self._cv.wait()
+                if self._stop and (not self._closing or not self._jobs):
+                    return
+                # the first job due (a record delete is due at once; writes wait out
+                # l4_min_idle_s in the order they came); closing, every job is due
+                now = time.monotonic()
+                job = next((j for j in self._jobs if j.not_before <= now), self._jobs[0])
+                wait = job.not_before - now
+                if wait > 0 and not self._closing:
+                    self._cv.wait(wait)
+                    continue
+                self._jobs.remove(job)
+                self._active = True
+            try:
+                self._write_job(job)
+            except Exception as exc:  # a background write never takes the thread down
+                log.warning("L4 write-behind of a session failed: %s", exc)
+            finally:
+                with self._cv:
+                    self._queued -= len(job.chunks)
+                    self._active = False
+                    self._cv.notify_all()
+
+    def _still_hibernated(self, rec: SessionRecord) -> bool:
+        if not self._lock_cache():
+            return True  # closing: every session is hibernated now
+        try:
+            s = self.cache._sessions.get((rec.tenant, rec.session_id))
+            return (
+                s is not None
+                and s.state is SessionState.HIBERNATED
+                and s.last_active == rec.last_active
+            )
+        finally:
+            self.cache._lock.release()
+
+    def _lock_cache(self) -> bool:
+        """Take the cache's lock, unless the cache is closing (close holds it while it waits
+        for this thread)."""
+        while not self._closing:
+            if self.cache._lock.acquire(timeout=0.05):
+                return True
+        return False
+
+    def _write_job(self, job: _Job) -> None:
+        rec = job.record
+        if job.delete:
+            try:
+                self.store.delete_record(rec.fingerprint, rec.tenant, rec.session_id)
+            except StoreError as exc:
+                log.info("L4 record delete skipped: %s", exc)
+            return
+        if not self._still_hibernated(rec):
+            return  # restored again meanwhile: its next hibernate queues it anew
+        try:
+            have = self.store.exists([k for k, _ in job.chunks])
+            for (key, tokens), present in zip(job.chunks, have, strict=True):
+                if not present and not (tokens and self._put_chunk(key)):
+                    return  # the record is not published without its chunks
+                if tokens:
+                    self.remember(key, tokens)
+            self.store.put_record(rec)
+        except StoreError as exc:
+            log.info("L4 write-behind of session %r stopped: %s", rec.session_id[:64], exc)
+
+    def _put_chunk(self, key: bytes) -> bool:
+        """Put one chunk from an idle L2 copy (pinned meanwhile), else from L3 (verified);
+        False if neither holds it any more."""
+        cache = self.cache
+        pinned: Chunk | None = None
+        write: Future[Any] | None = None
+        if self._lock_cache():
+            try:
+                cache.directory.reap_writes()
+                e = cache.directory.get(key)
+                if e is not None and e.l3_write is not None:
+                    write = e.l3_write
+                elif (
+                    e is not None
+                    and e.tenant  # known for chunks written from L1 (else L3's header says)
+                    and e.l2_slot is not None
+                    and e.l3_read is None
+                    and not cache.engine.busy(e.l2_slot)
+                ):
+                    e.pins += 1  # nobody frees or reuses the slot while it is read
+                    pinned = e
+            finally:
+                cache._lock.release()
+        if write is not None:
+            write.exception()  # the L3 write lands first; the chunk is read back from there
+        if pinned is not None:
+            try:
+                header = cache._header(pinned)
+                assert pinned.l2_slot is not None
+                view = memoryview(cache.l2.buffer(pinned.l2_slot)).cast("B")
+                self.store.put_chunk(header, view[: header.payload_len])
+            finally:
+                locked = self._lock_cache()
+                pinned.pins -= 1  # unlocked only while the cache closes (it waits for us)
+                if locked:
+                    cache._lock.release()
+            return True
+        if self._buf is None:
+            self._buf = cache.l3.aligned_buffer(cache.l2.slot_bytes + 4096)
+        try:
+            header = cache.l3.get(key, self._buf, fingerprint=cache.fingerprint)
+        except StoreError as exc:
+            log.info("L4 write-behind: chunk %s not readable from L3 (%s)", key.hex(), exc)
+            return False
+        self.store.put_chunk(header, self._buf[: header.payload_len])
+        return True
+
+    # -- health ----------------------------------------------------------------------------------
+
+    def _health_loop(self) -> None:
+        last_run: str | None = None
+        while True:
+            with self._cv:
+                if self._stop:
+                    return
+            b = self.store.breaker
+            if b.state == "closed" or b.probe_due():
+                try:
+                    rtt = self.store.ping()
+                except StoreError:
+                    pass
+                else:
+                    if self._lock_cache():
+                        try:
+                            self.cache.cost.observe_latency("l4", rtt)
+                        finally:
+                            self.cache._lock.release()
+                    run = self.store.run_id
+                    if last_run is not None and run != last_run:
+                        log.warning("L4 Redis restarted (run_id changed); writing sessions again")
+                        self.known.clear()
+                        self.requeue_all()
+                    last_run = run
+            with self._cv:
+                if self._stop:
+                    return
+                self._cv.wait(self._health_s)
+
+    # -- stats, lifetime -------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        """`L4Store.stats()` plus Redis's memory as last pinged (build_snapshot takes it)."""
+        return {**self.store.stats(), "memory": dict(self.store.memory)}
+
+    def close(self, drain_s: float = 30.0) -> None:
+        """Finish the queued writes (reading L3 only: the cache is closing), then stop."""
+        with self._cv:
+            self._closing = True
+            self._stop = True
+            self._cv.notify_all()
+        self._writer.join(drain_s)
+        self._health.join(drain_s)
+        self.store.close()

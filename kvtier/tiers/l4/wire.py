@@ -1,0 +1,165 @@
+"""Pipelined chunk GETs read off the socket straight into their destination.
+
+redis-py's parser reads a bulk reply in 64 KiB pieces into a growing buffer and copies it out
+again: a 14 MB GET costs the client about three times what the bytes cost the wire. Chunks are
+the one large value kvtier reads, so their GETs go through here: redis-py opens the connection
+(address, TLS, AUTH, SELECT, protocol), then this module writes the GET commands and reads each
+reply's header into a small buffer and its payload with `recv_into` right where the sink wants
+it (an L2 slot), checksumming it piece by piece as it lands. The value is verified before the
+caller hears of it; until then the destination holds bytes nobody uses (like an L3 read's).
+
+Only the replies of GET are read: a bulk string (`$<n>`), a nil (`$-1` in RESP2, `_` in RESP3)
+or an error (`-...`). Anything else, or any failure, disconnects the connection.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from kvtier import kvbin
+from kvtier.errors import FingerprintMismatch, KvbinFormatError
+from kvtier.kvbin import HEADER_SIZE, ChunkHeader
+from kvtier.tiers.l4.codec import check_header
+
+PIECE = 1 << 20  # bytes received (and checksummed) per recv_into
+
+Dest = Callable[[int, ChunkHeader], memoryview]
+"""(index, decoded header) -> where the payload goes (at least payload_len bytes)."""
+
+
+class Reply:
+    """One GET's outcome: a verified header, None (nil) or an error to raise for that key."""
+
+    __slots__ = ("error", "header", "size")
+
+    def __init__(self) -> None:
+        self.header: ChunkHeader | None = None
+        self.error: BaseException | None = None
+        self.size = 0
+
+
+class _Reader:
+    """Buffered line reads and unbuffered payload reads on one socket."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.buf = bytearray()
+
+    def _fill(self) -> None:
+        data = self.sock.recv(65536)
+        if not data:
+            raise ConnectionError("Redis closed the connection mid-reply")
+        self.buf += data
+
+    def line(self) -> bytes:
+        while True:
+            i = self.buf.find(b"\r\n")
+            if i >= 0:
+                out = bytes(self.buf[:i])
+                del self.buf[: i + 2]
+                return out
+            self._fill()
+
+    def into(self, view: memoryview, crc: Callable[[memoryview], None] | None = None) -> None:
+        """Fill `view` exactly: first from what is buffered, then straight from the socket."""
+        pos = min(len(self.buf), len(view))
+        if pos:
+            view[:pos] = self.buf[:pos]
+            del self.buf[:pos]
+            if crc is not None:
+                crc(view[:pos])
+        while pos < len(view):
+            n = self.sock.recv_into(view[pos : pos + PIECE])
+            if n == 0:
+                raise ConnectionError("Redis closed the connection mid-reply")
+            if crc is not None:
+                crc(view[pos : pos + n])
+            pos += n
+
+    def skip(self, n: int) -> None:
+        scratch = memoryview(bytearray(min(n, PIECE)))
+        while n:
+            k = min(n, len(scratch))
+            self.into(scratch[:k])
+            n -= k
+
+
+def get_many(
+    conn: Any,
+    names: Sequence[str],
+    chunk_keys: Sequence[bytes],
+    fingerprint: bytes,
+    tenants: Any,
+    dest: Dest,
+    response_error: type[Exception],
+) -> list[Reply]:
+    """Pipeline a GET of every name on redis-py connection `conn` and read the replies."""
+    if conn.can_read():  # something is left unread: this connection is not ours to drive
+        conn.disconnect()
+        conn.connect()
+    sock = conn._sock  # opened, authenticated and on the right database by redis-py
+    out = b"".join(b"*2\r\n$3\r\nGET\r\n$%d\r\n%s\r\n" % (len(n), n.encode()) for n in names)
+    sock.sendall(out)
+    reader = _Reader(sock)
+    replies = []
+    for i, key in enumerate(chunk_keys):
+        rep = Reply()
+        replies.append(rep)
+        head = reader.line()
+        if head in (b"$-1", b"_"):
+            continue
+        if head.startswith(b"-"):
+            rep.error = response_error(head[1:].decode("utf-8", "replace"))
+            continue
+        if not head.startswith(b"$"):
+            raise ConnectionError(f"unexpected reply to GET: {head[:40]!r}")
+        size = int(head[1:])
+        rep.size = size
+        try:
+            rep.header = _value(reader, size, i, key, fingerprint, tenants, dest)
+        except (KvbinFormatError, FingerprintMismatch) as exc:
+            rep.error = exc
+        reader.line()  # the CRLF after the bulk
+    if reader.buf:
+        raise ConnectionError("Redis sent more than the replies asked for")
+    return replies
+
+
+def _value(
+    reader: _Reader,
+    size: int,
+    i: int,
+    key: bytes,
+    fingerprint: bytes,
+    tenants: Any,
+    dest: Dest,
+) -> ChunkHeader:
+    """Read one bulk value of `size` bytes: header, checks, payload into `dest` with its CRC.
+
+    A bad value is consumed whole (the connection stays in step) before its error is raised."""
+    if size < HEADER_SIZE:
+        reader.skip(size)
+        raise KvbinFormatError(f"L4 value of chunk {key.hex()} is {size} bytes: truncated")
+    hdr = memoryview(bytearray(HEADER_SIZE))
+    reader.into(hdr)
+    try:
+        header = _check(hdr, key, size, fingerprint, tenants)
+        view = dest(i, header)[: header.payload_len]
+    except BaseException:
+        reader.skip(size - HEADER_SIZE)
+        raise
+    value = [0]
+
+    def crc(piece: memoryview) -> None:
+        value[0] = kvbin.checksum(header.checksum, piece, value[0])
+
+    reader.into(view, crc)
+    kvbin.verify_crc(header, value[0])
+    return header
+
+
+def _check(hdr: memoryview, key: bytes, size: int, fingerprint: bytes, tenants: Any) -> ChunkHeader:
+    # the checks of kvtier.tiers.l4.codec.unpack_chunk, before the payload is read
+    return check_header(kvbin.decode(hdr), key, size - HEADER_SIZE, fingerprint, tenants)
