@@ -21,6 +21,7 @@ from prometheus_client.registry import Collector
 
 from kvtier.snapshot import RESTORE_BUCKETS, CacheSnapshot
 from kvtier.types import RestoreSource, SessionState
+from ops.exporter.l4 import l4_families, l4_stats
 
 SnapshotFn = Callable[[], CacheSnapshot]
 
@@ -138,6 +139,8 @@ def families(snap: CacheSnapshot) -> Iterator[Metric]:
         ("kvtier_oom_retries", snap.oom_retries, "GPU allocations retried after an OOM."),
     ):
         yield CounterMetricFamily(name, doc, value=value)
+
+    yield from l4_families(l4_stats(snap))  # nothing without an L4
 
     yield GaugeMetricFamily(
         "kvtier_snapshot_timestamp_seconds",
