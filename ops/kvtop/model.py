@@ -15,6 +15,7 @@ from kvtier.snapshot import SessionInfo
 from ops.kvtop import metrics as m
 from ops.kvtop.alerts import Firing, judge
 from ops.kvtop.history import History
+from ops.kvtop.l4 import L4View, l4_view
 from ops.kvtop.metrics import Scrape
 
 TIERS = ("l1", "l2", "l3")
@@ -203,6 +204,7 @@ class Model:
     scrapes: int = 0
     has_cache: bool = True
     notes: tuple[str, ...] = field(default=())
+    l4: L4View | None = None  # the shared tier (Redis); None when the endpoint has none
 
 
 def build(
@@ -247,6 +249,7 @@ def build(
         error=error,
         scrapes=len(history),
         has_cache=cur.has("kvtier_tier_used_bytes"),
+        l4=l4_view(cur, prev, minute),
     )
 
 
