@@ -333,8 +333,7 @@ def format_report(result: dict[str, Any]) -> str:
     lines += _tier_lines(result.get("tiers"))
     from kvtier.loadgen_hosts import host_lines  # (it imports this module)
 
-    lines += host_lines(result.get("hosts"))
-    return "\n".join(lines)
+    return "\n".join([*lines, *host_lines(result.get("hosts"))])
 
 
 def _ttft_table(result: dict[str, Any]) -> list[str]:
