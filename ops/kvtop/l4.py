@@ -26,6 +26,8 @@ class L4View:
     hits: float | None
     misses: float | None
     hit_ratio: float | None  # over the last minute when it had lookups, else since start
+    used: float | None  # Redis's used memory (the l4 tier's used bytes), when exported
+    capacity: float | None  # its maxmemory; 0: no limit
     read_rate: float | None  # bytes/s over the last refresh
     write_rate: float | None
     get_seconds: float | None  # mean get latency over the last refresh, else since start
@@ -69,6 +71,8 @@ def l4_view(cur: Scrape, prev: Scrape | None, minute: Scrape | None) -> L4View |
         hits=hits,
         misses=misses,
         hit_ratio=ratio,
+        used=cur.get("kvtier_tier_used_bytes", tier="l4"),
+        capacity=cur.get("kvtier_tier_capacity_bytes", tier="l4"),
         read_rate=m.rate(prev, cur, "kvtier_l4_bytes_total", direction="read"),
         write_rate=m.rate(prev, cur, "kvtier_l4_bytes_total", direction="written"),
         get_seconds=_mean(cur, prev, "get"),
@@ -80,8 +84,9 @@ def l4_view(cur: Scrape, prev: Scrape | None, minute: Scrape | None) -> L4View |
 
 
 def l4_line(v: L4View, width: int) -> Text:
-    """`L4 up  breaker closed  hit 88%  errors 0  shed 0  get 1.2ms put 3.4ms  read .. write ..`:
-    the fields in that order, as many whole ones as fit in `width` (the rest left out)."""
+    """`L4 up  breaker closed  hit 88%  mem 1.2G/4G  errors 0  shed 0  get 1.2ms put 3.4ms
+    read .. write ..`: in that order, as many whole fields as fit in `width` (the rest left
+    out)."""
     down = not v.up or v.breaker == "open"
     fields: list[Text] = [
         Text.assemble(("L4 ", "bold"), ("up", "green") if v.up else ("DOWN", "bold red")),
@@ -90,6 +95,14 @@ def l4_line(v: L4View, width: int) -> Text:
         style = "bold red" if v.breaker == "open" else "yellow" if v.breaker != "closed" else ""
         fields.append(Text.assemble("breaker ", (v.breaker, style)))
     fields.append(Text(f"hit {fmt.pct(v.hit_ratio)}"))
+    if v.used is not None:
+        if v.capacity:  # yellow, then red, as Redis nears maxmemory and starts evicting
+            style = fmt.level(v.used / v.capacity)
+            fields.append(
+                Text.assemble("mem ", (f"{fmt.size(v.used)}/{fmt.size(v.capacity)}", style))
+            )
+        else:  # no maxmemory: Redis grows until the host runs out (kvtier doctor --l4-url)
+            fields.append(Text.assemble("mem ", (f"{fmt.size(v.used)}/no limit", "yellow")))
     bad = bool(v.errors_rate) or (down and bool(v.errors))
     fields.append(Text.assemble("errors ", (fmt.count(v.errors), "bold red" if bad else "")))
     fields.append(Text.assemble("shed ", (fmt.count(v.shed), "yellow" if v.shed else "")))

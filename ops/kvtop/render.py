@@ -82,7 +82,8 @@ def _body(model: Model, width: int, height: int, now: float) -> RenderableType:
         # sessions), or what its list needs; the sessions panel takes whatever is left over.
         s = model.sessions
         listed = s.detail is None and s.pinned is not None
-        s_min = min(8, len(s.rows) + 4) if listed else 4
+        # With an L4 the restore panel has an l4 row: two session rows make room for it.
+        s_min = min(8 if model.l4 is None else 6, len(s.rows) + 4) if listed else 4
         host_h = len(host_lines(model, width - width // 2 - 4, compact=True)) + 2
         want = max(len(model.restore) + 3, host_h, 7)
         low_h = max(7, min(want, height - t_h - s_min))

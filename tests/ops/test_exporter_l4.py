@@ -96,3 +96,22 @@ def test_l4_stats_reads_every_shape() -> None:
     found = l4_stats(SnapshotWithL4(taken_at=0.0, tiers=(), l4=L4Reading(False, "open", 3)))
     assert found == {"up": False, "breaker": "open", "hits": 3}
     assert l4_stats(SnapshotWithL4(taken_at=0.0, tiers=(), l4="not stats")) is None
+
+
+def test_restore_source_l4_only_with_an_l4() -> None:
+    """A cache counts every restore source, l4 included; without an L4 its zero is left out,
+    with one l4 is always there (0 until the first restore from it)."""
+    base = without_l4(full_cache_snapshot())
+    counted = replace(base, restore_decisions=(*base.restore_decisions, ("l4", 0)))
+    got = samples(counted)
+    assert ("kvtier_restore_decisions_total", (("src", "l4"),)) not in got
+    assert ("kvtier_restored_tokens_total", (("src", "l4"),)) not in got
+    assert got[("kvtier_restore_decisions_total", (("src", "recompute"),))] == 2
+    with_l4 = samples(full_cache_snapshot())  # restore_decisions without an l4 entry
+    assert with_l4[("kvtier_restore_decisions_total", (("src", "l4"),))] == 0
+    assert with_l4[("kvtier_restored_tokens_total", (("src", "l4"),))] == 0
+    used = replace(full_cache_snapshot(), restore_decisions=(("l4", 5),), restored_tokens=())
+    assert samples(used)[("kvtier_restore_decisions_total", (("src", "l4"),))] == 5
+    # a count that is not zero is never hidden, L4 or not
+    odd = samples(replace(base, restore_decisions=(("l4", 1),)))
+    assert odd[("kvtier_restore_decisions_total", (("src", "l4"),))] == 1
