@@ -6,7 +6,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from redis_server import RedisServer, available
+from redis_proc import RedisServer, available
 
 
 @pytest.fixture

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from redis_server import RedisServer, available
+from redis_proc import RedisServer, available
 
 from ops.commands.doctor import command
 from ops.doctor_l4 import L4Facts, check_l4, collect_l4, redact
