@@ -38,7 +38,8 @@ def fleet_ttft(scrapes: list[tuple[str | None, str | None]]) -> dict[str, Any]:
 
 
 def merge_tiers(per_host: list[dict[str, Any]]) -> dict[str, Any]:
-    """`tiers_now` of several hosts as one: bytes, chunks, hits, sessions and restores summed."""
+    """`tiers_now` of several hosts as one: bytes, chunks, hits, sessions and restores summed;
+    except the l4 tier's bytes, which every host reports for the one Redis they share."""
     tiers: dict[str, dict[str, Any]] = {}
     hits: Counter[str] = Counter()
     sessions: Counter[str] = Counter()
@@ -49,10 +50,16 @@ def merge_tiers(per_host: list[dict[str, Any]]) -> dict[str, Any]:
             into = tiers.setdefault(
                 name, {"used_bytes": 0, "capacity_bytes": None, "chunks": 0, "hits": 0}
             )
+            shared = name == "l4"  # one Redis seen from every host: its memory counted once
             for key in ("used_bytes", "chunks", "hits"):
-                into[key] += v[key]
+                into[key] = (
+                    max(into[key], v[key]) if shared and key != "hits" else into[key] + v[key]
+                )
             if v["capacity_bytes"] is not None:
-                into["capacity_bytes"] = (into["capacity_bytes"] or 0) + v["capacity_bytes"]
+                cap = into["capacity_bytes"] or 0
+                into["capacity_bytes"] = (
+                    max(cap, v["capacity_bytes"]) if shared else cap + v["capacity_bytes"]
+                )
         hits.update(t.get("hits_by_tier") or {})
         sessions.update(t["sessions"])
         decisions.update(t["restore_decisions"])

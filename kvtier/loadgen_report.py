@@ -416,7 +416,7 @@ def _tier_lines(t: dict[str, Any] | None) -> list[str]:
     l4 = t.get("l4")
     if l4:
         lines.append(
-            f"  l4  Redis {'up' if l4['up'] else 'DOWN'}, {plural(l4['hits'], 'hit')}, "
+            f"  Redis (L4) {'up' if l4['up'] else 'DOWN'}: {plural(l4['hits'], 'hit')}, "
             f"{plural(l4['misses'], 'miss', 'misses')}, {plural(l4['errors'], 'error')}, "
             f"{size(l4['bytes_read'])} read"
         )

@@ -66,7 +66,7 @@ def test_l4_hits_are_reported_beside_the_tiers() -> None:
         "hits": 30, "misses": 4, "errors": 1, "up": True, "bytes_read": 7 << 20,
     }  # fmt: skip
     text = format_report(report(LoadConfig(), [], 1.0, None, None, with_l4))
-    assert "  l4  Redis up, 30 hits, 4 misses, 1 error, 7.0 MiB read" in text
+    assert "  Redis (L4) up: 30 hits, 4 misses, 1 error, 7.0 MiB read" in text
     assert "hits by tier: l1 6, l2 45, l3 0, l4 30" in text
     assert "l4" not in format_report(report(LoadConfig(), [], 1.0, None, None, plain))
 
@@ -76,6 +76,11 @@ def test_two_hosts_merged_and_kept_apart() -> None:
     b = tiers_now((SCRAPES / "serve-1.txt").read_text())
     both = merge_tiers([a, b])
     assert both["hits_by_tier"] == {"l1": 12, "l2": 70, "l3": 0, "l4": 30}
+    # The l4 tier is one Redis that every host reports: its bytes count once, hits add up.
+    redis = {"used_bytes": 100, "capacity_bytes": 512, "chunks": 7, "hits": 3}
+    shared = merge_tiers([{**a, "tiers": {"l4": redis}}, {**a, "tiers": {"l4": redis}}])
+    assert shared["tiers"]["l4"] == {**redis, "hits": 6}
+    assert both["tiers"]["l3"]["capacity_bytes"] == 2 * a["tiers"]["l3"]["capacity_bytes"]
     assert both["tiers"]["l2"]["hits"] == 70 and both["l4"]["hits"] == 30
     assert both["restore_decisions"] == {
         k: a["restore_decisions"].get(k, 0) + b["restore_decisions"].get(k, 0)
