@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: demo demo-clean test lint typecheck layering unit setup setup-dev
+.PHONY: demo demo-clean demo-fleet test lint typecheck layering unit setup setup-dev
 
 demo: setup
 	bash scripts/demo.sh
@@ -11,6 +11,11 @@ demo: setup
 # Stop a demo server still running and delete the demo's L3, logs and reports.
 demo-clean: setup
 	bash scripts/demo.sh clean
+
+# One Redis (the shared L4 tier) and two kvtier serve hosts; each session's turns alternate
+# between the hosts (scripts/demo_fleet.sh --help). It stops everything it started.
+demo-fleet: setup
+	bash scripts/demo_fleet.sh
 
 test: setup-dev lint typecheck layering unit
 

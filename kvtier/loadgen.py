@@ -9,6 +9,7 @@ reports (`X-Kvtier-Restore-Source`), which shows what the tiered cache buys.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import random
 import time
@@ -18,6 +19,7 @@ from typing import Any
 
 import httpx
 
+from kvtier.loadgen_hosts import by_host, fleet_ttft, host_of, merge_tiers
 from kvtier.loadgen_report import (
     RESTORED,
     compare_pairs,
@@ -49,6 +51,8 @@ SOURCE_HEADER = "x-kvtier-restore-source"
 @dataclass(frozen=True)
 class LoadConfig:
     url: str = "http://127.0.0.1:8000"
+    # Several servers: each session's turns go round them (kvtier.loadgen_hosts); `url` unused.
+    urls: tuple[str, ...] = ()
     sessions: int = 100
     turns: int = 10
     think_ms: float = 2000.0  # mean tool-call pause between turns (uniform 0.5x..1.5x)
@@ -66,6 +70,10 @@ class LoadConfig:
     compare: int = 8  # same-prompt restore vs recompute probes at the end (0 = skip)
     run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:8])
 
+    def hosts(self) -> tuple[str, ...]:
+        """The servers the fleet drives: `urls`, else `url` alone."""
+        return tuple(self.urls) or (self.url,)
+
 
 @dataclass
 class Sample:
@@ -82,6 +90,7 @@ class Sample:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
+    host: str = ""  # the server that answered it (its base URL)
 
 
 def _text(rng: random.Random, n: int, vocab: str = "abcdefghijklmnopqrstuvwxyz     ,.") -> str:
@@ -91,6 +100,7 @@ def _text(rng: random.Random, n: int, vocab: str = "abcdefghijklmnopqrstuvwxyz  
 class Fleet:
     def __init__(self, config: LoadConfig) -> None:
         self.config = config
+        self.hosts = config.hosts()
         rng = random.Random(config.seed)
         self.system = "You are a support agent. Tools: " + _text(rng, config.system_chars)
         self.samples: list[Sample] = []
@@ -158,7 +168,7 @@ class Fleet:
             sample.error = f"{type(exc).__name__}: {exc}"
         return "".join(parts)
 
-    async def agent(self, client: httpx.AsyncClient, i: int, deadline: float | None) -> None:
+    async def agent(self, clients: list[httpx.AsyncClient], i: int, deadline: float | None) -> None:
         cfg = self.config
         rng = random.Random(cfg.seed * 1_000_003 + i)
         ramp = cfg.think_ms / 1000 if cfg.ramp is None else cfg.ramp
@@ -171,7 +181,9 @@ class Fleet:
             if deadline is not None and time.perf_counter() >= deadline:
                 return
             messages.append({"role": "user", "content": _text(rng, cfg.user_chars)})
-            sample = Sample(i, turn, time.perf_counter() - self.t0)
+            at = host_of(i, turn, len(clients))
+            client = clients[at]
+            sample = Sample(i, turn, time.perf_counter() - self.t0, host=self.hosts[at])
             self.samples.append(sample)
             reply = await self.chat(client, messages, sample, headers, cfg.max_tokens)
             if sample.error is not None:
@@ -190,10 +202,11 @@ class Fleet:
             if sample.error is None:
                 messages.append({"role": "tool", "content": _text(rng, cfg.tool_chars)})
 
-    async def probe(self, client: httpx.AsyncClient) -> dict[str, Any]:
+    async def probe(self, clients: list[httpx.AsyncClient]) -> dict[str, Any]:
         """Same prompts twice, one at a time: the session's own (restore) and under a fresh
         tenant with no session (nothing cached: recompute). The direct A/B of the cache, like
-        for like: see `compare_pairs`."""
+        for like: see `compare_pairs`. With several hosts the probe is the session's next turn
+        and goes where that turn would (both requests to the same host)."""
         cfg = self.config
         convs = sorted(self.conversations.items(), key=lambda kv: -len(kv[1]))[: cfg.compare]
         pairs: list[dict[str, Any]] = []
@@ -201,6 +214,8 @@ class Fleet:
             if len(messages) < 2 or messages[-1]["role"] == "user":
                 continue
             msgs = [*messages, {"role": "user", "content": "status?"}]
+            done = sum(1 for m in messages if m["role"] == "assistant")
+            client = clients[host_of(i, done, len(clients))]
             a = Sample(i, -1, time.perf_counter() - self.t0)
             await self.chat(
                 client, msgs, a, {"X-Session-ID": self.session_id(i), "X-Tenant": cfg.tenant}, 2
@@ -236,27 +251,42 @@ class Fleet:
 
     async def run(self) -> dict[str, Any]:
         cfg = self.config
+        hosts = cfg.hosts()
         limits = httpx.Limits(max_connections=cfg.sessions + 4, max_keepalive_connections=None)
-        async with httpx.AsyncClient(
-            base_url=cfg.url, timeout=cfg.timeout, limits=limits
-        ) as client:
-            before = await self.metrics(client)
+        async with contextlib.AsyncExitStack() as stack:
+            clients = [
+                await stack.enter_async_context(
+                    httpx.AsyncClient(base_url=url, timeout=cfg.timeout, limits=limits)
+                )
+                for url in hosts
+            ]
+            before = [await self.metrics(c) for c in clients]
             self.t0 = time.perf_counter()
             deadline = None if cfg.duration is None else self.t0 + cfg.duration
-            await asyncio.gather(*(self.agent(client, i, deadline) for i in range(cfg.sessions)))
+            await asyncio.gather(*(self.agent(clients, i, deadline) for i in range(cfg.sessions)))
             wall = time.perf_counter() - self.t0
-            after = await self.metrics(client)
-            compare = await self.probe(client) if cfg.compare > 0 else None
-            final = await self.metrics(client)
-        server, tiers = None, None
+            after = [await self.metrics(c) for c in clients]
+            compare = await self.probe(clients) if cfg.compare > 0 else None
+            final = [await self.metrics(c) for c in clients]
+        server: dict[str, Any] | None = None
+        tiers: dict[str, Any] | None = None
+        per_host: list[dict[str, Any] | None] = [None] * len(hosts)
         try:
-            if before is not None and after is not None:
-                server = server_ttft(before, after)
-            if final is not None:
-                tiers = tiers_now(final)
+            if len(hosts) == 1:
+                if before[0] is not None and after[0] is not None:
+                    server = server_ttft(before[0], after[0])
+            elif any(a is not None for a in after):
+                server = fleet_ttft(list(zip(before, after, strict=True)))
+            per_host = [None if text is None else tiers_now(text) for text in final]
+            found = [t for t in per_host if t is not None]
+            if found:
+                tiers = found[0] if len(hosts) == 1 else merge_tiers(found)
         except ValueError as exc:  # not Prometheus text
             self.metrics_error = f"/metrics is not Prometheus text: {exc}"
-        return report(cfg, self.samples, wall, compare, server, tiers, self.metrics_error)
+        result = report(cfg, self.samples, wall, compare, server, tiers, self.metrics_error)
+        if len(hosts) > 1:
+            result["hosts"] = by_host(self.samples, hosts, per_host)
+        return result
 
 
 def run(config: LoadConfig) -> dict[str, Any]:

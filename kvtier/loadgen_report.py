@@ -19,9 +19,10 @@ from typing import Any
 
 from kvtier.humanize import plural, size
 
-RESTORED = ("l1", "l2", "l3")
-SOURCE_ORDER = ("l1", "l2", "l3", "recompute")
+RESTORED = ("l1", "l2", "l3", "l4")
+SOURCE_ORDER = ("l1", "l2", "l3", "l4", "recompute")
 TTFT_METRIC = "kvtier_server_ttft_seconds"  # kvtier/server/metrics.py, label `src`
+L4_COUNTS = ("hits", "misses", "errors")  # kvtier_l4_*_total, when the server has an L4
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -101,6 +102,11 @@ def server_ttft(before: str | None, after: str) -> dict[str, Any]:
 
     Counters restart at zero when the server restarts; a negative difference means that, and
     then the later text is taken alone."""
+    return ttft_summary(ttft_deltas(before, after))
+
+
+def ttft_deltas(before: str | None, after: str) -> dict[str, dict[str, Any]]:
+    """The TTFT histogram's increase by source between two /metrics texts of one server."""
     old = _histograms(parse_metrics(before)) if before else {}
     new = _histograms(parse_metrics(after))
     deltas: dict[str, dict[str, Any]] = {}
@@ -115,6 +121,11 @@ def server_ttft(before: str | None, after: str) -> dict[str, Any]:
             "count": h["count"] - o["count"],
             "sum": h["sum"] - o["sum"],
         }
+    return deltas
+
+
+def ttft_summary(deltas: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """`server_ttft`'s figures from histogram increases by source (of one server or summed)."""
     if not deltas:
         return {}
     overall: dict[str, Any] = {"buckets": {}, "count": 0.0, "sum": 0.0}
@@ -147,7 +158,15 @@ def tiers_now(text: str) -> dict[str, Any]:
 
     used, cap = by("kvtier_tier_used_bytes", "tier"), by("kvtier_tier_capacity_bytes", "tier")
     chunks, hits = by("kvtier_tier_chunks", "tier"), by("kvtier_tier_hits_total", "tier")
+    l4 = None
+    if samples.get("kvtier_l4_up"):  # the shared tier, when the server has one
+        moved = by("kvtier_l4_bytes_total", "direction")
+        l4 = {k: int(sum(v for _, v in samples.get(f"kvtier_l4_{k}_total", []))) for k in L4_COUNTS}
+        l4 |= {"up": samples["kvtier_l4_up"][0][1] > 0, "bytes_read": int(moved.get("read", 0))}
+        hits = {**hits, "l4": hits.get("l4", l4["hits"])}
     return {
+        "hits_by_tier": {t: int(hits[t]) for t in sorted(hits)},
+        "l4": l4,
         "tiers": {
             tier: {
                 "used_bytes": int(used[tier]),
@@ -312,7 +331,9 @@ def format_report(result: dict[str, Any]) -> str:
         lines.append(f"{name:<12}{s['n']:>7}{ms(s['p50']):>11}{ms(s['p95']):>10}{ms(s['p99']):>10}")
     lines += _compare_lines(result.get("compare"))
     lines += _tier_lines(result.get("tiers"))
-    return "\n".join(lines)
+    from kvtier.loadgen_hosts import host_lines  # (it imports this module)
+
+    return "\n".join([*lines, *host_lines(result.get("hosts"))])
 
 
 def _ttft_table(result: dict[str, Any]) -> list[str]:
@@ -391,6 +412,17 @@ def _tier_lines(t: dict[str, Any] | None) -> list[str]:
         lines.append(
             f"  {tier:<3} {size(v['used_bytes'])}{of}, {plural(v['chunks'], 'chunk')}, "
             f"{plural(v['hits'], 'hit')}"
+        )
+    l4 = t.get("l4")
+    if l4:
+        lines.append(
+            f"  Redis (L4) {'up' if l4['up'] else 'DOWN'}: {plural(l4['hits'], 'hit')}, "
+            f"{plural(l4['misses'], 'miss', 'misses')}, {plural(l4['errors'], 'error')}, "
+            f"{size(l4['bytes_read'])} read"
+        )
+    if t.get("hits_by_tier"):
+        lines.append(
+            "  hits by tier: " + ", ".join(f"{k} {n}" for k, n in t["hits_by_tier"].items())
         )
     if t["sessions"]:
         lines.append("  sessions: " + ", ".join(f"{n} {k}" for k, n in t["sessions"].items()))

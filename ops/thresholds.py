@@ -166,6 +166,23 @@ GPU_ALLOC_FRAGMENTED = Threshold(
     for_s=900,
     floor=1e9,
 )
+L4_DOWN = Threshold(
+    "KvtierL4Down",
+    "critical",
+    value=2.0,
+    meaning=(
+        "the L4 circuit breaker at `value` (open: kvtier_l4_breaker_state 2) or Redis reported "
+        "unreachable (kvtier_l4_up 0)"
+    ),
+    for_s=300,
+)
+L4_ERRORS = Threshold(
+    "KvtierL4Errors",
+    "warning",
+    value=0.1,
+    meaning="failed L4 (Redis) operations per second over `window_s`, above",
+    for_s=600,
+)
 
 ALL: tuple[Threshold, ...] = (
     MEMORY_PSI_FULL,
@@ -184,5 +201,7 @@ ALL: tuple[Threshold, ...] = (
     OOM_KILL,
     GPU_ALLOC_RETRIES,
     GPU_ALLOC_FRAGMENTED,
+    L4_DOWN,
+    L4_ERRORS,
 )
 BY_ALERT: dict[str, Threshold] = {t.alert: t for t in ALL}

@@ -371,6 +371,73 @@ ROWS: list[tuple[str, list[tuple[str, str, str, list[tuple[str, str]]]]]] = [
             ),
         ],
     ),
+    (
+        "Shared tier (L4, Redis): empty without an L4",
+        [
+            (
+                "L4 up and breaker",
+                "short",
+                "kvtier_l4_up: 1 Redis reachable. Breaker: 0 closed, 1 half open, 2 open "
+                "(L4 bypassed; alert KvtierL4Down).",
+                [
+                    (f"kvtier_l4_up{{{SEL}}}", "up {{instance}}"),
+                    (f"kvtier_l4_breaker_state{{{SEL}}}", "breaker {{instance}}"),
+                ],
+            ),
+            (
+                "L4 hit ratio",
+                "percentunit",
+                "Chunks found in Redis over chunks looked up there; misses include chunks "
+                "Redis evicted under maxmemory or expired.",
+                [
+                    (
+                        f"rate(kvtier_l4_hits_total{{{SEL}}}[$__rate_interval])\n/ "
+                        f"(rate(kvtier_l4_hits_total{{{SEL}}}[$__rate_interval])"
+                        f" + rate(kvtier_l4_misses_total{{{SEL}}}[$__rate_interval]))",
+                        "{{instance}}",
+                    )
+                ],
+            ),
+            (
+                "L4 bytes",
+                "Bps",
+                "Bytes per second read from and written to Redis.",
+                [
+                    (
+                        f"rate(kvtier_l4_bytes_total{{{SEL}}}[$__rate_interval])",
+                        "{{direction}} {{instance}}",
+                    )
+                ],
+            ),
+            (
+                "L4 latency",
+                "s",
+                "Mean time of a get and of a put (sum over count).",
+                [
+                    (
+                        f"rate(kvtier_l4_operation_seconds_sum{{{SEL}}}[$__rate_interval])\n/ "
+                        f"rate(kvtier_l4_operation_seconds_count{{{SEL}}}[$__rate_interval])",
+                        "{{op}} {{instance}}",
+                    )
+                ],
+            ),
+            (
+                "L4 errors and shed writes",
+                "ops",
+                "Failed L4 operations (alert KvtierL4Errors) and write-behind copies dropped.",
+                [
+                    (
+                        f"rate(kvtier_l4_errors_total{{{SEL}}}[$__rate_interval])",
+                        "errors {{instance}}",
+                    ),
+                    (
+                        f"rate(kvtier_l4_writes_shed_total{{{SEL}}}[$__rate_interval])",
+                        "shed {{instance}}",
+                    ),
+                ],
+            ),
+        ],
+    ),
 ]
 
 

@@ -9,7 +9,16 @@ import click
 
 
 @click.command("loadgen", context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--url", default="http://127.0.0.1:8000", show_default=True)
+@click.option(
+    "--url",
+    "urls",
+    multiple=True,
+    default=("http://127.0.0.1:8000",),
+    show_default=True,
+    help="A server's base URL. Give it again for more servers: each session's turns then go "
+    "round them (turn t of session i to server (i + t) mod n), as a load balancer without "
+    "affinity would send them.",
+)
 @click.option("--sessions", default=100, show_default=True, help="Concurrent agent sessions.")
 @click.option("--turns", default=10, show_default=True, help="Turns per session.")
 @click.option("--think-ms", default=2000.0, show_default=True, help="Mean tool-call pause.")
@@ -38,15 +47,19 @@ import click
     show_default=True,
     help="Plot of TTFT by restore source.",
 )
-def command(out: Path, png: Path, **opts: object) -> None:
+def command(out: Path, png: Path, urls: tuple[str, ...], **opts: object) -> None:
     """A fleet of agent sessions: growing conversations, tool-call pauses, shared system prompt.
 
     Reports TTFT and inter-token latency P50/P95/P99 overall and by restore source, errors and
-    throughput; writes a JSON result and a PNG plot.
+    throughput; writes a JSON result and a PNG plot. With several --url, also each server's
+    requests by restore source and hits by tier.
     """
     from kvtier.loadgen import LoadConfig, format_report, plot, run
 
-    config = LoadConfig(**opts)  # type: ignore[arg-type]
+    if len(set(urls)) != len(urls):
+        raise click.BadParameter("the same --url twice", param_hint="--url")
+    hosts = {"url": urls[0], "urls": urls if len(urls) > 1 else ()}
+    config = LoadConfig(**hosts, **opts)  # type: ignore[arg-type]
     if config.sessions < 1 or config.turns < 1:
         raise click.BadParameter("--sessions and --turns must be at least 1")
     result = run(config)

@@ -54,7 +54,20 @@ def _l2_size(ctx: click.Context, param: click.Parameter, value: str | None) -> i
 )
 @click.option("--l3-owner", default=None, help="The user that should own the L3 root "
               f"[default: {tuning.SERVICE} when it exists, else you].")  # fmt: skip
-def command(as_json: bool, l3_root: str | None, l2_size: int | None, l3_owner: str | None) -> None:
+@click.option(
+    "--l4-url",
+    envvar="KVTIER_L4_URL",
+    default=None,
+    help="The shared L4 tier's Redis (redis://host:port/db): check that it answers and its "
+    "maxmemory and maxmemory-policy [env KVTIER_L4_URL].",
+)
+def command(
+    as_json: bool,
+    l3_root: str | None,
+    l2_size: int | None,
+    l3_owner: str | None,
+    l4_url: str | None,
+) -> None:
     """Check this host against the recommended tuning (the values the Ansible role applies).
 
     Exit code: 0 healthy, 1 warnings, 2 critical. Each finding names its fix: a variable of
@@ -62,6 +75,10 @@ def command(as_json: bool, l3_root: str | None, l2_size: int | None, l3_owner: s
     """
     facts = doctor.collect(l3_root=l3_root or _default_l3_root(), l2_bytes=l2_size, owner=l3_owner)
     findings = doctor.check(facts)
+    if l4_url:
+        from ops import doctor_l4
+
+        findings += doctor_l4.check_l4(doctor_l4.collect_l4(l4_url))
     if as_json:
         click.echo(json.dumps({"findings": [f.as_dict() for f in findings]}, indent=2))
     else:

@@ -21,13 +21,16 @@ from prometheus_client.registry import Collector
 
 from kvtier.snapshot import RESTORE_BUCKETS, CacheSnapshot
 from kvtier.types import RestoreSource, SessionState
+from ops.exporter.l4 import l4_families, l4_stats
 
 SnapshotFn = Callable[[], CacheSnapshot]
 
 # Label values that always appear (as 0 when the snapshot omits them), so that a panel or rule
 # on e.g. `kvtier_sessions{state="hibernated"}` has a series from the first scrape.
 _STATES = tuple(s.value for s in SessionState if s is not SessionState.CLOSED)
-_SOURCES = tuple(s.value for s in RestoreSource)
+# `l4` only with a shared tier (an L4 configured): a server without one has no l4 series at all.
+_SOURCES = tuple(s.value for s in RestoreSource if s.value != "l4")
+_SOURCES_L4 = (*(s for s in _SOURCES if s != "recompute"), "l4", "recompute")
 
 
 class CacheCollector(Collector):
@@ -109,14 +112,15 @@ def families(snap: CacheSnapshot) -> Iterator[Metric]:
         "Restores by chosen source (a tier, or recompute when loading would be slower).",
         labels=["src"],
     )
-    for src, count in _with_zeros(snap.restore_decisions, _SOURCES):
+    sources = _SOURCES if l4_stats(snap) is None else _SOURCES_L4
+    for src, count in _with_zeros(_no_idle_l4(snap, snap.restore_decisions), sources):
         decisions.add_metric([src], count)
     yield decisions
 
     tokens = CounterMetricFamily(
         "kvtier_restored_tokens", "Tokens restored, by source.", labels=["src"]
     )
-    for src, count in _with_zeros(snap.restored_tokens, _SOURCES):
+    for src, count in _with_zeros(_no_idle_l4(snap, snap.restored_tokens), sources):
         tokens.add_metric([src], count)
     yield tokens
 
@@ -139,6 +143,8 @@ def families(snap: CacheSnapshot) -> Iterator[Metric]:
     ):
         yield CounterMetricFamily(name, doc, value=value)
 
+    yield from l4_families(l4_stats(snap))  # nothing without an L4
+
     yield GaugeMetricFamily(
         "kvtier_snapshot_timestamp_seconds",
         "Unix time the cache snapshot was taken.",
@@ -152,6 +158,16 @@ def _with_zeros(
     """`pairs` plus a 0 for each label value in `always` that it lacks, in a stable order."""
     given = dict(pairs)
     return [(k, given.get(k, 0)) for k in always] + [(k, v) for k, v in pairs if k not in always]
+
+
+def _no_idle_l4(
+    snap: CacheSnapshot, pairs: tuple[tuple[str, int], ...]
+) -> tuple[tuple[str, int], ...]:
+    """`pairs` without a zero `l4` entry when the snapshot has no L4 (a cache always counts
+    every source, but without an L4 its l4 series would only say "not configured" as 0)."""
+    if l4_stats(snap) is not None:
+        return pairs
+    return tuple((k, v) for k, v in pairs if k != "l4" or v)
 
 
 def _le(bound: float) -> str:

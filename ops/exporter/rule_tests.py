@@ -358,6 +358,51 @@ CASES: tuple[Case, ...] = (
         },
         "20m",
     ),
+    # -- L4 down: the breaker open and Redis unreachable for 10 minutes (one alert, not two);
+    # probing between, the breaker half open while Redis stays down; a 2-minute blip is quiet.
+    Case(
+        th.L4_DOWN.alert,
+        "firing: breaker open and Redis unreachable",
+        {
+            _s("kvtier_l4_breaker_state"): "0 0 2x18",
+            _s("kvtier_l4_up"): "1 1 0x18",
+        },
+        "15m",
+        fires={},
+    ),
+    Case(
+        th.L4_DOWN.alert,
+        "firing: breaker open and half open in turn, Redis down throughout",
+        {
+            _s("kvtier_l4_breaker_state"): "2 1 2 1 2 1 2 1 2 1 2 1 2 1 2 1",
+            _s("kvtier_l4_up"): "0x15",
+        },
+        "10m",
+        fires={},
+    ),
+    Case(
+        th.L4_DOWN.alert,
+        "quiet: the breaker opened for two minutes, then closed",
+        {
+            _s("kvtier_l4_breaker_state"): "0 0 2 2 0x16",
+            _s("kvtier_l4_up"): "1 1 0 0 1x16",
+        },
+        "15m",
+    ),
+    # -- L4 errors: one failure per second against one per minute.
+    Case(
+        th.L4_ERRORS.alert,
+        "firing: one failed operation per second",
+        {_s("kvtier_l4_errors_total"): "0+60x30"},
+        "20m",
+        fires={},
+    ),
+    Case(
+        th.L4_ERRORS.alert,
+        "quiet: one failed operation per minute",
+        {_s("kvtier_l4_errors_total"): "0+1x30"},
+        "20m",
+    ),
 )
 
 

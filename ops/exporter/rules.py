@@ -69,6 +69,10 @@ EXPRESSIONS: dict[str, str] = {
         "and\n"
         "kvtier_torch_inactive_split_bytes > {floor}"
     ),
+    # `or` matches label sets without the metric name: one alert when both hold. The breaker
+    # goes half open (1) between probes while Redis stays down; `up` keeps the alert held then.
+    th.L4_DOWN.alert: "kvtier_l4_breaker_state >= {value}\nor\nkvtier_l4_up == 0",
+    th.L4_ERRORS.alert: "rate(kvtier_l4_errors_total[{window}]) > {value}",
 }
 
 SUMMARIES: dict[str, str] = {
@@ -94,6 +98,8 @@ SUMMARIES: dict[str, str] = {
     th.GPU_ALLOC_FRAGMENTED.alert: (
         "The CUDA caching allocator on GPU {{ $labels.gpu }} is fragmented."
     ),
+    th.L4_DOWN.alert: "The shared L4 tier (Redis) of {{ $labels.instance }} is down.",
+    th.L4_ERRORS.alert: "L4 (Redis) operations of {{ $labels.instance }} are failing.",
 }
 
 DESCRIPTIONS: dict[str, str] = {
@@ -160,6 +166,16 @@ DESCRIPTIONS: dict[str, str] = {
         "More than {value} of the memory the allocator reserved on GPU {{{{ $labels.gpu }}}}"
         " (and more than {floor} bytes) is free but stranded in split blocks: a large"
         " allocation cannot use it, so cudaMalloc can fail while memory looks free."
+    ),
+    th.L4_DOWN.alert: (
+        "The L4 circuit breaker is open (state {value}) or Redis is unreachable. Serving goes on"
+        " from L1-L3 or recompute, without errors to callers, but sessions hibernated on other"
+        " hosts are recomputed here and this host's hibernations are not shared."
+    ),
+    th.L4_ERRORS.alert: (
+        "More than {value} L4 operations per second failed over the last {window} (timeouts,"
+        " refused connections, values that failed verification): each failure is a restore from"
+        " a lower tier or a recompute, and the breaker may open next."
     ),
 }
 

@@ -149,6 +149,18 @@ def _cache(history: History, cur: Scrape) -> Iterator[Firing]:
     if inc is not None and inc > t.value:
         yield _fire(t, f"{inc:.0f} checksum failures")
 
+    t = th.L4_DOWN  # no series without an L4: nothing to judge
+    breaker, up = cur.get("kvtier_l4_breaker_state"), cur.get("kvtier_l4_up")
+    if breaker is not None and breaker >= t.value:
+        yield _fire(t, "L4 breaker open" + (", Redis unreachable" if up == 0 else ""))
+    elif up == 0:
+        yield _fire(t, "L4 Redis unreachable")
+
+    t = th.L4_ERRORS
+    r = _window_rate(history, t, "kvtier_l4_errors_total")
+    if r is not None and r > t.value:
+        yield _fire(t, f"L4 {r:.1f} errors/s")
+
     t = th.L3_FILESYSTEM
     avail, size = (
         cur.get("kvtier_l3_filesystem_avail_bytes"),

@@ -15,11 +15,12 @@ from kvtier.snapshot import SessionInfo
 from ops.kvtop import metrics as m
 from ops.kvtop.alerts import Firing, judge
 from ops.kvtop.history import History
+from ops.kvtop.l4 import L4View, l4_view
 from ops.kvtop.metrics import Scrape
 
-TIERS = ("l1", "l2", "l3")
+TIERS = ("l1", "l2", "l3")  # L4 (Redis) has a line of its own (ops.kvtop.l4)
 STATES = ("active", "idle", "hibernated")
-SOURCES = ("l1", "l2", "l3", "recompute")
+SOURCES = ("l1", "l2", "l3", "l4", "recompute")  # l4 only where there are l4 restores
 SORTS = ("bytes", "tokens", "last", "l1", "tenant")  # the `s` key cycles through these
 QUANTILES = (0.5, 0.9, 0.99)
 HUGE_ORDER = 9  # 2 MiB blocks with 4 KiB pages: what THP, hugetlb and large pinned buffers need
@@ -203,6 +204,7 @@ class Model:
     scrapes: int = 0
     has_cache: bool = True
     notes: tuple[str, ...] = field(default=())
+    l4: L4View | None = None  # the shared tier (Redis); None when the endpoint has none
 
 
 def build(
@@ -247,6 +249,7 @@ def build(
         error=error,
         scrapes=len(history),
         has_cache=cur.has("kvtier_tier_used_bytes"),
+        l4=l4_view(cur, prev, minute),
     )
 
 
@@ -343,8 +346,9 @@ def _restore(cur: Scrape, prev: Scrape | None, minute: Scrape | None) -> tuple[R
         else "kvtier_restore_duration_seconds"
     )
     decisions = {d["src"]: v for d, v in cur.series("kvtier_restore_decisions_total")}
-    srcs = list(SOURCES) + [s for s in decisions if s not in SOURCES]
-    srcs += [s for s in cur.label_values(f"{hist}_bucket", "src") if s not in srcs]
+    more = [*decisions, *cur.label_values(f"{hist}_bucket", "src")]
+    srcs = [s for s in SOURCES if s != "l4" or s in more]
+    srcs += [s for s in dict.fromkeys(more) if s not in srcs]
     total = sum(decisions.values())
     rows = []
     for src in srcs:

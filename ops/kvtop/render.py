@@ -17,6 +17,7 @@ from rich.text import Text
 
 from ops.kvtop import fmt
 from ops.kvtop.host import host_lines
+from ops.kvtop.l4 import l4_line
 from ops.kvtop.model import QUANTILES, Model, SessionsView, TierView
 
 WIDE = 160  # columns from which panels sit side by side in two columns
@@ -59,7 +60,7 @@ def _body(model: Model, width: int, height: int, now: float) -> RenderableType:
     if focus:
         return _panel(model, focus, width, height, now)
     if width >= WIDE and height >= 30:
-        t_h = min(len(model.tiers) + 4, height // 3)
+        t_h = min(len(model.tiers) + 4 + (1 if model.l4 else 0), height // 3)
         r_h = min(len(model.restore) + 4, height // 3)
         left, right = Layout(), Layout()
         left.split_column(
@@ -74,13 +75,15 @@ def _body(model: Model, width: int, height: int, now: float) -> RenderableType:
         body.split_row(left, right)
         return body
     t_h = len(model.tiers) + 3 + (1 if model.counters else 0) - (1 if not model.tiers else 0)
+    t_h += 1 if model.l4 else 0
     low_h = 0
     if height >= 20:
         # The host row gets the lines it needs, leaving the sessions panel up to 8 rows (4
         # sessions), or what its list needs; the sessions panel takes whatever is left over.
         s = model.sessions
         listed = s.detail is None and s.pinned is not None
-        s_min = min(8, len(s.rows) + 4) if listed else 4
+        # With an L4 the restore panel has an l4 row: two session rows make room for it.
+        s_min = min(8 if model.l4 is None else 6, len(s.rows) + 4) if listed else 4
         host_h = len(host_lines(model, width - width // 2 - 4, compact=True)) + 2
         want = max(len(model.restore) + 3, host_h, 7)
         low_h = max(7, min(want, height - t_h - s_min))
@@ -185,6 +188,8 @@ def tiers_panel(model: Model, width: int) -> Panel:
     parts: list[RenderableType] = [table]
     if not model.tiers:
         parts = [Text("no cache metrics at this endpoint (host signals only)", style="dim")]
+    if model.l4 is not None:  # hidden without an L4
+        parts.append(l4_line(model.l4, inner))
     if model.counters:
         line = Text(no_wrap=True, overflow="ellipsis")
         for i, c in enumerate(model.counters):

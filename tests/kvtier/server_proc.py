@@ -22,7 +22,8 @@ def free_port() -> int:
 
 
 class Server:
-    """Start with `Server(tmp_path, "--cache", "none").start()`; stop with `.stop()` (SIGTERM)."""
+    """Start with `Server(tmp_path, "--cache", "none").start()`; stop with `.stop()` (SIGTERM).
+    `module` may carry a subcommand: `module="ops.cli serve"` runs `kvtier serve` (host metrics)."""
 
     def __init__(self, l3_root: Path, *args: str, module: str = "kvtier.server") -> None:
         self.port = free_port()
@@ -36,7 +37,7 @@ class Server:
     def start(self, timeout: float = 90.0) -> Server:
         env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
         env = {k: v for k, v in env.items() if not k.startswith("KVTIER_")}
-        cmd = [sys.executable, "-m", self.module, "--port", str(self.port)]
+        cmd = [sys.executable, "-m", *self.module.split(), "--port", str(self.port)]
         cmd += ["--l3-root", str(self.l3_root), "--log-level", "warning", *self.args]
         self._logf = open(self.log, "wb")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self._logf, stderr=self._logf)

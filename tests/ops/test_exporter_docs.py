@@ -45,6 +45,7 @@ def test_every_exported_metric_is_documented_and_vice_versa(tmp_path: Path) -> N
 def test_names_follow_the_conventions() -> None:
     allowed_labels = {"tier", "src", "dst", "device", "gpu", "node", "zone", "order"}
     allowed_labels |= {"state", "queue"}  # bounded by kvtier.types / the transfer engine
+    allowed_labels |= {"direction", "op"}  # L4: read/written, get/put
     for name, (kind, labels, _) in documented().items():
         assert labels <= allowed_labels, f"{name}: unbounded label in {labels}"
         assert (kind == "counter") == name.endswith("_total"), f"{name}: _total iff counter"

@@ -4,8 +4,9 @@ a capture cannot hold: page-cache residency, the CUDA allocator, an L3 drive's P
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
@@ -30,9 +31,41 @@ FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "gpu-h200"
 GIB = 1 << 30
 
 
+# The L4 stats the cache reports with an L4 (Redis) configured: `TieredCache.stats()["l4"]`.
+L4_STATS: dict[str, Any] = {
+    "up": True,
+    "breaker": "closed",
+    "bytes_written": 14 << 20,
+    "bytes_read": 7 << 20,
+    "hits": 30,
+    "misses": 4,
+    "errors": 2,
+    "writes_shed": 5,
+    "get_seconds_sum": 0.75,
+    "get_count": 34,
+    "put_seconds_sum": 1.5,
+    "put_count": 20,
+    "url": "redis://127.0.0.1:6379/0",
+}
+
+
+@dataclass(frozen=True)
+class SnapshotWithL4(CacheSnapshot):
+    """A cache snapshot that carries L4 stats, as the cache's does with an L4 configured."""
+
+    l4: Any = None
+
+
+def without_l4(snap: CacheSnapshot) -> CacheSnapshot:
+    """The same snapshot as a cache without an L4 reports it."""
+    fields = {f: getattr(snap, f) for f in CacheSnapshot.__dataclass_fields__ if f != "l4"}
+    return CacheSnapshot(**fields)
+
+
 def full_cache_snapshot(taken_at: float = 1_700_000_000.0) -> CacheSnapshot:
+    """Every field set, an L4 included."""
     n = len(RESTORE_BUCKETS)
-    return CacheSnapshot(
+    return SnapshotWithL4(
         taken_at=taken_at,
         tiers=(
             TierStats("l1", 8 * GIB, 6 * GIB, 400, hits=50, misses=7, evictions=3),
@@ -57,6 +90,7 @@ def full_cache_snapshot(taken_at: float = 1_700_000_000.0) -> CacheSnapshot:
         shed_writes=12,
         io_errors=2,
         oom_retries=5,
+        l4=L4_STATS,
     )
 
 

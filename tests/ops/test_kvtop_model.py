@@ -316,6 +316,22 @@ def cases() -> list[tuple[str, list[Scrape], list[Scrape]]]:
     out.append(
         (T.GPU_ALLOC_FRAGMENTED.alert, [alloc(2 * floor, floor + 1)], [alloc(2 * floor, floor)])
     )
+
+    def l4(breaker: float, up: float) -> Scrape:
+        return scrape(0, kvtier_l4_breaker_state=one(breaker), kvtier_l4_up=one(up))
+
+    down = T.L4_DOWN
+    out.append((down.alert, [l4(down.value, 0)], [l4(down.value - 1, 1)]))  # open / half open
+    out.append((down.alert, [l4(down.value - 1, 0)], [l4(0, 1)]))  # probing, still unreachable
+    out.append((down.alert, [l4(down.value, 1)], [scrape(0)]))  # no L4 configured: quiet
+    errors, e = "kvtier_l4_errors_total", T.L4_ERRORS.value
+    out.append(
+        (
+            T.L4_ERRORS.alert,
+            [scrape(0, **{errors: one(0)}), scrape(10, **{errors: one(10 * e + 1)})],
+            [scrape(0, **{errors: one(0)}), scrape(10, **{errors: one(10 * e)})],
+        )
+    )
     return out
 
 
