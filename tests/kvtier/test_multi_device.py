@@ -1,0 +1,190 @@
+"""Layers across devices and device failover, on a fake two-device layout (CPU, float32).
+
+Two *logical* devices that are both the CPU: the placement, the sharded page pool, the hops
+between stages and the failover state machine run as on two GPUs; a lost device is simulated by
+a fault injected in the middle of a batch, its weights and pages poisoned (NaN) at that moment,
+so a result that read them could not match. Every reply is compared with the greedy reply of
+the same model alone on one device (transformers' DynamicCache).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from test_batching import _build, _config, _greedy_alone, _job, _prompts, _run
+
+from kvtier.errors import ConfigError
+from kvtier.geometry import KVGeometry
+from kvtier.paged import PagedSequence, PagePool
+from kvtier.paged.sharded import ShardedPagePool
+from kvtier.placement import DeviceLost, Placement, parse_devices
+from kvtier.server.backend import TieredBackend
+from kvtier.server.batching import BatchScheduler
+from kvtier.server.engine import Delta, Finished, Stream
+from kvtier.server.failover import DEGRADED, DRAINING, HEALTHY, RESTORING, place
+
+CPU = torch.device("cpu")
+
+
+def _layers(n: int, *devices: int) -> tuple[int, ...]:
+    return Placement.balanced(n, [CPU] * len(devices)).layers
+
+
+def test_balanced_ranges_and_replacement() -> None:
+    assert Placement.balanced(32, [CPU, CPU]).ranges() == {0: (0, 15), 1: (16, 31)}
+    assert _layers(5, 0, 1, 2) == (0, 0, 1, 1, 2)
+    p = Placement.balanced(8, [CPU] * 4)
+    assert p.layers == (0, 0, 1, 1, 2, 2, 3, 3)
+    lost = p.without(2)  # its two layers go to two of the survivors, counts stay balanced
+    assert sorted(lost.layers.count(d) for d in (0, 1, 3)) == [2, 3, 3]
+    assert 2 not in lost.layers
+    assert Placement.balanced(4, [CPU, CPU]).without(1).layers == (0, 0, 0, 0)
+    with pytest.raises(DeviceLost):
+        Placement.balanced(4, [CPU]).without(0)
+    with pytest.raises(ConfigError, match="at most 2"):
+        Placement.balanced(2, [CPU] * 3)
+
+
+def test_parse_devices() -> None:
+    assert parse_devices("auto", cuda_count=2) == [torch.device("cuda", 0), torch.device("cuda", 1)]
+    assert parse_devices("0,1", cuda_count=2) == [torch.device("cuda", 0), torch.device("cuda", 1)]
+    assert parse_devices("cuda:1", cuda_count=2) == [torch.device("cuda", 1)]
+    assert parse_devices("cpu,cpu", cuda_count=0) == [CPU, CPU]
+    assert parse_devices("", cuda_count=2) == []
+    for bad, why in (("auto", "no GPU"), ("2", "not visible"), ("0,0", "twice"), ("gpu", "not")):
+        with pytest.raises(ConfigError, match=why):
+            parse_devices(bad, cuda_count=1 if bad != "auto" else 0)
+
+
+def test_sharded_pool_pages_and_chunks_equal_one_pool() -> None:
+    g = KVGeometry(4, 2, 8, 8, "float32", "gqa")
+    placement = Placement(devices=(CPU, CPU), layers=(0, 1, 1, 0))  # not contiguous on purpose
+    one = PagePool(g, 64 * 4 * 2 * 2 * 8 * 4 * 16, page_size=16)
+    two = ShardedPagePool(g, 64 * 4 * 2 * 2 * 8 * 4 * 16, placement, page_size=16)
+    assert one.num_pages == two.num_pages == 64
+    assert two.bytes_on(0) == two.bytes_on(1) == one.kv.numel() * 4 // 2
+    seq1, seq2 = PagedSequence(), PagedSequence()
+    for pool, seq in ((one, seq1), (two, seq2)):
+        assert pool.reserve(seq, 40)
+        src = torch.arange(4 * 2 * 40 * 2 * 8, dtype=torch.float32).view(4, 2, 40, 2, 8)
+        pool.scatter(seq.pages, 0, src)
+        seq.length = 40
+    assert torch.equal(one.gather(seq1.pages, 3, 37), two.gather(seq2.pages, 3, 37))
+    for layer in range(4):
+        assert torch.equal(one.gather_layer(seq1.pages, 0, 40, layer)[1],
+                           two.gather_layer(seq2.pages, 0, 40, layer)[1])  # fmt: skip
+    # copy-on-write of a shared, partial tail copies every device's layers
+    fork1, fork2 = one.fork(seq1), two.fork(seq2)
+    assert one.reserve(fork1, 1) and two.reserve(fork2, 1)
+    assert fork2.pages[-1] != seq2.pages[-1]
+    assert torch.equal(one.gather(fork1.pages, 0, 40), two.gather(fork2.pages, 0, 40))
+
+
+async def _turn(
+    sched: BatchScheduler, job: Any, on_delta: Any = None
+) -> tuple[str, Finished | None]:
+    stream = Stream(asyncio.get_running_loop())
+    done = asyncio.wrap_future(sched.submit(job, stream, time.perf_counter()))
+    text, finished = "", None
+    async for event in stream.events():
+        if isinstance(event, Delta):
+            text += event.text
+            if on_delta is not None:
+                on_delta(text)
+        elif isinstance(event, Finished):
+            finished = event
+    await done
+    return text, finished
+
+
+def _poison(served: Any, sched: BatchScheduler, device: int) -> None:
+    """What a lost device's memory is worth: its layers' weights and its pages become NaN."""
+    placed = served.devices.placed
+    with torch.no_grad():
+        for i in placed.placement.layers_on(device):
+            for p in placed.layers[i].parameters():
+                p.fill_(float("nan"))
+    sched.pool.poison(device)
+
+
+def test_fault_mid_batch_loses_no_session_and_next_turns_are_exact(tmp_path: Path) -> None:
+    ref = _build("llama")
+    served = place(_build("llama"), [CPU, CPU])
+    failover = served.devices
+    backend = TieredBackend(served.model, _config(tmp_path), served.name)
+    sched = BatchScheduler(served, backend, _config(tmp_path))
+    pages_before = sched.pool.num_pages
+    prompts = _prompts(7, [5, 60, 130, 17])
+    tokens = 24
+    try:
+
+        def trigger(text: str) -> None:
+            if len(text) >= 6 and failover.state == HEALTHY and not failover.placed._faults:
+                failover.placed.inject_fault(
+                    1, "test fault", before=lambda: _poison(served, sched, 1)
+                )
+
+        async def first() -> list[tuple[str, Finished | None]]:
+            calls = [_turn(sched, _job(f"s{i}", p, tokens), trigger if i == 1 else None)
+                     for i, p in enumerate(prompts)]  # fmt: skip
+            return list(await asyncio.gather(*calls))
+
+        replies = asyncio.run(asyncio.wait_for(first(), 120))
+        assert failover.history == [HEALTHY, DRAINING, DEGRADED]
+        assert "device 1 lost" in failover.reason and failover.state == DEGRADED
+        assert failover.placed.placement.layers == (0, 0)
+        assert sched.pool.num_pages == pages_before // 2  # the survivor holds the same bytes
+        assert failover.last_failover_s is not None and failover.last_failover_s < 5
+        for (text, fin), p in zip(replies, prompts, strict=True):
+            assert fin is not None and fin.finish_reason in ("length", "stop")  # none lost
+            assert text == _greedy_alone(ref, p, tokens)
+        # next turns, degraded: every session restores what it committed, exactly
+        seconds = [
+            p + list(text.encode()) + [10, 65, 66]
+            for p, (text, _) in zip(prompts, replies, strict=True)
+        ]
+        again = _run(sched, *[_turn(sched, _job(f"s{i}", p, 10)) for i, p in enumerate(seconds)])
+        for (text, fin), p in zip(again, seconds, strict=True):
+            assert fin is not None and fin.cached_tokens > 0
+            assert text == _greedy_alone(ref, p, 10)
+        # the device comes back: layers go home, the pool regains its size, turns stay exact
+        status = failover.restore(1).result(timeout=30)
+        assert status["state"] == HEALTHY and failover.history[-2:] == [RESTORING, HEALTHY]
+        assert failover.placed.placement.layers == (0, 1) and sched.pool.num_pages == pages_before
+        thirds = [
+            p + list(text.encode()) + [10] for p, (text, _) in zip(seconds, again, strict=True)
+        ]
+        last = _run(sched, *[_turn(sched, _job(f"s{i}", p, 8)) for i, p in enumerate(thirds)])
+        for (text, _), p in zip(last, thirds, strict=True):
+            assert text == _greedy_alone(ref, p, 8)
+    finally:
+        sched.close()
+        backend.close()
+
+
+def test_requested_failover_while_idle_and_errors(tmp_path: Path) -> None:
+    served = place(_build("llama"), [CPU, CPU])
+    failover = served.devices
+    backend = TieredBackend(served.model, _config(tmp_path), served.name)
+    sched = BatchScheduler(served, backend, _config(tmp_path))
+    try:
+        with pytest.raises(ConfigError, match="no device 5"):
+            failover.fail(5)
+        with pytest.raises(ConfigError, match="not lost"):
+            failover.restore(1)
+        status = failover.fail(1, "operator").result(timeout=30)  # the scheduler is idle
+        assert status["state"] == DEGRADED and status["devices"][1]["state"] == "lost"
+        assert status["devices"][0]["layers"] == [0, 1]
+        with pytest.raises(ConfigError, match="already lost"):
+            failover.fail(1)
+        with pytest.raises(DeviceLost, match="primary"):
+            failover.fail(0)
+        assert failover.restore(1).result(timeout=30)["state"] == HEALTHY
+    finally:
+        sched.close()
+        backend.close()
