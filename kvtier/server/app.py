@@ -23,6 +23,7 @@ from kvtier.errors import InvalidRequest, KvtierError, L1BudgetExceeded, StoreEr
 from kvtier.server.admin import install_admin_routes
 from kvtier.server.backend import make_backend
 from kvtier.server.config import ServerConfig
+from kvtier.server.devices_admin import install_device_routes
 from kvtier.server.engine import (
     ContextExceeded,
     Delta,
@@ -33,6 +34,7 @@ from kvtier.server.engine import (
     Overloaded,
     check_fits,
 )
+from kvtier.server.failover import place_configured
 from kvtier.server.http import MAX_SESSION_ID, MAX_TENANT, ApiError, check_id
 from kvtier.server.metrics import ServerMetrics
 from kvtier.server.model import ServedModel, build_default, load_local
@@ -42,6 +44,8 @@ from kvtier.snapshot import CacheSnapshot
 log = logging.getLogger("kvtier.server")
 
 SOURCE_HEADER = "X-Kvtier-Restore-Source"
+# "1" when the server was degraded (a device lost, its layers on the survivors) as the turn began
+DEGRADED_HEADER = "X-Kvtier-Degraded"
 # How long /v1/sessions waits for a fresh snapshot before it answers the previous one.
 SNAPSHOT_WAIT_S = 0.05
 
@@ -141,6 +145,8 @@ def create_app(
     async def load() -> None:
         try:
             served = await asyncio.to_thread(loader, config)
+            # layers across devices (--devices), with device failover
+            served = await asyncio.to_thread(place_configured, served, config, state.metrics)
             await asyncio.to_thread(_warm_up, served)
         except Exception as exc:  # readyz reports it; the process stays up for diagnosis
             log.exception("the model failed to load")
@@ -258,6 +264,14 @@ def _routes(app: FastAPI, state: State) -> None:
         if engine is None or engine.draining:
             why = "draining" if engine else ("failed" if state.load_error else "loading")
             return JSONResponse({"status": why}, status_code=503)
+        devices = engine.served.devices
+        if devices is not None and devices.degraded:  # serving, on fewer devices
+            code = 503 if devices.state == "failed" else 200
+            body = {"status": devices.state, "reason": devices.reason}
+            if devices.state != "failed":
+                body["status"] = "degraded"
+                body["device_state"] = devices.state
+            return JSONResponse({**body, "model": cfg.served_model_name}, status_code=code)
         return JSONResponse({"status": "ready", "model": cfg.served_model_name})
 
     @app.get("/metrics")
@@ -364,7 +378,10 @@ def _routes(app: FastAPI, state: State) -> None:
         state.metrics.count("requests")
         started = stream.started
         assert started is not None
+        devices = engine.served.devices
+        was_degraded = devices is not None and devices.degraded
         headers = {
+            DEGRADED_HEADER: "1" if was_degraded else "0",
             SOURCE_HEADER: started.source,
             "X-Kvtier-Cached-Tokens": str(started.cached_tokens),
             "X-Session-ID": sid,
@@ -374,12 +391,17 @@ def _routes(app: FastAPI, state: State) -> None:
         name = cfg.served_model_name
 
         def usage(done: Finished) -> dict[str, Any]:
+            degraded = was_degraded or (devices is not None and devices.degraded)
             return {
                 "prompt_tokens": done.prompt_tokens,
                 "completion_tokens": done.completion_tokens,
                 "total_tokens": done.prompt_tokens + done.completion_tokens,
                 "prompt_tokens_details": {"cached_tokens": done.cached_tokens},
-                "kvtier": {"restore_source": done.source, "session_id": sid},
+                "kvtier": {
+                    "restore_source": done.source,
+                    "session_id": sid,
+                    "degraded": degraded,
+                },
             }
 
         if not body.stream:
@@ -395,6 +417,8 @@ def _routes(app: FastAPI, state: State) -> None:
                 if done is None:
                     stream.cancel()
             assert done is not None
+            if was_degraded or (devices is not None and devices.degraded):
+                state.metrics.count("degraded_turns")
             text = "".join(parts)
             if chat:
                 choice: dict[str, Any] = {
@@ -452,6 +476,8 @@ def _routes(app: FastAPI, state: State) -> None:
                     if isinstance(event, Delta):
                         yield chunk(event.text, None)
                     else:
+                        if was_degraded or (devices is not None and devices.degraded):
+                            state.metrics.count("degraded_turns")
                         yield chunk(None if chat else "", event.finish_reason)
                         if include_usage:
                             yield _sse(
@@ -483,6 +509,7 @@ def _routes(app: FastAPI, state: State) -> None:
         )
 
     install_admin_routes(app, state)
+    install_device_routes(app, state)
 
 
 def _sse(obj: dict[str, Any]) -> str:

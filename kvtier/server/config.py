@@ -46,6 +46,8 @@ class ServerConfig:
     model_id: str | None = None  # identity in the cache fingerprint; None = the directory name
     served_model_name: str = "default"
     device: str | None = None  # "cpu", "cuda", "cuda:1"; None = cuda when available
+    # decoder layers across devices: "auto" (every visible GPU), "0,1"; "" = all on `device`
+    devices: str = ""
     seed: int = 0  # seed of the built-in model's random weights
     cache: str = "tiered"  # "tiered" (L1/L2/L3) or "none" (recompute every prefix; a baseline)
     l1_bytes: int = 256 * 2**20
@@ -162,6 +164,8 @@ def _coerce(name: str, value: Any) -> Any:
             return Path(value).expanduser()
         if name == "device":
             return str(value)
+        if name == "devices" and isinstance(value, (list, tuple)):  # TOML: devices = [0, 1]
+            return ",".join(str(v) for v in value)
         if isinstance(default, bool):
             if isinstance(value, bool):
                 return value

@@ -286,6 +286,8 @@ class Engine:
         try:
             self._batch = BatchScheduler(self.served, self.backend, self.config, self.metrics)
         except KvtierError as exc:
+            if self.served.devices is not None:
+                raise  # a model across devices runs only through the batch
             log.warning("batching is off for this model (%s); one thread per request", exc)
             self.batching = False
         return self._batch
@@ -318,6 +320,12 @@ class Engine:
         """
         room = self.served.context_tokens - 2
         n, n_b = max(2, min(tokens, room)), max(2, min(prefill_tokens, room))
+        if self.served.devices is not None:
+            # Layers across devices: the session Cache (L1) lives on the primary device, which
+            # the plain forward's attention would read from every device; warm the batch only.
+            vocab = len(self.served.tokenizer)
+            self._warm_batch([(i * 5 + 11) % vocab for i in range(min(n, WARM_UP_SUFFIX))])
+            return
         vocab = len(self.served.tokenizer)
         device = self.served.device
         prompt_b = ((torch.arange(n_b + 1, device=device) * 7 + 3) % vocab).unsqueeze(0)

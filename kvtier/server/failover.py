@@ -39,7 +39,14 @@ from kvtier.errors import ConfigError, KvtierError
 from kvtier.geometry import KVGeometry
 from kvtier.paged import BatchRunner, PagePool
 from kvtier.paged.sharded import ShardedPagePool
-from kvtier.placement import DeviceLost, PlacedModel, Placement, decoder_layers
+from kvtier.placement import (
+    DeviceLost,
+    PlacedModel,
+    Placement,
+    decoder_layers,
+    devices_setting,
+    parse_devices,
+)
 
 log = logging.getLogger("kvtier.server")
 
@@ -105,6 +112,7 @@ class DeviceFailover:
         self.last_failover_s: float | None = None  # fault seen -> serving again, seconds
         self.failovers = 0
         self.scheduler: Any = None
+        self.watch: NvmlWatch | None = None  # set where GPUs are watched (place_configured)
         self._lock = threading.Lock()
         self._requests: list[tuple[str, int, str, concurrent.futures.Future[dict[str, Any]]]] = []
         self._report()
@@ -320,7 +328,8 @@ class DeviceFailover:
     def _report(self) -> None:
         if self.metrics is not None and hasattr(self.metrics, "devices"):
             lost = len(self.placed.lost)
-            self.metrics.devices(len(self.placed.home.used()) - lost, lost, self.state)
+            ok = len(self.placed.home.used()) - lost
+            self.metrics.devices(ok, lost, self.state, self.last_failover_s)
 
     @property
     def degraded(self) -> bool:
@@ -405,4 +414,21 @@ def place(served: Any, devices: list[torch.device], metrics: Any = None) -> Any:
         served.allowed = served.allowed.to(placed.primary_device)
     served.devices = DeviceFailover(placed, metrics)
     log.info("model placed: %s", placed.placement.describe())
+    return served
+
+
+def place_configured(served: Any, config: Any, metrics: Any = None) -> Any:
+    """`place` over the configured devices (`devices`, or KVTIER_DEVICES); with GPUs, NVML
+    is watched for a device that disappears."""
+    devices = parse_devices(devices_setting(config))
+    if len(devices) < 2:
+        return served
+    if not bool(getattr(config, "batching", True)):
+        raise ConfigError(
+            "devices: a model across devices runs through the batch scheduler; turn batching "
+            "on (--batching true) or name one device"
+        )
+    served = place(served, devices, metrics)
+    if any(d.type == "cuda" for d in devices):
+        served.devices.watch = NvmlWatch(served.devices)
     return served

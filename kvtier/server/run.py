@@ -46,6 +46,11 @@ def options(f: Callable[..., Any]) -> Callable[..., Any]:
         ),
         click.option("--served-model-name", help="Model name clients send (default 'default')."),
         click.option("--device", help="cpu, cuda or cuda:N (default: cuda when available)."),
+        click.option(
+            "--devices",
+            help="Decoder layers across devices of this host: auto (every visible GPU) or GPU "
+            "ordinals like 0,1 (default: all on --device).",
+        ),
         click.option("--seed", type=int, help="Seed of the built-in model's weights."),
         click.option(
             "--cache",

@@ -188,3 +188,59 @@ def test_requested_failover_while_idle_and_errors(tmp_path: Path) -> None:
     finally:
         sched.close()
         backend.close()
+
+
+def test_http_fail_and_restore_a_device(tmp_path: Path) -> None:
+    """Through the real server on two logical CPU devices: the admin routes, /readyz, the
+    degraded header and usage field, the metrics; the session's next turn is exact."""
+    import httpx
+    from server_proc import Server
+
+    srv = Server(tmp_path / "l3", "--devices", "cpu,cpu", "--max-concurrency", "4").start()
+    try:
+        url = srv.url
+
+        def chat(sid: str, messages: list[dict[str, str]]) -> httpx.Response:
+            body = {"model": "default", "messages": messages, "temperature": 0, "max_tokens": 16}
+            r = httpx.post(
+                url + "/v1/chat/completions", json=body, headers={"X-Session-ID": sid}, timeout=60
+            )
+            assert r.status_code == 200, r.text
+            return r
+
+        status = httpx.get(url + "/v1/admin/devices", timeout=10).json()
+        assert status["state"] == HEALTHY
+        assert [d["layers"] for d in status["devices"]] == [[0], [1]]
+        msgs = [{"role": "user", "content": "hello there, " * 20}]
+        first = chat("s1", msgs)
+        assert first.headers["X-Kvtier-Degraded"] == "0"
+        msgs.append(
+            {"role": "assistant", "content": first.json()["choices"][0]["message"]["content"]}
+        )
+        msgs.append({"role": "user", "content": "and then?"})
+
+        r = httpx.post(url + "/v1/admin/devices/1/fail", timeout=60)
+        assert r.status_code == 200 and r.json()["state"] == DEGRADED
+        assert httpx.post(url + "/v1/admin/devices/1/fail", timeout=60).status_code == 409
+        assert httpx.post(url + "/v1/admin/devices/0/fail", timeout=60).status_code == 409
+        ready = httpx.get(url + "/readyz", timeout=10)
+        assert ready.status_code == 200 and ready.json()["status"] == "degraded"
+        assert "device 1 lost" in ready.json()["reason"]
+        second = chat("s1", msgs)
+        assert second.headers["X-Kvtier-Degraded"] == "1"
+        assert second.json()["usage"]["kvtier"]["degraded"] is True
+        assert second.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        metrics = httpx.get(url + "/metrics", timeout=10).text
+        assert 'kvtier_server_devices{state="lost"} 1.0' in metrics
+        assert "kvtier_server_degraded 1.0" in metrics
+        assert "kvtier_server_degraded_turns_total 1.0" in metrics
+
+        r = httpx.post(url + "/v1/admin/devices/1/restore", timeout=60)
+        assert r.status_code == 200 and r.json()["state"] == HEALTHY
+        assert httpx.get(url + "/readyz", timeout=10).json()["status"] == "ready"
+        # the same conversation as a new session, healthy and recomputed: the same reply
+        alone = chat("s2", msgs)
+        assert alone.headers["X-Kvtier-Degraded"] == "0"
+        assert alone.json()["choices"] == second.json()["choices"]
+    finally:
+        assert srv.stop() == 0, srv.output()
