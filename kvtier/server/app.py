@@ -46,6 +46,8 @@ log = logging.getLogger("kvtier.server")
 SOURCE_HEADER = "X-Kvtier-Restore-Source"
 # "1" when the server was degraded (a device lost, its layers on the survivors) as the turn began
 DEGRADED_HEADER = "X-Kvtier-Degraded"
+# set when the turn ran over attention sinks + a sliding window (kvtier.server.streaming)
+STREAMING_HEADER = "X-Kvtier-Streaming-Attention"
 # How long /v1/sessions waits for a fresh snapshot before it answers the previous one.
 SNAPSHOT_WAIT_S = 0.05
 
@@ -380,12 +382,17 @@ def _routes(app: FastAPI, state: State) -> None:
         assert started is not None
         devices = engine.served.devices
         was_degraded = devices is not None and devices.degraded
+        if stream.streaming is not None:
+            state.metrics.count("streaming_turns")
         headers = {
             DEGRADED_HEADER: "1" if was_degraded else "0",
             SOURCE_HEADER: started.source,
             "X-Kvtier-Cached-Tokens": str(started.cached_tokens),
             "X-Session-ID": sid,
         }
+        if stream.streaming is not None:
+            sinks, window = stream.streaming
+            headers[STREAMING_HEADER] = f"sinks={sinks}, window={window}"
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())
         name = cfg.served_model_name
@@ -401,6 +408,7 @@ def _routes(app: FastAPI, state: State) -> None:
                     "restore_source": done.source,
                     "session_id": sid,
                     "degraded": degraded,
+                    "streaming": stream.streaming is not None,
                 },
             }
 

@@ -27,6 +27,7 @@ from kvtier.errors import InvalidRequest, KvtierError, L1BudgetExceeded
 from kvtier.server.backend import Backend
 from kvtier.server.model import ServedModel, cache_kwarg
 from kvtier.server.sampling import ReplyText, make_generator, sample
+from kvtier.server.streaming import degrade
 from kvtier.tiers import l3_io
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -116,6 +117,8 @@ class Stream:
     queue: asyncio.Queue[Any] = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     started: Started | None = None
+    # (sinks, window) when the turn runs degraded over sinks + a window (kvtier.server.streaming)
+    streaming: tuple[int, int] | None = None
 
     def put(self, event: Any) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
@@ -209,6 +212,7 @@ class Engine:
         """Admit a job and run it; returns once the prompt is restored (or raises)."""
         if self.draining:
             raise Draining("the server is shutting down; retry on another replica or later")
+        job, streaming = degrade(job, self.served.devices, self.config)
         if self.waiting >= self.config.max_queue:
             self._count("rejected")
             raise Overloaded(
@@ -249,7 +253,7 @@ class Engine:
         self.running += 1
         self._idle.clear()
         self._gauge()
-        stream = Stream(loop)
+        stream = Stream(loop, streaming=streaming)
         admitted = time.perf_counter()
         batch = self._scheduler()
 

@@ -83,6 +83,12 @@ class ServerMetrics:
             registry=registry,
         )
 
+        self.streaming_turns = Counter(
+            "kvtier_server_streaming_turns_total",
+            "Degraded turns run over attention sinks plus a sliding window (--degraded-window).",
+            registry=registry,
+        )
+
     def devices(self, ok: int, lost: int, state: str, failover_s: float | None = None) -> None:
         self.device_count.labels(state="ok").set(ok)
         self.device_count.labels(state="lost").set(lost)
@@ -98,6 +104,7 @@ class ServerMetrics:
             "requests": self.requests,
             "errors": self.errors,
             "degraded_turns": self.degraded_turns,
+            "streaming_turns": self.streaming_turns,
         }[name].inc(n)
 
     def ttft(self, source: str, seconds: float) -> None:

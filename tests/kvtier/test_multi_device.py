@@ -191,12 +191,15 @@ def test_requested_failover_while_idle_and_errors(tmp_path: Path) -> None:
 
 
 def test_http_fail_and_restore_a_device(tmp_path: Path) -> None:
-    """Through the real server on two logical CPU devices: the admin routes, /readyz, the
-    degraded header and usage field, the metrics; the session's next turn is exact."""
+    """Through the real server on two logical CPU devices, degraded mode on: the admin routes,
+    /readyz, the degraded and streaming headers and usage fields, the metrics; a short session
+    runs exact while degraded, a long one over sinks + window, and its next turn after the
+    restore is exact (its stored KV was never written from the approximate turn)."""
     import httpx
     from server_proc import Server
 
-    srv = Server(tmp_path / "l3", "--devices", "cpu,cpu", "--max-concurrency", "4").start()
+    args = ("--devices", "cpu,cpu", "--max-concurrency", "4", "--degraded-window", "48")
+    srv = Server(tmp_path / "l3", *args).start()
     try:
         url = srv.url
 
@@ -208,16 +211,18 @@ def test_http_fail_and_restore_a_device(tmp_path: Path) -> None:
             assert r.status_code == 200, r.text
             return r
 
+        def text(r: httpx.Response) -> str:
+            return str(r.json()["choices"][0]["message"]["content"])
+
         status = httpx.get(url + "/v1/admin/devices", timeout=10).json()
         assert status["state"] == HEALTHY
         assert [d["layers"] for d in status["devices"]] == [[0], [1]]
-        msgs = [{"role": "user", "content": "hello there, " * 20}]
-        first = chat("s1", msgs)
+        long = [{"role": "user", "content": "hello there, " * 20}]
+        first = chat("s1", long)
         assert first.headers["X-Kvtier-Degraded"] == "0"
-        msgs.append(
-            {"role": "assistant", "content": first.json()["choices"][0]["message"]["content"]}
-        )
-        msgs.append({"role": "user", "content": "and then?"})
+        long += [{"role": "assistant", "content": text(first)}, {"role": "user", "content": "so?"}]
+        short = [{"role": "user", "content": "hi"}]
+        healthy_short = text(chat("h1", short))
 
         r = httpx.post(url + "/v1/admin/devices/1/fail", timeout=60)
         assert r.status_code == 200 and r.json()["state"] == DEGRADED
@@ -226,21 +231,29 @@ def test_http_fail_and_restore_a_device(tmp_path: Path) -> None:
         ready = httpx.get(url + "/readyz", timeout=10)
         assert ready.status_code == 200 and ready.json()["status"] == "degraded"
         assert "device 1 lost" in ready.json()["reason"]
-        second = chat("s1", msgs)
-        assert second.headers["X-Kvtier-Degraded"] == "1"
-        assert second.json()["usage"]["kvtier"]["degraded"] is True
-        assert second.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        degraded_short = chat("h2", short)  # shorter than sinks + window: full attention, exact
+        assert degraded_short.headers["X-Kvtier-Degraded"] == "1"
+        assert "X-Kvtier-Streaming-Attention" not in degraded_short.headers
+        assert text(degraded_short) == healthy_short
+        second = chat("s1", long)  # longer: over 4 sinks + the last 48 tokens
+        assert second.headers["X-Kvtier-Streaming-Attention"] == "sinks=4, window=48"
+        usage = second.json()["usage"]
+        assert usage["kvtier"]["degraded"] is True and usage["kvtier"]["streaming"] is True
+        assert usage["prompt_tokens"] == 52
         metrics = httpx.get(url + "/metrics", timeout=10).text
         assert 'kvtier_server_devices{state="lost"} 1.0' in metrics
         assert "kvtier_server_degraded 1.0" in metrics
-        assert "kvtier_server_degraded_turns_total 1.0" in metrics
+        assert "kvtier_server_degraded_turns_total 2.0" in metrics
+        assert "kvtier_server_streaming_turns_total 1.0" in metrics
 
         r = httpx.post(url + "/v1/admin/devices/1/restore", timeout=60)
         assert r.status_code == 200 and r.json()["state"] == HEALTHY
         assert httpx.get(url + "/readyz", timeout=10).json()["status"] == "ready"
-        # the same conversation as a new session, healthy and recomputed: the same reply
-        alone = chat("s2", msgs)
-        assert alone.headers["X-Kvtier-Degraded"] == "0"
-        assert alone.json()["choices"] == second.json()["choices"]
+        # s1's next turn restores its exact first turn and equals a new session's reply
+        long += [{"role": "assistant", "content": text(second)}, {"role": "user", "content": "ok"}]
+        third = chat("s1", long)
+        assert third.headers["X-Kvtier-Degraded"] == "0"
+        assert third.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        assert text(third) == text(chat("s2", long))
     finally:
         assert srv.stop() == 0, srv.output()
