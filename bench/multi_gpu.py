@@ -128,7 +128,7 @@ def transfer(geo: KVGeometry, devices: list[torch.device], tokens: int, reps: in
     host = torch.empty(
         (geo.num_layers, 2, tokens, geo.num_kv_heads, geo.head_dim), dtype=dtype, pin_memory=pin
     )
-    host.normal_()
+    host.fill_(0.5)
     out: dict[str, float] = {}
     for name in ("restore", "offload"):
         times = []
@@ -248,9 +248,13 @@ def decode(served: ServedModel, fl: dict[str, int], kv_bytes: int, root: Path) -
 # ---- 3. failover -------------------------------------------------------------------------------
 
 
-def failover(served: ServedModel, fl: dict[str, int], kv_bytes: int, root: Path) -> dict:
+def failover(served: ServedModel, fl: dict[str, int], root: Path) -> dict:
     fo = served.devices
     n, tokens = fl["fo_sessions"], fl["tokens"]
+    # room for 2n conversations of three turns in L1, L2 and the page pool
+    geo = KVGeometry.from_config(served.model.config)
+    per_token = geo.num_layers * 2 * geo.num_kv_heads * geo.head_dim * 4  # generous: fp32 size
+    kv_bytes = 2 * n * (fl["prompt"] + 4 * tokens + 512) * per_token
     cfg = config(root, 2 * n, kv_bytes, l1_bytes=kv_bytes, l2_bytes=kv_bytes, chunk_tokens=256)
     backend = TieredBackend(served.model, cfg, served.name)
     sched = BatchScheduler(served, backend, cfg)
@@ -355,7 +359,7 @@ def main() -> None:
         a == b for a, b in zip(res["dec1"]["texts"], res["dec2"]["texts"], strict=True)
     )
     print("decode done", flush=True)
-    res["fo"] = failover(served, fl, kv_bytes, root / "fo")
+    res["fo"] = failover(served, fl, root / "fo")
     report(res)
     if args.out is not None:
         for k in ("dec1", "dec2"):

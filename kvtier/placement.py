@@ -186,8 +186,9 @@ class HostWeights:
         for layer in layers:
             state = {}
             for name, t in layer.state_dict().items():
-                host = t.detach().to("cpu", copy=True)
-                state[name] = host.pin_memory() if pin else host
+                host = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
+                host.copy_(t.detach())
+                state[name] = host
             self.states.append(state)
 
     @property
@@ -313,6 +314,12 @@ class PlacedModel:
     @property
     def primary_device(self) -> torch.device:
         return self.placement.devices[self.placement.primary]
+
+    def make_primary_current(self) -> None:
+        """The primary device as the current CUDA device (a forward that failed in a layer of
+        another device left that one current; the batch runner's copies run on the primary)."""
+        if self.primary_device.type == "cuda":
+            torch.cuda.set_device(self.primary_device)
 
     def replace(self, lost: int) -> Placement:
         """Move the lost device's layers to the survivors (weights from the host copy)."""

@@ -216,6 +216,7 @@ class DeviceFailover:
         return None, ""
 
     def _apply(self, sched: Any, op: str, device: int, reason: str, since: float) -> None:
+        self.placed.make_primary_current()
         if op == "fail":
             if device in self.placed.lost:
                 return
@@ -264,7 +265,10 @@ class DeviceFailover:
         sched.pool = sched.runner = None
         del pool
         if any(d.type == "cuda" for d in self.placed.home.devices):
-            torch.cuda.empty_cache()
+            try:
+                torch.cuda.empty_cache()
+            except Exception as exc:  # a lost device may fail to give its blocks back
+                log.warning("emptying the CUDA cache failed (%s); going on", exc)
         return shape
 
     def _build(self, sched: Any, shape: _PoolShape | None) -> None:

@@ -257,3 +257,24 @@ def test_http_fail_and_restore_a_device(tmp_path: Path) -> None:
         assert text(third) == text(chat("s2", long))
     finally:
         assert srv.stop() == 0, srv.output()
+
+
+def test_devices_settings_from_flags_environment_and_toml(tmp_path: Path) -> None:
+    from kvtier.placement import devices_setting
+    from kvtier.server.config import ServerConfig
+    from kvtier.server.failover import place_configured
+
+    toml = tmp_path / "kvtier.toml"
+    toml.write_text("[serve]\ndevices = [0, 1]\ndegraded_window = 512\n")
+    cfg = ServerConfig.load(env={}, file=toml)
+    assert cfg.devices == "0,1" and cfg.degraded_window == 512 and cfg.degraded_sinks == 4
+    cfg = ServerConfig.load(env={"KVTIER_DEVICES": "auto"}, file=toml)
+    assert cfg.devices == "auto"
+    cfg = ServerConfig.load(flags={"devices": "cpu,cpu"}, env={"KVTIER_DEVICES": "auto"})
+    assert devices_setting(cfg) == "cpu,cpu"
+    with pytest.raises(ConfigError, match="negative"):
+        ServerConfig.load(flags={"degraded_window": -1}, env={})
+    with pytest.raises(ConfigError, match="batching"):
+        place_configured(_build("llama"), ServerConfig(devices="cpu,cpu", batching=False))
+    one = _build("llama")
+    assert place_configured(one, ServerConfig(devices="cpu")).devices is None
