@@ -278,3 +278,31 @@ def test_devices_settings_from_flags_environment_and_toml(tmp_path: Path) -> Non
         place_configured(_build("llama"), ServerConfig(devices="cpu,cpu", batching=False))
     one = _build("llama")
     assert place_configured(one, ServerConfig(devices="cpu")).devices is None
+
+
+def test_an_error_that_loses_no_device_fails_its_step_only(tmp_path: Path) -> None:
+    """A forward error after which every device still computes (the probe) is the step's own:
+    its requests fail as on one device, and the placement stays healthy."""
+    served = place(_build("llama"), [CPU, CPU])
+    failover = served.devices
+    backend = TieredBackend(served.model, _config(tmp_path), served.name)
+    sched = BatchScheduler(served, backend, _config(tmp_path))
+    step = sched.runner.step
+    calls: list[int] = []
+
+    def once(batch: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("CUDA error: unspecified launch failure")
+        return step(batch)
+
+    sched.runner.step = once  # type: ignore[method-assign]
+    try:
+        with pytest.raises(RuntimeError, match="unspecified launch failure"):
+            asyncio.run(_turn(sched, _job("e1", [65, 66, 67], 4)))
+        assert failover.history == [HEALTHY] and not failover.placed.lost
+        text, fin = asyncio.run(_turn(sched, _job("e2", [65, 66, 67], 4)))
+        assert fin is not None and fin.finish_reason in ("length", "stop") and text
+    finally:
+        sched.close()
+        backend.close()
