@@ -237,6 +237,8 @@ def decode(served: ServedModel, fl: dict[str, int], kv_bytes: int, root: Path) -
         wall = time.perf_counter() - t0
     finally:
         sched.close()
+        if served.devices is not None:
+            served.devices.scheduler = None  # let its page pool go before the next one
     return {
         "decode_tok_s": steps.decode_tokens / max(steps.decode_s, 1e-9),
         "wall_s": wall,
@@ -253,8 +255,9 @@ def failover(served: ServedModel, fl: dict[str, int], root: Path) -> dict:
     n, tokens = fl["fo_sessions"], fl["tokens"]
     # room for 2n conversations of three turns in L1, L2 and the page pool
     geo = KVGeometry.from_config(served.model.config)
-    per_token = geo.num_layers * 2 * geo.num_kv_heads * geo.head_dim * 4  # generous: fp32 size
-    kv_bytes = 2 * n * (fl["prompt"] + 4 * tokens + 512) * per_token
+    element = next(served.model.parameters()).element_size()
+    per_token = geo.num_layers * 2 * geo.num_kv_heads * geo.head_dim * element
+    kv_bytes = 3 * n * (fl["prompt"] + 4 * tokens + 512) * per_token
     cfg = config(root, 2 * n, kv_bytes, l1_bytes=kv_bytes, l2_bytes=kv_bytes, chunk_tokens=256)
     backend = TieredBackend(served.model, cfg, served.name)
     sched = BatchScheduler(served, backend, cfg)
@@ -339,7 +342,7 @@ def main() -> None:
     t0 = time.perf_counter()
     model = build_model(shape, devices[0], dtype, seed=0)
     load_s = time.perf_counter() - t0
-    geo = KVGeometry.from_config(model.config)
+    geo = KVGeometry.from_config(model.config, dtype=str(dtype).removeprefix("torch."))
     per_token = geo.num_layers * 2 * geo.num_kv_heads * geo.head_dim * (4 if cpu else 2)
     kv_bytes = fl["sessions"] * (fl["prompt"] + 2 * fl["tokens"] + 512) * per_token * 2
     print(f"model: {shape} {dtype}, built in {load_s:.1f} s; devices {devices}", flush=True)

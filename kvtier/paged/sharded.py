@@ -105,16 +105,16 @@ class ShardedPagePool(PagePool):
         for shard in self.shards:
             shard.kv[:, :, new].copy_(shard.kv[:, :, old])
 
-    def _shard_slots(
-        self, shard: Shard, table: Sequence[int], start: int, end: int
-    ) -> torch.Tensor:
+    def _host_slots(self, table: Sequence[int], start: int, end: int) -> torch.Tensor:
+        """Flat slots of tokens `[start, end)` (on the host, computed once for every shard)."""
         if not 0 <= start <= end <= len(table) * self.page_size:
             raise ValueError(
                 f"token range [{start}, {end}) is outside the {len(table)} pages of the table"
             )
         s = self.page_size
-        slots = [table[t // s] * s + t % s for t in range(start, end)]
-        return torch.tensor(slots, dtype=torch.long).to(shard.device, non_blocking=True)
+        pos = torch.arange(start, end)
+        pages = torch.as_tensor(list(table), dtype=torch.long)
+        return pages[pos // s] * s + pos % s
 
     def gather(
         self,
@@ -131,9 +131,10 @@ class ShardedPagePool(PagePool):
             out = torch.empty(shape, dtype=self.dtype, device=self.device)
         elif tuple(out.shape) != shape or out.dtype != self.dtype:
             raise ValueError(f"out is {tuple(out.shape)} {out.dtype}, need {shape}")
+        slots = self._host_slots(table, start, end)
         for shard in self.shards:
             with _on(shard):
-                data = shard.flat().index_select(2, self._shard_slots(shard, table, start, end))
+                data = shard.flat().index_select(2, slots.to(shard.device, non_blocking=True))
                 for local, g, n in _runs(shard.layers):
                     out[g : g + n].copy_(data[local : local + n], non_blocking=non_blocking)
         if not non_blocking:
@@ -152,9 +153,10 @@ class ShardedPagePool(PagePool):
         expected = (*self.kv.shape[:2], end - start, *self.kv.shape[4:])
         if tuple(src.shape) != expected:
             raise ValueError(f"src is {tuple(src.shape)}, need {expected}")
+        host_slots = self._host_slots(table, start, end)
         for shard in self.shards:
             with _on(shard):
-                slots = self._shard_slots(shard, table, start, end)
+                slots = host_slots.to(shard.device, non_blocking=True)
                 flat = shard.flat()
                 for local, g, n in _runs(shard.layers):
                     data = src[g : g + n].to(
