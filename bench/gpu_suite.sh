@@ -81,7 +81,8 @@ for step in $STEPS; do
       # two GPUs (nvidia-h200-x2): not in the default STEPS; STEPS=multigpu bash bench/gpu_suite.sh
       timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kvtier/test_multi_gpu.py \
         2>&1 | tail -15 >"$OUT/multigpu_tests.txt"
-      timeout 580 python3 bench/multi_gpu.py --out "$OUT/multi_gpu.json" >"$OUT/multigpu.txt" 2>&1 ;;
+      timeout 580 python3 bench/multi_gpu.py --out "$OUT/multi_gpu.json" >"$OUT/multigpu.txt" 2>&1
+      timeout 400 python3 bench/pipeline_nccl.py >"$OUT/multigpu_pipeline.txt" 2>&1 ;;
     *) echo "unknown step $step" >&2 ;;
   esac
   tail -12 "$OUT"/"$step"*.txt 2>/dev/null || tail -12 "$OUT/gpu_tests.txt"
