@@ -23,7 +23,7 @@ from kvtier.errors import InvalidRequest, KvtierError, L1BudgetExceeded, StoreEr
 from kvtier.server.admin import install_admin_routes
 from kvtier.server.backend import make_backend
 from kvtier.server.config import ServerConfig
-from kvtier.server.devices_admin import install_device_routes
+from kvtier.server.devices_admin import DegradedTurn, device_readiness, install_device_routes
 from kvtier.server.engine import (
     ContextExceeded,
     Delta,
@@ -44,10 +44,6 @@ from kvtier.snapshot import CacheSnapshot
 log = logging.getLogger("kvtier.server")
 
 SOURCE_HEADER = "X-Kvtier-Restore-Source"
-# "1" when the server was degraded (a device lost, its layers on the survivors) as the turn began
-DEGRADED_HEADER = "X-Kvtier-Degraded"
-# set when the turn ran over attention sinks + a sliding window (kvtier.server.streaming)
-STREAMING_HEADER = "X-Kvtier-Streaming-Attention"
 # How long /v1/sessions waits for a fresh snapshot before it answers the previous one.
 SNAPSHOT_WAIT_S = 0.05
 
@@ -266,14 +262,9 @@ def _routes(app: FastAPI, state: State) -> None:
         if engine is None or engine.draining:
             why = "draining" if engine else ("failed" if state.load_error else "loading")
             return JSONResponse({"status": why}, status_code=503)
-        devices = engine.served.devices
-        if devices is not None and devices.degraded:  # serving, on fewer devices
-            code = 503 if devices.state == "failed" else 200
-            body = {"status": devices.state, "reason": devices.reason}
-            if devices.state != "failed":
-                body["status"] = "degraded"
-                body["device_state"] = devices.state
-            return JSONResponse({**body, "model": cfg.served_model_name}, status_code=code)
+        degraded = device_readiness(engine.served.devices, cfg.served_model_name)
+        if degraded is not None:  # serving on fewer devices, or the primary one is lost
+            return degraded
         return JSONResponse({"status": "ready", "model": cfg.served_model_name})
 
     @app.get("/metrics")
@@ -380,25 +371,18 @@ def _routes(app: FastAPI, state: State) -> None:
         state.metrics.count("requests")
         started = stream.started
         assert started is not None
-        devices = engine.served.devices
-        was_degraded = devices is not None and devices.degraded
-        if stream.streaming is not None:
-            state.metrics.count("streaming_turns")
+        turn = DegradedTurn(engine.served.devices, stream.streaming, state.metrics)
         headers = {
-            DEGRADED_HEADER: "1" if was_degraded else "0",
+            **turn.headers(),
             SOURCE_HEADER: started.source,
             "X-Kvtier-Cached-Tokens": str(started.cached_tokens),
             "X-Session-ID": sid,
         }
-        if stream.streaming is not None:
-            sinks, window = stream.streaming
-            headers[STREAMING_HEADER] = f"sinks={sinks}, window={window}"
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())
         name = cfg.served_model_name
 
         def usage(done: Finished) -> dict[str, Any]:
-            degraded = was_degraded or (devices is not None and devices.degraded)
             return {
                 "prompt_tokens": done.prompt_tokens,
                 "completion_tokens": done.completion_tokens,
@@ -407,7 +391,7 @@ def _routes(app: FastAPI, state: State) -> None:
                 "kvtier": {
                     "restore_source": done.source,
                     "session_id": sid,
-                    "degraded": degraded,
+                    "degraded": turn.degraded,
                     "streaming": stream.streaming is not None,
                 },
             }
@@ -425,8 +409,7 @@ def _routes(app: FastAPI, state: State) -> None:
                 if done is None:
                     stream.cancel()
             assert done is not None
-            if was_degraded or (devices is not None and devices.degraded):
-                state.metrics.count("degraded_turns")
+            turn.finished()
             text = "".join(parts)
             if chat:
                 choice: dict[str, Any] = {
@@ -484,8 +467,7 @@ def _routes(app: FastAPI, state: State) -> None:
                     if isinstance(event, Delta):
                         yield chunk(event.text, None)
                     else:
-                        if was_degraded or (devices is not None and devices.degraded):
-                            state.metrics.count("degraded_turns")
+                        turn.finished()
                         yield chunk(None if chat else "", event.finish_reason)
                         if include_usage:
                             yield _sse(
