@@ -62,6 +62,9 @@ class DegradedTurn:
         return self.at_start or (self.devices is not None and self.devices.degraded)
 
     def headers(self) -> dict[str, str]:
+        """None on a server with one device; with --devices, whether it began degraded."""
+        if self.devices is None:
+            return {}
         out = {DEGRADED_HEADER: "1" if self.at_start else "0"}
         if self.streaming is not None:
             sinks, window = self.streaming
