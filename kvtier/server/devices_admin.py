@@ -62,7 +62,7 @@ class DegradedTurn:
         return self.at_start or (self.devices is not None and self.devices.degraded)
 
     def headers(self) -> dict[str, str]:
-        """None on a server with one device; with --devices, whether it began degraded."""
+        """Nothing on a server with one device; with --devices, whether it began degraded."""
         if self.devices is None:
             return {}
         out = {DEGRADED_HEADER: "1" if self.at_start else "0"}
