@@ -8,6 +8,7 @@
 #   STEPS="tests transfer" bash bench/gpu_suite.sh
 #   FLEET_CONFIGS=recompute,kvtier,kvtier FLEET_SECONDS=30 FLEET_PROFILE=1 STEPS=fleet \
 #     bash bench/gpu_suite.sh    # the fleet only, with one profiled turn per configuration
+#   STEPS=multigpu bash bench/gpu_suite.sh   # on two GPUs: layers across them, failover (5 minutes)
 # Other fleet settings: FLEET_SYNC=stream, FLEET_CUDNN=1 (cuDNN attention on), FLEET_SESSIONS=N.
 #   STEPS=concurrent bash bench/gpu_suite.sh   # the batched-serving benchmark alone (about 6 minutes)
 # Its settings: CONC_SECONDS (per configuration, default 20), CONC_CONFIGS, CONC_ARGS (any other
@@ -76,6 +77,12 @@ for step in $STEPS; do
       else
         echo "restart: skipped (fastapi/uvicorn not importable here)" | tee "$OUT/restart.txt"
       fi ;;
+    multigpu)
+      # two GPUs (nvidia-h200-x2): not in the default STEPS; STEPS=multigpu bash bench/gpu_suite.sh
+      timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kvtier/test_multi_gpu.py \
+        2>&1 | tail -15 >"$OUT/multigpu_tests.txt"
+      timeout 580 python3 bench/multi_gpu.py --out "$OUT/multi_gpu.json" >"$OUT/multigpu.txt" 2>&1
+      timeout 400 python3 bench/pipeline_nccl.py >"$OUT/multigpu_pipeline.txt" 2>&1 ;;
     *) echo "unknown step $step" >&2 ;;
   esac
   tail -12 "$OUT"/"$step"*.txt 2>/dev/null || tail -12 "$OUT/gpu_tests.txt"

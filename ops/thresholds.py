@@ -120,6 +120,13 @@ CHECKSUM_FAILURE = Threshold(
     meaning="chunks whose checksum failed within `window_s`, more than",
     window_s=900,
 )
+DEVICE_LOST = Threshold(
+    "KvtierDeviceLost",
+    "critical",
+    value=0.0,
+    meaning="devices of the model's placement marked lost, more than",
+    for_s=0,
+)
 DIRTY_PAGES = Threshold(
     "KvtierDirtyPagesNearThreshold",
     "warning",
@@ -196,6 +203,7 @@ ALL: tuple[Threshold, ...] = (
     L3_FILESYSTEM,
     L3_SHEDDING,
     CHECKSUM_FAILURE,
+    DEVICE_LOST,
     DIRTY_PAGES,
     PCIE_DOWNGRADE,
     OOM_KILL,

@@ -150,6 +150,10 @@ def paged_attention_forward(
     Returns `[1, T, heads, dim]`, as transformers' own implementations do.
     """
     ctx = current_context()
+    if query.device != ctx.slot_mapping.device:  # a layer on another device (kvtier.placement)
+        from kvtier.paged.sharded import context_on
+
+        ctx = context_on(ctx, query.device)
     if query.shape[0] != 1:
         raise KvtierError(
             f"paged attention takes one flattened batch (batch dim 1), got {query.shape[0]}"

@@ -195,13 +195,17 @@ class PagePool:
             index = seq.length // self.page_size
             old = seq.pages[index]
             new = self._take()
-            self.kv[:, :, new].copy_(self.kv[:, :, old])
+            self._copy_page(new, old)
             self.free([old])
             seq.pages[index] = new
         grow = self.pages_for(seq.length + new_tokens) - len(seq.pages)
         if grow > 0:
             seq.pages.extend(self._take() for _ in range(grow))
         return True
+
+    def _copy_page(self, new: int, old: int) -> None:
+        """Copy one page's contents, every layer (a copy-on-write)."""
+        self.kv[:, :, new].copy_(self.kv[:, :, old])
 
     def release(self, seq: PagedSequence) -> None:
         """Give back every page of `seq` and empty it."""

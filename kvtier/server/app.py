@@ -30,6 +30,7 @@ from kvtier.server.admin import install_admin_routes
 from kvtier.server.auth import Auth, authenticate, tenant_of
 from kvtier.server.backend import make_backend
 from kvtier.server.config import ServerConfig
+from kvtier.server.devices_admin import DegradedTurn, device_readiness, install_device_routes
 from kvtier.server.engine import (
     ContextExceeded,
     Delta,
@@ -40,6 +41,7 @@ from kvtier.server.engine import (
     Overloaded,
     check_fits,
 )
+from kvtier.server.failover import place_configured
 from kvtier.server.http import MAX_SESSION_ID, ApiError, check_id
 from kvtier.server.metrics import ServerMetrics
 from kvtier.server.model import ServedModel, build_default, load_local
@@ -161,6 +163,8 @@ def create_app(
     async def load() -> None:
         try:
             served = await asyncio.to_thread(loader, config)
+            # layers across devices (--devices), with device failover
+            served = await asyncio.to_thread(place_configured, served, config, state.metrics)
             await asyncio.to_thread(_warm_up, served)
         except Exception as exc:  # readyz reports it; the process stays up for diagnosis
             log.exception("the model failed to load")
@@ -283,6 +287,9 @@ def _routes(app: FastAPI, state: State) -> None:
         if engine is None or engine.draining:
             why = "draining" if engine else ("failed" if state.load_error else "loading")
             return JSONResponse({"status": why}, status_code=503)
+        degraded = device_readiness(engine.served.devices, cfg.served_model_name)
+        if degraded is not None:  # serving on fewer devices, or the primary one is lost
+            return degraded
         return JSONResponse({"status": "ready", "model": cfg.served_model_name})
 
     @app.get("/metrics")
@@ -389,7 +396,9 @@ def _routes(app: FastAPI, state: State) -> None:
         state.metrics.count("requests")
         started = stream.started
         assert started is not None
+        turn = DegradedTurn(engine.served.devices, stream.streaming, state.metrics)
         headers = {
+            **turn.headers(),
             SOURCE_HEADER: started.source,
             "X-Kvtier-Cached-Tokens": str(started.cached_tokens),
             "X-Session-ID": sid,
@@ -404,7 +413,12 @@ def _routes(app: FastAPI, state: State) -> None:
                 "completion_tokens": done.completion_tokens,
                 "total_tokens": done.prompt_tokens + done.completion_tokens,
                 "prompt_tokens_details": {"cached_tokens": done.cached_tokens},
-                "kvtier": {"restore_source": done.source, "session_id": sid},
+                "kvtier": {
+                    "restore_source": done.source,
+                    "session_id": sid,
+                    "degraded": turn.degraded,
+                    "streaming": stream.streaming is not None,
+                },
             }
 
         if not body.stream:
@@ -420,6 +434,7 @@ def _routes(app: FastAPI, state: State) -> None:
                 if done is None:
                     stream.cancel()
             assert done is not None
+            turn.finished()
             text = "".join(parts)
             if chat:
                 choice: dict[str, Any] = {
@@ -477,6 +492,7 @@ def _routes(app: FastAPI, state: State) -> None:
                     if isinstance(event, Delta):
                         yield chunk(event.text, None)
                     else:
+                        turn.finished()
                         yield chunk(None if chat else "", event.finish_reason)
                         if include_usage:
                             yield _sse(
@@ -508,6 +524,7 @@ def _routes(app: FastAPI, state: State) -> None:
         )
 
     install_admin_routes(app, state)
+    install_device_routes(app, state)
 
 
 def _sse(obj: dict[str, Any]) -> str:

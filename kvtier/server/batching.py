@@ -42,6 +42,7 @@ from kvtier.paged.attention import VARLEN_PAGE, varlen_block_table_supported, wr
 from kvtier.server.backend import Backend, RecomputeBackend, Restored
 from kvtier.server.engine import ContextExceeded, Delta, Failed, Finished, Job, Started, Stream
 from kvtier.server.eventpost import EventPost
+from kvtier.server.failover import make_pool
 from kvtier.server.model import ServedModel
 from kvtier.server.sampling import ReplyText, make_generator, sample_rows
 from kvtier.tiers import l3_io
@@ -121,12 +122,12 @@ class BatchScheduler:
             int(getattr(config, "batch_tokens", DEFAULT_BATCH_TOKENS)), self.max_batch
         )
         self.prefill_step = int(config.prefill_step)
-        self.pool = PagePool(
+        self.pool: PagePool = make_pool(  # sharded by layer on a model placed across devices
+            served,
             geometry,
             pool_bytes(served, config, per_token),
-            page_size=page_size(served.device, dtype),
-            device=served.device,
-            dtype=dtype,
+            page_size(served.device, dtype),
+            dtype,
         )
         self.runner = BatchRunner(
             model,
@@ -156,6 +157,8 @@ class BatchScheduler:
             # 2.2x faster with one intra-op thread than with two (docs/architecture.md).
             cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 2
             torch.set_num_threads(max(1, min(torch.get_num_threads(), cores - 1)))
+        if served.devices is not None:
+            served.devices.attach(self)  # device failover runs on this scheduler's thread
         self._thread = threading.Thread(
             target=self._main, args=(isolate,), name="kvtier-batch", daemon=True
         )
@@ -252,7 +255,9 @@ class BatchScheduler:
             l3_io.isolate_caller()
         while True:
             with self._cond:
-                while not (self._arrived or self.waiting or self.running or self._closed):
+                while not (
+                    self._arrived or self.waiting or self.running or self._closed or self._devices()
+                ):
                     self._cond.wait()
                 self.waiting.extend(self._arrived)
                 self._arrived.clear()
@@ -268,7 +273,13 @@ class BatchScheduler:
                 for s in [*self.running, *self.waiting]:
                     self._fail(s, exc)
 
+    def _devices(self) -> bool:
+        """A device failover or restore waits to run (kvtier.server.failover)."""
+        return self.served.devices is not None and self.served.devices.pending
+
     def _iterate(self) -> None:
+        if self.served.devices is not None:
+            self.served.devices.poll(self)  # between steps: fail over or restore a device
         for s in [*self.running, *self.waiting]:
             if s.stream.cancelled.is_set():
                 self._finish(s, "cancelled")
@@ -357,9 +368,10 @@ class BatchScheduler:
         slots = (pages[:, None] * size + torch.arange(size)).flatten()[:n].to(self.pool.device)
         for i, layer in enumerate(kv.layers):
             k_cache, v_cache = self.pool.layer_cache(i)
-            k = layer.keys[0, :, :n].transpose(0, 1).to(self.pool.device)
-            v = layer.values[0, :, :n].transpose(0, 1).to(self.pool.device)
-            write_kv(k_cache, v_cache, k, v, slots)
+            dev = k_cache.device  # the layer's device (kvtier.placement)
+            k = layer.keys[0, :, :n].transpose(0, 1).to(dev)
+            v = layer.values[0, :, :n].transpose(0, 1).to(dev)
+            write_kv(k_cache, v_cache, k, v, slots.to(dev))
 
     def _copy_out(self, s: _Seq) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """K/V of tokens [cached, fed) from the pages, per layer as `[1, kv_heads, n, dim]`."""
@@ -414,6 +426,9 @@ class BatchScheduler:
                     torch.cuda.synchronize(self.pool.device)
                 self.backend.observe_prefill(prompt, time.perf_counter() - start)
         except BaseException as exc:
+            devices = self.served.devices
+            if devices is not None and devices.lost_in_step(self, exc, items):
+                return  # a device was lost: its sequences wait to run on the survivors
             log.exception("batched forward failed (%d sequences)", len(items))
             for s, _ in items:
                 self._fail(s, exc)

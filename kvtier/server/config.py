@@ -46,6 +46,13 @@ class ServerConfig:
     model_id: str | None = None  # identity in the cache fingerprint; None = the directory name
     served_model_name: str = "default"
     device: str | None = None  # "cpu", "cuda", "cuda:1"; None = cuda when available
+    # decoder layers across devices: "auto" (every visible GPU), "0,1"; "" = all on `device`
+    devices: str = ""
+    # degraded mode (a device lost): turns longer than sinks + window run over the first
+    # `degraded_sinks` and the last `degraded_window` tokens (StreamingLLM); 0 = off (fewer
+    # sessions run at once instead)
+    degraded_window: int = 0
+    degraded_sinks: int = 4
     seed: int = 0  # seed of the built-in model's random weights
     cache: str = "tiered"  # "tiered" (L1/L2/L3) or "none" (recompute every prefix; a baseline)
     l1_bytes: int = 256 * 2**20
@@ -101,6 +108,8 @@ class ServerConfig:
         ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be at least 1, got {getattr(self, name)}")
+        if self.degraded_window < 0 or self.degraded_sinks < 0:
+            raise ConfigError("degraded_window and degraded_sinks must not be negative")
         if self.queue_timeout < 0 or self.max_queue < 0:
             raise ConfigError("queue_timeout and max_queue must not be negative")
         if not self.served_model_name:
@@ -185,6 +194,8 @@ def _coerce(name: str, value: Any) -> Any:
             return Path(value).expanduser()
         if name == "device":
             return str(value)
+        if name == "devices" and isinstance(value, (list, tuple)):  # TOML: devices = [0, 1]
+            return ",".join(str(v) for v in value)
         if isinstance(default, bool):
             if isinstance(value, bool):
                 return value

@@ -27,6 +27,7 @@ from kvtier.errors import InvalidRequest, KvtierError, L1BudgetExceeded
 from kvtier.server.backend import Backend
 from kvtier.server.model import ServedModel, cache_kwarg
 from kvtier.server.sampling import ReplyText, make_generator, sample
+from kvtier.server.streaming import degrade
 from kvtier.tiers import l3_io
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -116,6 +117,8 @@ class Stream:
     queue: asyncio.Queue[Any] = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     started: Started | None = None
+    # (sinks, window) when the turn runs degraded over sinks + a window (kvtier.server.streaming)
+    streaming: tuple[int, int] | None = None
 
     def put(self, event: Any) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
@@ -211,6 +214,7 @@ class Engine:
         """Admit a job and run it; returns once the prompt is restored (or raises)."""
         if self.draining:
             raise Draining("the server is shutting down; retry on another replica or later")
+        job, streaming = degrade(job, self.served.devices, self.config)
         if self.waiting >= self.config.max_queue:
             self._count("rejected")
             raise Overloaded(
@@ -252,7 +256,7 @@ class Engine:
         self.running += 1
         self._idle.clear()
         self._gauge()
-        stream = Stream(loop)
+        stream = Stream(loop, streaming=streaming)
         admitted = time.perf_counter()
         batch = self._scheduler()
 
@@ -289,6 +293,8 @@ class Engine:
         try:
             self._batch = BatchScheduler(self.served, self.backend, self.config, self.metrics)
         except KvtierError as exc:
+            if self.served.devices is not None:
+                raise  # a model across devices runs only through the batch
             log.warning("batching is off for this model (%s); one thread per request", exc)
             self.batching = False
         return self._batch
@@ -324,6 +330,13 @@ class Engine:
         """
         room = self.served.context_tokens - 2
         n, n_b = max(2, min(tokens, room)), max(2, min(prefill_tokens, room))
+        if self.served.devices is not None:
+            # Layers across devices: the session Cache (L1) lives on the primary device, which
+            # the plain forward's attention would read from every device; warm the batch only.
+            vocab = len(self.served.tokenizer)
+            prefill = [(i * 7 + 3) % vocab for i in range(min(n_b, self.config.prefill_step))]
+            self._warm_batch([(i * 5 + 11) % vocab for i in range(min(n, WARM_UP_SUFFIX))], prefill)
+            return
         vocab = len(self.served.tokenizer)
         device = self.served.device
         prompt_b = ((torch.arange(n_b + 1, device=device) * 7 + 3) % vocab).unsqueeze(0)
@@ -374,7 +387,9 @@ class Engine:
         finally:
             sched.runner.release(a)
             sched.runner.release(b)
-        if self.config.cuda_graphs and sched.pool.device.type == "cuda":
+        # one graph cannot span devices: a model placed across several runs eager
+        placed = self.served.devices is not None
+        if self.config.cuda_graphs and sched.pool.device.type == "cuda" and not placed:
             started = time.perf_counter()
             sizes = sched.runner.capture_graphs()
             log.info(

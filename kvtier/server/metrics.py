@@ -61,6 +61,41 @@ class ServerMetrics:
             registry=registry,
         )
 
+        self.device_count = Gauge(
+            "kvtier_server_devices",
+            "Devices of a model placed across devices, by state (ok or lost).",
+            ["state"],
+            registry=registry,
+        )
+        self.degraded = Gauge(
+            "kvtier_server_degraded",
+            "1 while a lost device's layers run on the survivors (or a device is returning).",
+            registry=registry,
+        )
+        self.failover_seconds = Gauge(
+            "kvtier_server_failover_seconds",
+            "Time of the last device failover, from the fault to serving again.",
+            registry=registry,
+        )
+        self.degraded_turns = Counter(
+            "kvtier_server_degraded_turns_total",
+            "Turns that ran, wholly or partly, while the server was degraded.",
+            registry=registry,
+        )
+
+        self.streaming_turns = Counter(
+            "kvtier_server_streaming_turns_total",
+            "Degraded turns run over attention sinks plus a sliding window (--degraded-window).",
+            registry=registry,
+        )
+
+    def devices(self, ok: int, lost: int, state: str, failover_s: float | None = None) -> None:
+        self.device_count.labels(state="ok").set(ok)
+        self.device_count.labels(state="lost").set(lost)
+        self.degraded.set(0 if state == "healthy" else 1)
+        if failover_s is not None:
+            self.failover_seconds.set(failover_s)
+
     def count(self, name: str, n: int = 1) -> None:
         {
             "rejected": self.rejected,
@@ -68,6 +103,8 @@ class ServerMetrics:
             "completion_tokens": self.completion_tokens,
             "requests": self.requests,
             "errors": self.errors,
+            "degraded_turns": self.degraded_turns,
+            "streaming_turns": self.streaming_turns,
         }[name].inc(n)
 
     def ttft(self, source: str, seconds: float) -> None:

@@ -47,6 +47,8 @@ class ServedModel:
     eos_ids: frozenset[int]
     allowed: torch.Tensor | None  # bool mask over the vocab the sampler may pick, or None = all
     name: str
+    # the device failover of a model placed across devices (kvtier.server.failover), else None
+    devices: Any = None
 
     @property
     def device(self) -> torch.device:

@@ -46,6 +46,21 @@ def options(f: Callable[..., Any]) -> Callable[..., Any]:
         ),
         click.option("--served-model-name", help="Model name clients send (default 'default')."),
         click.option("--device", help="cpu, cuda or cuda:N (default: cuda when available)."),
+        click.option(
+            "--devices",
+            help="Decoder layers across devices of this host: auto (every visible GPU) or GPU "
+            "ordinals like 0,1 (default: all on --device).",
+        ),
+        click.option(
+            "--degraded-window",
+            type=int,
+            help="With a device lost, run turns longer than sinks + window over the first "
+            "--degraded-sinks and the last N tokens (attention sinks + sliding window); "
+            "default 0: off, fewer sessions run at once.",
+        ),
+        click.option(
+            "--degraded-sinks", type=int, help="Attention sinks of --degraded-window (default 4)."
+        ),
         click.option("--seed", type=int, help="Seed of the built-in model's weights."),
         click.option(
             "--cache",

@@ -248,6 +248,26 @@ CASES: tuple[Case, ...] = (
         {_s("kvtier_checksum_failures_total"): "0x20"},
         "5m",
     ),
+    # -- a lost device fires at once; a placement with every device ok stays quiet.
+    Case(
+        th.DEVICE_LOST.alert,
+        "firing: device 1 lost",
+        {
+            _s("kvtier_server_devices", state="lost"): "0 0 1 1 1 1",
+            _s("kvtier_server_devices", state="ok"): "2 2 1 1 1 1",
+        },
+        "4m",
+        fires={"state": "lost"},
+    ),
+    Case(
+        th.DEVICE_LOST.alert,
+        "quiet: every device ok",
+        {
+            _s("kvtier_server_devices", state="lost"): "0x10",
+            _s("kvtier_server_devices", state="ok"): "2x10",
+        },
+        "5m",
+    ),
     # -- dirty pages: 900 MB dirty+writeback of a 1 GB threshold against 300 MB.
     Case(
         th.DIRTY_PAGES.alert,

@@ -49,6 +49,7 @@ EXPRESSIONS: dict[str, str] = {
     ),
     th.L3_SHEDDING.alert: "rate(kvtier_shed_writes_total[{window}]) > {value}",
     th.CHECKSUM_FAILURE.alert: "increase(kvtier_checksum_failures_total[{window}]) > {value}",
+    th.DEVICE_LOST.alert: 'kvtier_server_devices{{state="lost"}} > {value}',
     th.DIRTY_PAGES.alert: (
         "(kvtier_memory_dirty_bytes + kvtier_memory_writeback_bytes)\n"
         "/ kvtier_memory_dirty_threshold_bytes > {value}"
@@ -89,6 +90,7 @@ SUMMARIES: dict[str, str] = {
     th.L3_FILESYSTEM.alert: "The L3 filesystem on {{ $labels.instance }} is filling up.",
     th.L3_SHEDDING.alert: "kvtier sheds write-through copies because a write queue is full.",
     th.CHECKSUM_FAILURE.alert: "A chunk failed its checksum and was quarantined.",
+    th.DEVICE_LOST.alert: "A device of the model on {{ $labels.instance }} is lost; serving degraded.",
     th.DIRTY_PAGES.alert: "Dirty pages near the kernel's dirty threshold: writers will block.",
     th.PCIE_DOWNGRADE.alert: "GPU {{ $labels.gpu }} runs on a downgraded PCIe link.",
     th.OOM_KILL.alert: "The kernel OOM killer ran on {{ $labels.instance }}.",
@@ -146,6 +148,10 @@ DESCRIPTIONS: dict[str, str] = {
     th.CHECKSUM_FAILURE.alert: (
         "More than {value} chunks failed their checksum in the last {window}. They were"
         " quarantined and recomputed (never used), but the device may be failing."
+    ),
+    th.DEVICE_LOST.alert: (
+        "More than {value} devices of the model's placement are lost: their layers run on the"
+        " surviving devices, whose page pool holds fewer tokens, so fewer sessions run at once."
     ),
     th.DIRTY_PAGES.alert: (
         "Dirty plus writeback pages are above {value} of the kernel's dirty threshold: writers"

@@ -173,6 +173,12 @@ def _cache(history: History, cur: Scrape) -> Iterator[Firing]:
 
 
 def _devices(history: History, cur: Scrape) -> Iterator[Firing]:
+    t = th.DEVICE_LOST
+    lost = cur.get("kvtier_server_devices", state="lost")
+    if lost is not None and lost > t.value:
+        ok = cur.get("kvtier_server_devices", state="ok")
+        yield _fire(t, f"{lost:.0f} device(s) lost, serving degraded on {ok or 0:.0f}")
+
     t = th.GPU_HEADROOM
     for d, total in cur.series("kvtier_gpu_memory_total_bytes"):
         free = cur.get("kvtier_gpu_memory_free_bytes", gpu=d["gpu"])

@@ -235,9 +235,11 @@ def build(
                 ("checksum failures", "kvtier_checksum_failures_total"),
                 ("I/O errors", "kvtier_io_errors_total"),
                 ("OOM retries", "kvtier_oom_retries_total"),
+                ("degraded turns", "kvtier_server_degraded_turns_total"),
             )
             if cur.has(name)
-        ),
+        )
+        + _device_rows(cur),
         sessions=_sessions(cur, sessions, options, detail),
         restore=_restore(cur, prev, minute),
         restore_metric="TTFT" if cur.has("kvtier_server_ttft_seconds_bucket") else "restore",
@@ -251,6 +253,12 @@ def build(
         has_cache=cur.has("kvtier_tier_used_bytes"),
         l4=l4_view(cur, prev, minute),
     )
+
+
+def _device_rows(cur: Scrape) -> tuple[Counter, ...]:
+    """Lost devices of a model placed across devices (no rate: a count of devices)."""
+    lost = cur.get("kvtier_server_devices", state="lost")
+    return () if lost is None else (Counter("lost devices", lost, None),)
 
 
 def _has_tier(cur: Scrape, tier: str) -> bool:

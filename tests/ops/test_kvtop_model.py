@@ -277,6 +277,12 @@ def cases() -> list[tuple[str, list[Scrape], list[Scrape]]]:
     d = T.DIRTY_PAGES.value
     out.append((T.DIRTY_PAGES.alert, [dirty(d + 0.01)], [dirty(d - 0.01)]))
 
+    def devices(lost: float) -> Scrape:
+        rows = [({"state": "ok"}, 2.0 - lost), ({"state": "lost"}, lost)]
+        return scrape(0, kvtier_server_devices=rows)
+
+    out.append((T.DEVICE_LOST.alert, [devices(1)], [devices(0)]))
+
     def link(width: float, gen: float, load: float) -> Scrape:
         return scrape(
             0,
