@@ -352,4 +352,6 @@ class BatchRunner:
         self.last_index[:b].copy_(self._h_last[:b], non_blocking=nb)
         self.block_table[:b, :width].copy_(self._h_table[:b, :width], non_blocking=nb)
         if self._copied is not None:
-            self._copied.record()
+            # on the pool device's stream, which the copies above ran on (a model placed
+            # across devices leaves another device current after its forward)
+            self._copied.record(torch.cuda.current_stream(self.pool.device))
