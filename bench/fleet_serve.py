@@ -20,7 +20,6 @@ import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -28,6 +27,7 @@ from transformers import DynamicCache
 
 from kvtier.server.backend import TieredBackend
 from kvtier.server.batching import append_kv
+from kvtier.server.config import ServerConfig
 
 OOM_NAMES = ("OutOfMemoryError", "L1BudgetExceeded", "PoolExhausted")
 
@@ -290,17 +290,9 @@ def _request_order(rid: str) -> tuple[int, str]:
 def tiered_backend(
     model, root: Path, codec: str, l1_bytes: int, l2_bytes: int, policy: str = "write_through"
 ) -> TieredBackend:
-    cfg = SimpleNamespace(
-        l3_root=root,
-        l3_cold_root=None,
-        l1_bytes=l1_bytes,
-        l2_bytes=l2_bytes,
-        l3_max_bytes=0,
-        chunk_tokens=256,
-        codec=codec,
-        write_policy=policy,
-        l3_writer="auto",
-        model_id=None,
+    # the server's own settings, defaults and all (no cap on L3, no L4, no encryption)
+    cfg = ServerConfig(
+        l3_root=root, l1_bytes=l1_bytes, l2_bytes=l2_bytes, codec=codec, write_policy=policy
     )
     return TieredBackend(model, cfg, model_id=f"bench-{model.config._name_or_path}")
 

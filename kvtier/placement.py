@@ -221,6 +221,8 @@ def _move(value: Any, device: torch.device, memo: dict[Any, tuple[Any, Any]]) ->
         return tuple(_move(v, device, memo) for v in value)
     if isinstance(value, list):
         return [_move(v, device, memo) for v in value]
+    if isinstance(value, dict):  # a layer's keyword arguments: position_embeddings, ...
+        return {k: _move(v, device, memo) for k, v in value.items()}
     return value
 
 
