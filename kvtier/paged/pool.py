@@ -274,8 +274,8 @@ class PagePool:
         self, table: Sequence[int], start: int, end: int, layer: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer's K and V of tokens `[start, end)`, each contiguous `[tokens, head, dim]`."""
-        slots = self._slots(table, start, end)
         k, v = self.layer_cache(layer)
+        slots = self._slots(table, start, end).to(k.device)  # a sharded pool: the layer's device
         s = self.num_pages * self.page_size
         return (
             k.reshape(s, *k.shape[2:]).index_select(0, slots),

@@ -205,6 +205,9 @@ def context_on(ctx: PagedContext, device: torch.device) -> PagedContext:
             name: getattr(ctx, name).to(device, non_blocking=True)
             for name in ("cu_seqlens_q", "cu_seqlens_k", "context_lens", "slot_mapping")
         }
+        for name in ("row_seq", "row_lens", "row_table"):  # the "rows" backend's, when set
+            if getattr(ctx, name) is not None:
+                move[name] = getattr(ctx, name).to(device, non_blocking=True)
         hit = dataclasses.replace(ctx, block_table=ctx.block_table.to(device), _rows=None, **move)
         cache[device] = hit
     return hit

@@ -380,8 +380,10 @@ class BatchScheduler:
         if end <= start:
             return []
         out = []
+        home = self.pool.device  # the session's Cache lives on the primary device
         for i in range(self.pool.geometry.num_layers):
             k, v = self.pool.gather_layer(s.paged.pages, start, end, i)
+            k, v = k.to(home), v.to(home)
             out.append((k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)))
         return out
 
