@@ -11,18 +11,22 @@ from __future__ import annotations
 import base64
 import os
 from array import array
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import tiny_llama
+from l3_helpers import FP, header, payload_for
 from redis_server import RedisServer, need_redis
 from test_l4 import config, hibernate_to_l4, prompt, turn
 
-from kvtier import TieredCache, kvbin
-from kvtier.kvbin import HEADER_SIZE
-from kvtier.tiers.l4 import keys
-from kvtier.tiers.l4.sealed import KEY_MAGIC
+from kvtier import TieredCache, kvbin, sealing
+from kvtier.errors import ChunkNotFound, KvbinFormatError
+from kvtier.kvbin import HEADER_SIZE, ChunkHeader
+from kvtier.tiers.l3 import L3Store, SessionRecord
+from kvtier.tiers.l4 import L4Store, codec, keys, wire
+from kvtier.tiers.l4.sealed import KEY_MAGIC, TenantKeys
 
 
 @pytest.fixture
@@ -183,3 +187,98 @@ def test_shred_reaches_l4(tmp_path: Path, model, redis_server: RedisServer, mast
         ids = torch.cat([seq2, torch.tensor([[7]])], dim=1)
         _, src, restored = turn(model, b, "s2", ids, tenant="t2")
         assert src == "l4" and restored == seq2.shape[1] - 1
+
+
+# ---- the store, with real L3 keyrings ---------------------------------------------------------
+
+BIG = 300_000 + 1000  # many socket reads, and a last piece that is not a multiple of 16
+
+
+def sealed_l4(url: str, l3: L3Store, mk: sealing.MasterKey) -> L4Store:
+    store = L4Store(url)
+    assert l3.keyring is not None
+    store.sealer = TenantKeys(store, l3.keyring, mk)
+    return store
+
+
+def read_one(store: L4Store, key: bytes, size: int) -> tuple[ChunkHeader, bytes]:
+    buf = bytearray(size + 4096)
+    fut = store.get_chunks([key], FP, lambda i, h: memoryview(buf)).futures[0]
+    h = fut.result(10)
+    return h, bytes(buf[: h.payload_len])
+
+
+def test_l3_chunks_are_sealed_again_and_open_on_another_host(
+    tmp_path: Path, redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A chunk read back from a sealed L3 (a v2 header, the payload opened) goes to L4 sealed
+    again under a fresh nonce; a host with the same master key and its own L3 opens it on
+    the fast path (decrypted in place, piece by piece), hosts that cannot open it miss
+    without deleting it, and an encrypted host never serves a plain value."""
+    monkeypatch.setattr(wire, "PIECE", 4096)
+    mk, other_mk = sealing.MasterKey(os.urandom(32)), sealing.MasterKey(os.urandom(32))
+    url, r = redis_server.url, redis_server.client()
+    h = header(size=BIG, tenant="acme")
+    data = payload_for(h.key, BIG)
+    with (
+        L3Store(tmp_path / "a", master_key=mk) as l3a,
+        L3Store(tmp_path / "b", master_key=mk) as l3b,
+        L3Store(tmp_path / "d", master_key=other_mk) as l3d,
+    ):
+        l3a.put(h, data)
+        from_l3, plain = l3a.get_bytes(h.key, fingerprint=FP)
+        assert from_l3.sealed and plain == data
+        a, b = sealed_l4(url, l3a, mk), sealed_l4(url, l3b, mk)
+        d = sealed_l4(url, l3d, other_mk)
+        c = L4Store(url)  # a host without encryption
+        try:
+            a.put_chunk(from_l3, plain)
+            value = r.get(keys.chunk(h.key))
+            stored = kvbin.decode(value[:HEADER_SIZE])
+            assert stored.sealed and stored.key_id == from_l3.key_id
+            assert stored.nonce != from_l3.nonce and data[:256] not in value
+            got, payload = read_one(b, h.key, BIG)
+            assert got.sealed and payload == data
+            for other in (c, d):  # no key, another master key: a miss, the value stays
+                with pytest.raises(ChunkNotFound):
+                    read_one(other, h.key, BIG)
+                assert r.exists(keys.chunk(h.key))
+            # a plain value (a host without encryption wrote it): refused and deleted
+            c.put_chunk(header(key=h.key, size=BIG, tenant="acme"), data)
+            with pytest.raises(KvbinFormatError):
+                read_one(b, h.key, BIG)
+            assert not r.exists(keys.chunk(h.key))
+        finally:
+            for s in (a, b, c, d):
+                s.close()
+
+
+def test_session_records_are_sealed_in_l4(tmp_path: Path, redis_server: RedisServer) -> None:
+    mk = sealing.MasterKey(os.urandom(32))
+    url, r = redis_server.url, redis_server.client()
+    toks = array("i", range(1000, 1400)).tobytes()
+    rec = SessionRecord("s1", "acme", FP, toks, (bytes(16),), False, None, 1.0, "hibernated")
+    name = keys.record(FP, "acme", "s1")
+    with (
+        L3Store(tmp_path / "a", master_key=mk) as l3a,
+        L3Store(tmp_path / "b", master_key=mk) as l3b,
+    ):
+        a, b, c = sealed_l4(url, l3a, mk), sealed_l4(url, l3b, mk), L4Store(url)
+        try:
+            a.put_record(rec)
+            value = r.get(name)
+            assert toks[:64] not in value and base64.b64encode(toks)[:64] not in value
+            back = b.get_record(FP, "acme", "s1")
+            assert back is not None and back.token_ids == toks and back.key_id is None
+            assert c.get_record(FP, "acme", "s1") is None and r.exists(name)  # no key: a miss
+            # its sealed token ids altered and the record's checksum made to match: the tag
+            # refuses it, and it is deleted
+            stored = codec.unpack_record(value)
+            flipped = bytearray(stored.token_ids)
+            flipped[20] ^= 1
+            r.set(name, codec.pack_record(replace(stored, token_ids=bytes(flipped))))
+            assert b.get_record(FP, "acme", "s1") is None
+            assert not r.exists(name) and b.stats()["errors"] == 1
+        finally:
+            for s in (a, b, c):
+                s.close()

@@ -19,12 +19,13 @@ import logging
 import threading
 import time
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvtier import sealing
 from kvtier.errors import AuthenticationFailed, KvbinFormatError, TenantKeyShredded
 from kvtier.kvbin import KEY_ID_SIZE, NONCE_SIZE, TAG_SIZE, ChunkHeader
 from kvtier.sealing import DataKey, MasterKey, PayloadOpener
+from kvtier.tiers.l4 import keys
 
 if TYPE_CHECKING:  # pragma: no cover
     from kvtier.tiers.l3_keys import Keyring
@@ -47,6 +48,7 @@ class TenantKeys:
         self._lock = threading.Lock()
         self._remote: dict[bytes, DataKey] = {}  # key id -> a key read from Redis
         self._published: dict[bytes, float] = {}  # key id -> when it was last put in Redis
+        self._bufs = threading.local()  # per writer thread: a sealed payload's ciphertext
         ttl_s = None if store.ttl_ms is None else store.ttl_ms / 1000
         # republished well before Redis lets the hash expire (every put renews its TTL)
         self._refresh_s = 3600.0 if ttl_s is None else max(0.01, min(3600.0, ttl_s / 4))
@@ -61,12 +63,38 @@ class TenantKeys:
             last = self._published.get(key.key_id)
         if last is None or now - last >= self._refresh_s:
             wrapped = self._master.wrap(key.tenant, key.key_id, key.secret)
-            self._store.put_tenant_key(
-                key.tenant, key.key_id, KEY_MAGIC + self._master_id + wrapped
-            )
+            self._put(key.tenant, key.key_id, KEY_MAGIC + self._master_id + wrapped)
             with self._lock:
                 self._published[key.key_id] = now
         return key
+
+    def _put(self, tenant: str, key_id: bytes, value: bytes) -> None:
+        """HSET the wrapped key into the tenant's hash (its TTL renewed), through the store's
+        breaker (L4Unavailable on trouble)."""
+        store, name = self._store, keys.tenant_keys(tenant)
+
+        def go() -> None:
+            with store._r.pipeline(transaction=True) as p:
+                p.hset(name, key_id.hex(), value)
+                if store.ttl_ms is not None:
+                    p.pexpire(name, store.ttl_ms)
+                p.execute()
+
+        store._call("key put", go)
+
+    def _get(self, tenant: str, key_id: bytes) -> bytes | None:
+        store, name = self._store, keys.tenant_keys(tenant)
+        value: Any = store._call("key get", lambda: store._r.hget(name, key_id.hex()))
+        return None if value is None else bytes(value)
+
+    def seal(self, header: ChunkHeader, payload: Any) -> tuple[ChunkHeader, memoryview]:
+        """A chunk sealed for L4 under its tenant's key, into this thread's buffer (valid until
+        the thread's next seal): the sealed header and the ciphertext."""
+        view = memoryview(payload).cast("B")
+        buf: bytearray | None = getattr(self._bufs, "buf", None)
+        if buf is None or len(buf) < len(view) + TAG_SIZE:
+            buf = self._bufs.buf = bytearray(len(view) + TAG_SIZE)
+        return seal_chunk(self.for_tenant(header.tenant), header, view, memoryview(buf))
 
     def republish(self) -> None:
         """Redis lost its data (a restart): put every key again with its next value."""
@@ -89,7 +117,7 @@ class TenantKeys:
             return self._keyring.by_id(key_id, tenant)
         except TenantKeyShredded:
             pass  # not this host's key (or destroyed here): Redis may hold it
-        value = self._store.get_tenant_key(tenant, key_id)
+        value = self._get(tenant, key_id)
         if value is None:
             with self._lock:
                 self._remote.pop(key_id, None)

@@ -39,7 +39,7 @@ from kvtier.errors import (
     MasterKeyRequired,
     TenantKeyShredded,
 )
-from kvtier.kvbin import TAG_SIZE, ChunkHeader
+from kvtier.kvbin import ChunkHeader
 from kvtier.tiers.l3_index import SessionRecord
 from kvtier.tiers.l4 import codec, keys, wire
 from kvtier.tiers.l4.breaker import CLOSED, Breaker
@@ -131,7 +131,6 @@ class L4Store:
         self.memory: dict[str, Any] = {}
         self._closed = False
         self.sealer: TenantKeys | None = None  # set when the store is encrypted
-        self._seal_buf = threading.local()  # per writer thread: a sealed payload's ciphertext
 
     # -- the guarded call ------------------------------------------------------------------------
 
@@ -198,7 +197,7 @@ class L4Store:
         RENAMEd over the chunk's key in the same MULTI/EXEC. Sealed first when the store is
         encrypted (the caller's payload stays plain)."""
         if self.sealer is not None:
-            header, payload = self._seal(header, payload)
+            header, payload = self.sealer.seal(header, payload)
         head, view = codec.chunk_parts(header, payload)
         final = keys.chunk(header.key)
         t0 = time.perf_counter()
@@ -206,17 +205,6 @@ class L4Store:
         nbytes = len(head) + len(view)
         self._timed("put", time.perf_counter() - t0, nbytes)
         return nbytes
-
-    def _seal(self, header: ChunkHeader, payload: Any) -> tuple[ChunkHeader, memoryview]:
-        from kvtier.tiers.l4.sealed import seal_chunk
-
-        assert self.sealer is not None
-        view = memoryview(payload).cast("B")
-        buf: bytearray | None = getattr(self._seal_buf, "buf", None)
-        if buf is None or len(buf) < len(view) + TAG_SIZE:
-            buf = self._seal_buf.buf = bytearray(len(view) + TAG_SIZE)
-        key = self.sealer.for_tenant(header.tenant)
-        return seal_chunk(key, header, view, memoryview(buf))
 
     def _set_renamed(self, final: str, *parts: Any) -> None:
         """MULTI, SET <temp> <parts joined> PX ttl, RENAME <temp> <final>, EXEC.
@@ -462,25 +450,7 @@ class L4Store:
         final = keys.record(fingerprint, tenant, session_id)
         self._call("record delete", lambda: self._r.delete(final))
 
-    # -- tenant data keys (encrypted stores) -----------------------------------------------------
-
-    def put_tenant_key(self, tenant: str, key_id: bytes, value: bytes) -> None:
-        """Publish a wrapped data key (kvtier.tiers.l4.sealed) in the tenant's hash."""
-        name = keys.tenant_keys(tenant)
-
-        def go() -> None:
-            with self._r.pipeline(transaction=True) as p:
-                p.hset(name, bytes(key_id).hex(), value)
-                if self.ttl_ms is not None:
-                    p.pexpire(name, self.ttl_ms)
-                p.execute()
-
-        self._call("key put", go)
-
-    def get_tenant_key(self, tenant: str, key_id: bytes) -> bytes | None:
-        name = keys.tenant_keys(tenant)
-        value: Any = self._call("key get", lambda: self._r.hget(name, bytes(key_id).hex()))
-        return None if value is None else bytes(value)
+    # -- crypto-shred ----------------------------------------------------------------------------
 
     def shred_tenant(self, tenant: str, fingerprint: bytes, chunk_keys: Collection[bytes],
                      session_ids: Collection[str]) -> int:  # fmt: skip
