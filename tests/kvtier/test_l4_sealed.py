@@ -83,7 +83,9 @@ def test_l4_holds_no_plaintext_and_another_host_restores_exactly(
         _, kv = a.l3.get_bytes(s.chunk_keys[0], fingerprint=a.fingerprint)
         pattern = kv[1024:1088]
         assert len(set(pattern)) > 8  # real KV bytes, not padding
-        data_key = a.l3.keyring.for_tenant("t1").secret
+        ring = a.l3.keyring
+        assert ring is not None
+        data_key = ring.for_tenant("t1").secret
 
         values = redis_values(redis_server.client())
         fp = a.fingerprint
@@ -102,9 +104,7 @@ def test_l4_holds_no_plaintext_and_another_host_restores_exactly(
         assert len(chunks) == 5  # 4 full chunks + the tail
         for value in chunks:  # v2 headers: sealed exactly as L3 seals
             h = kvbin.decode(value[:HEADER_SIZE])
-            assert (
-                h.sealed and h.tenant == "t1" and h.key_id == a.l3.keyring.for_tenant("t1").key_id
-            )
+            assert h.sealed and h.tenant == "t1" and h.key_id == ring.for_tenant("t1").key_id
         assert keys.tenant_keys("t1").encode() in values
         wrapped = values[keys.tenant_keys("t1").encode()]
         assert wrapped[1].startswith(KEY_MAGIC)
@@ -114,6 +114,7 @@ def test_l4_holds_no_plaintext_and_another_host_restores_exactly(
         _, src, restored = turn(model, b, "s1", ids, tenant="t1")
         assert src == "l4" and restored == 74
         snap = b.stats()
+        assert snap.l4 is not None
         assert snap.l4["hits"] == 5 and snap.l4["errors"] == 0
     finally:
         a.close()
@@ -144,6 +145,7 @@ def test_a_tampered_sealed_value_is_recomputed(
         _, src, restored = turn(model, b, "s1", ids, tenant="t1")
         assert src == "recompute" and restored == 0
         snap = b.stats()
+        assert snap.l4 is not None
         assert snap.l4["errors"] == 1 and snap.checksum_failures >= 1
         assert not r.exists(name)  # never served again
     finally:
