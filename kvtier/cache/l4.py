@@ -14,6 +14,10 @@
   the round trip feeds the cost model's L4 latency, and a new Redis `run_id` (a restart that
   lost its data) queues every hibernated session again: nothing L3 holds is lost for good.
 
+- Encryption: with an encrypted L3 store every chunk and session record put in L4 is sealed
+  under the tenant's data key as L3 seals it, and opened on every read (kvtier.tiers.l4.sealed);
+  `shred` deletes the tenant's keys, records and chunks from Redis too.
+
 No method here raises to a restore or a session lookup: Redis trouble is a miss.
 """
 
@@ -30,8 +34,10 @@ from typing import TYPE_CHECKING, Any
 from kvtier.cache.keys import SHARED_TENANT
 from kvtier.errors import ChunkNotFound, FingerprintMismatch, KvbinFormatError, StoreError
 from kvtier.kvbin import ChunkHeader
+from kvtier.sealing import load_master_key
 from kvtier.tiers.l3 import SessionRecord
 from kvtier.tiers.l4 import Breaker, L4Store, ReadBatch
+from kvtier.tiers.l4.sealed import TenantKeys
 from kvtier.types import SessionState
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -73,6 +79,10 @@ class SharedTier:
             streams=cfg.l4_read_streams,
             breaker=Breaker(backoff_s=cfg.l4_backoff_s),
         )
+        keyring = cache.l3.keyring
+        if keyring is not None and not keyring.locked and cfg.master_key_file is not None:
+            master = load_master_key(cfg.master_key_file)
+            self.store.sealer = TenantKeys(self.store, keyring, master)
         # key -> tokens of chunks believed in L4 (oldest forgotten first past KNOWN_MAX);
         # written by the cache's threads and the L4 threads: single dict operations only
         self.known: collections.OrderedDict[bytes, int] = collections.OrderedDict()
@@ -80,7 +90,7 @@ class SharedTier:
         self.queue_max = cfg.l4_write_queue
         self._jobs: collections.deque[_Job] = collections.deque()
         self._queued = 0  # chunks in queued jobs
-        self._active = False  # a job is being written
+        self._active: _Job | None = None  # the job being written
         self._cv = threading.Condition()
         self._stop = False
         self._closing = False
@@ -217,15 +227,46 @@ class SharedTier:
         up); False on timeout. Jobs still inside `l4_min_idle_s` are waited for too."""
         deadline = time.monotonic() + timeout
         with self._cv:
-            while self._queued or self._jobs or self._active:
+            while self._queued or self._jobs or self._active is not None:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
                 self._cv.wait(left)
         return True
 
+    def shred(self, tenant: str, chunk_keys: set[bytes], session_ids: set[str]) -> None:
+        """The tenant's crypto-shred reaches L4 (best effort; call outside the cache's lock):
+        its queued writes are dropped, one being written is waited for, then its data keys,
+        records and the chunks named leave Redis. Whatever stays (Redis down, or chunks only
+        another host knows) is sealed under keys nobody can find any more: a miss."""
+        deadline = time.monotonic() + 30.0
+        with self._cv:
+            for job in [j for j in self._jobs if j.record.tenant == tenant]:
+                self._jobs.remove(job)
+                self._queued -= len(job.chunks)
+            while self._active is not None and self._active.record.tenant == tenant:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._cv.wait(left)
+            self._cv.notify_all()
+        for key in chunk_keys:
+            self.known.pop(key, None)
+        if self.store.sealer is not None:
+            self.store.sealer.forget(tenant)
+        try:
+            n = self.store.shred_tenant(tenant, self.cache.fingerprint, chunk_keys, session_ids)
+        except StoreError as exc:
+            log.warning("L4 shred of tenant %r skipped (%s): its wrapped data keys, records "
+                        "and chunks stay in Redis until their TTL; shred the tenant again once "
+                        "Redis is back", tenant[:64], exc)  # fmt: skip
+            return
+        log.info("L4 shred of tenant %r: %d keys deleted", tenant[:64], n)
+
     def requeue_all(self) -> None:
         """Redis restarted (new run_id): write every hibernated session again."""
+        if self.store.sealer is not None:
+            self.store.sealer.republish()
         if not self._lock_cache():
             return  # closing
         try:
@@ -251,7 +292,7 @@ class SharedTier:
                     self._cv.wait(wait)
                     continue
                 self._jobs.remove(job)
-                self._active = True
+                self._active = job
             try:
                 self._write_job(job)
             except Exception as exc:  # a background write never takes the thread down
@@ -259,7 +300,7 @@ class SharedTier:
             finally:
                 with self._cv:
                     self._queued -= len(job.chunks)
-                    self._active = False
+                    self._active = None
                     self._cv.notify_all()
 
     def _still_hibernated(self, rec: SessionRecord) -> bool:

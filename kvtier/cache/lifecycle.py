@@ -284,7 +284,11 @@ class LifecycleMixin:
         tenant's data key and session records are destroyed in one transaction
         (`L3Store.shred_tenant`), so its chunk files are unreadable at once and the next gc
         removes them (a plain store deletes them now). Its next request recomputes. Raises
-        SessionError while one of its sessions has a request running (retry after it)."""
+        SessionError while one of its sessions has a request running (retry after it).
+
+        With L4, the tenant's data keys, session records and the chunks this host knows of
+        leave Redis as well (best effort: `SharedTier.shred`); a sealed value left there names
+        a destroyed key and is a miss on every host."""
         if not isinstance(tenant, str) or not tenant or tenant == SHARED_TENANT:
             raise SessionError("shred needs a tenant name (the shared tenant cannot be shredded)")
         with self._lock:
@@ -294,6 +298,8 @@ class LifecycleMixin:
                 raise SessionError(
                     f"tenant {tenant[:64]!r} has a request running; shred it when it finished"
                 )
+            sids = {s.session_id for s in mine}
+            sids |= {r.session_id for r in self.l3.index.list_sessions() if r.tenant == tenant}
             for s in mine:
                 self._release_l1(s)
                 s.state = SessionState.CLOSED
@@ -302,6 +308,7 @@ class LifecycleMixin:
         # written in order on the record thread: drain it too.
         self.engine.flush()
         self._bg.submit(lambda: None).result()
+        report: ShredReport | None = None
         for _ in range(100):
             with self._lock:
                 self._reap()
@@ -317,13 +324,18 @@ class LifecycleMixin:
                                 d.free_slot(e)
                             d.entries.pop(k, None)
                         d.forget_l3(k)
-                    return self.l3.shred_tenant(tenant)
+                    report = self.l3.shred_tenant(tenant)
+                    break
                 waits = [f for e in busy for f in (e.l3_read, e.l3_write) if f is not None]
             for f in waits:  # reads and writes of its chunks: outside the lock
                 f.exception()
             if not waits:
                 time.sleep(0.01)  # a restore is copying from its L2 slot (pinned)
-        raise SessionError(f"tenant {tenant[:64]!r} stays busy; retry the shred")
+        if report is None:
+            raise SessionError(f"tenant {tenant[:64]!r} stays busy; retry the shred")
+        if self.l4 is not None:  # outside the lock: the L4 writer may need it to finish
+            self.l4.shred(tenant, keys, sids)
+        return report
 
     # -- lifecycle -------------------------------------------------------------------------------
 

@@ -1,5 +1,7 @@
 """L4 values: chunks as .kvbin bytes (the header L3 writes, then the payload, unpadded), and
-session records as a checksummed JSON document.
+session records as a checksummed JSON document. With an encrypted store both are sealed
+(kvtier.tiers.l4.sealed): a chunk is a v2 .kvbin value whose checksum covers the ciphertext,
+a record carries its token ids as nonce || ciphertext || tag and the id of the key.
 
 A chunk read back is verified like an L3 read before any byte of it is used: the header's
 checksum, its key, the payload length, the model fingerprint, the tenant and the payload's
@@ -95,6 +97,7 @@ def pack_record(rec: SessionRecord) -> bytes:
         "ttl_s": rec.ttl_s,
         "last_active": rec.last_active,
         "state": rec.state,
+        "key_id": None if rec.key_id is None else rec.key_id.hex(),
     }
     body = json.dumps(doc, separators=(",", ":")).encode("utf-8", "surrogatepass")
     return RECORD_MAGIC + struct.pack("<I", zlib.crc32(body)) + body
@@ -120,6 +123,7 @@ def unpack_record(value: bytes) -> SessionRecord:
             ttl_s=None if doc["ttl_s"] is None else float(doc["ttl_s"]),
             last_active=float(doc["last_active"]),
             state=str(doc["state"]),
+            key_id=None if doc.get("key_id") is None else bytes.fromhex(doc["key_id"]),
         )
         rec.validate()
     except (ValueError, KeyError, TypeError) as exc:

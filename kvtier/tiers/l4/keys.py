@@ -9,6 +9,8 @@ that the keys one operation touches together always sit in one hash slot:
   digests, so chunks spread evenly over the slots of a cluster.
 - a session record: `kvtier:s:{<32 hex digits>}`, the digest of (model fingerprint, tenant,
   session id); its temp key is `kvtier:s:{<same>}:tmp:<random>` likewise.
+- a tenant's data keys (encrypted stores only): `kvtier:k:{<32 hex digits>}`, the digest of
+  the tenant, a hash of key id -> the data key wrapped by the master key (kvtier.tiers.l4.sealed).
 
 Nothing is ever written to two slots in one command, so the layout works on one Redis and on a
 Redis Cluster alike. Tenants never share a key: chunk keys already hash the tenant's namespace
@@ -39,6 +41,12 @@ def record_digest(fingerprint: bytes, tenant: str, session_id: str) -> str:
 
 def record(fingerprint: bytes, tenant: str, session_id: str) -> str:
     return f"{PREFIX}s:{{{record_digest(fingerprint, tenant, session_id)}}}"
+
+
+def tenant_keys(tenant: str) -> str:
+    h = hashlib.blake2b(b"kvtier.l4.tenant\x00" + tenant.encode("utf-8", "surrogatepass"),
+                        digest_size=16)  # fmt: skip
+    return f"{PREFIX}k:{{{h.hexdigest()}}}"
 
 
 def temp(final: str) -> str:

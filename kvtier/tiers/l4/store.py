@@ -12,6 +12,10 @@ whole); a temp key left by anything else expires with its TTL.
 
 Reads of many chunks (`get_chunks`) are split over `streams` connections, each one pipelining
 its GETs, and every value is verified (kvtier.tiers.l4.codec) before it reaches its sink.
+
+With `sealer` set (an encrypted store, kvtier.tiers.l4.sealed) every chunk value and session
+record is sealed on put and opened (its AES-GCM tag verified) on get; a value whose key was
+destroyed (crypto-shred) or cannot be found is a miss, one failing its tag is deleted.
 """
 
 from __future__ import annotations
@@ -21,21 +25,28 @@ import threading
 import time
 from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Any, TypeVar
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, TypeVar
 
+from kvtier import sealing
 from kvtier.errors import (
+    AuthenticationFailed,
     ChunkNotFound,
     ConfigError,
     FingerprintMismatch,
     KvbinFormatError,
     L4Unavailable,
+    MasterKeyRequired,
+    TenantKeyShredded,
 )
 from kvtier.kvbin import ChunkHeader
 from kvtier.tiers.l3_index import SessionRecord
 from kvtier.tiers.l4 import codec, keys, wire
 from kvtier.tiers.l4.breaker import CLOSED, Breaker
 from kvtier.tiers.l4.wire import Dest
+
+if TYPE_CHECKING:  # pragma: no cover
+    from kvtier.tiers.l4.sealed import TenantKeys
 
 log = logging.getLogger("kvtier.tiers.l4")
 T = TypeVar("T")
@@ -119,6 +130,7 @@ class L4Store:
         self.run_id: str | None = None
         self.memory: dict[str, Any] = {}
         self._closed = False
+        self.sealer: TenantKeys | None = None  # set when the store is encrypted
 
     # -- the guarded call ------------------------------------------------------------------------
 
@@ -182,7 +194,10 @@ class L4Store:
 
     def put_chunk(self, header: ChunkHeader, payload: Any) -> int:
         """Store one chunk; returns the bytes sent. The value goes under a temp key, which is
-        RENAMEd over the chunk's key in the same MULTI/EXEC."""
+        RENAMEd over the chunk's key in the same MULTI/EXEC. Sealed first when the store is
+        encrypted (the caller's payload stays plain)."""
+        if self.sealer is not None:
+            header, payload = self.sealer.seal(header, payload)
         head, view = codec.chunk_parts(header, payload)
         final = keys.chunk(header.key)
         t0 = time.perf_counter()
@@ -257,7 +272,9 @@ class L4Store:
         `dest(i, header)` names where chunk i's payload goes (kvtier.tiers.l4.wire reads it
         there straight from the socket). Each future yields the chunk's verified header once
         its payload is there, or fails with ChunkNotFound (a miss), KvbinFormatError or
-        FingerprintMismatch (a damaged or foreign value, deleted from Redis) or L4Unavailable."""
+        FingerprintMismatch (a damaged or foreign value, or one failing its AES-GCM tag,
+        deleted from Redis) or L4Unavailable. A sealed value whose data key is gone
+        (crypto-shred) or that this host cannot open is a miss (ChunkNotFound), left alone."""
         batch = ReadBatch([Future() for _ in chunk_keys], time.perf_counter())
         if not chunk_keys:
             batch.finished = batch.started
@@ -322,6 +339,7 @@ class L4Store:
                     tenants,
                     lambda j, h: dest(idx[j], h),
                     self._redis.ResponseError,
+                    None if self.sealer is None else self.sealer.opener,
                 )
             except BaseException:
                 conn.disconnect()  # replies may be left unread: never reuse the connection
@@ -343,6 +361,11 @@ class L4Store:
         for i, rep in zip(idx, replies, strict=True):
             key = chunk_keys[i]
             fut = batch.futures[i]
+            if isinstance(rep.error, (TenantKeyShredded, MasterKeyRequired)):
+                self.count("misses")  # sealed under a key this host cannot have: a miss
+                log.info("L4 chunk %s is not readable here (%s)", key.hex(), rep.error)
+                fut.set_exception(ChunkNotFound(f"chunk {key.hex()} in L4: {rep.error}"))
+                continue
             if rep.error is not None:
                 self.count("errors")
                 if isinstance(rep.error, (KvbinFormatError, FingerprintMismatch)):
@@ -365,6 +388,11 @@ class L4Store:
     # -- session records -------------------------------------------------------------------------
 
     def put_record(self, rec: SessionRecord) -> None:
+        """Store a session record (its token ids sealed when the store is encrypted)."""
+        if self.sealer is not None and rec.key_id is None:
+            key = self.sealer.for_tenant(rec.tenant)
+            sealed = sealing.seal_record(key, rec.session_id, rec.fingerprint, bytes(rec.token_ids))
+            rec = replace(rec, token_ids=sealed, key_id=key.key_id)
         value = codec.pack_record(rec)
         final = keys.record(rec.fingerprint, rec.tenant, rec.session_id)
 
@@ -393,11 +421,53 @@ class L4Store:
         if (rec.fingerprint, rec.tenant, rec.session_id) != (fingerprint, tenant, session_id):
             self.count("errors")
             return None  # a digest collision or a planted value: never another's session
-        return rec
+        return self._open_record(final, rec)
+
+    def _open_record(self, final: str, rec: SessionRecord) -> SessionRecord | None:
+        """The record with its token ids opened; None if it cannot be (a tag failure or a
+        plain record in an encrypted store: deleted; a destroyed key: left, a miss)."""
+        if self.sealer is None:
+            if rec.key_id is not None:
+                log.info("L4 session record %s is sealed; this store is not encrypted", final)
+                return None
+            return rec
+        try:
+            if rec.key_id is None:
+                raise AuthenticationFailed("a plain session record where records are sealed")
+            key = self.sealer.by_id(rec.key_id, rec.tenant, fresh=True)
+            data = sealing.open_record(key, rec.session_id, rec.fingerprint, rec.token_ids)
+        except TenantKeyShredded as exc:
+            log.info("L4 session record %s is not readable here (%s)", final, exc)
+            return None
+        except AuthenticationFailed as exc:
+            self.count("errors")
+            log.warning("L4 session record %s failed to open (%s); deleted", final, exc)
+            self._call("record delete", lambda: self._r.delete(final))
+            return None
+        return replace(rec, token_ids=data, key_id=None)
 
     def delete_record(self, fingerprint: bytes, tenant: str, session_id: str) -> None:
         final = keys.record(fingerprint, tenant, session_id)
         self._call("record delete", lambda: self._r.delete(final))
+
+    # -- crypto-shred ----------------------------------------------------------------------------
+
+    def shred_tenant(self, tenant: str, fingerprint: bytes, chunk_keys: Collection[bytes],
+                     session_ids: Collection[str]) -> int:  # fmt: skip
+        """Delete the tenant's data keys, and the chunks and records named, from Redis (one
+        pipeline, one key per command); returns the keys deleted. Best effort: raises
+        L4Unavailable while Redis is down or the breaker is open."""
+        names = [keys.tenant_keys(tenant)]
+        names += [keys.record(fingerprint, tenant, sid) for sid in session_ids]
+        names += [keys.chunk(k) for k in chunk_keys]
+
+        def go() -> int:
+            with self._r.pipeline(transaction=False) as p:
+                for name in names:
+                    p.delete(name)
+                return sum(int(n) for n in p.execute())
+
+        return self._call("shred", go)
 
     # -- stats, lifetime -------------------------------------------------------------------------
 

@@ -7,6 +7,8 @@ the one large value kvtier reads, so their GETs go through here: redis-py opens 
 reply's header into a small buffer and its payload with `recv_into` right where the sink wants
 it (an L2 slot), checksumming it piece by piece as it lands. The value is verified before the
 caller hears of it; until then the destination holds bytes nobody uses (like an L3 read's).
+A sealed value (encrypted store) is decrypted in place piece by piece as it lands, after its
+checksum saw the ciphertext, and its AES-GCM tag is verified before the caller hears of it.
 
 Only the replies of GET are read: a bulk string (`$<n>`), a nil (`$-1` in RESP2, `_` in RESP3)
 or an error (`-...`). Anything else, or any failure, disconnects the connection.
@@ -19,14 +21,18 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvtier import kvbin
-from kvtier.errors import FingerprintMismatch, KvbinFormatError
+from kvtier.errors import EncryptionError, KvbinFormatError, MasterKeyRequired, StoreError
 from kvtier.kvbin import HEADER_SIZE, ChunkHeader
+from kvtier.sealing import PayloadOpener
 from kvtier.tiers.l4.codec import check_header
 
 PIECE = 1 << 20  # bytes received (and checksummed) per recv_into
 
 Dest = Callable[[int, ChunkHeader], memoryview]
 """(index, decoded header) -> where the payload goes (at least payload_len bytes)."""
+
+Opener = Callable[[ChunkHeader], PayloadOpener]
+"""decoded header -> the decryptor of its sealed payload (encrypted stores)."""
 
 
 class Reply:
@@ -94,8 +100,11 @@ def get_many(
     tenants: Any,
     dest: Dest,
     response_error: type[Exception],
+    opener: Opener | None = None,
 ) -> list[Reply]:
-    """Pipeline a GET of every name on redis-py connection `conn` and read the replies."""
+    """Pipeline a GET of every name on redis-py connection `conn` and read the replies.
+
+    `opener`: the store is encrypted; every value must be sealed and is opened in place."""
     if conn.can_read():  # something is left unread: this connection is not ours to drive
         conn.disconnect()
         conn.connect()
@@ -118,8 +127,8 @@ def get_many(
         size = int(head[1:])
         rep.size = size
         try:
-            rep.header = _value(reader, size, i, key, fingerprint, tenants, dest)
-        except (KvbinFormatError, FingerprintMismatch) as exc:
+            rep.header = _value(reader, size, i, key, fingerprint, tenants, dest, opener)
+        except (StoreError, EncryptionError) as exc:  # this value's: the stream stays in step
             rep.error = exc
         reader.line()  # the CRLF after the bulk
     if reader.buf:
@@ -135,8 +144,10 @@ def _value(
     fingerprint: bytes,
     tenants: Any,
     dest: Dest,
+    opener: Opener | None = None,
 ) -> ChunkHeader:
-    """Read one bulk value of `size` bytes: header, checks, payload into `dest` with its CRC.
+    """Read one bulk value of `size` bytes: header, checks, payload into `dest` with its CRC
+    (and, sealed, decrypted in place behind the CRC; the tag is checked last).
 
     A bad value is consumed whole (the connection stays in step) before its error is raised."""
     if size < HEADER_SIZE:
@@ -146,17 +157,32 @@ def _value(
     reader.into(hdr)
     try:
         header = _check(hdr, key, size, fingerprint, tenants)
+        if opener is not None:
+            op: PayloadOpener | None = opener(header)
+        elif header.sealed:
+            raise MasterKeyRequired(
+                f"L4 chunk {key.hex()} is sealed but this host's store is not encrypted; "
+                "start it with --encrypt and the deployment's --master-key-file"
+            )
+        else:
+            op = None
         view = dest(i, header)[: header.payload_len]
     except BaseException:
         reader.skip(size - HEADER_SIZE)
         raise
-    value = [0]
+    value = [0, 0]  # checksum, bytes opened
 
     def crc(piece: memoryview) -> None:
         value[0] = kvbin.checksum(header.checksum, piece, value[0])
+        if op is not None:  # the piece is view[start:end]: pieces land in order
+            start = value[1]
+            value[1] = start + len(piece)
+            op.update(view, start, value[1])
 
     reader.into(view, crc)
     kvbin.verify_crc(header, value[0])
+    if op is not None:
+        op.finish()  # AuthenticationFailed: nothing of `view` is used
     return header
 
 
