@@ -315,12 +315,7 @@ def write_chunk_file(
             l3_io.pwrite_all(fd, [view, bytes(pad)], HEADER_SIZE)
         value = crc.result() if crc else kvbin.checksum(header.checksum, view)
         header = replace(header, payload_crc=value)
-        hdr = buffer("whdr", HEADER_SIZE)[:HEADER_SIZE]
-        hdr[:] = kvbin.encode(header, value)
-        l3_io.pwrite_all(fd, [hdr], 0)
-        os.fdatasync(fd)
-        if not direct and not keep_page_cache:
-            l3_io.drop_cache(fd)
+        _finish_file(fd, buffer, header, value, direct, keep_page_cache)
     except BaseException:
         if crc is not None:
             crc.exception()  # it reads the caller's buffer: let it finish first
@@ -330,6 +325,23 @@ def write_chunk_file(
         raise
     os.close(fd)
     return header
+
+
+def _finish_file(
+    fd: int,
+    buffer: Callable[[str, int], memoryview],
+    header: ChunkHeader,
+    value: int,
+    direct: bool,
+    keep_page_cache: bool,
+) -> None:
+    """The header last (it names the payload's checksum), then one fdatasync for the file."""
+    hdr = buffer("whdr", HEADER_SIZE)[:HEADER_SIZE]
+    hdr[:] = kvbin.encode(header, value)
+    l3_io.pwrite_all(fd, [hdr], 0)
+    os.fdatasync(fd)
+    if not direct and not keep_page_cache:
+        l3_io.drop_cache(fd)
 
 
 def _seal_size(payload_len: int) -> int:
@@ -391,12 +403,7 @@ def write_sealed_file(
             l3_io.set_direct(fd, False)
             l3_io.pwrite_all(fd, [stage[:size]], HEADER_SIZE)
         header = replace(sealer.finish(), payload_crc=value)
-        hdr = buffer("whdr", HEADER_SIZE)[:HEADER_SIZE]
-        hdr[:] = kvbin.encode(header, value)
-        l3_io.pwrite_all(fd, [hdr], 0)
-        os.fdatasync(fd)
-        if not direct and not keep_page_cache:
-            l3_io.drop_cache(fd)
+        _finish_file(fd, buffer, header, value, direct, keep_page_cache)
     except BaseException:
         for w in writes:
             w.exception()  # they write `fd` and read `stage`: let them finish first
