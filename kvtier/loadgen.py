@@ -68,6 +68,9 @@ class LoadConfig:
     timeout: float = 120.0
     hibernate_during_tools: bool = False  # tell the server when an agent waits on a tool
     compare: int = 8  # same-prompt restore vs recompute probes at the end (0 = skip)
+    # `Authorization: Bearer` on every request, for a server with --api-keys (the key names
+    # the tenant there, and `tenant` is not sent). --hibernate-during-tools needs an admin key.
+    api_key: str | None = None
     run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:8])
 
     def hosts(self) -> tuple[str, ...]:
@@ -97,6 +100,10 @@ def _text(rng: random.Random, n: int, vocab: str = "abcdefghijklmnopqrstuvwxyz  
     return "".join(rng.choice(vocab) for _ in range(n))
 
 
+def auth_headers(cfg: LoadConfig) -> dict[str, str]:
+    return {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
+
+
 class Fleet:
     def __init__(self, config: LoadConfig) -> None:
         self.config = config
@@ -110,6 +117,21 @@ class Fleet:
 
     def session_id(self, i: int) -> str:
         return f"lg-{self.config.run_id}-{i:05d}"
+
+    def tenant_header(self) -> dict[str, str]:
+        """`X-Tenant`, except with an API key (the key names the tenant; the header is
+        ignored there)."""
+        return {} if self.config.api_key else {"X-Tenant": self.config.tenant}
+
+    def fresh(self, msgs: list[dict[str, str]]) -> tuple[list[dict[str, str]], dict[str, str]]:
+        """The same prompt where nothing can be cached, for the recompute baseline: under a
+        fresh tenant; with an API key (one tenant), behind a nonce at the very start instead,
+        which changes every chunk key (a few characters longer)."""
+        nonce = uuid.uuid4().hex[:8]
+        if not self.config.api_key:
+            return msgs, {"X-Tenant": f"probe-{nonce}"}
+        first = {**msgs[0], "content": f"[{nonce}] {msgs[0]['content']}"}
+        return [first, *msgs[1:]], {}
 
     async def chat(
         self,
@@ -174,7 +196,7 @@ class Fleet:
         ramp = cfg.think_ms / 1000 if cfg.ramp is None else cfg.ramp
         await asyncio.sleep(rng.uniform(0, ramp))
         sid = self.session_id(i)
-        headers = {"X-Session-ID": sid, "X-Tenant": cfg.tenant}
+        headers = {"X-Session-ID": sid, **self.tenant_header()}
         messages = [{"role": "system", "content": self.system}]
         self.conversations[i] = messages
         for turn in range(cfg.turns):
@@ -217,11 +239,11 @@ class Fleet:
             done = sum(1 for m in messages if m["role"] == "assistant")
             client = clients[host_of(i, done, len(clients))]
             a = Sample(i, -1, time.perf_counter() - self.t0)
-            await self.chat(
-                client, msgs, a, {"X-Session-ID": self.session_id(i), "X-Tenant": cfg.tenant}, 2
-            )
+            own = {"X-Session-ID": self.session_id(i), **self.tenant_header()}
+            await self.chat(client, msgs, a, own, 2)
             b = Sample(i, -1, time.perf_counter() - self.t0)
-            await self.chat(client, msgs, b, {"X-Tenant": f"probe-{uuid.uuid4().hex[:8]}"}, 2)
+            fresh_msgs, fresh_headers = self.fresh(msgs)
+            await self.chat(client, fresh_msgs, b, fresh_headers, 2)
             if a.ttft is None or b.ttft is None or a.error or b.error:
                 continue
             if b.source != "recompute":  # the fresh tenant found something cached: no baseline
@@ -256,7 +278,9 @@ class Fleet:
         async with contextlib.AsyncExitStack() as stack:
             clients = [
                 await stack.enter_async_context(
-                    httpx.AsyncClient(base_url=url, timeout=cfg.timeout, limits=limits)
+                    httpx.AsyncClient(
+                        base_url=url, timeout=cfg.timeout, limits=limits, headers=auth_headers(cfg)
+                    )
                 )
                 for url in hosts
             ]

@@ -30,6 +30,14 @@ import click
 @click.option("--ramp", type=float, help="Spread session starts over seconds (default think).")
 @click.option("--model", default="default", show_default=True)
 @click.option("--tenant", default="loadgen", show_default=True)
+@click.option(
+    "--api-key",
+    envvar="KVTIER_API_KEY",
+    help="Send `Authorization: Bearer KEY` (a server with --api-keys; also KVTIER_API_KEY). The "
+    "key names the tenant, so --tenant is not sent; the recompute probes then put a nonce at "
+    "the start of the prompt instead of using a fresh tenant; --hibernate-during-tools needs "
+    "an admin key.",
+)
 @click.option("--seed", default=0, show_default=True)
 @click.option("--hibernate-during-tools", is_flag=True, help="POST hibernate at each pause.")
 @click.option("--compare", default=8, show_default=True, help="Restore vs recompute probes.")
