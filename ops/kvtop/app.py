@@ -216,6 +216,12 @@ def once(source: Source, interval: float, options: Options, console: Console) ->
 @click.option("--tenant", help="Show only this tenant's sessions.")
 @click.option("--no-gpu", is_flag=True, help="With --l3-root: skip NVML queries.")
 @click.option("--once", "once_flag", is_flag=True, help="Print one frame (after two scrapes).")
+@click.option(
+    "--api-key",
+    envvar="KVTIER_API_KEY",
+    help="For a server with --api-keys (also KVTIER_API_KEY): an admin key lists every "
+    "tenant's sessions, a tenant key its own.",
+)
 def main(
     url: str | None,
     l3_root: str | None,
@@ -224,6 +230,7 @@ def main(
     tenant: str | None,
     no_gpu: bool,
     once_flag: bool,
+    api_key: str | None,
 ) -> None:
     """Live terminal view of kvtier's tiers, sessions, restores and host signals.
 
@@ -238,7 +245,7 @@ def main(
         except KvtierError as exc:
             raise click.UsageError(str(exc)) from None
     else:
-        source = HttpSource(url or probe() or DEFAULT_URLS[0])
+        source = HttpSource(url or probe() or DEFAULT_URLS[0], api_key=api_key)
     from rich.console import Console
 
     console = Console()

@@ -42,8 +42,11 @@ class Source(Protocol):
     def close(self) -> None: ...
 
 
-def _get(url: str, timeout: float) -> tuple[str, str]:
-    req = urllib.request.Request(url, headers={"Accept": "text/plain, application/json"})
+def _get(url: str, timeout: float, key: str | None = None) -> tuple[str, str]:
+    headers = {"Accept": "text/plain, application/json"}
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
+    req = urllib.request.Request(url, headers=headers)
     with urllib.request.urlopen(req, timeout=timeout) as r:
         return r.read().decode("utf-8", "replace"), r.headers.get("Content-Type", "")
 
@@ -51,7 +54,8 @@ def _get(url: str, timeout: float) -> tuple[str, str]:
 class HttpSource:
     """`/metrics` and (from `kvtier serve`) `/v1/sessions` of one base URL."""
 
-    def __init__(self, url: str, timeout: float = TIMEOUT_S) -> None:
+    def __init__(self, url: str, timeout: float = TIMEOUT_S, api_key: str | None = None) -> None:
+        self.api_key = api_key  # for a server with --api-keys: an admin key lists every tenant
         self.base = url.rstrip("/").removesuffix("/metrics")
         if "://" not in self.base:
             self.base = "http://" + self.base
@@ -77,8 +81,10 @@ class HttpSource:
 
     def _sessions(self) -> tuple[SessionList | None, str | None]:
         try:
-            text, ctype = _get(f"{self.base}/v1/sessions", self.timeout)
+            text, ctype = _get(f"{self.base}/v1/sessions", self.timeout, self.api_key)
         except urllib.error.HTTPError as exc:
+            if exc.code == 401:
+                return None, "the server wants an API key for sessions: kvtop --api-key (401)"
             if exc.code == 403:
                 return None, "per-session detail answers only on localhost (403)"
             return None, f"no per-session list here (HTTP {exc.code})"

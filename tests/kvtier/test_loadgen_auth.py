@@ -1,6 +1,7 @@
-"""kvtier loadgen against `kvtier serve --api-keys`: the key goes on every request, the key's
-tenant owns the sessions, and the recompute probes still find nothing cached (a nonce at the
-start of the prompt, since the key allows one tenant only)."""
+"""kvtier loadgen and kvtop against `kvtier serve --api-keys`: the key goes on every request,
+the key's tenant owns the sessions, the recompute probes still find nothing cached (a nonce at
+the start of the prompt, since the key allows one tenant only), and kvtop lists sessions with
+an admin key."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import httpx
 from server_proc import ROOT, Server
 
 from kvtier import apikeys
+from ops.kvtop.sources import HttpSource
 
 
 def test_loadgen_with_an_api_key(tmp_path: Path) -> None:
@@ -41,6 +43,14 @@ def test_loadgen_with_an_api_key(tmp_path: Path) -> None:
         ).json()["data"]
         mine = {s["session_id"] for s in listing if s["tenant"] == "fleet"}
         assert len(mine) == 2, listing  # the key's tenant owns the sessions, not --tenant's
+
+        # kvtop: an admin key gets the session list; none gets the metrics and says why not
+        with_key = HttpSource(srv.url, api_key=admin).fetch()
+        assert with_key.sessions is not None and with_key.detail is None
+        assert {s.session_id for s in with_key.sessions.sessions} >= mine
+        without = HttpSource(srv.url).fetch()
+        assert without.sessions is None and "--api-key" in (without.detail or "")
+        assert "kvtier_" in without.metrics
 
         # without the key every request is refused, and the run says so
         env.pop("KVTIER_API_KEY")
