@@ -13,7 +13,7 @@ from typing import Any
 
 import click
 
-from kvtier.errors import StoreError
+from kvtier.errors import EncryptionError, StoreError
 from kvtier.humanize import plural
 from kvtier.humanize import size as _human
 from kvtier.tiers.l3 import L3Store
@@ -76,9 +76,22 @@ def _open(
     cold_dir: str | None = None,
     adopt: bool = False,
     exit_code: int = 1,
+    master_key_file: str | None = None,
 ) -> L3Store:
     with _failing_cleanly(exit_code):
-        return L3Store(root, read_only=read_only, cold_dir=cold_dir, adopt_cold_root=adopt)
+        key = None
+        if master_key_file is not None:
+            from kvtier.sealing import load_master_key
+
+            key = load_master_key(master_key_file)  # not 0600, malformed, wrong: said, exit
+        return L3Store(
+            root,
+            read_only=read_only,
+            cold_dir=cold_dir,
+            adopt_cold_root=adopt,
+            master_key=key,
+            need_key=key is not None,
+        )
 
 
 @contextmanager
@@ -86,7 +99,7 @@ def _failing_cleanly(exit_code: int = 1) -> Iterator[None]:
     """A store error: its one-line message on stderr and `exit_code`, no traceback."""
     try:
         yield
-    except StoreError as exc:
+    except (StoreError, EncryptionError) as exc:
         error = click.ClickException(" ".join(str(exc).split()))
         setattr(error, "exit_code", exit_code)  # noqa: B010 (a ClassVar in the stubs)
         raise error from None
@@ -238,12 +251,20 @@ def stat_command(root: str, as_json: bool) -> None:
 @json_option
 @click.option("--rebuild", is_flag=True, help="Rebuild the chunk index from file headers alone.")
 @click.option("--check", "check_only", is_flag=True, help="Report problems; repair nothing.")
+@click.option(
+    "--master-key-file",
+    type=click.Path(dir_okay=False),
+    envvar="KVTIER_MASTER_KEY_FILE",
+    help="An encrypted store's master key (env KVTIER_MASTER_KEY_FILE): without it the sealed "
+    "session records that reference a damaged chunk are reported (LEFT), not cut.",
+)
 @cold_options
 def fsck_command(
     root: str,
     as_json: bool,
     rebuild: bool,
     check_only: bool,
+    master_key_file: str | None,
     cold_dir: str | None,
     adopt_cold_root: bool,
 ) -> None:
@@ -269,6 +290,7 @@ def fsck_command(
             cold_dir=cold_dir,
             adopt=adopt_cold_root,
             exit_code=FSCK_OPERATIONAL_ERROR,
+            master_key_file=master_key_file,
         ) as store,
         _progress("fsck", not as_json) as progress,
         _failing_cleanly(FSCK_OPERATIONAL_ERROR),

@@ -185,7 +185,7 @@ def _check_sessions(store: L3Store, report: FsckReport, repair: bool) -> None:
         if rec.key_id is not None:  # sealed token ids: cut only with the master key
             if store.keyring is None or store.keyring.locked:
                 report.left.append(f"{name} references a missing chunk; its record is sealed: "
-                                   "repair it with the store's master key")  # fmt: skip
+                                   "run `kvtier l3 fsck --master-key-file PATH` to cut it")  # fmt: skip
                 continue
             rec = store.load_session(session_id, tenant)
             if rec is None:

@@ -403,3 +403,35 @@ def test_a_large_payload_is_sealed_and_written_in_pieces(tmp_path: Path, pool: b
     with L3Store(tmp_path / "l3", master_key=sealing.MasterKey(os.urandom(32))) as store:
         store.put(h, data)
         assert store.get_bytes(h.key, fingerprint=FP)[1] == data
+
+
+def test_fsck_cuts_a_sealed_record_with_the_master_key(model, tmp_path: Path) -> None:
+    """A damaged chunk of an encrypted store: fsck quarantines it; the session record that
+    references it is sealed, so without the key fsck reports it (exit 2) and with
+    --master-key-file it cuts it (exit 1), after which the store is clean (exit 0). A key file
+    others can read is refused with the fix, and nothing changes."""
+    key = master_file(tmp_path / "master.key")
+    root = tmp_path / "l3"
+    hibernated(model, cfg(root, key), ids_of(3 * CHUNK + 5, seed=6))
+    victim = sorted((root / "hot").rglob("*.kvbin"))[1]
+    data = bytearray(victim.read_bytes())
+    data[-40] ^= 0xFF  # payload damaged: its tag no longer verifies
+    victim.write_bytes(bytes(data))
+
+    def fsck(*extra: str) -> subprocess.CompletedProcess[str]:
+        cmd = [sys.executable, "-m", "ops.cli", "l3", "fsck", "--root", str(root), *extra]
+        env = {k: v for k, v in os.environ.items() if k != "KVTIER_MASTER_KEY_FILE"}
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+
+    done = fsck()
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "--master-key-file" in done.stdout
+    loose = master_file(tmp_path / "loose.key", key.read_bytes(), mode=0o644)
+    done = fsck("--master-key-file", str(loose))
+    assert done.returncode == 8 and "chmod" in done.stderr + done.stdout, done.stderr
+    assert "Traceback" not in done.stderr
+    done = fsck("--master-key-file", str(key))
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "session cut: " in done.stdout
+    done = fsck("--master-key-file", str(key))
+    assert done.returncode == 0, done.stdout + done.stderr
