@@ -175,7 +175,26 @@ def _trace(events: list[str]):
     return trace
 
 
-def test_one_session_served_in_order(client: openai.OpenAI) -> None:
+def _batch_steps(url: str) -> tuple[float, float]:
+    """(steps, steps of one sequence) so far, from the batch-size histogram on /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    steps = single = 0.0
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics").text):
+        if family.name != "kvtier_server_batch_size":
+            continue
+        for sample in family.samples:
+            if sample.name.endswith("_count"):
+                steps = sample.value
+            elif sample.name.endswith("_bucket") and float(sample.labels["le"]) == 1.0:
+                single = sample.value
+    return steps, single
+
+
+def test_one_session_served_in_order(server: Server, client: openai.OpenAI) -> None:
+    """Three requests of one session at once queue behind each other: none is refused, and no
+    step of the batch ever held two of them (every step of the window had one sequence). A
+    count on the server's own histogram, so a loaded machine cannot make it flaky."""
     results: list[tuple[float, float]] = []
 
     def one() -> None:
@@ -183,16 +202,17 @@ def test_one_session_served_in_order(client: openai.OpenAI) -> None:
         chat(client, "ordered", "same session", max_tokens=30)
         results.append((t, time.perf_counter()))
 
+    steps0, single0 = _batch_steps(server.url)
     threads = [threading.Thread(target=one) for _ in range(3)]
     for th in threads:
         th.start()
     for th in threads:
         th.join()
-    spans = sorted(results, key=lambda r: r[1])
-    assert len(spans) == 3  # none refused: they queued behind each other
-    # Each request spans at least the decode of the one before: they did not overlap.
-    durations = [e - s for s, e in spans]
-    assert durations[2] > durations[0] * 1.5
+    steps, single = _batch_steps(server.url)
+    assert len(results) == 3  # none refused: they queued behind each other
+    # one after another, each reply its own steps (together they would share about 32)
+    assert steps - steps0 >= 3 * 20, (steps0, steps)
+    assert single - single0 == steps - steps0, (single0, single, steps0, steps)
 
 
 def test_admin_sessions_hibernate_prefetch_delete(server: Server, client: openai.OpenAI) -> None:
