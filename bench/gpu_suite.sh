@@ -78,7 +78,7 @@ for step in $STEPS; do
         echo "restart: skipped (fastapi/uvicorn not importable here)" | tee "$OUT/restart.txt"
       fi ;;
     multigpu)
-      # two GPUs (nvidia-h200-x2): not in the default STEPS; STEPS=multigpu bash bench/gpu_suite.sh
+      # a host with two GPUs: not in the default STEPS; STEPS=multigpu bash bench/gpu_suite.sh
       timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kvtier/test_multi_gpu.py \
         2>&1 | tail -15 >"$OUT/multigpu_tests.txt"
       timeout 580 python3 bench/multi_gpu.py --out "$OUT/multi_gpu.json" >"$OUT/multigpu.txt" 2>&1
