@@ -234,14 +234,23 @@ class PagePool:
         per_chunk = CHUNK_TOKENS // self.page_size
         return list(table[chunk * per_chunk : (chunk + 1) * per_chunk])
 
-    def _slots(self, table: Sequence[int], start: int, end: int) -> torch.Tensor:
+    def _slots(
+        self,
+        table: Sequence[int],
+        start: int,
+        end: int,
+        device: torch.device | str | None = None,
+    ) -> torch.Tensor:
+        """Flat slots (page * page_size + offset) of tokens `[start, end)`, on `device`
+        (default: the pool's)."""
         if not 0 <= start <= end <= len(table) * self.page_size:
             raise ValueError(
                 f"token range [{start}, {end}) is outside the {len(table)} pages of the table"
             )
         s = self.page_size
-        slots = [table[t // s] * s + t % s for t in range(start, end)]
-        return torch.tensor(slots, dtype=torch.long, device=self.device)
+        pos = torch.arange(start, end)
+        slots = torch.as_tensor(list(table), dtype=torch.long)[pos // s] * s + pos % s
+        return slots.to(self.device if device is None else device)
 
     def _flat(self) -> torch.Tensor:
         g = self.geometry
@@ -275,7 +284,7 @@ class PagePool:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer's K and V of tokens `[start, end)`, each contiguous `[tokens, head, dim]`."""
         k, v = self.layer_cache(layer)
-        slots = self._slots(table, start, end).to(k.device)  # a sharded pool: the layer's device
+        slots = self._slots(table, start, end, k.device)  # a sharded pool: the layer's device
         s = self.num_pages * self.page_size
         return (
             k.reshape(s, *k.shape[2:]).index_select(0, slots),

@@ -279,7 +279,8 @@ class BatchRunner:
 
         `self.input_ids[:, :T]` and `self.position_ids[:, :T]` hold the flattened input after it.
         `pad_to` (a CUDA graph's bucket of tokens) adds padding tokens up to that many, and
-        padding sequence rows up to `min(pad_to, max_batch)`.
+        padding sequence rows up to `min(pad_to, max_batch)`; the context is then the padded
+        step's ("rows" attention, as the graph of that bucket runs it).
         """
         total = self._check(batch)
         self.reserve(batch)
@@ -314,11 +315,13 @@ class BatchRunner:
             page_counts.append(count)
         b = len(batch)
         if pad_to is not None:
+            from kvtier.paged.graphs import padded_context
+
             rows = min(pad_to, self.max_batch)
             self._pad_host(total, pad_to, b, rows)
             self._to_device(pad_to, max(page_counts), rows)
-        else:
-            self._to_device(total, max(page_counts), b)
+            return padded_context(self, pad_to)  # what the buffers now hold: the padded step
+        self._to_device(total, max(page_counts), b)
         ctx = PagedContext(
             pool=self.pool,
             cu_seqlens_q=self.cu_seqlens_q[: b + 1],

@@ -105,17 +105,6 @@ class ShardedPagePool(PagePool):
         for shard in self.shards:
             shard.kv[:, :, new].copy_(shard.kv[:, :, old])
 
-    def _host_slots(self, table: Sequence[int], start: int, end: int) -> torch.Tensor:
-        """Flat slots of tokens `[start, end)` (on the host, computed once for every shard)."""
-        if not 0 <= start <= end <= len(table) * self.page_size:
-            raise ValueError(
-                f"token range [{start}, {end}) is outside the {len(table)} pages of the table"
-            )
-        s = self.page_size
-        pos = torch.arange(start, end)
-        pages = torch.as_tensor(list(table), dtype=torch.long)
-        return pages[pos // s] * s + pos % s
-
     def gather(
         self,
         table: Sequence[int],
@@ -131,7 +120,7 @@ class ShardedPagePool(PagePool):
             out = torch.empty(shape, dtype=self.dtype, device=self.device)
         elif tuple(out.shape) != shape or out.dtype != self.dtype:
             raise ValueError(f"out is {tuple(out.shape)} {out.dtype}, need {shape}")
-        slots = self._host_slots(table, start, end)
+        slots = self._slots(table, start, end, "cpu")
         for shard in self.shards:
             with _on(shard):
                 data = shard.flat().index_select(2, slots.to(shard.device, non_blocking=True))
@@ -153,7 +142,7 @@ class ShardedPagePool(PagePool):
         expected = (*self.kv.shape[:2], end - start, *self.kv.shape[4:])
         if tuple(src.shape) != expected:
             raise ValueError(f"src is {tuple(src.shape)}, need {expected}")
-        host_slots = self._host_slots(table, start, end)
+        host_slots = self._slots(table, start, end, "cpu")
         for shard in self.shards:
             with _on(shard):
                 slots = host_slots.to(shard.device, non_blocking=True)
