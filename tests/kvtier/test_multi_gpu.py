@@ -40,7 +40,7 @@ def _on_gpu(seed: int = 0) -> ServedModel:
 
 def _fleet(sched: BatchScheduler, jobs: list[Any], on_delta: Any = None) -> list[Any]:
     async def main() -> list[Any]:
-        calls = [_turn(sched, job, on_delta if i == 1 else None) for i, job in enumerate(jobs)]
+        calls = [_turn(sched, job, on_delta) for job in jobs]
         return list(await asyncio.gather(*calls))
 
     return asyncio.run(asyncio.wait_for(main(), 300))
@@ -94,7 +94,9 @@ def test_fault_on_gpu1_mid_batch_loses_no_session(tmp_path: Path) -> None:
         clean = _fleet(sched, [_job(f"r{i}", p, 24) for i, p in enumerate(prompts)])
 
         def trigger(text: str) -> None:
-            if len(text) >= 6 and failover.state == HEALTHY and not failover.placed._faults:
+            # the first reply text of any session, while every session is still decoding (the
+            # bytes a random model picks may decode to no text for a while in one reply)
+            if text and failover.state == HEALTHY and not failover.placed._faults:
                 poison = lambda: _poison(served, sched, 1)  # noqa: E731
                 failover.placed.inject_fault(1, "test fault", before=poison)
 
