@@ -41,7 +41,8 @@ def start(
 ) -> tuple[subprocess.Popen, float, float]:
     """Start a server; return it, seconds to ready (incl. model load), and the ready instant."""
     cmd = [sys.executable, "-m", "kvtier.server", "--port", str(port), "--l3-root", str(l3)]
-    cmd += ["--log-level", "warning", "--l1-bytes", "256MiB", "--l2-bytes", "256MiB"]
+    level = "debug" if args.diagnose else "warning"
+    cmd += ["--log-level", level, "--l1-bytes", "256MiB", "--l2-bytes", "256MiB"]
     if args.device:
         cmd += ["--device", args.device]
     if args.model:
@@ -107,6 +108,12 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=2048, help="session length before the kill")
     ap.add_argument("--repeat", type=int, default=3, help="kill/restart cycles (median reported)")
     ap.add_argument("--png", default=None, help="write a bar chart here")
+    ap.add_argument(
+        "--diagnose",
+        action="store_true",
+        help="also time a second warm turn and, after one more restart, a fresh tenant first; "
+        "print the server's per-turn breakdown of the time to the first token",
+    )
     args = ap.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="kvtier-restart-"))
@@ -162,6 +169,22 @@ def main() -> None:
                 "recompute_s": recompute,
             }
         )
+    extra: dict[str, float] = {}
+    if args.diagnose:
+        # Is the gap the turn's own cost or the first request of a process? Warm turn twice,
+        # then a restart with the fresh tenant served first and the session second.
+        extra["warm turn, again"] = first_token(client, url, convo, sid)[0]
+        extra["warm turn, third"] = first_token(client, url, convo, sid)[0]
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        proc, _, _ = start(args, l3, port, log, client)
+        extra["after restart: fresh tenant first"] = first_token(
+            client, url, convo, {"X-Tenant": "recompute-first"}
+        )[0]
+        extra["after restart: then the session"] = first_token(client, url, convo, sid)[0]
+        extra["after restart: fresh tenant again"] = first_token(
+            client, url, convo, {"X-Tenant": "recompute-again"}
+        )[0]
     client.close()
     proc.send_signal(signal.SIGTERM)
     proc.wait(60)
@@ -197,6 +220,14 @@ def main() -> None:
         f"({med('ttft_s') / r:.2f} x; the cache picks recompute where loading would be slower)"
     )
     print(f"(ceiling = the same turn from L1 on a warm server; log: {log})")
+    if extra:
+        print("\ndiagnosis (one request each, in this order):")
+        for name, sec in extra.items():
+            print(f"  {name:<42}{sec * 1000:>8.1f}ms")
+        print("server's breakdown per turn (ms; 'turn <session id>'):")
+        for line in log.read_text(errors="replace").splitlines():
+            if "kvtier.turns" in line:
+                print("  " + line.split("kvtier.turns: ", 1)[-1])
     if args.png:
         import matplotlib
 

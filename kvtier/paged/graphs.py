@@ -130,6 +130,10 @@ class DecodeGraphs:
             except Exception as exc:  # a model the capture cannot take runs eager
                 log.warning("CUDA graph of a %d-sequence decode step not captured: %s", size, exc)
                 continue
+            # A graph's first launch uploads it to the device (milliseconds for a whole
+            # model's step): paid here, not by the first request after a start. The padding
+            # rows the capture ran with are still in place, so this writes the padding page.
+            graph.replay()
             self._graphs[size] = (graph, logits)
         torch.cuda.synchronize(r.pool.device)
         return self.captured

@@ -23,7 +23,9 @@ from fastapi import Request
 from kvtier import apikeys
 from kvtier.apikeys import KeyRing, Principal
 from kvtier.errors import KeysFileError
+from kvtier.server.engine import WARM_UP_TENANT
 from kvtier.server.http import MAX_TENANT, ApiError, check_id, local_only
+from kvtier.server.warm_request import is_warm_up
 
 log = logging.getLogger("kvtier.server")
 
@@ -119,6 +121,9 @@ async def authenticate(request: Request) -> None:
     """The app-wide dependency: with keys configured, a request without a valid key is 401
     (in OpenAI's error shape) before anything else reads it."""
     auth = _auth(request)
+    if is_warm_up(request.scope):  # the server's own warm-up request, made in process
+        request.state.principal = Principal(WARM_UP_TENANT, False, "warm-up")
+        return
     if auth.ring is None or request.url.path in OPEN_PATHS:
         return
     scheme, _, key = request.headers.get("authorization", "").partition(" ")
@@ -155,6 +160,8 @@ def _authenticated(request: Request) -> Principal:
 def tenant_of(request: Request) -> str:
     """The tenant a generation request runs as."""
     auth = _auth(request)
+    if is_warm_up(request.scope):
+        return WARM_UP_TENANT
     header = request.headers.get("x-tenant")
     if auth.ring is None or (auth.trust_tenant_header and header):
         return check_id(header or DEFAULT_TENANT, "X-Tenant", MAX_TENANT)

@@ -48,6 +48,9 @@ from kvtier.server.sampling import ReplyText, make_generator, sample_rows
 from kvtier.tiers import l3_io
 
 log = logging.getLogger("kvtier.server")
+# One line per turn at its first token, at DEBUG: where the time to it went (bench/restart.py
+# --diagnose reads these).
+turns_log = logging.getLogger("kvtier.turns")
 
 PAGE_SIZE = 16  # tokens per KV page (CPU, or where FlashAttention's varlen cannot run)
 DEFAULT_BATCH_TOKENS = 1024
@@ -69,6 +72,16 @@ class _Seq:
     cached: int = 0  # leading tokens whose K/V the session's Cache holds
     paged: PagedSequence | None = None  # its pages while running, None while waiting
     first: bool = False  # the first token's logits arrived (TTFT observed)
+    # where the time to the first token went (perf_counter instants; see _trace_first)
+    t_restore: float = 0.0  # the restore pool began this turn's restore
+    t_restored: float = 0.0  # ... and handed it to the scheduler
+    t_admit: float = 0.0  # pages reserved, cached K/V copied in
+    copy_in_s: float = 0.0
+    steps: int = 0  # forwards this turn was part of before its first token
+    step_s: float = 0.0  # their summed wall time
+    step_ms: list[float] | None = None  # each of them, when tracing (DEBUG)
+    mallocs: int = 0  # device allocations (cudaMalloc) so far at admission, when tracing
+    cpu: dict[int, float] | None = None  # CPU seconds of each thread at admission, when tracing
 
     @property
     def fed(self) -> int:
@@ -199,6 +212,7 @@ class BatchScheduler:
 
     def _restore(self, s: _Seq) -> None:
         job = s.job
+        s.t_restore = time.perf_counter()
         try:
             ids = torch.tensor([job.prompt_ids], dtype=torch.long, device=self.served.device)
             s.restored = self._restore_when_room(job, ids)
@@ -209,6 +223,7 @@ class BatchScheduler:
                 self._cond.notify_all()
             return
         s.cached = s.restored.covered
+        s.t_restored = time.perf_counter()
         s.stream.put(Started(s.restored.source, s.cached, len(job.prompt_ids)))
         with self._cond:
             self._restoring -= 1
@@ -346,12 +361,16 @@ class BatchScheduler:
     def _admit(self, s: _Seq) -> bool:
         """Give a waiting sequence pages for all its known tokens and copy in its cached K/V."""
         seq = PagedSequence()
+        s.t_admit = time.perf_counter()
+        if turns_log.isEnabledFor(logging.DEBUG):
+            s.step_ms, s.mallocs, s.cpu = [], self._device_allocs(), _thread_cpu()
         ok = self.pool.reserve(seq, len(s.tokens))
         assert ok, "free pages were counted above"
         try:
             if s.cached:
                 assert s.restored is not None
                 self._copy_in(s.restored.kv, seq, s.cached)
+                s.copy_in_s = time.perf_counter() - s.t_admit
         except BaseException as exc:
             self.pool.release(seq)
             self._fail(s, exc)
@@ -435,6 +454,13 @@ class BatchScheduler:
             for s, _ in items:
                 self._fail(s, exc)
             return
+        took = time.perf_counter() - start
+        for s, _ in items:
+            if not s.first:
+                s.steps += 1
+                s.step_s += took
+                if s.step_ms is not None:
+                    s.step_ms.append(round(took * 1000, 1))
         done = [s for s, _ in items if s.fed == len(s.tokens)]  # all fed: a token is due
         if done:
             rows = [i for i, (s, _) in enumerate(items) if s.fed == len(s.tokens)]
@@ -452,6 +478,8 @@ class BatchScheduler:
                 if not s.first:
                     s.first = True
                     self._observe_ttft(s, now - s.admitted)
+                    if turns_log.isEnabledFor(logging.DEBUG):
+                        self._trace_first(s, now)
                 if s.job.max_tokens <= 0:
                     self._finish(s, "length", flush=True)
                 else:
@@ -520,8 +548,9 @@ class BatchScheduler:
             self._abort(s, exc)
             return
         total = len(job.prompt_ids)
-        self._count("completion_tokens", len(s.reply.ids))
-        self._count("prompt_tokens", total)
+        if not job.internal:
+            self._count("completion_tokens", len(s.reply.ids))
+            self._count("prompt_tokens", total)
         self._release_l1()
         s.stream.put(
             Finished(reason, total, len(s.reply.ids), s.restored.covered, s.restored.source)
@@ -564,9 +593,59 @@ class BatchScheduler:
         if self.metrics is not None:
             self.metrics.count(name, n)
 
+    def _trace_first(self, s: _Seq, now: float) -> None:
+        ms = 1000.0
+        assert s.restored is not None
+        turns_log.debug(
+            "turn %s: first token %.1f ms after admission: queued %.1f, restore %.1f (%s, %d of "
+            "%d cached), waiting %.1f, copy-in %.1f, %d steps %.1f %s, rest %.1f; %d device "
+            "allocations; CPU ms by thread meanwhile: %s",
+            s.job.session_id[:64],
+            (now - s.admitted) * ms,
+            (s.t_restore - s.admitted) * ms,
+            (s.t_restored - s.t_restore) * ms,
+            s.restored.source,
+            s.cached,
+            len(s.job.prompt_ids),
+            (s.t_admit - s.t_restored) * ms,
+            s.copy_in_s * ms,
+            s.steps,
+            s.step_s * ms,
+            s.step_ms,
+            (now - s.t_admit - s.step_s) * ms,
+            self._device_allocs() - s.mallocs,
+            _busy_threads(s.cpu),
+        )
+
+    def _device_allocs(self) -> int:
+        """cudaMalloc calls of this process so far (0 off CUDA)."""
+        if self.pool.device.type != "cuda":
+            return 0
+        return int(torch.cuda.memory_stats(self.pool.device).get("num_device_alloc", 0))
+
     def _observe_ttft(self, s: _Seq, seconds: float) -> None:
-        if self.metrics is not None and s.restored is not None:
+        if self.metrics is not None and s.restored is not None and not s.job.internal:
             self.metrics.ttft(s.restored.source, seconds)
+
+
+def _thread_cpu() -> dict[int, float]:
+    """CPU seconds so far of each thread of this process, by native thread id."""
+    import psutil
+
+    return {t.id: t.user_time + t.system_time for t in psutil.Process().threads()}
+
+
+def _busy_threads(before: dict[int, float] | None) -> str:
+    """The threads that used at least 1 ms of CPU since `before`, by name (for the trace)."""
+    if before is None:
+        return "-"
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    used = {
+        names.get(tid, str(tid)): (sec - before.get(tid, 0.0)) * 1000
+        for tid, sec in _thread_cpu().items()
+    }
+    busy = sorted(((ms, name) for name, ms in used.items() if ms >= 1.0), reverse=True)
+    return ", ".join(f"{name} {ms:.0f}" for ms, name in busy) or "none"
 
 
 def append_kv(kv: Any, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:

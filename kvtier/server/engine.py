@@ -81,6 +81,7 @@ class Job:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ephemeral: bool = False  # no session id given: forget the session after the request
+    internal: bool = False  # the server's own warm-up request: it counts in no metric
 
 
 @dataclass
@@ -334,7 +335,7 @@ class Engine:
             # Layers across devices: the session Cache (L1) lives on the primary device, which
             # the plain forward's attention would read from every device; warm the batch only.
             vocab = len(self.served.tokenizer)
-            prefill = [(i * 7 + 3) % vocab for i in range(min(n_b, self.config.prefill_step))]
+            prefill = [(i * 7 + 3) % vocab for i in range(n_b)]
             self._warm_batch([(i * 5 + 11) % vocab for i in range(min(n, WARM_UP_SUFFIX))], prefill)
             return
         vocab = len(self.served.tokenizer)
@@ -365,8 +366,7 @@ class Engine:
                 self._warm_pass(torch.cat([prompt_a, suffix], dim=1), commit=None)
         finally:
             backend.forget(sid, WARM_UP_TENANT)
-        step = min(self.config.prefill_step, prompt_b.shape[1])
-        self._warm_batch(prompt_a[0, :WARM_UP_SUFFIX].tolist(), prompt_b[0, :step].tolist())
+        self._warm_batch(prompt_a[0, :WARM_UP_SUFFIX].tolist(), prompt_b[0].tolist())
 
     def _warm_batch(self, prompt: list[int], prefill: list[int]) -> None:
         """Start the batch scheduler (its page pool is allocated now, not in the first request)
@@ -400,20 +400,30 @@ class Engine:
         self._time_batched_prefill(sched, prefill)
 
     def _time_batched_prefill(self, sched: Any, prompt: list[int]) -> None:
-        """Time a prefill the way a recompute will run (one batched step of `prompt`, after the
-        graphs are captured; the second of two) and give the cost model that rate: the warm-up's
-        other prefills ran through the session's Cache, a slower path than the batch's."""
+        """Prefill `prompt` the way a recompute runs (in `prefill_step` chunks, each after the
+        first attending over the pages before it, then its first decode step), twice, after the
+        graphs are captured; give the cost model the second one's rate. The first pays every
+        first use on the paths a long prompt takes (a chunk over earlier pages, a short last
+        chunk, each graph's first launch): on a GPU the first request after a start paid
+        13-17 ms of these before this ran whole prompts here. The warm-up's other prefills ran
+        through the session's Cache, a slower path than the batch's."""
         from kvtier.paged import PagedSequence, SeqInput
 
+        pool = sched.pool
+        prompt = prompt[: max(0, (pool.num_free - 2) * pool.page_size)]  # a small pool
         if len(prompt) < 2:
             return
+        step = max(1, int(self.config.prefill_step))
         seconds = 0.0
         for _ in range(2):
             seq = PagedSequence()
             try:
                 t0 = time.perf_counter()
-                int(sched.runner.step([SeqInput(seq, prompt)])[0].argmax())
+                for start in range(0, len(prompt), step):
+                    logits = sched.runner.step([SeqInput(seq, prompt[start : start + step])])
+                tok = int(logits[0].argmax())
                 seconds = time.perf_counter() - t0
+                sched.runner.step([SeqInput(seq, [tok])])
             finally:
                 sched.runner.release(seq)
         with self.backend.calibrating():
@@ -485,7 +495,8 @@ class Engine:
                 fed.extend(job.prompt_ids[pos:end])
                 pos = end
             if logits is not None and not stream.cancelled.is_set():
-                self._observe_ttft(restored.source, time.perf_counter() - admitted)
+                if not job.internal:
+                    self._observe_ttft(restored.source, time.perf_counter() - admitted)
                 finished = self._decode(job, stream, kv, logits, fed, gen_ids)
         except BaseException:
             backend.abort(job.session_id, job.tenant)  # forget the half-written step
@@ -498,8 +509,9 @@ class Engine:
             backend.forget(job.session_id, job.tenant)
         elif finished == "cancelled":
             backend.hibernate(job.session_id, job.tenant)  # the client went away: free its L1
-        self._count("completion_tokens", len(gen_ids))
-        self._count("prompt_tokens", total)
+        if not job.internal:
+            self._count("completion_tokens", len(gen_ids))
+            self._count("prompt_tokens", total)
         stream.put(Finished(finished, total, len(gen_ids), restored.covered, restored.source))
 
     def _decode(

@@ -8,6 +8,7 @@ never run blocking cache code on the event loop.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import subprocess
 import sys
 import threading
@@ -21,7 +22,7 @@ import pytest
 import uvicorn
 from server_proc import ROOT, Server, free_port
 
-from kvtier import CacheConfig
+from kvtier import CacheConfig, apikeys
 from kvtier.server.app import create_app
 from kvtier.server.backend import PrefillEstimate
 from kvtier.server.config import ServerConfig
@@ -106,9 +107,48 @@ def test_warm_up_leaves_a_measured_prefill_rate_and_no_session(tmp_path: Path) -
             assert listing["data"] == []
         finally:
             srv.stop()
-    # the warm-up prompt's chunks (1024 tokens: 4 chunks and a 1-token tail) are kept and
-    # found again at the next start: no start adds to the store
-    assert chunks[0] == chunks[1] == WARM_UP_TOKENS // 256 + 1
+    # the warm-up prompt's chunks (1024 tokens: 4 chunks and a 1-token tail) and the warm-up
+    # request's full chunk (271 tokens) are kept and found again at the next start: no start
+    # adds to the store
+    assert chunks[0] == chunks[1] == WARM_UP_TOKENS // 256 + 1 + 1
+
+
+def test_warm_up_request_runs_before_ready_and_counts_nowhere(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The in-process warm-up request (kvtier.server.warm_request) is served through the HTTP
+    route and the scheduler before /readyz says ready, with API keys configured too (it needs
+    none, and clients still do), and it shows in no request metric and no session listing."""
+    keys = tmp_path / "keys"
+    admin = apikeys.add(keys, "ops", admin=True)[1]
+    caplog.set_level(logging.INFO, logger="kvtier.server")
+    srv = _InProcess(dataclasses.replace(_config(tmp_path / "l3"), api_keys=keys)).start()
+    try:
+        served = [r.getMessage() for r in caplog.records if "warm-up request" in r.getMessage()]
+        assert len(served) == 1 and "served in" in served[0], served
+        assert srv.state.warming is False
+        metrics = httpx.get(srv.url + "/metrics", timeout=5).text
+        assert _sample(metrics, "kvtier_server_requests_total") == 0
+        assert _sample(metrics, "kvtier_server_prompt_tokens_total") in (0, None)
+        auth = {"Authorization": f"Bearer {admin}"}
+        listing = httpx.get(srv.url + "/v1/sessions", headers=auth, timeout=5).json()
+        assert listing["data"] == []  # the warm-up tenant's ephemeral session is forgotten
+        body = {"model": "default", "prompt": "hi", "max_tokens": 1}
+        assert httpx.post(srv.url + "/v1/completions", json=body, timeout=30).status_code == 401
+        r = httpx.post(srv.url + "/v1/completions", json=body, headers=auth, timeout=30)
+        assert r.status_code == 200
+        metrics = httpx.get(srv.url + "/metrics", timeout=5).text
+        assert _sample(metrics, "kvtier_server_requests_total") == 1  # the client's only
+    finally:
+        srv.stop()
+
+
+def _sample(text: str, name: str) -> float | None:
+    """The value of an unlabelled sample in Prometheus text (None when absent)."""
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    return None
 
 
 def _slow(fn: Any, seconds: float, started: threading.Event) -> Any:
