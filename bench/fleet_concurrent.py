@@ -69,6 +69,7 @@ from transformers import DynamicCache
 
 from kvtier.geometry import KVGeometry
 from kvtier.integrations.hf import set_cudnn_attention
+from kvtier.server.config import ServerConfig
 
 CONFIGS = "ceiling,generate,kvtier-seq,kvtier,kvtier-int8"
 
@@ -137,6 +138,7 @@ def run_scenario(args, model, dev: str, scen: str, n: int, fleet_ceiling, tmp: P
     sched_config = SimpleNamespace(
         max_concurrency=batch,
         batch_tokens=args.batch_tokens,
+        decoding_prompt_tokens=args.decoding_prompt_tokens,
         prefill_step=args.prefill_step,
         batch_kv_bytes=batch * max_ctx * per_token,
         isolate_cpus=False,
@@ -301,6 +303,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--l2-factor", type=float, default=1.5, help="L2 bytes = this x L1 bytes")
     ap.add_argument("--batch-tokens", type=int, default=1024, help="scheduler token budget")
     ap.add_argument("--prefill-step", type=int, default=512, help="scheduler prompt chunk")
+    ap.add_argument(
+        "--decoding-prompt-tokens",
+        type=int,
+        default=ServerConfig.decoding_prompt_tokens,
+        help="prompt tokens in a step that also decodes (0: up to --batch-tokens)",
+    )
     ap.add_argument("--prefill-chunk", type=int, default=512, help="bank prefill chunk")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None)

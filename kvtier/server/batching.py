@@ -8,8 +8,9 @@ hands back a transformers Cache over the first `covered` prompt tokens) and only
 2. takes one token from every *running* sequence that decodes (a page more where its last page
    is full; when the pool has no free page, the latest admitted sequence is preempted: its K/V is
    appended to its session's Cache and its pages freed, and it waits at the head of the queue);
-3. fills the rest of the token budget (`batch_tokens`) with prompt chunks (at most
-   `prefill_step` tokens each) of sequences still prefilling, oldest first;
+3. fills the rest of the token budget (`batch_tokens`, or `decoding_prompt_tokens` when the
+   step decodes) with prompt chunks (at most `prefill_step` tokens each) of sequences still
+   prefilling, oldest first;
 4. admits waiting sequences while budget, batch slots (`max_concurrency`) and pages for their
    whole known token list remain: it copies the restored prefix's K/V into the new pages
    (device to device) and schedules their first prompt chunk;
@@ -54,6 +55,7 @@ turns_log = logging.getLogger("kvtier.turns")
 
 PAGE_SIZE = 16  # tokens per KV page (CPU, or where FlashAttention's varlen cannot run)
 DEFAULT_BATCH_TOKENS = 1024
+DEFAULT_DECODING_PROMPT_TOKENS = 128
 _CPU_POOL_CAP = 2**30  # an automatic pool on the CPU takes at most this many bytes
 
 
@@ -135,6 +137,10 @@ class BatchScheduler:
             int(getattr(config, "batch_tokens", DEFAULT_BATCH_TOKENS)), self.max_batch
         )
         self.prefill_step = int(config.prefill_step)
+        # prompt tokens of a step that also decodes (0: no lower budget than batch_tokens)
+        self.decoding_prompt_tokens = int(
+            getattr(config, "decoding_prompt_tokens", DEFAULT_DECODING_PROMPT_TOKENS)
+        )
         self.pool: PagePool = make_pool(  # sharded by layer on a model placed across devices
             served,
             geometry,
@@ -325,6 +331,12 @@ class BatchScheduler:
             need = 0
         items = [(s, s.tokens[-1:]) for s in self._decoding()]
         budget = self.batch_tokens - len(items)
+        if items and self.decoding_prompt_tokens:
+            # Sessions decode in this step: a few prompt tokens ride along, so each of their
+            # tokens waits one short step. On an H200 (7B, 64 decoding over 3,000-token
+            # contexts) a step took 14 ms alone, 26 ms with 196 prompt tokens and 125 ms with
+            # 930, i.e. prompt tokens cost half as much in small pieces.
+            budget = min(budget, self.decoding_prompt_tokens)
         for s in self.running:
             left = len(s.tokens) - s.fed
             if left > 1 and budget > 0:

@@ -79,6 +79,9 @@ class ServerConfig:
     batching: bool = True  # one forward per step for every running session (off: one thread each)
     cuda_graphs: bool = True  # with batching on CUDA: decode steps replayed as CUDA graphs
     batch_tokens: int = 1024  # new tokens in one batched forward: decode tokens + prompt chunks
+    # prompt tokens in a step that also decodes: short, even steps for the decoding sessions
+    # (0: up to batch_tokens, as a step without decoders)
+    decoding_prompt_tokens: int = 128
     batch_kv_bytes: int = 0  # the batch's KV page pool; 0 = room for max_concurrency contexts
     max_body_bytes: int = 4 * 2**20
     log_level: str = "info"
@@ -108,6 +111,11 @@ class ServerConfig:
         ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be at least 1, got {getattr(self, name)}")
+        if self.decoding_prompt_tokens < 0:
+            raise ConfigError(
+                f"decoding_prompt_tokens: must not be negative, got {self.decoding_prompt_tokens}"
+                " (0 means up to batch_tokens)"
+            )
         if self.degraded_window < 0 or self.degraded_sinks < 0:
             raise ConfigError("degraded_window and degraded_sinks must not be negative")
         if self.queue_timeout < 0 or self.max_queue < 0:

@@ -124,6 +124,13 @@ def options(f: Callable[..., Any]) -> Callable[..., Any]:
             "(default 1024).",
         ),
         click.option(
+            "--decoding-prompt-tokens",
+            type=int,
+            help="Prompt tokens in a batched step that also decodes (default 128; 0: up to "
+            "--batch-tokens). Small keeps every decode step short; a step without decoders "
+            "takes up to --batch-tokens.",
+        ),
+        click.option(
             "--batch-kv-bytes",
             help="KV page pool of the batch, e.g. 4GiB (default: room for max-concurrency "
             "full contexts, at most half the free GPU memory or 1 GiB on the CPU).",

@@ -20,6 +20,7 @@ import torch
 from prometheus_client import CollectorRegistry
 from transformers import DynamicCache
 
+from kvtier.errors import ConfigError
 from kvtier.paged import SeqInput
 from kvtier.server.backend import RecomputeBackend, TieredBackend
 from kvtier.server.batching import PAGE_SIZE, BatchScheduler
@@ -56,7 +57,7 @@ def _build(kind: str, seed: int = 0) -> ServedModel:
 
 def _config(tmp_path: Path, **over: Any) -> SimpleNamespace:
     base = ServerConfig(l3_root=tmp_path / "l3", chunk_tokens=32, prefill_step=48).as_dict()
-    base.update(max_concurrency=8, batch_tokens=96, batch_kv_bytes=0)
+    base.update(max_concurrency=8, batch_tokens=96, batch_kv_bytes=0, decoding_prompt_tokens=16)
     base.update(over)
     return SimpleNamespace(**base)
 
@@ -430,6 +431,54 @@ def test_admission_leaves_the_decoders_their_next_page(tmp_path: Path) -> None:
     assert [s for s, _ in items] == [a] and list(sched.waiting) == [b]
     sched.runner.step([SeqInput(s.paged, t) for s, t in items if s.paged])  # no PoolExhausted
     loop.close()
+
+
+def test_a_step_that_decodes_takes_few_prompt_tokens(tmp_path: Path) -> None:
+    """While sessions decode, a step carries at most `decoding_prompt_tokens` prompt tokens
+    (the decoders' step stays short); a step without decoders takes up to `batch_tokens`.
+    (Every other test here runs with a budget of 16: their replies equal greedy alone.)"""
+    import concurrent.futures
+
+    from kvtier.server.backend import Restored
+    from kvtier.server.batching import _Seq
+    from kvtier.server.sampling import ReplyText
+
+    served = _build("llama")
+    config = _config(tmp_path, decoding_prompt_tokens=8, batch_tokens=96, prefill_step=48)
+    sched = BatchScheduler(served, RecomputeBackend(served.model), config)
+    sched.close()  # no scheduler thread: the test drives the steps
+    loop = asyncio.new_event_loop()
+
+    def seq(prompt: list[int]) -> _Seq:
+        s = _Seq(
+            job=_job("x", prompt, 100),
+            stream=Stream(loop),
+            admitted=0.0,
+            done=concurrent.futures.Future(),
+            reply=ReplyText(served.tokenizer, served.eos_ids, ()),
+            gen=None,
+            tokens=list(prompt),
+        )
+        s.restored = Restored(DynamicCache(config=served.model.config), 0, "recompute")
+        return s
+
+    short, long_ = _prompts(21, [6, 100])
+    a, b = seq(short), seq(long_)
+    sched.waiting.append(a)
+    sched._step(sched._schedule())  # a alone: its whole prompt, then it decodes
+    assert a.fed == 6 and len(a.tokens) == 7
+    sched.waiting.append(b)
+    for _ in range(3):
+        items = sched._schedule()
+        assert [len(t) for _, t in items] == [1, 8]  # a's token, 8 of b's prompt
+        sched._step(items)
+    sched._leave(a)  # a is done: nothing decodes
+    sched.pool.release(a.paged)
+    items = sched._schedule()
+    assert [(s, len(t)) for s, t in items] == [(b, 48)]  # prefill_step, under batch_tokens
+    loop.close()
+    with pytest.raises(ConfigError, match="decoding_prompt_tokens"):
+        ServerConfig.load(flags={"decoding_prompt_tokens": -1}, env={})
 
 
 def test_sample_rows_draws_what_each_row_draws_alone() -> None:
