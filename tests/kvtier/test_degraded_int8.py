@@ -263,6 +263,9 @@ def test_fault_mid_batch_int8_pool_then_restore_is_native_and_exact(tmp_path: Pa
         assert not sched.pool.quantized and sched.pool.num_pages == pages_before
         for text, fin, _ in again:
             assert fin is not None and fin.finish_reason in ("length", "stop") and text
+            # each first turn ran on over int8 pages after the fault: it committed only what it
+            # had restored (nothing), as no value read from int8 pages may be stored
+            assert fin.cached_tokens == 0
         assert again[0][2].degraded_kv == "int8"  # its first tokens came from int8 pages
         # healthy again: exact replies, as the sessions' stored KV holds no value read from int8
         # pages: a turn that ran wholly over them committed only its exact restored prefix (none
