@@ -164,9 +164,14 @@ def paged_attention_forward(
         raise KvtierError("paged attention does not implement logit softcapping")
     layer = int(getattr(module, "layer_idx"))  # noqa: B009  (set by every transformers attention)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    q = query[0].transpose(0, 1)  # [T, heads, dim]
+    if ctx.pool.quantized:  # degraded mode's int8 pages: the reference path over them
+        from kvtier.paged.int8 import attend_int8
+
+        k, v = key[0].transpose(0, 1), value[0].transpose(0, 1)
+        return attend_int8(ctx, layer, q, k, v, scale, sliding_window).unsqueeze(0), None
     k_cache, v_cache = ctx.pool.layer_cache(layer)
     write_kv(k_cache, v_cache, key[0].transpose(0, 1), value[0].transpose(0, 1), ctx.slot_mapping)
-    q = query[0].transpose(0, 1)  # [T, heads, dim]
     out = attend(ctx, q, k_cache, v_cache, scale, sliding_window)
     return out.unsqueeze(0), None
 

@@ -16,6 +16,13 @@ per step. Only a copy-on-write copies page contents (one page, all layers, insid
 The chunk helpers (`chunk_pages`, `gather`, `scatter`) map a run of tokens of a sequence to and
 from the L2 chunk layout `[layer, k|v, token, kv_head, head_dim]`, so a transfer engine can move a
 256-token chunk between pages and an L2 slot.
+
+With `kv_dtype="int8"` (degraded mode, kvtier.server.streaming) the pool stores K/V as int8
+with a float32 scale per (token, kv head) (`kvtier.paged.quant`): `kv` is int8 and `scales`
+`[layer, k|v, page, offset, kv_head]` holds the scales, so the same bytes hold about twice the
+tokens of fp16/bf16. Writers (`write_layer`, `scatter`) quantize; readers (`gather_layer`,
+`gather`) hand back the model's dtype; `layer_cache` refuses such a pool, as a kernel reading it
+would take int8 for values (paged attention reads it through `kvtier.paged.int8`).
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import torch
 
 from kvtier.errors import ConfigError, KvtierError
 from kvtier.geometry import KVGeometry
+from kvtier.paged.quant import KV_DTYPES, SCALE_DTYPE, bytes_per_value, dequantize_kv, quantize_kv
 
 CHUNK_TOKENS = 256  # tokens in one L2/L3 chunk; a page size must divide it
 
@@ -60,7 +68,8 @@ class PagePool:
     """Preallocated paged KV storage for every layer of one model on one device.
 
     `budget_bytes` sizes the pool: `num_pages = budget_bytes // page_bytes`, where a page holds
-    `page_size` tokens of K and V of every layer (`KVGeometry.bytes_per_token * page_size`).
+    `page_size` tokens of K and V of every layer (`KVGeometry.bytes_per_token * page_size`, or
+    less with `kv_dtype="int8"`). `dtype` is the model's: what readers hand back.
     """
 
     def __init__(
@@ -71,7 +80,10 @@ class PagePool:
         page_size: int = 16,
         device: str | torch.device = "cpu",
         dtype: torch.dtype | None = None,
+        kv_dtype: str = "native",
     ) -> None:
+        if kv_dtype not in KV_DTYPES:
+            raise ConfigError(f"kv_dtype {kv_dtype!r} is unknown; use one of {KV_DTYPES}")
         if geometry.attention == "mla":
             raise ConfigError("the page pool holds separate K and V; MLA latents are not supported")
         if geometry.v_head_dim != geometry.head_dim:
@@ -87,9 +99,11 @@ class PagePool:
         self.geometry = geometry
         self.page_size = page_size
         self.dtype = dtype if dtype is not None else geometry.torch_dtype()
-        element = torch.empty((), dtype=self.dtype).element_size()
-        per_token = geometry.num_layers * 2 * geometry.num_kv_heads * geometry.head_dim * element
-        self.page_bytes = per_token * page_size
+        self.kv_dtype = kv_dtype
+        rows = geometry.num_layers * 2 * geometry.num_kv_heads * page_size
+        self.page_bytes = rows * bytes_per_value(kv_dtype, self.dtype, geometry.head_dim)
+        # what a page takes in the model's dtype (a pool rebuilt native is sized by it)
+        self.native_page_bytes = rows * bytes_per_value("native", self.dtype, geometry.head_dim)
         self.num_pages = int(budget_bytes) // self.page_bytes
         if self.num_pages <= 0:
             raise ConfigError(
@@ -105,13 +119,21 @@ class PagePool:
                 geometry.num_kv_heads,
                 geometry.head_dim,
             ),
-            dtype=self.dtype,
+            dtype=torch.int8 if self.quantized else self.dtype,
             device=device,
         )
+        self.scales: torch.Tensor | None = None
+        if self.quantized:
+            self.scales = torch.zeros(self.kv.shape[:5], dtype=SCALE_DTYPE, device=device)
         self.device = self.kv.device
         # Highest id last, so pop() hands out pages in ascending order (easier to read in tests).
         self._free: list[int] = list(range(self.num_pages - 1, -1, -1))
         self._refs: list[int] = [0] * self.num_pages
+
+    @property
+    def quantized(self) -> bool:
+        """K/V stored as int8 plus scales (`kv_dtype="int8"`)."""
+        return self.kv_dtype == "int8"
 
     # ---- page accounting (Python lists only) -------------------------------------------------
 
@@ -206,6 +228,8 @@ class PagePool:
     def _copy_page(self, new: int, old: int) -> None:
         """Copy one page's contents, every layer (a copy-on-write)."""
         self.kv[:, :, new].copy_(self.kv[:, :, old])
+        if self.scales is not None:
+            self.scales[:, :, new].copy_(self.scales[:, :, old])
 
     def release(self, seq: PagedSequence) -> None:
         """Give back every page of `seq` and empty it."""
@@ -215,9 +239,41 @@ class PagePool:
 
     # ---- views for attention ------------------------------------------------------------------
 
+    def storage(
+        self, layer: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """One layer's stored K and V pages (`[num_pages, page_size, kv_heads, head_dim]`, int8
+        in an int8 pool) and their scales (`[num_pages, page_size, kv_heads]`; None: native)."""
+        ks = vs = None
+        if self.scales is not None:
+            ks, vs = self.scales[layer, 0], self.scales[layer, 1]
+        return self.kv[layer, 0], self.kv[layer, 1], ks, vs
+
     def layer_cache(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V pages of one layer, each `[num_pages, page_size, kv_heads, head_dim]` (views)."""
-        return self.kv[layer, 0], self.kv[layer, 1]
+        if self.quantized:
+            raise KvtierError(
+                "this page pool stores int8 K/V (degraded_kv = int8): read it with gather_layer "
+                "or gather and write it with write_layer or scatter, not through layer_cache"
+            )
+        k, v, _, _ = self.storage(layer)
+        return k, v
+
+    def write_layer(
+        self, layer: int, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor
+    ) -> None:
+        """Store `[T, kv_heads, dim]` K/V of one layer at flat `slots` (on the layer's device),
+        quantized in an int8 pool."""
+        k_cache, v_cache, ks, vs = self.storage(layer)
+        n = k_cache.shape[0] * k_cache.shape[1]
+        if ks is None or vs is None:
+            k_cache.view(n, *k_cache.shape[2:]).index_copy_(0, slots, key.to(k_cache.dtype))
+            v_cache.view(n, *v_cache.shape[2:]).index_copy_(0, slots, value.to(v_cache.dtype))
+            return
+        for cache, scales, x in ((k_cache, ks, key), (v_cache, vs, value)):
+            q, s = quantize_kv(x)
+            cache.view(n, *cache.shape[2:]).index_copy_(0, slots, q)
+            scales.view(n, scales.shape[2]).index_copy_(0, slots, s)
 
     def slot(self, table: Sequence[int], token: int) -> int:
         """Flat slot (`page * page_size + offset`) of token `token` of a sequence."""
@@ -256,6 +312,11 @@ class PagePool:
         g = self.geometry
         return self.kv.view(g.num_layers, 2, self.num_pages * self.page_size, *self.kv.shape[4:])
 
+    def _flat_scales(self) -> torch.Tensor:
+        assert self.scales is not None
+        g = self.geometry
+        return self.scales.view(g.num_layers, 2, self.num_pages * self.page_size, -1)
+
     def gather(
         self,
         table: Sequence[int],
@@ -269,9 +330,13 @@ class PagePool:
 
         `out` (any device, e.g. a pinned L2 slot) receives the copy when given; with
         `non_blocking` a device-to-pinned-host copy is queued on the current stream and the
-        caller synchronizes before reading `out`. Bit-exact: `scatter` restores the same bytes.
+        caller synchronizes before reading `out`. Bit-exact: `scatter` restores the same bytes
+        (in an int8 pool: the dequantized values, in the model's dtype).
         """
-        data = self._flat().index_select(2, self._slots(table, start, end))
+        slots = self._slots(table, start, end)
+        data = self._flat().index_select(2, slots)
+        if self.quantized:
+            data = dequantize_kv(data, self._flat_scales().index_select(2, slots), self.dtype)
         if out is None:
             return data
         if out.shape != data.shape or out.dtype != data.dtype:
@@ -282,14 +347,18 @@ class PagePool:
     def gather_layer(
         self, table: Sequence[int], start: int, end: int, layer: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One layer's K and V of tokens `[start, end)`, each contiguous `[tokens, head, dim]`."""
-        k, v = self.layer_cache(layer)
+        """One layer's K and V of tokens `[start, end)`, each contiguous `[tokens, head, dim]`
+        in the model's dtype (dequantized from an int8 pool)."""
+        k, v, ks, vs = self.storage(layer)
         slots = self._slots(table, start, end, k.device)  # a sharded pool: the layer's device
         s = self.num_pages * self.page_size
-        return (
-            k.reshape(s, *k.shape[2:]).index_select(0, slots),
-            v.reshape(s, *v.shape[2:]).index_select(0, slots),
-        )
+        out = []
+        for cache, scales in ((k, ks), (v, vs)):
+            x = cache.reshape(s, *cache.shape[2:]).index_select(0, slots)
+            if scales is not None:
+                x = dequantize_kv(x, scales.reshape(s, -1).index_select(0, slots), self.dtype)
+            out.append(x)
+        return out[0], out[1]
 
     def scatter(
         self, table: Sequence[int], start: int, src: torch.Tensor, *, non_blocking: bool = False
@@ -308,4 +377,9 @@ class PagePool:
         if tuple(src.shape) != expected:
             raise ValueError(f"src is {tuple(src.shape)}, need {expected}")
         data = src.to(device=self.device, dtype=self.dtype, non_blocking=non_blocking)
+        if self.quantized:
+            q, scale = quantize_kv(data)
+            self._flat().index_copy_(2, slots, q)
+            self._flat_scales().index_copy_(2, slots, scale)
+            return
         self._flat().index_copy_(2, slots, data)

@@ -122,6 +122,11 @@ class BatchRunner:
         CUDA only. Takes one page of the pool for the padding rows."""
         from kvtier.paged.graphs import DecodeGraphs
 
+        if self.pool.quantized:
+            raise ConfigError(
+                "an int8 page pool (degraded_kv = int8) runs its steps eager: CUDA graphs record "
+                "the Triton 'rows' kernel, which reads native K/V"
+            )
         graphs = DecodeGraphs(self, buckets)
         self.reserve_padding_page()
         graphs.capture()

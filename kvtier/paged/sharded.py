@@ -25,6 +25,7 @@ from kvtier.errors import ConfigError
 from kvtier.geometry import KVGeometry
 from kvtier.paged.attention import PagedContext
 from kvtier.paged.pool import PagePool
+from kvtier.paged.quant import SCALE_DTYPE, dequantize_kv, quantize_kv
 from kvtier.placement import Placement
 
 
@@ -46,10 +47,16 @@ class Shard:
     layers: list[int]  # global layer ids, ascending
     kv: torch.Tensor  # [len(layers), 2, num_pages, page_size, kv_heads, head_dim]
     stream: Any = None  # a torch.cuda.Stream on CUDA
+    scales: torch.Tensor | None = None  # an int8 pool's: [len(layers), 2, pages, size, heads]
 
     def flat(self) -> torch.Tensor:
         n, _, pages, size = self.kv.shape[:4]
         return self.kv.view(n, 2, pages * size, *self.kv.shape[4:])
+
+    def flat_scales(self) -> torch.Tensor:
+        assert self.scales is not None
+        n, _, pages, size = self.kv.shape[:4]
+        return self.scales.view(n, 2, pages * size, -1)
 
 
 class ShardedPagePool(PagePool):
@@ -68,6 +75,7 @@ class ShardedPagePool(PagePool):
         *,
         page_size: int = 16,
         dtype: torch.dtype | None = None,
+        kv_dtype: str = "native",
     ) -> None:
         if len(placement.layers) != geometry.num_layers:
             raise ConfigError(
@@ -75,7 +83,14 @@ class ShardedPagePool(PagePool):
                 f"{geometry.num_layers}"
             )
         # validation and page accounting from PagePool, with no storage (meta tensor)
-        super().__init__(geometry, budget_bytes, page_size=page_size, device="meta", dtype=dtype)
+        super().__init__(
+            geometry,
+            budget_bytes,
+            page_size=page_size,
+            device="meta",
+            dtype=dtype,
+            kv_dtype=kv_dtype,
+        )
         self.placement = placement
         self.device = placement.devices[placement.primary]
         self.shards: list[Shard] = []
@@ -83,27 +98,38 @@ class ShardedPagePool(PagePool):
         for d in placement.used():
             layers = placement.layers_on(d)
             dev = placement.devices[d]
-            kv = torch.zeros((len(layers), *self.kv.shape[1:]), dtype=self.dtype, device=dev)
+            kv = torch.zeros((len(layers), *self.kv.shape[1:]), dtype=self.kv.dtype, device=dev)
+            scales = None
+            if self.quantized:
+                scales = torch.zeros(kv.shape[:5], dtype=SCALE_DTYPE, device=dev)
             stream = torch.cuda.Stream(dev) if dev.type == "cuda" else None
             for local, g in enumerate(layers):
                 self._where[g] = (len(self.shards), local)
-            self.shards.append(Shard(dev, layers, kv, stream))
+            self.shards.append(Shard(dev, layers, kv, stream, scales))
 
     def bytes_on(self, device: int) -> int:
         """Bytes of pool storage on logical device `device`."""
         for shard, d in zip(self.shards, self.placement.used(), strict=True):
             if d == device:
-                return shard.kv.numel() * shard.kv.element_size()
+                scales = 0 if shard.scales is None else shard.scales.numel() * 4
+                return shard.kv.numel() * shard.kv.element_size() + scales
         return 0
 
-    def layer_cache(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def storage(
+        self, layer: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         s, local = self._where[layer]
-        kv = self.shards[s].kv
-        return kv[local, 0], kv[local, 1]
+        shard = self.shards[s]
+        ks = vs = None
+        if shard.scales is not None:
+            ks, vs = shard.scales[local, 0], shard.scales[local, 1]
+        return shard.kv[local, 0], shard.kv[local, 1], ks, vs
 
     def _copy_page(self, new: int, old: int) -> None:
         for shard in self.shards:
             shard.kv[:, :, new].copy_(shard.kv[:, :, old])
+            if shard.scales is not None:
+                shard.scales[:, :, new].copy_(shard.scales[:, :, old])
 
     def gather(
         self,
@@ -123,7 +149,10 @@ class ShardedPagePool(PagePool):
         slots = self._slots(table, start, end, "cpu")
         for shard in self.shards:
             with _on(shard):
-                data = shard.flat().index_select(2, slots.to(shard.device, non_blocking=True))
+                on = slots.to(shard.device, non_blocking=True)
+                data = shard.flat().index_select(2, on)
+                if shard.scales is not None:
+                    data = dequantize_kv(data, shard.flat_scales().index_select(2, on), self.dtype)
                 for local, g, n in _runs(shard.layers):
                     out[g : g + n].copy_(data[local : local + n], non_blocking=non_blocking)
         if not non_blocking:
@@ -151,7 +180,12 @@ class ShardedPagePool(PagePool):
                     data = src[g : g + n].to(
                         device=shard.device, dtype=self.dtype, non_blocking=non_blocking
                     )
-                    flat[local : local + n].index_copy_(2, slots, data)
+                    if shard.scales is None:
+                        flat[local : local + n].index_copy_(2, slots, data)
+                        continue
+                    q, scale = quantize_kv(data)
+                    flat[local : local + n].index_copy_(2, slots, q)
+                    shard.flat_scales()[local : local + n].index_copy_(2, slots, scale)
         if not non_blocking:
             self.synchronize()
 
@@ -165,7 +199,10 @@ class ShardedPagePool(PagePool):
         """Fill a device's storage with NaN: what a lost device's pages are worth (tests)."""
         for shard, d in zip(self.shards, self.placement.used(), strict=True):
             if d == device:
-                shard.kv.fill_(float("nan"))
+                if shard.scales is not None:  # int8 holds no NaN: its scales do
+                    shard.scales.fill_(float("nan"))
+                else:
+                    shard.kv.fill_(float("nan"))
 
 
 @contextlib.contextmanager

@@ -418,7 +418,7 @@ def _routes(app: FastAPI, state: State) -> None:
             state.metrics.count("requests")
         started = stream.started
         assert started is not None
-        turn = DegradedTurn(engine.served.devices, stream.streaming, state.metrics)
+        turn = DegradedTurn(engine.served.devices, stream.streaming, state.metrics, stream)
         headers = {
             **turn.headers(),
             SOURCE_HEADER: started.source,
@@ -440,6 +440,7 @@ def _routes(app: FastAPI, state: State) -> None:
                     "session_id": sid,
                     "degraded": turn.degraded,
                     "streaming": stream.streaming is not None,
+                    "degraded_kv": turn.kv,
                 },
             }
 

@@ -39,7 +39,7 @@ import torch
 from kvtier.errors import KvtierError, L1BudgetExceeded
 from kvtier.geometry import KVGeometry
 from kvtier.paged import BatchRunner, PagedSequence, PagePool, SeqInput
-from kvtier.paged.attention import VARLEN_PAGE, varlen_block_table_supported, write_kv
+from kvtier.paged.attention import VARLEN_PAGE, varlen_block_table_supported
 from kvtier.server.backend import Backend, RecomputeBackend, Restored
 from kvtier.server.engine import ContextExceeded, Delta, Failed, Finished, Job, Started, Stream
 from kvtier.server.eventpost import EventPost
@@ -398,17 +398,20 @@ class BatchScheduler:
         pages = torch.tensor(seq.pages, dtype=torch.long)
         slots = (pages[:, None] * size + torch.arange(size)).flatten()[:n].to(self.pool.device)
         for i, layer in enumerate(kv.layers):
-            k_cache, v_cache = self.pool.layer_cache(i)
-            dev = k_cache.device  # the layer's device (kvtier.placement)
+            dev = self.pool.storage(i)[0].device  # the layer's device (kvtier.placement)
             k = layer.keys[0, :, :n].transpose(0, 1).to(dev)
             v = layer.values[0, :, :n].transpose(0, 1).to(dev)
-            write_kv(k_cache, v_cache, k, v, slots.to(dev))
+            self.pool.write_layer(i, k, v, slots.to(dev))  # quantized into an int8 pool
 
     def _copy_out(self, s: _Seq) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """K/V of tokens [cached, fed) from the pages, per layer as `[1, kv_heads, n, dim]`."""
+        """K/V of tokens [cached, fed) from the pages, per layer as `[1, kv_heads, n, dim]`.
+
+        None from an int8 pool (degraded mode): the session's Cache never takes approximate
+        K/V, so it keeps its first `cached` tokens and the turn's commit covers only those
+        (the rest is recomputed, exactly once the pool is native again)."""
         assert s.paged is not None
         start, end = s.cached, s.paged.length
-        if end <= start:
+        if end <= start or self.pool.quantized:
             return []
         out = []
         home = self.pool.device  # the session's Cache lives on the primary device
@@ -428,7 +431,8 @@ class BatchScheduler:
             self._fail(s, exc)
             return
         assert s.paged is not None
-        s.cached = s.paged.length
+        if not self.pool.quantized:  # from an int8 pool nothing went to the Cache
+            s.cached = s.paged.length
         self.preemptions += 1
         self.pool.release(s.paged)
         s.paged = None
@@ -449,6 +453,9 @@ class BatchScheduler:
     def _step(self, items: list[tuple[_Seq, list[int]]]) -> None:
         start = time.perf_counter()
         batch = [SeqInput(s.paged, toks) for s, toks in items]  # type: ignore[arg-type]
+        if self.pool.quantized:
+            for s, _ in items:
+                s.stream.degraded_kv = "int8"  # the response and metrics say so
         prompt = sum(len(t) for _, t in items if len(t) > 1)
         try:
             logits = self.runner.step(batch)

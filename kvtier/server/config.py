@@ -53,6 +53,9 @@ class ServerConfig:
     # sessions run at once instead)
     degraded_window: int = 0
     degraded_sinks: int = 4
+    # degraded mode's page pool on the survivors: "native" (the model's dtype) or "int8" (K/V
+    # as int8 with a scale per token and head: about twice the tokens in the same bytes)
+    degraded_kv: str = "native"
     seed: int = 0  # seed of the built-in model's random weights
     cache: str = "tiered"  # "tiered" (L1/L2/L3) or "none" (recompute every prefix; a baseline)
     l1_bytes: int = 256 * 2**20
@@ -118,6 +121,11 @@ class ServerConfig:
             )
         if self.degraded_window < 0 or self.degraded_sinks < 0:
             raise ConfigError("degraded_window and degraded_sinks must not be negative")
+        if self.degraded_kv not in ("native", "int8"):
+            raise ConfigError(
+                f"degraded_kv: {self.degraded_kv!r} is unknown; use 'native' (K/V in the "
+                "model's dtype) or 'int8' (about twice the tokens on the surviving devices)"
+            )
         if self.queue_timeout < 0 or self.max_queue < 0:
             raise ConfigError("queue_timeout and max_queue must not be negative")
         if not self.served_model_name:

@@ -31,6 +31,8 @@ APPLY_TIMEOUT_S = 120.0
 DEGRADED_HEADER = "X-Kvtier-Degraded"
 # set when the turn ran over attention sinks + a sliding window (kvtier.server.streaming)
 STREAMING_HEADER = "X-Kvtier-Streaming-Attention"
+# "int8" when the page pool stored K/V as int8 (degraded_kv) as the turn began
+DEGRADED_KV_HEADER = "X-Kvtier-Degraded-KV"
 
 
 def device_readiness(devices: DeviceFailover | None, model: str) -> JSONResponse | None:
@@ -49,11 +51,16 @@ class DegradedTurn:
     """What one turn's response says about degraded serving: headers at its start, the usage
     field and the metrics at its end."""
 
-    def __init__(self, devices: Any, streaming: tuple[int, int] | None, metrics: Any) -> None:
+    def __init__(
+        self, devices: Any, streaming: tuple[int, int] | None, metrics: Any, stream: Any = None
+    ) -> None:
         self.devices = devices
         self.streaming = streaming
         self.metrics = metrics
+        self.stream = stream  # its `degraded_kv` turns "int8" once a step read int8 pages
         self.at_start = devices is not None and devices.degraded
+        pool = getattr(getattr(devices, "scheduler", None), "pool", None)
+        self.int8_at_start = self.at_start and bool(getattr(pool, "quantized", False))
         if streaming is not None:
             metrics.count("streaming_turns")
 
@@ -70,11 +77,21 @@ class DegradedTurn:
         if self.streaming is not None:
             sinks, window = self.streaming
             out[STREAMING_HEADER] = f"sinks={sinks}, window={window}"
+        if self.int8_at_start:
+            out[DEGRADED_KV_HEADER] = "int8"
         return out
+
+    @property
+    def kv(self) -> str:
+        """ "int8" when some of the turn's K/V was read from an int8 page pool, else "native"."""
+        ran = getattr(self.stream, "degraded_kv", "native")
+        return "int8" if self.int8_at_start or ran == "int8" else "native"
 
     def finished(self) -> None:
         if self.degraded:
             self.metrics.count("degraded_turns")
+        if self.kv == "int8":
+            self.metrics.count("int8_kv_turns")
 
 
 def install_device_routes(app: FastAPI, state: State) -> None:

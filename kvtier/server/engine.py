@@ -120,6 +120,8 @@ class Stream:
     started: Started | None = None
     # (sinks, window) when the turn runs degraded over sinks + a window (kvtier.server.streaming)
     streaming: tuple[int, int] | None = None
+    # "int8" once a step of the turn read K/V from an int8 page pool (degraded_kv)
+    degraded_kv: str = "native"
 
     def put(self, event: Any) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, event)

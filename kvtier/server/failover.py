@@ -47,6 +47,7 @@ from kvtier.placement import (
     devices_setting,
     parse_devices,
 )
+from kvtier.server.streaming import pool_kv
 
 log = logging.getLogger("kvtier.server")
 
@@ -260,7 +261,7 @@ class DeviceFailover:
                 s.paged = None  # its pages go with the old pool; `cached` is what its Cache holds
                 sched.waiting.appendleft(s)
         pool = sched.pool
-        shape = _PoolShape(pool.geometry, pool.page_size, pool.dtype, pool.page_bytes)
+        shape = _PoolShape(pool.geometry, pool.page_size, pool.dtype, pool.native_page_bytes)
         self.home_budget = self.home_budget or pool.num_pages * pool.page_bytes
         sched.pool = sched.runner = None
         del pool
@@ -282,6 +283,7 @@ class DeviceFailover:
             placement,
             page_size=shape.page_size,
             dtype=shape.dtype,
+            kv_dtype=pool_kv(sched.config, bool(self.placed.lost)),  # int8 while degraded
         )
         sched.pool = pool
         sched.runner = BatchRunner(
@@ -292,9 +294,10 @@ class DeviceFailover:
             max_seq_len=sched.served.context_tokens,
         )
         log.info(
-            "page pool rebuilt: %d pages of %d tokens on %s",
+            "page pool rebuilt: %d pages of %d tokens (%s K/V) on %s",
             pool.num_pages,
             pool.page_size,
+            pool.kv_dtype,
             placement.describe(),
         )
 

@@ -88,6 +88,11 @@ class ServerMetrics:
             "Degraded turns run over attention sinks plus a sliding window (--degraded-window).",
             registry=registry,
         )
+        self.int8_kv_turns = Counter(
+            "kvtier_server_int8_kv_turns_total",
+            "Degraded turns whose K/V was read, wholly or partly, from int8 pages (--degraded-kv).",
+            registry=registry,
+        )
 
     def devices(self, ok: int, lost: int, state: str, failover_s: float | None = None) -> None:
         self.device_count.labels(state="ok").set(ok)
@@ -105,6 +110,7 @@ class ServerMetrics:
             "errors": self.errors,
             "degraded_turns": self.degraded_turns,
             "streaming_turns": self.streaming_turns,
+            "int8_kv_turns": self.int8_kv_turns,
         }[name].inc(n)
 
     def ttft(self, source: str, seconds: float) -> None:

@@ -61,6 +61,12 @@ def options(f: Callable[..., Any]) -> Callable[..., Any]:
         click.option(
             "--degraded-sinks", type=int, help="Attention sinks of --degraded-window (default 4)."
         ),
+        click.option(
+            "--degraded-kv",
+            type=click.Choice(["native", "int8"]),
+            help="With a device lost, the page pool on the survivors stores K/V as int8 with a "
+            "scale per token and head: about twice the tokens (default native).",
+        ),
         click.option("--seed", type=int, help="Seed of the built-in model's weights."),
         click.option(
             "--cache",

@@ -9,6 +9,14 @@ max_tokens tokens of pages. Such a turn runs on a throwaway session: the session
 never written with approximate values, and its next turn after the device is back restores the
 exact prefix and recomputes the rest. Responses say so (`X-Kvtier-Streaming-Attention`,
 `usage.kvtier.streaming`), and `kvtier_server_streaming_turns_total` counts such turns.
+
+With `degraded_kv = "int8"` the page pool rebuilt on the survivors stores K/V as int8 with a
+scale per (token, kv head) (kvtier.paged.quant), so the same bytes hold about twice the tokens
+of fp16/bf16 (four times fp32); it is native again once every device is back. Such a pool's
+K/V never reach a session's stored KV: a turn over it commits only the exact prefix it was
+restored with, and its next turn recomputes the rest (exactly, once the pool is native).
+Responses say so (`X-Kvtier-Degraded-KV: int8`, `usage.kvtier.degraded_kv`), and
+`kvtier_server_int8_kv_turns_total` counts such turns.
 """
 
 from __future__ import annotations
@@ -20,6 +28,12 @@ from typing import Any
 # '#' is outside what clients may send as a session id (kvtier.server.http), so no client's
 # session can be one of these.
 STREAMING_SESSION = "#streaming-"
+
+
+def pool_kv(config: Any, degraded: bool) -> str:
+    """How a page pool built now stores K/V: "int8" while a device is lost and `degraded_kv`
+    is "int8", else "native"."""
+    return "int8" if degraded and getattr(config, "degraded_kv", "native") == "int8" else "native"
 
 
 def streaming_ids(ids: list[int], sinks: int, window: int) -> list[int] | None:
