@@ -29,6 +29,9 @@ from kvtier.server.config import ServerConfig
 from kvtier.server.engine import WARM_UP_TOKENS
 
 GUESS_FIELD = "initial_prefill_s_per_token"  # the cost model's configured prefill guess
+# L3 chunks a start leaves: the warm-up prompt's (1024 tokens: 4 and a 1-token tail) and the
+# warm-up request's one full chunk (271 tokens)
+WARM_UP_CHUNKS = WARM_UP_TOKENS // 256 + 1 + 1
 
 
 class _InProcess:
@@ -102,15 +105,19 @@ def test_warm_up_leaves_a_measured_prefill_rate_and_no_session(tmp_path: Path) -
             assert snap is not None and snap.sessions == ()  # the throwaway session is closed
             # the warm-up's L3 restore was real: read from L3, not recomputed or from L2
             assert dict(snap.restore_decisions).get("l3", 0) >= 1
+            # the warm-up request's chunk is written through to L3 in the background
+            deadline = time.monotonic() + 20
+            while snap.tier("l3").chunks < WARM_UP_CHUNKS and time.monotonic() < deadline:
+                time.sleep(0.05)
+                snap = backend.snapshot()
+                assert snap is not None
             chunks.append(snap.tier("l3").chunks)
             listing = httpx.get(srv.url + "/v1/sessions", timeout=5).json()
             assert listing["data"] == []
         finally:
             srv.stop()
-    # the warm-up prompt's chunks (1024 tokens: 4 chunks and a 1-token tail) and the warm-up
-    # request's full chunk (271 tokens) are kept and found again at the next start: no start
-    # adds to the store
-    assert chunks[0] == chunks[1] == WARM_UP_TOKENS // 256 + 1 + 1
+    # the warm-up's chunks are kept and found again at the next start: no start adds to the store
+    assert chunks[0] == chunks[1] == WARM_UP_CHUNKS
 
 
 def test_warm_up_request_runs_before_ready_and_counts_nowhere(
