@@ -19,9 +19,23 @@ scheduler's thread, between two steps, so no forward ever sees a half-moved mode
 
 `restore(n)` runs the same way back: running sequences are preempted (their K/V, valid here,
 goes to their session's Cache), the layers return to their home devices, the pool is rebuilt at
-its first size, and the state is *healthy* again. Losing the primary device (embeddings, LM
-head, the batch's buffers, the session L1) is not survivable in-process: the server reports it
-and must restart on the remaining devices; its sessions resume from L2/L3 then.
+its first size, and the state is *healthy* again.
+
+Losing the *primary* device (embeddings, final norm, LM head, the batch's buffers, the session
+L1 of the tiered cache) fails over the same way, with more to move. Between steps 1 and 2 the
+commits in flight finish (they write into L1). In step 2 the survivor that takes layer 0 becomes
+the primary: the embeddings, norm, LM head and rotary tables are loaded there from the host copy
+too. Then the sampler's vocabulary mask is rebuilt there from its host copy, and the cache's L1
+and the device side of its transfer engine move there (`TieredCache.move_l1`): L1's contents
+are dropped unread, every resident session keeps the prefix L2/L3 hold (write-through stores
+each full chunk at commit) and recomputes the rest at its next turn, and each queued sequence
+restores its session's stored prefix into the new L1 (`TieredCache.reload_session`) and
+recomputes the tokens after it (the rest of its prompt, its reply so far): no KV is read from
+the lost device, no session is lost. Step 3 builds the pool and the runner's buffers on the
+new primary. `restore(n)` of the home primary moves everything back: idle sessions are first
+hibernated from the survivor's L1 (which works), so they resume from L2 with their whole
+prefix. Only losing every device is *failed*: the server must restart; its sessions resume from
+L2/L3 then.
 """
 
 from __future__ import annotations
@@ -51,7 +65,7 @@ from kvtier.placement import (
 log = logging.getLogger("kvtier.server")
 
 HEALTHY, DRAINING, DEGRADED, RESTORING = "healthy", "draining", "degraded", "restoring"
-FAILED = "failed"  # the primary device is lost: the server must restart
+FAILED = "failed"  # every device is lost: the server must restart
 STATES = (HEALTHY, DRAINING, DEGRADED, RESTORING, FAILED)
 
 
@@ -89,10 +103,14 @@ class _PoolShape:
     page_bytes: int
 
 
-PRIMARY_LOST = (
-    "it is the primary device (embeddings, LM head, the batch's buffers, the session L1); "
-    "restart the server on the remaining devices (--devices): sessions resume from L2/L3"
+LAST_DEVICE = (
+    "it is the last device left (the primary: embeddings, LM head, the batch, the session "
+    "L1); restore another device first, or restart the server"
 )
+# A failover waits at most this long for the restores handing sequences over (see _settle).
+SETTLE_S = 5.0
+# Share of a GPU's free memory the session L1 may take on a new primary (the pool takes next).
+L1_SHARE = 0.4
 
 
 class DeviceFailover:
@@ -113,6 +131,9 @@ class DeviceFailover:
         self.failovers = 0
         self.scheduler: Any = None
         self.watch: NvmlWatch | None = None  # set where GPUs are watched (place_configured)
+        self.allowed: torch.Tensor | None = None  # host copy of the sampler's mask (place)
+        self.served: Any = None  # the ServedModel placed (place)
+        self.home_l1: int | None = None  # the cache's L1 bytes on the home primary
         self._lock = threading.Lock()
         self._requests: list[tuple[str, int, str, concurrent.futures.Future[dict[str, Any]]]] = []
         self._report()
@@ -149,8 +170,8 @@ class DeviceFailover:
             raise ConfigError(f"device {device} is not lost; nothing to restore")
         if not lost and device in self.placed.lost:
             raise ConfigError(f"device {device} is already lost")
-        if not lost and device == self.placed.placement.primary:
-            raise DeviceLost(device, PRIMARY_LOST)
+        if not lost and self.placed.placement.used() == [device]:
+            raise DeviceLost(device, LAST_DEVICE)
 
     def _request(self, op: str, device: int, reason: str) -> concurrent.futures.Future[Any]:
         self._check_device(device, lost=op == "restore")
@@ -189,9 +210,9 @@ class DeviceFailover:
         device, reason = self._which(exc)
         if device is None:
             return False
-        if device == self.placed.placement.primary:
-            self._set(FAILED, f"device {device} lost ({reason}): {PRIMARY_LOST}")
-            log.error("primary device %d lost (%s); restart the server", device, reason)
+        if self.placed.placement.used() == [device]:
+            self._set(FAILED, f"device {device} lost ({reason}): {LAST_DEVICE}")
+            log.error("the last device (%d) is lost (%s); restart the server", device, reason)
             return False
         log.error("device %d lost during a forward (%s); failing over", device, reason)
         seen = time.perf_counter()
@@ -221,8 +242,17 @@ class DeviceFailover:
             if device in self.placed.lost:
                 return
             self._set(DRAINING, f"device {device} lost: {reason}")
+            moves = device == self.placed.placement.primary
             old = self._drop(sched, keep_pages=False)
-            self.placed.replace(device)
+            if moves:
+                self._quiesce(sched)
+            try:
+                self.placed.replace(device)
+            except DeviceLost as exc:  # no device left to take its layers
+                self._set(FAILED, f"device {device} lost ({reason}): {exc.reason}")
+                raise
+            if moves:
+                self._rehome(sched, lost=True)
             self._build(sched, old)
             self.failovers += 1
             self.last_failover_s = time.perf_counter() - since
@@ -234,8 +264,14 @@ class DeviceFailover:
             log.warning("degraded: %s (failover took %.3f s)", self.reason, self.last_failover_s)
         else:
             self._set(RESTORING, f"device {device} returning")
-            old = self._drop(sched, keep_pages=True)
+            primary = self.placed.placement.primary
+            moves = self.placed.home.primary == device and primary != device
+            old = self._drop(sched, keep_pages=not moves)  # moving L1: its K/V would go too
+            if moves:
+                self._quiesce(sched)
             self.placed.restore(device)
+            if moves:
+                self._rehome(sched, lost=False)
             self._build(sched, old)
             if self.placed.lost:
                 lost = ", ".join(str(d) for d in sorted(self.placed.lost))
@@ -275,6 +311,7 @@ class DeviceFailover:
         """A new page pool and runner for the current placement."""
         if sched is None or shape is None:
             return
+        self.placed.make_primary_current()
         placement = self.placed.placement
         pool = ShardedPagePool(
             shape.geometry,
@@ -297,6 +334,76 @@ class DeviceFailover:
             pool.page_size,
             placement.describe(),
         )
+
+    def _quiesce(self, sched: Any) -> None:
+        """Before the primary moves: every commit in flight finishes (it writes the turn's K/V
+        into the session's L1 and stores its full chunks). Only this thread submits them."""
+        if sched is None:
+            return
+        old = sched._commits
+        sched._commits = concurrent.futures.ThreadPoolExecutor(2, "kvtier-commit")
+        old.shutdown(wait=True)
+
+    def _rehome(self, sched: Any, lost: bool) -> None:
+        """The primary moved (`PlacedModel.replace`/`restore`): the sampler's mask, the
+        cache's L1 (and its transfer engine's device side) follow it, and every queued
+        sequence restores its session into the new L1 (see the module docstring)."""
+        device = self.placed.primary_device
+        served = sched.served if sched is not None else self.served
+        if served is not None and self.allowed is not None:
+            served.allowed = self.allowed.to(device, copy=True)
+        cache = getattr(getattr(sched, "backend", None), "cache", None)
+        if cache is None or not hasattr(cache, "move_l1"):
+            if sched is not None:
+                self._reload(sched, None)
+            return
+        budget = self.home_l1 if not lost and self.home_l1 else None
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            budget = min(budget or cache.l1.budget_bytes, int(free * L1_SHARE))
+        before = cache.move_l1(device, budget, lost=lost)
+        self.home_l1 = self.home_l1 or before
+        self._reload(sched, cache)
+
+    def _settle(self, sched: Any) -> list[Any]:
+        """The scheduler's sequences whose restore finished: running, waiting and arrived.
+        A restore that took its L1 hold but has not handed its sequence over yet is waited
+        for (briefly), so no sequence with a Cache on the old primary is missed."""
+        with sched._cond:
+            sched._cond.wait_for(
+                lambda: (
+                    sched._holding <= len(sched.running) + len(sched.waiting) + len(sched._arrived)
+                ),
+                timeout=SETTLE_S,
+            )
+            return [*sched.running, *sched.waiting, *sched._arrived]
+
+    def _reload(self, sched: Any, cache: Any) -> None:
+        """Each queued sequence whose Cache lived on the old primary restores its session's
+        stored prefix on the new one (`cached` is then what that covers; the tokens after it
+        are recomputed at admission). One that cannot is failed (its session survives)."""
+        from kvtier.server.backend import Restored
+
+        for s in self._settle(sched):
+            if s.restored is None:
+                continue
+            owner = getattr(s.restored.kv, "owner", None)
+            if owner is not None and getattr(owner, "bufs", None) is not None:
+                continue  # restored into the new L1 already
+            try:
+                if owner is None or cache is None:  # no tiered cache: recompute it all
+                    ids = torch.tensor([s.tokens], dtype=torch.long)
+                    s.restored = sched.backend.restore(s.job.session_id, s.job.tenant, ids)
+                else:
+                    kv = cache.reload_session(owner, list(s.tokens))
+                    s.restored = Restored(kv, int(kv.get_seq_length()), owner.restore_source)
+                s.cached = s.restored.covered
+            except BaseException as exc:
+                log.error("session %s: no restore after the failover: %s", s.job.session_id, exc)
+                with sched._cond:
+                    if s in sched._arrived:
+                        sched._arrived.remove(s)
+                sched._fail(s, exc)
 
     def _budget(self, page_bytes: int, placement: Placement) -> int:
         """Pool bytes for `placement`: no device holds more pool bytes than it did at home (and
@@ -414,9 +521,12 @@ def place(served: Any, devices: list[torch.device], metrics: Any = None) -> Any:
         return served
     layers = len(decoder_layers(served.model))
     placed = PlacedModel(served.model, Placement.balanced(layers, devices))
+    failover = DeviceFailover(placed, metrics)
+    failover.served = served
     if served.allowed is not None:
+        failover.allowed = served.allowed.to("cpu", copy=True)  # the lost primary's is unread
         served.allowed = served.allowed.to(placed.primary_device)
-    served.devices = DeviceFailover(placed, metrics)
+    served.devices = failover
     log.info("model placed: %s", placed.placement.describe())
     return served
 
