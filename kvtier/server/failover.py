@@ -61,6 +61,7 @@ from kvtier.placement import (
     devices_setting,
     parse_devices,
 )
+from kvtier.server import rehome
 
 log = logging.getLogger("kvtier.server")
 
@@ -107,10 +108,6 @@ LAST_DEVICE = (
     "it is the last device left (the primary: embeddings, LM head, the batch, the session "
     "L1); restore another device first, or restart the server"
 )
-# A failover waits at most this long for the restores handing sequences over (see _settle).
-SETTLE_S = 5.0
-# Share of a GPU's free memory the session L1 may take on a new primary (the pool takes next).
-L1_SHARE = 0.4
 
 
 class DeviceFailover:
@@ -245,14 +242,14 @@ class DeviceFailover:
             moves = device == self.placed.placement.primary
             old = self._drop(sched, keep_pages=False)
             if moves:
-                self._quiesce(sched)
+                rehome.quiesce(sched)
             try:
                 self.placed.replace(device)
             except DeviceLost as exc:  # no device left to take its layers
                 self._set(FAILED, f"device {device} lost ({reason}): {exc.reason}")
                 raise
             if moves:
-                self._rehome(sched, lost=True)
+                rehome.rehome(self, sched, lost=True)
             self._build(sched, old)
             self.failovers += 1
             self.last_failover_s = time.perf_counter() - since
@@ -268,10 +265,10 @@ class DeviceFailover:
             moves = self.placed.home.primary == device and primary != device
             old = self._drop(sched, keep_pages=not moves)  # moving L1: its K/V would go too
             if moves:
-                self._quiesce(sched)
+                rehome.quiesce(sched)
             self.placed.restore(device)
             if moves:
-                self._rehome(sched, lost=False)
+                rehome.rehome(self, sched, lost=False)
             self._build(sched, old)
             if self.placed.lost:
                 lost = ", ".join(str(d) for d in sorted(self.placed.lost))
@@ -334,76 +331,6 @@ class DeviceFailover:
             pool.page_size,
             placement.describe(),
         )
-
-    def _quiesce(self, sched: Any) -> None:
-        """Before the primary moves: every commit in flight finishes (it writes the turn's K/V
-        into the session's L1 and stores its full chunks). Only this thread submits them."""
-        if sched is None:
-            return
-        old = sched._commits
-        sched._commits = concurrent.futures.ThreadPoolExecutor(2, "kvtier-commit")
-        old.shutdown(wait=True)
-
-    def _rehome(self, sched: Any, lost: bool) -> None:
-        """The primary moved (`PlacedModel.replace`/`restore`): the sampler's mask, the
-        cache's L1 (and its transfer engine's device side) follow it, and every queued
-        sequence restores its session into the new L1 (see the module docstring)."""
-        device = self.placed.primary_device
-        served = sched.served if sched is not None else self.served
-        if served is not None and self.allowed is not None:
-            served.allowed = self.allowed.to(device, copy=True)
-        cache = getattr(getattr(sched, "backend", None), "cache", None)
-        if cache is None or not hasattr(cache, "move_l1"):
-            if sched is not None:
-                self._reload(sched, None)
-            return
-        budget = self.home_l1 if not lost and self.home_l1 else None
-        if device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(device)
-            budget = min(budget or cache.l1.budget_bytes, int(free * L1_SHARE))
-        before = cache.move_l1(device, budget, lost=lost)
-        self.home_l1 = self.home_l1 or before
-        self._reload(sched, cache)
-
-    def _settle(self, sched: Any) -> list[Any]:
-        """The scheduler's sequences whose restore finished: running, waiting and arrived.
-        A restore that took its L1 hold but has not handed its sequence over yet is waited
-        for (briefly), so no sequence with a Cache on the old primary is missed."""
-        with sched._cond:
-            sched._cond.wait_for(
-                lambda: (
-                    sched._holding <= len(sched.running) + len(sched.waiting) + len(sched._arrived)
-                ),
-                timeout=SETTLE_S,
-            )
-            return [*sched.running, *sched.waiting, *sched._arrived]
-
-    def _reload(self, sched: Any, cache: Any) -> None:
-        """Each queued sequence whose Cache lived on the old primary restores its session's
-        stored prefix on the new one (`cached` is then what that covers; the tokens after it
-        are recomputed at admission). One that cannot is failed (its session survives)."""
-        from kvtier.server.backend import Restored
-
-        for s in self._settle(sched):
-            if s.restored is None:
-                continue
-            owner = getattr(s.restored.kv, "owner", None)
-            if owner is not None and getattr(owner, "bufs", None) is not None:
-                continue  # restored into the new L1 already
-            try:
-                if owner is None or cache is None:  # no tiered cache: recompute it all
-                    ids = torch.tensor([s.tokens], dtype=torch.long)
-                    s.restored = sched.backend.restore(s.job.session_id, s.job.tenant, ids)
-                else:
-                    kv = cache.reload_session(owner, list(s.tokens))
-                    s.restored = Restored(kv, int(kv.get_seq_length()), owner.restore_source)
-                s.cached = s.restored.covered
-            except BaseException as exc:
-                log.error("session %s: no restore after the failover: %s", s.job.session_id, exc)
-                with sched._cond:
-                    if s in sched._arrived:
-                        sched._arrived.remove(s)
-                sched._fail(s, exc)
 
     def _budget(self, page_bytes: int, placement: Placement) -> int:
         """Pool bytes for `placement`: no device holds more pool bytes than it did at home (and

@@ -200,3 +200,65 @@ def test_move_l1_keeps_only_what_l2_holds(tmp_path: Path) -> None:
             cache.reload_session(s, ids)
     finally:
         cache.close()
+
+
+def test_http_fail_and_restore_the_primary(tmp_path: Path) -> None:
+    """Through the real server on two logical CPU devices: `POST /v1/admin/devices/0/fail`
+    moves the primary to device 1, /readyz and the metrics say degraded with the reason, a
+    session's next turn restores its stored chunks from L2 and equals a new session's reply;
+    device 1, now the last one, cannot be failed; `restore` brings device 0 back as primary."""
+    import httpx
+    from server_proc import Server
+
+    args = ("--devices", "cpu,cpu", "--max-concurrency", "4", "--chunk-tokens", "32")
+    srv = Server(tmp_path / "l3", *args).start()
+    try:
+        url = srv.url
+
+        def chat(sid: str, messages: list[dict[str, str]]) -> httpx.Response:
+            body = {"model": "default", "messages": messages, "temperature": 0, "max_tokens": 16}
+            r = httpx.post(
+                url + "/v1/chat/completions", json=body, headers={"X-Session-ID": sid}, timeout=60
+            )
+            assert r.status_code == 200, r.text
+            return r
+
+        def text(r: httpx.Response) -> str:
+            return str(r.json()["choices"][0]["message"]["content"])
+
+        def cached(r: httpx.Response) -> int:
+            return int(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+        talk = [{"role": "user", "content": "hello there, " * 12}]
+        first = chat("s1", talk)
+        talk += [{"role": "assistant", "content": text(first)}, {"role": "user", "content": "so?"}]
+
+        r = httpx.post(url + "/v1/admin/devices/0/fail", timeout=60)
+        assert r.status_code == 200, r.text
+        status = r.json()
+        assert status["state"] == DEGRADED and status["devices"][0]["state"] == "lost"
+        assert [d["layers"] for d in status["devices"]] == [[], [0, 1]]
+        last = httpx.post(url + "/v1/admin/devices/1/fail", timeout=60)
+        assert last.status_code == 409 and "last device" in last.text
+        ready = httpx.get(url + "/readyz", timeout=10)
+        assert ready.status_code == 200 and ready.json()["status"] == "degraded"
+        assert "device 0 lost" in ready.json()["reason"]
+        metrics = httpx.get(url + "/metrics", timeout=10).text
+        assert 'kvtier_server_devices{state="lost"} 1.0' in metrics
+        assert "kvtier_server_degraded 1.0" in metrics
+
+        second = chat("s1", talk)  # its L1 copy was on device 0: full chunks from L2
+        assert second.headers["X-Kvtier-Degraded"] == "1"
+        assert cached(second) > 0 and cached(second) % 32 == 0
+        assert text(second) == text(chat("n1", talk))
+
+        r = httpx.post(url + "/v1/admin/devices/0/restore", timeout=60)
+        assert r.status_code == 200 and r.json()["state"] == HEALTHY, r.text
+        assert [d["layers"] for d in r.json()["devices"]] == [[0], [1]]
+        assert httpx.get(url + "/readyz", timeout=10).json()["status"] == "ready"
+        talk += [{"role": "assistant", "content": text(second)}, {"role": "user", "content": "ok"}]
+        third = chat("s1", talk)
+        assert third.headers["X-Kvtier-Degraded"] == "0" and cached(third) > cached(second)
+        assert text(third) == text(chat("n2", talk))
+    finally:
+        assert srv.stop() == 0, srv.output()
