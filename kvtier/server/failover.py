@@ -235,47 +235,56 @@ class DeviceFailover:
 
     def _apply(self, sched: Any, op: str, device: int, reason: str, since: float) -> None:
         self.placed.make_primary_current()
-        if op == "fail":
-            if device in self.placed.lost:
-                return
-            self._set(DRAINING, f"device {device} lost: {reason}")
-            moves = device == self.placed.placement.primary
-            old = self._drop(sched, keep_pages=False)
-            if moves:
-                rehome.quiesce(sched)
-            try:
-                self.placed.replace(device)
-            except DeviceLost as exc:  # no device left to take its layers
-                self._set(FAILED, f"device {device} lost ({reason}): {exc.reason}")
-                raise
-            if moves:
-                rehome.rehome(self, sched, lost=True)
-            self._build(sched, old)
-            self.failovers += 1
-            self.last_failover_s = time.perf_counter() - since
-            survivors = ", ".join(str(d) for d in self.placed.placement.used())
-            self._set(
-                DEGRADED,
-                f"device {device} lost ({reason}); its layers run on device(s) {survivors}",
-            )
-            log.warning("degraded: %s (failover took %.3f s)", self.reason, self.last_failover_s)
-        else:
-            self._set(RESTORING, f"device {device} returning")
-            primary = self.placed.placement.primary
-            moves = self.placed.home.primary == device and primary != device
-            old = self._drop(sched, keep_pages=not moves)  # moving L1: its K/V would go too
-            if moves:
-                rehome.quiesce(sched)
-            self.placed.restore(device)
-            if moves:
-                rehome.rehome(self, sched, lost=False)
-            self._build(sched, old)
-            if self.placed.lost:
-                lost = ", ".join(str(d) for d in sorted(self.placed.lost))
-                self._set(DEGRADED, f"device(s) {lost} still lost")
+        if op == "fail" and device in self.placed.lost:
+            return
+        try:
+            if op == "fail":
+                self._fail_over(sched, device, reason, since)
             else:
-                self._set(HEALTHY, "")
-            log.warning("device %d restored: %s", device, self.placed.placement.describe())
+                self._bring_back(sched, device)
+        except BaseException as exc:
+            if self.state in (DRAINING, RESTORING):  # half moved, no page pool: cannot serve
+                why = exc.reason if isinstance(exc, DeviceLost) else f"{type(exc).__name__}: {exc}"
+                what = "failover from" if op == "fail" else "restore of"
+                self._set(FAILED, f"{what} device {device} failed ({why}); restart the server")
+            raise
+
+    def _fail_over(self, sched: Any, device: int, reason: str, since: float) -> None:
+        self._set(DRAINING, f"device {device} lost: {reason}")
+        moves = device == self.placed.placement.primary
+        old = self._drop(sched, keep_pages=False)
+        if moves:
+            rehome.quiesce(sched)
+        self.placed.replace(device)
+        if moves:
+            rehome.rehome(self, sched, lost=True)
+        self._build(sched, old)
+        self.failovers += 1
+        self.last_failover_s = time.perf_counter() - since
+        survivors = ", ".join(str(d) for d in self.placed.placement.used())
+        self._set(
+            DEGRADED,
+            f"device {device} lost ({reason}); its layers run on device(s) {survivors}",
+        )
+        log.warning("degraded: %s (failover took %.3f s)", self.reason, self.last_failover_s)
+
+    def _bring_back(self, sched: Any, device: int) -> None:
+        self._set(RESTORING, f"device {device} returning")
+        primary = self.placed.placement.primary
+        moves = self.placed.home.primary == device and primary != device
+        old = self._drop(sched, keep_pages=not moves)  # moving L1: its K/V would go too
+        if moves:
+            rehome.quiesce(sched)
+        self.placed.restore(device)
+        if moves:
+            rehome.rehome(self, sched, lost=False)
+        self._build(sched, old)
+        if self.placed.lost:
+            lost = ", ".join(str(d) for d in sorted(self.placed.lost))
+            self._set(DEGRADED, f"device(s) {lost} still lost")
+        else:
+            self._set(HEALTHY, "")
+        log.warning("device %d restored: %s", device, self.placed.placement.describe())
 
     def _drop(self, sched: Any, keep_pages: bool) -> _PoolShape | None:
         """Drain, then let go of the page pool and the runner (their memory is freed before the

@@ -26,7 +26,7 @@ from kvtier.placement import DeviceLost
 from kvtier.server.backend import TieredBackend
 from kvtier.server.batching import BatchScheduler
 from kvtier.server.devices_admin import device_readiness
-from kvtier.server.failover import DEGRADED, DRAINING, HEALTHY, RESTORING, place
+from kvtier.server.failover import DEGRADED, DRAINING, FAILED, HEALTHY, RESTORING, place
 from kvtier.server.metrics import ServerMetrics
 from kvtier.types import SessionState
 
@@ -262,3 +262,25 @@ def test_http_fail_and_restore_the_primary(tmp_path: Path) -> None:
         assert text(third) == text(chat("n2", talk))
     finally:
         assert srv.stop() == 0, srv.output()
+
+
+def test_losing_the_last_device_is_failed(tmp_path: Path) -> None:
+    """Device 1 lost, then device 0 (the last one) mid-batch: nothing is left to fail over to;
+    the step's request fails with the device error (never hangs), /readyz answers 503."""
+    served = place(_build("llama"), [CPU, CPU])
+    failover = served.devices
+    backend = TieredBackend(served.model, _config(tmp_path), served.name)
+    sched = BatchScheduler(served, backend, _config(tmp_path))
+    try:
+        assert failover.fail(1).result(timeout=30)["state"] == DEGRADED
+        failover.placed.inject_fault(0, "the last one")
+        with pytest.raises(DeviceLost, match="the last one"):
+            asyncio.run(asyncio.wait_for(_turn(sched, _job("z", [65, 66, 67], 4)), 60))
+        assert failover.state == FAILED and failover.history[-1] == FAILED
+        assert "last device" in failover.reason
+        ready = device_readiness(failover, "m")
+        assert ready is not None and ready.status_code == 503
+        assert json.loads(bytes(ready.body))["status"] == "failed"
+    finally:
+        sched.close()
+        backend.close()
