@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 from prometheus_client import CollectorRegistry, generate_latest
-from test_batching import _build, _config, _greedy_alone, _job, _prompts, _run
+from test_batching import _build, _config, _greedy_alone, _job, _prompts
 from test_multi_device import _turn
 
 from kvtier import CacheConfig, TieredCache
@@ -26,12 +26,23 @@ from kvtier.placement import DeviceLost
 from kvtier.server.backend import TieredBackend
 from kvtier.server.batching import BatchScheduler
 from kvtier.server.devices_admin import device_readiness
+from kvtier.server.engine import Finished
 from kvtier.server.failover import DEGRADED, DRAINING, FAILED, HEALTHY, RESTORING, place
 from kvtier.server.metrics import ServerMetrics
 from kvtier.types import SessionState
 
 CPU = torch.device("cpu")
 NAN = float("nan")
+Reply = tuple[str, Finished | None]
+
+
+def _run(sched: BatchScheduler, *calls: Any) -> list[Reply]:
+    """Run turns (`_turn`) together; their (text, Finished) in order."""
+
+    async def main() -> list[Reply]:
+        return list(await asyncio.gather(*calls))
+
+    return asyncio.run(asyncio.wait_for(main(), 120))
 
 
 def _poison_primary(served: Any, sched: BatchScheduler, backend: TieredBackend) -> None:
@@ -52,7 +63,8 @@ def _poison_primary(served: Any, sched: BatchScheduler, backend: TieredBackend) 
                 for k, v in s.bufs.layers:
                     k.fill_(NAN)
                     v.fill_(NAN)
-    sched.pool.poison(0)
+    pool: Any = sched.pool  # a ShardedPagePool
+    pool.poison(0)
 
 
 def _next(prompts: list[list[int]], replies: list[Any], *more: int) -> list[list[int]]:
@@ -83,7 +95,7 @@ def test_primary_lost_mid_batch_loses_no_session_and_restores(tmp_path: Path) ->
                 poison = lambda: _poison_primary(served, sched, backend)  # noqa: E731
                 failover.placed.inject_fault(0, "test fault", before=poison)
 
-        async def second() -> list[tuple[str, Any]]:
+        async def second() -> list[Reply]:
             calls = [_turn(sched, _job(f"s{i}", p, 24), trigger if i == 1 else None)
                      for i, p in enumerate(seconds)]  # fmt: skip
             return list(await asyncio.gather(*calls))
@@ -103,9 +115,9 @@ def test_primary_lost_mid_batch_loses_no_session_and_restores(tmp_path: Path) ->
         assert ready is not None and ready.status_code == 200
         body = json.loads(bytes(ready.body))
         assert body["status"] == "degraded" and "device 0 lost" in body["reason"]
-        text = generate_latest(registry)
-        assert b'kvtier_server_devices{state="lost"} 1.0' in text
-        assert b"kvtier_server_degraded 1.0" in text
+        scraped = generate_latest(registry)
+        assert b'kvtier_server_devices{state="lost"} 1.0' in scraped
+        assert b"kvtier_server_degraded 1.0" in scraped
         # turn 3, degraded: exact; s4's prefix comes from L2 (its L1 copy was on device 0)
         s4 = backend.cache.session("s4", tenant="t")
         assert s4.state is SessionState.HIBERNATED and not s4.resident
@@ -116,7 +128,8 @@ def test_primary_lost_mid_batch_loses_no_session_and_restores(tmp_path: Path) ->
         for (text, fin), p in zip(again, thirds, strict=True):
             assert fin is not None and fin.cached_tokens > 0
             assert text == _greedy_alone(ref, p, 10)
-        assert again[4][1].source == "l2" and again[4][1].cached_tokens == stored
+        fin4 = again[4][1]
+        assert fin4 is not None and fin4.source == "l2" and fin4.cached_tokens == stored
         # device 0 is back: primary home again, the pool at its first size, turns exact
         status = failover.restore(0).result(timeout=30)
         assert status["state"] == HEALTHY and failover.history[-2:] == [RESTORING, HEALTHY]
@@ -177,6 +190,7 @@ def test_move_l1_keeps_only_what_l2_holds(tmp_path: Path) -> None:
         with torch.inference_mode():
             served.model(input_ids=torch.tensor([ids]), past_key_values=kv, use_cache=True)
         s.commit(ids)
+        assert s.bufs is not None
         want = [(k[:, :, :96].clone(), v[:, :, :96].clone()) for k, v in s.bufs.layers]
         busy = cache.session("y")
         other = _prompts(4, [40])[0]
@@ -189,7 +203,7 @@ def test_move_l1_keeps_only_what_l2_holds(tmp_path: Path) -> None:
         assert s.state is SessionState.HIBERNATED and s.tokens == ids[:96]
         assert busy.state is SessionState.ACTIVE and not busy.resident
         kv = s.restore([*ids, 5])
-        assert kv.get_seq_length() == 96 and s.restore_source == "l2"
+        assert kv.get_seq_length() == 96 and s.restore_source == "l2" and s.bufs is not None
         for (k, v), (wk, wv) in zip(s.bufs.layers, want, strict=True):
             assert torch.equal(k[:, :, :96], wk) and torch.equal(v[:, :, :96], wv)
         s.abort()
