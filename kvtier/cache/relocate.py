@@ -75,7 +75,6 @@ def relocate_l1(
         )
         old._closed = True  # never wait for a lost device's streams
         old.free()
-        old._slot_copy.clear()
         engine._device = mover
         engine.device = mover.device
         engine.cuda = mover.cuda

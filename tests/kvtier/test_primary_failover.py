@@ -107,6 +107,7 @@ def test_primary_lost_mid_batch_loses_no_session_and_restores(tmp_path: Path) ->
         assert failover.placed.placement.primary == 1
         assert sched.pool.num_pages == pages_before // 2  # the survivor holds the same bytes
         assert backend.cache.l1 is not old_l1  # a new, empty L1 (old one: poisoned, unread)
+        assert failover.last_failover_s is not None and failover.last_failover_s < 5
         for (text, fin), p in zip(replies, seconds, strict=True):
             assert fin is not None and fin.finish_reason in ("length", "stop")  # none lost
             assert text == _greedy_alone(ref, p, 24)
@@ -298,3 +299,44 @@ def test_losing_the_last_device_is_failed(tmp_path: Path) -> None:
     finally:
         sched.close()
         backend.close()
+
+
+def test_replacing_the_primary_reloads_the_rest_tied_weights_stay_tied() -> None:
+    """`PlacedModel.replace(primary)` loads the embeddings, norm, head and rotary tables from
+    the host copy (their device copy poisoned), keeps tied weights one Parameter, and the
+    model's logits equal the unplaced model's; `restore` brings them home."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from kvtier.placement import PlacedModel, Placement
+
+    def build() -> Any:
+        torch.manual_seed(3)
+        cfg = LlamaConfig(
+            vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+            num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+        )  # fmt: skip
+        return LlamaForCausalLM(cfg).eval()
+
+    ref, model = build(), build()
+    placed = PlacedModel(model, Placement.balanced(3, [CPU, CPU]))
+    assert placed.placement.layers == (0, 0, 1)
+    tied = model.lm_head.weight
+    assert tied is model.model.embed_tokens.weight
+    with torch.no_grad():
+        for i in placed.placement.layers_on(0):
+            for p in placed.layers[i].parameters():
+                p.fill_(NAN)
+        for module, name, is_param, _ in placed.host.rest:
+            t = module._parameters[name] if is_param else module._buffers[name]
+            if t is not None and t.is_floating_point():
+                t.fill_(NAN)
+    placed.replace(0)
+    assert placed.placement.layers == (1, 1, 1) and placed.placement.primary == 1
+    assert model.lm_head.weight is tied and model.model.embed_tokens.weight is tied
+    ids = torch.tensor([[5, 9, 11, 40, 2]])
+    with torch.inference_mode():
+        want = ref(input_ids=ids).logits
+        assert torch.equal(model(input_ids=ids).logits, want)
+        placed.restore(0)
+        assert placed.placement.layers == (0, 0, 1) and placed.placement.primary == 0
+        assert torch.equal(model(input_ids=ids).logits, want)
