@@ -28,7 +28,6 @@ from typing import Any
 
 import torch
 
-from kvtier.cache import relocate as _relocate
 from kvtier.cache import restore as _restore
 from kvtier.cache.config import CacheConfig
 from kvtier.cache.costmodel import CostModel
@@ -323,14 +322,6 @@ class TieredCache(LifecycleMixin):
         self.counters.decisions[source] += 1
         self._record_latency(source, time.perf_counter() - t0)
         return KvtierCache(s)  # type: ignore[arg-type]  # resident: bufs is set
-
-    def move_l1(self, device: torch.device, budget: int | None = None, lost: bool = True) -> int:
-        """A new, empty L1 on `device`; returns the old budget (`kvtier.cache.relocate`)."""
-        return _relocate.relocate_l1(self, device, budget, lost)
-
-    def reload_session(self, s: Session, ids: list[int]) -> KvtierCache:
-        """After `move_l1`: restore a running request's session into the new L1."""
-        return _relocate.reload_session(self, s, ids)
 
     def prefetch_session(self, s: Session) -> None:
         with self._lock:
