@@ -53,10 +53,15 @@ def rehome(failover: Any, sched: Any, lost: bool) -> None:
         if sched is not None:
             _reload(sched, None)
         return
+    # L1's bytes as configured (its staging buffers included): the home primary's again on
+    # the way back (kvtier's allocator pool there still holds its segment); on a survivor at
+    # most L1_SHARE of the free memory
     budget = failover.home_l1 if not lost and failover.home_l1 else None
-    if device.type == "cuda":
+    if lost and device.type == "cuda":
+        engine = cache.engine
+        now = cache.l1.budget_bytes + (engine.staging_bytes if engine.cuda else 0)
         free, _ = torch.cuda.mem_get_info(device)
-        budget = min(budget or cache.l1.budget_bytes, int(free * L1_SHARE))
+        budget = min(now, int(free * L1_SHARE))
     before = cache.move_l1(device, budget, lost=lost)
     failover.home_l1 = failover.home_l1 or before
     _reload(sched, cache)
