@@ -100,6 +100,7 @@ def relocate_l1(
             if s.state is not SessionState.ACTIVE:
                 s.state = SessionState.HIBERNATED
                 cache._submit_record(cache.l3.save_session, cache._record(s))
+                cache._to_l4(s)
         log.warning(
             "L1 moved to %s (%d bytes); %d resident session(s) resume from L2/L3",
             mover.device,
