@@ -13,7 +13,11 @@ CPU tests run on. The admin routes and metrics name logical devices by index.
 
 When a device is lost, `PlacedModel.replace(lost)` moves that device's layers to the survivors,
 loading their weights from the host copy taken at start (`HostWeights`: pinned on CUDA), never
-from the lost device; `PlacedModel.restore()` puts every layer back where it was.
+from the lost device; `PlacedModel.restore()` puts every layer back where it was. The host copy
+also holds everything outside the decoder layers (embeddings, final norm, LM head, the rotary
+tables: parameters and buffers), so losing the *primary* device moves the primary role to the
+survivor that takes layer 0: those parts are loaded there from the host copy too, and return to
+the home primary when it is restored.
 """
 
 from __future__ import annotations
@@ -177,23 +181,57 @@ def decoder_layers(model: Any) -> torch.nn.ModuleList:
     return layers
 
 
-class HostWeights:
-    """A host copy of every decoder layer's weights, taken once (pinned when CUDA is in use):
-    a lost device's layers are reloaded from here, never read from the device."""
+def _host(t: torch.Tensor, pin: bool) -> torch.Tensor:
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
+    host.copy_(t.detach())
+    return host
 
-    def __init__(self, layers: torch.nn.ModuleList, pin: bool) -> None:
+
+class HostWeights:
+    """A host copy of the model's weights, taken once (pinned when CUDA is in use): every
+    decoder layer's state, and every parameter and buffer outside the decoder layers (the
+    primary device's part: embeddings, final norm, LM head, rotary tables). A lost device's
+    part is reloaded from here, never read from the device."""
+
+    def __init__(self, model: Any, layers: torch.nn.ModuleList, pin: bool) -> None:
         self.states: list[dict[str, torch.Tensor]] = []
         for layer in layers:
-            state = {}
-            for name, t in layer.state_dict().items():
-                host = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
-                host.copy_(t.detach())
-                state[name] = host
-            self.states.append(state)
+            self.states.append({n: _host(t, pin) for n, t in layer.state_dict().items()})
+        # the rest: (module, attribute, is_parameter) -> host copy; a tied parameter once
+        inside = {id(m) for layer in layers for m in layer.modules()}
+        self.rest: list[tuple[torch.nn.Module, str, bool, torch.Tensor]] = []
+        seen: set[int] = set()
+        for module in model.modules():
+            if id(module) in inside:
+                continue
+            for name, p in module._parameters.items():
+                if p is not None and id(p) not in seen:
+                    seen.add(id(p))
+                    self.rest.append((module, name, True, _host(p, pin)))
+            for name, b in module._buffers.items():
+                if b is not None:
+                    self.rest.append((module, name, False, _host(b, pin)))
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for s in self.states for t in s.values())
+        layers = sum(t.numel() * t.element_size() for s in self.states for t in s.values())
+        return layers + sum(t.numel() * t.element_size() for *_, t in self.rest)
+
+    def load_rest(self, device: torch.device) -> None:
+        """Give every parameter and buffer outside the decoder layers fresh storage on
+        `device`, filled from the host copy (tied parameters stay tied: the Parameter object
+        is kept, its data replaced)."""
+        nb = device.type == "cuda"
+        with torch.no_grad():
+            for module, name, is_param, host in self.rest:
+                if is_param:
+                    p = module._parameters[name]
+                    assert p is not None
+                    p.data = host.to(device, non_blocking=nb, copy=True)
+                else:
+                    module._buffers[name] = host.to(device, non_blocking=nb, copy=True)
+        if nb:
+            torch.cuda.synchronize(device)
 
     def load(self, layer: torch.nn.Module, index: int, device: torch.device) -> None:
         """Give `layer` fresh storage on `device` filled from the host copy."""
@@ -249,7 +287,7 @@ class PlacedModel:
         self._lock = threading.Lock()
         self._memo: dict[Any, tuple[Any, Any]] = {}
         uses_cuda = any(d.type == "cuda" for d in placement.devices)
-        self.host = HostWeights(self.layers, pin=uses_cuda and torch.cuda.is_available())
+        self.host = HostWeights(model, self.layers, pin=uses_cuda and torch.cuda.is_available())
         primary = placement.devices[placement.primary]
         model.to(primary)  # embeddings, norm, head (and the layers, placed next)
         for i, layer in enumerate(self.layers):
@@ -324,16 +362,15 @@ class PlacedModel:
             torch.cuda.set_device(self.primary_device)
 
     def replace(self, lost: int) -> Placement:
-        """Move the lost device's layers to the survivors (weights from the host copy)."""
-        if lost == self.placement.primary:
-            raise DeviceLost(
-                lost,
-                "it is the primary device (embeddings, LM head, batch buffers); the server "
-                "must restart on the remaining devices (sessions resume from L2/L3)",
-            )
+        """Move the lost device's layers to the survivors (weights from the host copy). When
+        it was the primary, the survivor now holding layer 0 becomes the primary and the
+        embeddings, final norm, LM head and rotary tables are loaded there from the host copy.
+        Raises `DeviceLost` when no other device is left."""
         new = self.placement.without(lost)
         with self._lock:
             self._faults.pop(lost, None)
+        if new.primary != self.placement.primary:
+            self.host.load_rest(new.devices[new.primary])
         for i, layer in enumerate(self.layers):
             if self.placement.layers[i] == lost:
                 self.host.load(layer, i, new.device_of(i))
@@ -353,7 +390,10 @@ class PlacedModel:
             if home not in self.lost and new[i] != home:
                 self.host.load(layer, i, self.home.device_of(i))
                 new[i] = home
-        self.placement = Placement(self.home.devices, tuple(new))
+        placement = Placement(self.home.devices, tuple(new))
+        if placement.primary != self.placement.primary:  # the home primary is back
+            self.host.load_rest(placement.devices[placement.primary])
+        self.placement = placement
         self._memo.clear()
         return self.placement
 

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kvtier.cache import relocate as _relocate
 from kvtier.cache.directory import Chunk, ChunkDirectory
 from kvtier.cache.keys import SHARED_TENANT, ZERO_KEY, chunk_key
 from kvtier.cache.restore import common_prefix
@@ -29,6 +30,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from kvtier.cache.costmodel import CostModel
     from kvtier.cache.l4 import SharedTier
     from kvtier.cache.stats import Counters
+    from kvtier.integrations.hf import KvtierCache
     from kvtier.tiers.l2 import HostArena
     from kvtier.tiers.l3 import L3Store, SessionRecord, ShredReport
     from kvtier.transfer import TransferEngine
@@ -240,6 +242,16 @@ class LifecycleMixin:
             self._submit_record(self.l3.delete_session, s.session_id, s.tenant)
             if self.l4 is not None:
                 self.l4.forget_session(s)
+
+    # -- moving L1 to another device (device failover) ---------------------------------------------
+
+    def move_l1(self, device: torch.device, budget: int | None = None, lost: bool = True) -> int:
+        """A new, empty L1 on `device`; returns the old budget (`kvtier.cache.relocate`)."""
+        return _relocate.relocate_l1(self, device, budget, lost)  # type: ignore[arg-type]
+
+    def reload_session(self, s: Session, ids: list[int]) -> KvtierCache:
+        """After `move_l1`: restore a running request's session into the new L1."""
+        return _relocate.reload_session(self, s, ids)  # type: ignore[arg-type]
 
     # -- sharing ---------------------------------------------------------------------------------
 

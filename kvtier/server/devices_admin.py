@@ -2,8 +2,11 @@
 
 - `GET /v1/admin/devices`: the placement and the failover state;
 - `POST /v1/admin/devices/{n}/fail`: treat device n as lost (drain, re-place its layers on the
-  survivors, rebuild the page pool, resume every session); answers once serving again;
-- `POST /v1/admin/devices/{n}/restore`: device n is back; its layers return to it;
+  survivors, rebuild the page pool, resume every session); answers once serving again. Device
+  n may be the primary: the primary role (embeddings, LM head, the batch, the session L1) moves
+  to a survivor. The last device left cannot be failed (409);
+- `POST /v1/admin/devices/{n}/restore`: device n is back; its layers (and the primary role,
+  when it was the home primary) return to it;
 
 and what /readyz and each response say while degraded (`device_readiness`, `DegradedTurn`).
 """
@@ -36,8 +39,8 @@ DEGRADED_KV_HEADER = "X-Kvtier-Degraded-KV"
 
 
 def device_readiness(devices: DeviceFailover | None, model: str) -> JSONResponse | None:
-    """/readyz while a device is lost: 200 "degraded" with the reason (503 "failed" when the
-    primary device is lost); None when every device is healthy (or there is one device)."""
+    """/readyz while a device is lost: 200 "degraded" with the reason (503 "failed" when every
+    device is lost); None when every device is healthy (or there is one device)."""
     if devices is None or not devices.degraded:
         return None
     if devices.state == "failed":

@@ -19,9 +19,23 @@ scheduler's thread, between two steps, so no forward ever sees a half-moved mode
 
 `restore(n)` runs the same way back: running sequences are preempted (their K/V, valid here,
 goes to their session's Cache), the layers return to their home devices, the pool is rebuilt at
-its first size, and the state is *healthy* again. Losing the primary device (embeddings, LM
-head, the batch's buffers, the session L1) is not survivable in-process: the server reports it
-and must restart on the remaining devices; its sessions resume from L2/L3 then.
+its first size, and the state is *healthy* again.
+
+Losing the *primary* device (embeddings, final norm, LM head, the batch's buffers, the session
+L1 of the tiered cache) fails over the same way, with more to move. Between steps 1 and 2 the
+commits in flight finish (they write into L1). In step 2 the survivor that takes layer 0 becomes
+the primary: the embeddings, norm, LM head and rotary tables are loaded there from the host copy
+too. Then the sampler's vocabulary mask is rebuilt there from its host copy, and the cache's L1
+and the device side of its transfer engine move there (`TieredCache.move_l1`): L1's contents
+are dropped unread, every resident session keeps the prefix L2/L3 hold (write-through stores
+each full chunk at commit) and recomputes the rest at its next turn, and each queued sequence
+restores its session's stored prefix into the new L1 (`TieredCache.reload_session`) and
+recomputes the tokens after it (the rest of its prompt, its reply so far): no KV is read from
+the lost device, no session is lost. Step 3 builds the pool and the runner's buffers on the
+new primary. `restore(n)` of the home primary moves everything back: idle sessions are first
+hibernated from the survivor's L1 (which works), so they resume from L2 with their whole
+prefix. Only losing every device is *failed*: the server must restart; its sessions resume from
+L2/L3 then.
 """
 
 from __future__ import annotations
@@ -47,12 +61,13 @@ from kvtier.placement import (
     devices_setting,
     parse_devices,
 )
+from kvtier.server import rehome
 from kvtier.server.streaming import pool_kv
 
 log = logging.getLogger("kvtier.server")
 
 HEALTHY, DRAINING, DEGRADED, RESTORING = "healthy", "draining", "degraded", "restoring"
-FAILED = "failed"  # the primary device is lost: the server must restart
+FAILED = "failed"  # every device is lost: the server must restart
 STATES = (HEALTHY, DRAINING, DEGRADED, RESTORING, FAILED)
 
 
@@ -90,9 +105,9 @@ class _PoolShape:
     page_bytes: int
 
 
-PRIMARY_LOST = (
-    "it is the primary device (embeddings, LM head, the batch's buffers, the session L1); "
-    "restart the server on the remaining devices (--devices): sessions resume from L2/L3"
+LAST_DEVICE = (
+    "it is the last device left (the primary: embeddings, LM head, the batch, the session "
+    "L1); restore another device first, or restart the server"
 )
 
 
@@ -114,6 +129,9 @@ class DeviceFailover:
         self.failovers = 0
         self.scheduler: Any = None
         self.watch: NvmlWatch | None = None  # set where GPUs are watched (place_configured)
+        self.allowed: torch.Tensor | None = None  # host copy of the sampler's mask (place)
+        self.served: Any = None  # the ServedModel placed (place)
+        self.home_l1: int | None = None  # the cache's L1 bytes on the home primary
         self._lock = threading.Lock()
         self._requests: list[tuple[str, int, str, concurrent.futures.Future[dict[str, Any]]]] = []
         self._report()
@@ -150,8 +168,8 @@ class DeviceFailover:
             raise ConfigError(f"device {device} is not lost; nothing to restore")
         if not lost and device in self.placed.lost:
             raise ConfigError(f"device {device} is already lost")
-        if not lost and device == self.placed.placement.primary:
-            raise DeviceLost(device, PRIMARY_LOST)
+        if not lost and self.placed.placement.used() == [device]:
+            raise DeviceLost(device, LAST_DEVICE)
 
     def _request(self, op: str, device: int, reason: str) -> concurrent.futures.Future[Any]:
         self._check_device(device, lost=op == "restore")
@@ -190,9 +208,9 @@ class DeviceFailover:
         device, reason = self._which(exc)
         if device is None:
             return False
-        if device == self.placed.placement.primary:
-            self._set(FAILED, f"device {device} lost ({reason}): {PRIMARY_LOST}")
-            log.error("primary device %d lost (%s); restart the server", device, reason)
+        if self.placed.placement.used() == [device]:
+            self._set(FAILED, f"device {device} lost ({reason}): {LAST_DEVICE}")
+            log.error("the last device (%d) is lost (%s); restart the server", device, reason)
             return False
         log.error("device %d lost during a forward (%s); failing over", device, reason)
         seen = time.perf_counter()
@@ -218,32 +236,56 @@ class DeviceFailover:
 
     def _apply(self, sched: Any, op: str, device: int, reason: str, since: float) -> None:
         self.placed.make_primary_current()
-        if op == "fail":
-            if device in self.placed.lost:
-                return
-            self._set(DRAINING, f"device {device} lost: {reason}")
-            old = self._drop(sched, keep_pages=False)
-            self.placed.replace(device)
-            self._build(sched, old)
-            self.failovers += 1
-            self.last_failover_s = time.perf_counter() - since
-            survivors = ", ".join(str(d) for d in self.placed.placement.used())
-            self._set(
-                DEGRADED,
-                f"device {device} lost ({reason}); its layers run on device(s) {survivors}",
-            )
-            log.warning("degraded: %s (failover took %.3f s)", self.reason, self.last_failover_s)
-        else:
-            self._set(RESTORING, f"device {device} returning")
-            old = self._drop(sched, keep_pages=True)
-            self.placed.restore(device)
-            self._build(sched, old)
-            if self.placed.lost:
-                lost = ", ".join(str(d) for d in sorted(self.placed.lost))
-                self._set(DEGRADED, f"device(s) {lost} still lost")
+        if op == "fail" and device in self.placed.lost:
+            return
+        try:
+            if op == "fail":
+                self._fail_over(sched, device, reason, since)
             else:
-                self._set(HEALTHY, "")
-            log.warning("device %d restored: %s", device, self.placed.placement.describe())
+                self._bring_back(sched, device)
+        except BaseException as exc:
+            if self.state in (DRAINING, RESTORING):  # half moved, no page pool: cannot serve
+                why = exc.reason if isinstance(exc, DeviceLost) else f"{type(exc).__name__}: {exc}"
+                what = "failover from" if op == "fail" else "restore of"
+                self._set(FAILED, f"{what} device {device} failed ({why}); restart the server")
+            raise
+
+    def _fail_over(self, sched: Any, device: int, reason: str, since: float) -> None:
+        self._set(DRAINING, f"device {device} lost: {reason}")
+        moves = device == self.placed.placement.primary
+        old = self._drop(sched, keep_pages=False)
+        if moves:
+            rehome.quiesce(sched)
+        self.placed.replace(device)
+        if moves:
+            rehome.rehome(self, sched, lost=True)
+        self._build(sched, old)
+        self.failovers += 1
+        self.last_failover_s = time.perf_counter() - since
+        survivors = ", ".join(str(d) for d in self.placed.placement.used())
+        self._set(
+            DEGRADED,
+            f"device {device} lost ({reason}); its layers run on device(s) {survivors}",
+        )
+        log.warning("degraded: %s (failover took %.3f s)", self.reason, self.last_failover_s)
+
+    def _bring_back(self, sched: Any, device: int) -> None:
+        self._set(RESTORING, f"device {device} returning")
+        primary = self.placed.placement.primary
+        moves = self.placed.home.primary == device and primary != device
+        old = self._drop(sched, keep_pages=not moves)  # moving L1: its K/V would go too
+        if moves:
+            rehome.quiesce(sched)
+        self.placed.restore(device)
+        if moves:
+            rehome.rehome(self, sched, lost=False)
+        self._build(sched, old)
+        if self.placed.lost:
+            lost = ", ".join(str(d) for d in sorted(self.placed.lost))
+            self._set(DEGRADED, f"device(s) {lost} still lost")
+        else:
+            self._set(HEALTHY, "")
+        log.warning("device %d restored: %s", device, self.placed.placement.describe())
 
     def _drop(self, sched: Any, keep_pages: bool) -> _PoolShape | None:
         """Drain, then let go of the page pool and the runner (their memory is freed before the
@@ -276,6 +318,7 @@ class DeviceFailover:
         """A new page pool and runner for the current placement."""
         if sched is None or shape is None:
             return
+        self.placed.make_primary_current()
         placement = self.placed.placement
         pool = ShardedPagePool(
             shape.geometry,
@@ -417,9 +460,12 @@ def place(served: Any, devices: list[torch.device], metrics: Any = None) -> Any:
         return served
     layers = len(decoder_layers(served.model))
     placed = PlacedModel(served.model, Placement.balanced(layers, devices))
+    failover = DeviceFailover(placed, metrics)
+    failover.served = served
     if served.allowed is not None:
+        failover.allowed = served.allowed.to("cpu", copy=True)  # the lost primary's is unread
         served.allowed = served.allowed.to(placed.primary_device)
-    served.devices = DeviceFailover(placed, metrics)
+    served.devices = failover
     log.info("model placed: %s", placed.placement.describe())
     return served
 

@@ -113,3 +113,63 @@ def test_fault_on_gpu1_mid_batch_loses_no_session(tmp_path: Path) -> None:
     finally:
         sched.close()
         backend.close()
+
+
+def test_fault_on_gpu0_the_primary_mid_batch_loses_no_session(tmp_path: Path) -> None:
+    """GPU 0 holds the embeddings, the LM head, the batch and the session L1: a fault there
+    mid-batch moves all of it to GPU 1 (everything GPU 0 held poisoned: weights, mask, pages,
+    L1); the interrupted turns and the next ones equal a healthy server's; restore brings
+    GPU 0 back as the primary. Every reference is a fresh session on the healthy server."""
+    from test_primary_failover import _poison_primary
+
+    served = place(_on_gpu(), [GPU0, GPU1])
+    failover = served.devices
+    backend = TieredBackend(served.model, _config(tmp_path), served.name)
+    sched = BatchScheduler(served, backend, _config(tmp_path))
+    prompts = _prompts(13, [5, 60, 130, 17])
+
+    def then(ps: list[list[int]], replies: list[Any]) -> list[list[int]]:
+        return [p + list(t.encode()) + [10] for p, (t, _) in zip(ps, replies, strict=True)]
+
+    def texts(replies: list[Any]) -> list[str]:
+        return [t for t, _ in replies]
+
+    try:
+        clean = _fleet(sched, [_job(f"r{i}", p, 24) for i, p in enumerate(prompts)])
+        first = _fleet(sched, [_job(f"f{i}", p, 24) for i, p in enumerate(prompts)])
+        assert texts(first) == texts(clean)
+        seconds = then(prompts, first)
+        clean2 = _fleet(sched, [_job(f"q{i}", p, 24) for i, p in enumerate(seconds)])
+
+        def trigger(text: str) -> None:
+            if text and failover.state == HEALTHY and not failover.placed._faults:
+                poison = lambda: _poison_primary(served, sched, backend)  # noqa: E731
+                failover.placed.inject_fault(0, "test fault", before=poison)
+
+        faulted = _fleet(sched, [_job(f"f{i}", p, 24) for i, p in enumerate(seconds)], trigger)
+        assert failover.history == [HEALTHY, DRAINING, DEGRADED]
+        assert failover.placed.placement.layers == (1, 1)
+        assert served.device == GPU1 and served.model.lm_head.weight.device == GPU1
+        assert sched.pool.device == GPU1 and backend.cache.device == GPU1
+        assert served.allowed is None or served.allowed.device == GPU1
+        for (text, fin), (want, _) in zip(faulted, clean2, strict=True):
+            assert fin is not None and fin.finish_reason in ("length", "stop")
+            assert text == want
+        thirds = then(seconds, faulted)
+        degraded = _fleet(sched, [_job(f"f{i}", p, 16) for i, p in enumerate(thirds)])
+        assert all(fin is not None and fin.cached_tokens > 0 for _, fin in degraded)
+
+        assert failover.restore(0).result(timeout=60)["state"] == HEALTHY
+        assert failover.placed.placement.layers == (0, 1)
+        assert served.device == GPU0 and sched.pool.device == GPU0
+        assert backend.cache.device == GPU0 and sched.pool.layer_cache(1)[0].device == GPU1
+        clean3 = _fleet(sched, [_job(f"t{i}", p, 16) for i, p in enumerate(thirds)])
+        assert texts(degraded) == texts(clean3)
+        fourths = then(thirds, degraded)
+        last = _fleet(sched, [_job(f"f{i}", p, 16) for i, p in enumerate(fourths)])
+        assert all(fin is not None and fin.cached_tokens > 0 for _, fin in last)
+        clean4 = _fleet(sched, [_job(f"u{i}", p, 16) for i, p in enumerate(fourths)])
+        assert texts(last) == texts(clean4)
+    finally:
+        sched.close()
+        backend.close()
