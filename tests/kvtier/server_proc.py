@@ -76,3 +76,20 @@ class Server:
             self.proc.wait()
         if hasattr(self, "_logf"):
             self._logf.close()
+
+
+def chat(
+    url: str, sid: str, messages: list[dict[str, str]], max_tokens: int = 16
+) -> httpx.Response:
+    """A greedy chat completion of session `sid`; asserts it answered 200."""
+    body = {"model": "default", "messages": messages, "temperature": 0, "max_tokens": max_tokens}
+    r = httpx.post(
+        url + "/v1/chat/completions", json=body, headers={"X-Session-ID": sid}, timeout=60
+    )
+    assert r.status_code == 200, r.text
+    return r
+
+
+def reply_text(r: httpx.Response) -> str:
+    """The assistant's text of a non-streamed chat completion."""
+    return str(r.json()["choices"][0]["message"]["content"])

@@ -313,7 +313,8 @@ def test_http_degraded_kv_int8_headers_usage_and_metrics(tmp_path: Path) -> None
     degraded says its K/V was int8 (header, usage, metric); after the restore a session's turn
     is native again and equals a new session's reply (no int8 value reached its stored KV)."""
     import httpx
-    from server_proc import Server
+    from server_proc import Server, reply_text
+    from server_proc import chat as server_chat
 
     args = ("--devices", "cpu,cpu", "--max-concurrency", "4", "--degraded-kv", "int8")
     srv = Server(tmp_path / "l3", *args).start()
@@ -321,15 +322,9 @@ def test_http_degraded_kv_int8_headers_usage_and_metrics(tmp_path: Path) -> None
         url = srv.url
 
         def chat(sid: str, messages: list[dict[str, str]]) -> httpx.Response:
-            body = {"model": "default", "messages": messages, "temperature": 0, "max_tokens": 12}
-            r = httpx.post(
-                url + "/v1/chat/completions", json=body, headers={"X-Session-ID": sid}, timeout=60
-            )
-            assert r.status_code == 200, r.text
-            return r
+            return server_chat(url, sid, messages, max_tokens=12)
 
-        def reply(r: httpx.Response) -> str:
-            return str(r.json()["choices"][0]["message"]["content"])
+        reply = reply_text
 
         talk = [{"role": "user", "content": "hello there, " * 6}]
         first = chat("s1", talk)

@@ -196,7 +196,8 @@ def test_http_fail_and_restore_a_device(tmp_path: Path) -> None:
     runs exact while degraded, a long one over sinks + window, and its next turn after the
     restore is exact (its stored KV was never written from the approximate turn)."""
     import httpx
-    from server_proc import Server
+    from server_proc import Server, reply_text
+    from server_proc import chat as server_chat
 
     args = ("--devices", "cpu,cpu", "--max-concurrency", "4", "--degraded-window", "48")
     srv = Server(tmp_path / "l3", *args).start()
@@ -204,15 +205,9 @@ def test_http_fail_and_restore_a_device(tmp_path: Path) -> None:
         url = srv.url
 
         def chat(sid: str, messages: list[dict[str, str]]) -> httpx.Response:
-            body = {"model": "default", "messages": messages, "temperature": 0, "max_tokens": 16}
-            r = httpx.post(
-                url + "/v1/chat/completions", json=body, headers={"X-Session-ID": sid}, timeout=60
-            )
-            assert r.status_code == 200, r.text
-            return r
+            return server_chat(url, sid, messages, max_tokens=16)
 
-        def text(r: httpx.Response) -> str:
-            return str(r.json()["choices"][0]["message"]["content"])
+        text = reply_text
 
         status = httpx.get(url + "/v1/admin/devices", timeout=10).json()
         assert status["state"] == HEALTHY

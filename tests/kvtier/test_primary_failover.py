@@ -223,7 +223,8 @@ def test_http_fail_and_restore_the_primary(tmp_path: Path) -> None:
     session's next turn restores its stored chunks from L2 and equals a new session's reply;
     device 1, now the last one, cannot be failed; `restore` brings device 0 back as primary."""
     import httpx
-    from server_proc import Server
+    from server_proc import Server, reply_text
+    from server_proc import chat as server_chat
 
     args = ("--devices", "cpu,cpu", "--max-concurrency", "4", "--chunk-tokens", "32")
     srv = Server(tmp_path / "l3", *args).start()
@@ -231,15 +232,9 @@ def test_http_fail_and_restore_the_primary(tmp_path: Path) -> None:
         url = srv.url
 
         def chat(sid: str, messages: list[dict[str, str]]) -> httpx.Response:
-            body = {"model": "default", "messages": messages, "temperature": 0, "max_tokens": 16}
-            r = httpx.post(
-                url + "/v1/chat/completions", json=body, headers={"X-Session-ID": sid}, timeout=60
-            )
-            assert r.status_code == 200, r.text
-            return r
+            return server_chat(url, sid, messages, max_tokens=16)
 
-        def text(r: httpx.Response) -> str:
-            return str(r.json()["choices"][0]["message"]["content"])
+        text = reply_text
 
         def cached(r: httpx.Response) -> int:
             return int(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
