@@ -29,6 +29,7 @@ from kvtier.server.devices_admin import device_readiness
 from kvtier.server.engine import Finished
 from kvtier.server.failover import DEGRADED, DRAINING, FAILED, HEALTHY, RESTORING, place
 from kvtier.server.metrics import ServerMetrics
+from kvtier.server.model import cache_kwarg
 from kvtier.types import SessionState
 
 CPU = torch.device("cpu")
@@ -189,7 +190,8 @@ def test_move_l1_keeps_only_what_l2_holds(tmp_path: Path) -> None:
         s = cache.session("x")
         kv = s.restore(ids)
         with torch.inference_mode():
-            served.model(input_ids=torch.tensor([ids]), past_key_values=kv, use_cache=True)
+            kwargs = {cache_kwarg(served.model): kv}
+            served.model(input_ids=torch.tensor([ids]), use_cache=True, **kwargs)
         s.commit(ids)
         assert s.bufs is not None
         want = [(k[:, :, :96].clone(), v[:, :, :96].clone()) for k, v in s.bufs.layers]
