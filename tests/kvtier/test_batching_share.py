@@ -31,11 +31,11 @@ FULL = COMMON // PAGE_SIZE
 
 
 def _first_turns(
-    served: ServedModel, tmp_path: Path, jobs: list[Job]
+    served: ServedModel, tmp_path: Path, jobs: list[Job], **over: Any
 ) -> tuple[BatchScheduler, TieredBackend, list[str]]:
     """Run each session's first turn through the scheduler thread (the backend commits it),
     then stop the thread: the caller drives the next turns by hand."""
-    config = _config(tmp_path)
+    config = _config(tmp_path, **over)
     backend = TieredBackend(served.model, config, served.name)
     sched = BatchScheduler(served, backend, config)
     results = _run(sched, *(_one(sched, job) for job in jobs))
@@ -210,6 +210,36 @@ def test_a_holder_leaving_first_leaves_the_sharers_pages(tmp_path: Path) -> None
         for p, n, s in zip(nexts, lengths, (holder, sharer, late), strict=True):
             assert _reply(served, s) == _greedy_alone(ref, p, n)
         assert pool.num_free == pool.num_pages
+        assert len(sched._prefixes) == 0
+    finally:
+        _close(sched, backend, loop)
+
+
+def test_shared_pages_survive_preemption_in_a_full_pool(tmp_path: Path) -> None:
+    """A pool too small for three decoding sessions: the latest is preempted (it drops its
+    references; the others keep the shared pages) and, admitted again, shares them again."""
+    ref = _build("llama")
+    served = _build("llama")
+    page_bytes = 2 * 2 * 2 * 16 * 4 * PAGE_SIZE  # layers * k|v * kv heads * dim * fp32 * tokens
+    firsts = _conversations(3)
+    jobs = [_job(f"p{i}", p, 8) for i, p in enumerate(firsts)]
+    sched, backend, replies = _first_turns(served, tmp_path, jobs, batch_kv_bytes=19 * page_bytes)
+    loop = asyncio.new_event_loop()
+    try:
+        nexts = _next_prompts(firsts, replies, 35)
+        turns = [_restored(sched, loop, _job(f"p{i}", p, 40)) for i, p in enumerate(nexts)]
+        before = sched.preemptions
+
+        def hook(step: int) -> None:
+            if step == 0:
+                sched.waiting.extend(turns)
+
+        _drive(sched, hook)
+        assert sched.preemptions > before  # the decoders outgrew the pool
+        assert sched.shared_pages >= 3 * FULL  # the preempted turn shared again on return
+        for p, s in zip(nexts, turns, strict=True):
+            assert _reply(served, s) == _greedy_alone(ref, p, 40)
+        assert sched.pool.num_free == sched.pool.num_pages
         assert len(sched._prefixes) == 0
     finally:
         _close(sched, backend, loop)
