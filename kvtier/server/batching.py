@@ -174,8 +174,10 @@ class BatchScheduler:
         self.waiting: deque[_Seq] = deque()
         self.running: list[_Seq] = []
         self.preemptions = 0  # sequences moved out of the pool to make room
-        # full pages of restored prefixes shared between running sequences of one tenant
-        self.share_prefixes = True  # (a benchmark may turn it off)
+        # Full pages of restored prefixes shared between running sequences of one tenant; not
+        # where L2/L3 hold approximate K/V (an int8 or fp8 codec): a session restored from L1
+        # would then read another's approximate prefix instead of its own exact one.
+        self.share_prefixes = str(getattr(config, "codec", "native")) == "native"
         self._prefixes = PrefixPages()
         self._prefix_pool: PagePool | None = None  # the pool the index's pages belong to
         self.shared_pages = 0  # pages taken from a running sequence at admission, in all

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 from test_batching import _build, _config, _greedy_alone, _job, _one, _prompts, _run
 
-from kvtier.server.backend import TieredBackend
+from kvtier.server.backend import RecomputeBackend, TieredBackend
 from kvtier.server.batching import PAGE_SIZE, BatchScheduler, _Seq
 from kvtier.server.engine import Job, Stream
 from kvtier.server.model import ServedModel
@@ -243,3 +243,15 @@ def test_shared_pages_survive_preemption_in_a_full_pool(tmp_path: Path) -> None:
         assert len(sched._prefixes) == 0
     finally:
         _close(sched, backend, loop)
+
+
+def test_no_sharing_with_a_lossy_codec(tmp_path: Path) -> None:
+    """With int8 or fp8 chunks in L2/L3 a restored prefix may be approximate: a session whose
+    prefix is exact (from L1) must not read another session's pages of it."""
+    served = _build("llama")
+    for codec, shares in (("native", True), ("int8", False), ("fp8", False)):
+        sched = BatchScheduler(
+            served, RecomputeBackend(served.model), _config(tmp_path, codec=codec)
+        )
+        sched.close()
+        assert sched.share_prefixes is shares
