@@ -18,11 +18,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from test_batching import _build, _config, _greedy_alone, _job, _one, _prompts, _run
+from test_multi_device import _poison
 
+from kvtier.paged.sharded import ShardedPagePool
 from kvtier.server.backend import RecomputeBackend, TieredBackend
 from kvtier.server.batching import PAGE_SIZE, BatchScheduler, _Seq
 from kvtier.server.engine import Job, Stream
+from kvtier.server.failover import DEGRADED, place
 from kvtier.server.model import ServedModel
 from kvtier.server.sampling import ReplyText, make_generator
 
@@ -96,10 +100,12 @@ def _close(sched: BatchScheduler, backend: TieredBackend, loop: asyncio.Abstract
     loop.close()
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "llama-on-2-devices"])
 def test_one_tenants_sessions_share_their_common_prefix_pages(kind: str, tmp_path: Path) -> None:
-    ref = _build(kind)
-    served = _build(kind)
+    ref = _build(kind.split("-")[0])
+    served = _build(kind.split("-")[0])
+    if kind.endswith("devices"):  # two logical devices on the CPU: a pool sharded by layer
+        served = place(served, [torch.device("cpu")] * 2)
     firsts = _conversations(3)
     jobs = [_job(f"s{i}", p, 8) for i, p in enumerate(firsts)]
     sched, backend, replies = _first_turns(served, tmp_path, jobs)
@@ -108,6 +114,7 @@ def test_one_tenants_sessions_share_their_common_prefix_pages(kind: str, tmp_pat
         nexts = _next_prompts(firsts, replies, 32)
         turns = [_restored(sched, loop, _job(f"s{i}", p, 16)) for i, p in enumerate(nexts)]
         pool = sched.pool
+        assert isinstance(pool, ShardedPagePool) == kind.endswith("devices")
         seen: dict[str, Any] = {"refs": 0, "used": 0, "tables": 0}
 
         def hook(step: int) -> None:
@@ -255,3 +262,41 @@ def test_no_sharing_with_a_lossy_codec(tmp_path: Path) -> None:
         )
         sched.close()
         assert sched.share_prefixes is shares
+
+
+def test_a_device_lost_while_pages_are_shared(tmp_path: Path) -> None:
+    """Two logical devices; device 1 is lost while three turns share their prefix pages: the
+    pages go with the old pool (poisoned), the turns are admitted into the rebuilt pool, share
+    there again, and reply exactly."""
+    ref = _build("llama")
+    served = place(_build("llama"), [torch.device("cpu")] * 2)
+    failover = served.devices
+    firsts = _conversations(3)
+    jobs = [_job(f"f{i}", p, 8) for i, p in enumerate(firsts)]
+    sched, backend, replies = _first_turns(served, tmp_path, jobs)
+    loop = asyncio.new_event_loop()
+    try:
+        nexts = _next_prompts(firsts, replies, 36)
+        turns = [_restored(sched, loop, _job(f"f{i}", p, 16)) for i, p in enumerate(nexts)]
+        old = sched.pool
+        shared_before: list[int] = []
+
+        def hook(step: int) -> None:
+            if step == 0:
+                sched.waiting.extend(turns)
+            elif step == 3:
+                assert len(sched.running) == 3 and sched.shared_pages == 2 * FULL
+                shared_before.append(sched.shared_pages)
+                _poison(served, sched, 1)  # what the lost device's pages are worth
+                done = failover.fail(1)
+                failover.poll(sched)  # as the scheduler does between steps
+                assert done.result(5)["state"] == DEGRADED
+                assert sched.pool is not old and not sched.running  # all wait to run again
+
+        _drive(sched, hook)
+        assert shared_before and sched.shared_pages == 4 * FULL  # shared again after it
+        for p, s in zip(nexts, turns, strict=True):
+            assert _reply(served, s) == _greedy_alone(ref, p, 16)
+        assert sched.pool.num_free == sched.pool.num_pages
+    finally:
+        _close(sched, backend, loop)
