@@ -13,7 +13,9 @@ hands back a transformers Cache over the first `covered` prompt tokens) and only
    prefilling, oldest first;
 4. admits waiting sequences while budget, batch slots (`max_concurrency`) and pages for their
    whole known token list remain: it copies the restored prefix's K/V into the new pages
-   (device to device) and schedules their first prompt chunk;
+   (device to device) and schedules their first prompt chunk. Full pages of that prefix that a
+   running sequence of the same tenant already holds (same tokens from position 0) are shared
+   instead of copied (`kvtier.server.pageshare`);
 5. runs the batch as one flattened forward (`kvtier.paged.BatchRunner`) and samples one token
    for every sequence whose tokens are all fed.
 
@@ -45,6 +47,7 @@ from kvtier.server.engine import ContextExceeded, Delta, Failed, Finished, Job, 
 from kvtier.server.eventpost import EventPost
 from kvtier.server.failover import make_pool
 from kvtier.server.model import ServedModel
+from kvtier.server.pageshare import PrefixPages, page_keys
 from kvtier.server.sampling import ReplyText, make_generator, sample_rows
 from kvtier.tiers import l3_io
 
@@ -84,6 +87,8 @@ class _Seq:
     step_ms: list[float] | None = None  # each of them, when tracing (DEBUG)
     mallocs: int = 0  # device allocations (cudaMalloc) so far at admission, when tracing
     cpu: dict[int, float] | None = None  # CPU seconds of each thread at admission, when tracing
+    # content keys of the full pages of the cached prefix, for (cached, page size)
+    keys: tuple[int, int, list[bytes]] | None = None
 
     @property
     def fed(self) -> int:
@@ -169,6 +174,13 @@ class BatchScheduler:
         self.waiting: deque[_Seq] = deque()
         self.running: list[_Seq] = []
         self.preemptions = 0  # sequences moved out of the pool to make room
+        # Full pages of restored prefixes shared between running sequences of one tenant; not
+        # where L2/L3 hold approximate K/V (an int8 or fp8 codec): a session restored from L1
+        # would then read another's approximate prefix instead of its own exact one.
+        self.share_prefixes = str(getattr(config, "codec", "native")) == "native"
+        self._prefixes = PrefixPages()
+        self._prefix_pool: PagePool | None = None  # the pool the index's pages belong to
+        self.shared_pages = 0  # pages taken from a running sequence at admission, in all
         self._events = EventPost()  # this iteration's events, handed over together
         isolate = bool(getattr(config, "isolate_cpus", False)) and served.device.type == "cuda"
         if served.device.type == "cpu":
@@ -350,10 +362,11 @@ class BatchScheduler:
                 self.waiting.popleft()
                 self._fail(s, self._too_long(len(s.tokens)))
                 continue
-            if pages > pool.num_free - need:  # the decoders' new pages come first
+            shared = self._shareable(s)  # held already: they take no free page
+            if pages - len(shared) > pool.num_free - need:  # the decoders' new pages come first
                 break  # the pool is full: it waits for a sequence to finish
             self.waiting.popleft()
-            if not self._admit(s):
+            if not self._admit(s, shared):
                 continue
             n = min(len(s.tokens) - s.fed, self.prefill_step, budget)
             items.append((s, s.tokens[s.fed : s.fed + n]))
@@ -370,18 +383,22 @@ class BatchScheduler:
             "it, or raise batch_kv_bytes (or turn batching off)"
         )
 
-    def _admit(self, s: _Seq) -> bool:
-        """Give a waiting sequence pages for all its known tokens and copy in its cached K/V."""
+    def _admit(self, s: _Seq, shared: list[int] | None = None) -> bool:
+        """Give a waiting sequence pages for all its known tokens and copy in its cached K/V;
+        `shared` (from `_shareable`) are full pages of its cached prefix that it shares."""
         seq = PagedSequence()
         s.t_admit = time.perf_counter()
         if turns_log.isEnabledFor(logging.DEBUG):
             s.step_ms, s.mallocs, s.cpu = [], self._device_allocs(), _thread_cpu()
-        ok = self.pool.reserve(seq, len(s.tokens))
+        if shared:
+            seq.pages = self.pool.share(shared)
+            seq.length = len(shared) * self.pool.page_size
+        ok = self.pool.reserve(seq, len(s.tokens) - seq.length)
         assert ok, "free pages were counted above"
         try:
-            if s.cached:
+            if s.cached > seq.length:
                 assert s.restored is not None
-                self._copy_in(s.restored.kv, seq, s.cached)
+                self._copy_in(s.restored.kv, seq, seq.length, s.cached)
                 s.copy_in_s = time.perf_counter() - s.t_admit
         except BaseException as exc:
             self.pool.release(seq)
@@ -390,17 +407,56 @@ class BatchScheduler:
         seq.length = s.cached
         s.paged = seq
         self.running.append(s)
+        if shared:
+            self.shared_pages += len(shared)
+            self._count("shared_kv_pages", len(shared))
+        if self._sharing():
+            self._prefixes.register(s, self._page_keys(s), seq)
         return True
 
-    def _copy_in(self, kv: Any, seq: PagedSequence, n: int) -> None:
-        """The first `n` tokens of a transformers Cache, layer by layer, into the pages."""
+    # ---- shared prefix pages (kvtier.server.pageshare) ----------------------------------------
+
+    def _sharing(self) -> bool:
+        """Whether admissions share prefix pages now: not from an int8 pool (degraded mode)."""
+        if not self.share_prefixes or self.pool.quantized:
+            return False
+        if self._prefix_pool is not self.pool:  # rebuilt by a device failover: a new index
+            self._prefixes.clear()
+            self._prefix_pool = self.pool
+        return True
+
+    def _page_keys(self, s: _Seq) -> list[bytes]:
+        """Content keys of the full pages of `s`'s cached prefix (tenant and token ids)."""
+        size = self.pool.page_size
+        if s.keys is None or s.keys[:2] != (s.cached, size):
+            keys = page_keys(s.job.tenant, s.tokens, size, s.cached // size)
+            s.keys = (s.cached, size, keys)
+        return s.keys[2]
+
+    def _shareable(self, s: _Seq) -> list[int]:
+        """Pages a running sequence holds for the longest run of `s`'s leading full cached
+        pages (the same tenant and tokens from position 0)."""
+        if s.cached < self.pool.page_size or not self.running or not self._sharing():
+            return []
+        return self._prefixes.lookup(self._page_keys(s), self.running)
+
+    def _release(self, s: _Seq) -> None:
+        """`s` leaves the pool: drop its reference to each page (a shared page stays)."""
+        self._prefixes.forget(s)
+        if s.paged is not None:
+            self.pool.release(s.paged)
+            s.paged = None
+
+    def _copy_in(self, kv: Any, seq: PagedSequence, start: int, n: int) -> None:
+        """Tokens `[start, n)` of a transformers Cache, layer by layer, into the pages."""
         size = self.pool.page_size
         pages = torch.tensor(seq.pages, dtype=torch.long)
-        slots = (pages[:, None] * size + torch.arange(size)).flatten()[:n].to(self.pool.device)
+        slots = (pages[:, None] * size + torch.arange(size)).flatten()[start:n]
+        slots = slots.to(self.pool.device)
         for i, layer in enumerate(kv.layers):
             dev = self.pool.storage(i)[0].device  # the layer's device (kvtier.placement)
-            k = layer.keys[0, :, :n].transpose(0, 1).to(dev)
-            v = layer.values[0, :, :n].transpose(0, 1).to(dev)
+            k = layer.keys[0, :, start:n].transpose(0, 1).to(dev)
+            v = layer.values[0, :, start:n].transpose(0, 1).to(dev)
             self.pool.write_layer(i, k, v, slots.to(dev))  # quantized into an int8 pool
 
     def _copy_out(self, s: _Seq) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -434,8 +490,7 @@ class BatchScheduler:
         if not self.pool.quantized:  # from an int8 pool nothing went to the Cache
             s.cached = s.paged.length
         self.preemptions += 1
-        self.pool.release(s.paged)
-        s.paged = None
+        self._release(s)
         self.waiting.appendleft(s)
 
     def _out_of_room(self, s: _Seq) -> None:
@@ -543,9 +598,7 @@ class BatchScheduler:
         except BaseException as exc:
             self._fail(s, exc)
             return
-        if s.paged is not None:
-            self.pool.release(s.paged)
-            s.paged = None
+        self._release(s)
         self._deliver()  # its deltas reach the client before Finished
         self._commits.submit(self._commit, s, reason, fed, layers)
 
@@ -579,9 +632,7 @@ class BatchScheduler:
     def _fail(self, s: _Seq, exc: BaseException) -> None:
         """The request fails: free its pages, and abort its session off this thread."""
         self._leave(s)
-        if s.paged is not None:
-            self.pool.release(s.paged)
-            s.paged = None
+        self._release(s)
         self._deliver()
         self._commits.submit(self._abort, s, exc)
 

@@ -88,6 +88,12 @@ class ServerMetrics:
             "Degraded turns run over attention sinks plus a sliding window (--degraded-window).",
             registry=registry,
         )
+        self.shared_kv_pages = Counter(
+            "kvtier_server_shared_kv_pages_total",
+            "Full KV pages of a restored prefix that an admitted turn took from a running turn "
+            "of its tenant instead of copying them (batching scheduler).",
+            registry=registry,
+        )
         self.int8_kv_turns = Counter(
             "kvtier_server_int8_kv_turns_total",
             "Degraded turns whose K/V was read, wholly or partly, from int8 pages (--degraded-kv).",
@@ -111,6 +117,7 @@ class ServerMetrics:
             "degraded_turns": self.degraded_turns,
             "streaming_turns": self.streaming_turns,
             "int8_kv_turns": self.int8_kv_turns,
+            "shared_kv_pages": self.shared_kv_pages,
         }[name].inc(n)
 
     def ttft(self, source: str, seconds: float) -> None:
