@@ -26,8 +26,8 @@ import torch
 from transformers import DynamicCache
 
 from kvtier.server.backend import TieredBackend
-from kvtier.server.batching import append_kv
 from kvtier.server.config import ServerConfig
+from kvtier.server.pagecopy import append_kv
 
 OOM_NAMES = ("OutOfMemoryError", "L1BudgetExceeded", "PoolExhausted")
 

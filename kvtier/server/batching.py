@@ -33,7 +33,7 @@ import os
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -47,14 +47,13 @@ from kvtier.server.engine import ContextExceeded, Delta, Failed, Finished, Job, 
 from kvtier.server.eventpost import EventPost
 from kvtier.server.failover import make_pool
 from kvtier.server.model import ServedModel
+from kvtier.server.pagecopy import append_kv, copy_in, copy_out
 from kvtier.server.pageshare import PrefixPages, page_keys
 from kvtier.server.sampling import ReplyText, make_generator, sample_rows
+from kvtier.server.turntrace import TurnTrace
 from kvtier.tiers import l3_io
 
 log = logging.getLogger("kvtier.server")
-# One line per turn at its first token, at DEBUG: where the time to it went (bench/restart.py
-# --diagnose reads these).
-turns_log = logging.getLogger("kvtier.turns")
 
 PAGE_SIZE = 16  # tokens per KV page (CPU, or where FlashAttention's varlen cannot run)
 DEFAULT_BATCH_TOKENS = 1024
@@ -77,16 +76,7 @@ class _Seq:
     cached: int = 0  # leading tokens whose K/V the session's Cache holds
     paged: PagedSequence | None = None  # its pages while running, None while waiting
     first: bool = False  # the first token's logits arrived (TTFT observed)
-    # where the time to the first token went (perf_counter instants; see _trace_first)
-    t_restore: float = 0.0  # the restore pool began this turn's restore
-    t_restored: float = 0.0  # ... and handed it to the scheduler
-    t_admit: float = 0.0  # pages reserved, cached K/V copied in
-    copy_in_s: float = 0.0
-    steps: int = 0  # forwards this turn was part of before its first token
-    step_s: float = 0.0  # their summed wall time
-    step_ms: list[float] | None = None  # each of them, when tracing (DEBUG)
-    mallocs: int = 0  # device allocations (cudaMalloc) so far at admission, when tracing
-    cpu: dict[int, float] | None = None  # CPU seconds of each thread at admission, when tracing
+    trace: TurnTrace = field(default_factory=TurnTrace)  # where the time to its first token went
     # content keys of the full pages of the cached prefix, for (cached, page size)
     keys: tuple[int, int, list[bytes]] | None = None
 
@@ -230,7 +220,7 @@ class BatchScheduler:
 
     def _restore(self, s: _Seq) -> None:
         job = s.job
-        s.t_restore = time.perf_counter()
+        s.trace.restore = time.perf_counter()
         try:
             ids = torch.tensor([job.prompt_ids], dtype=torch.long, device=self.served.device)
             s.restored = self._restore_when_room(job, ids)
@@ -241,7 +231,7 @@ class BatchScheduler:
                 self._cond.notify_all()
             return
         s.cached = s.restored.covered
-        s.t_restored = time.perf_counter()
+        s.trace.restored = time.perf_counter()
         s.stream.put(Started(s.restored.source, s.cached, len(job.prompt_ids)))
         with self._cond:
             self._restoring -= 1
@@ -387,9 +377,7 @@ class BatchScheduler:
         """Give a waiting sequence pages for all its known tokens and copy in its cached K/V;
         `shared` (from `_shareable`) are full pages of its cached prefix that it shares."""
         seq = PagedSequence()
-        s.t_admit = time.perf_counter()
-        if turns_log.isEnabledFor(logging.DEBUG):
-            s.step_ms, s.mallocs, s.cpu = [], self._device_allocs(), _thread_cpu()
+        s.trace.admitting(self.pool.device)
         if shared:
             seq.pages = self.pool.share(shared)
             seq.length = len(shared) * self.pool.page_size
@@ -398,8 +386,8 @@ class BatchScheduler:
         try:
             if s.cached > seq.length:
                 assert s.restored is not None
-                self._copy_in(s.restored.kv, seq, seq.length, s.cached)
-                s.copy_in_s = time.perf_counter() - s.t_admit
+                copy_in(self.pool, s.restored.kv, seq, seq.length, s.cached)
+                s.trace.copied_in()
         except BaseException as exc:
             self.pool.release(seq)
             self._fail(s, exc)
@@ -447,35 +435,10 @@ class BatchScheduler:
             self.pool.release(s.paged)
             s.paged = None
 
-    def _copy_in(self, kv: Any, seq: PagedSequence, start: int, n: int) -> None:
-        """Tokens `[start, n)` of a transformers Cache, layer by layer, into the pages."""
-        size = self.pool.page_size
-        pages = torch.tensor(seq.pages, dtype=torch.long)
-        slots = (pages[:, None] * size + torch.arange(size)).flatten()[start:n]
-        slots = slots.to(self.pool.device)
-        for i, layer in enumerate(kv.layers):
-            dev = self.pool.storage(i)[0].device  # the layer's device (kvtier.placement)
-            k = layer.keys[0, :, start:n].transpose(0, 1).to(dev)
-            v = layer.values[0, :, start:n].transpose(0, 1).to(dev)
-            self.pool.write_layer(i, k, v, slots.to(dev))  # quantized into an int8 pool
-
     def _copy_out(self, s: _Seq) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """K/V of tokens [cached, fed) from the pages, per layer as `[1, kv_heads, n, dim]`.
-
-        None from an int8 pool (degraded mode): the session's Cache never takes approximate
-        K/V, so it keeps its first `cached` tokens and the turn's commit covers only those
-        (the rest is recomputed, exactly once the pool is native again)."""
+        """K/V of tokens [cached, fed) from the pages (nothing from an int8 pool)."""
         assert s.paged is not None
-        start, end = s.cached, s.paged.length
-        if end <= start or self.pool.quantized:
-            return []
-        out = []
-        home = self.pool.device  # the session's Cache lives on the primary device
-        for i in range(self.pool.geometry.num_layers):
-            k, v = self.pool.gather_layer(s.paged.pages, start, end, i)
-            k, v = k.to(home), v.to(home)
-            out.append((k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)))
-        return out
+        return copy_out(self.pool, s.paged, s.cached)
 
     def _preempt(self, s: _Seq) -> None:
         """Move a running sequence's K/V into its session's Cache, free its pages, requeue it."""
@@ -531,10 +494,7 @@ class BatchScheduler:
         took = time.perf_counter() - start
         for s, _ in items:
             if not s.first:
-                s.steps += 1
-                s.step_s += took
-                if s.step_ms is not None:
-                    s.step_ms.append(round(took * 1000, 1))
+                s.trace.step(took)
         done = [s for s, _ in items if s.fed == len(s.tokens)]  # all fed: a token is due
         if done:
             rows = [i for i, (s, _) in enumerate(items) if s.fed == len(s.tokens)]
@@ -552,8 +512,16 @@ class BatchScheduler:
                 if not s.first:
                     s.first = True
                     self._observe_ttft(s, now - s.admitted)
-                    if turns_log.isEnabledFor(logging.DEBUG):
-                        self._trace_first(s, now)
+                    assert s.restored is not None
+                    s.trace.log_first(
+                        s.job.session_id,
+                        s.admitted,
+                        now,
+                        s.restored.source,
+                        s.cached,
+                        len(s.job.prompt_ids),
+                        self.pool.device,
+                    )
                 if s.job.max_tokens <= 0:
                     self._finish(s, "length", flush=True)
                 else:
@@ -663,67 +631,6 @@ class BatchScheduler:
         if self.metrics is not None:
             self.metrics.count(name, n)
 
-    def _trace_first(self, s: _Seq, now: float) -> None:
-        ms = 1000.0
-        assert s.restored is not None
-        turns_log.debug(
-            "turn %s: first token %.1f ms after admission: queued %.1f, restore %.1f (%s, %d of "
-            "%d cached), waiting %.1f, copy-in %.1f, %d steps %.1f %s, rest %.1f; %d device "
-            "allocations; CPU ms by thread meanwhile: %s",
-            s.job.session_id[:64],
-            (now - s.admitted) * ms,
-            (s.t_restore - s.admitted) * ms,
-            (s.t_restored - s.t_restore) * ms,
-            s.restored.source,
-            s.cached,
-            len(s.job.prompt_ids),
-            (s.t_admit - s.t_restored) * ms,
-            s.copy_in_s * ms,
-            s.steps,
-            s.step_s * ms,
-            s.step_ms,
-            (now - s.t_admit - s.step_s) * ms,
-            self._device_allocs() - s.mallocs,
-            _busy_threads(s.cpu),
-        )
-
-    def _device_allocs(self) -> int:
-        """cudaMalloc calls of this process so far (0 off CUDA)."""
-        if self.pool.device.type != "cuda":
-            return 0
-        return int(torch.cuda.memory_stats(self.pool.device).get("num_device_alloc", 0))
-
     def _observe_ttft(self, s: _Seq, seconds: float) -> None:
         if self.metrics is not None and s.restored is not None and not s.job.internal:
             self.metrics.ttft(s.restored.source, seconds)
-
-
-def _thread_cpu() -> dict[int, float]:
-    """CPU seconds so far of each thread of this process, by native thread id."""
-    import psutil
-
-    return {t.id: t.user_time + t.system_time for t in psutil.Process().threads()}
-
-
-def _busy_threads(before: dict[int, float] | None) -> str:
-    """The threads that used at least 1 ms of CPU since `before`, by name (for the trace)."""
-    if before is None:
-        return "-"
-    names = {t.native_id: t.name for t in threading.enumerate()}
-    used = {
-        names.get(tid, str(tid)): (sec - before.get(tid, 0.0)) * 1000
-        for tid, sec in _thread_cpu().items()
-    }
-    busy = sorted(((ms, name) for name, ms in used.items() if ms >= 1.0), reverse=True)
-    return ", ".join(f"{name} {ms:.0f}" for ms, name in busy) or "none"
-
-
-def append_kv(kv: Any, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """Append K/V (`[1, kv_heads, n, dim]` per layer) to a transformers Cache with `update()`.
-
-    Last layer first: kvtier's cache times a multi-token forward from layer 0 to the last layer
-    as a prefill (its cost model learns the prefill rate from it), and this copy is no prefill.
-    """
-    for i in range(len(layers) - 1, -1, -1):
-        k, v = layers[i]
-        kv.update(k, v, i)

@@ -1,0 +1,60 @@
+"""K/V between a session's transformers Cache and the batch's page pool.
+
+A restored prefix goes into the pages when its turn is admitted (`copy_in`); the K/V a turn
+computed (its prompt suffix and the fed reply tokens) comes back out when it ends or is
+preempted (`copy_out`), and is appended to the session's Cache (`append_kv`), which the tiered
+cache then commits.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from kvtier.paged import PagedSequence, PagePool
+
+
+def copy_in(pool: PagePool, kv: Any, seq: PagedSequence, start: int, n: int) -> None:
+    """Tokens `[start, n)` of a transformers Cache, layer by layer, into `seq`'s pages (an int8
+    pool quantizes them)."""
+    size = pool.page_size
+    pages = torch.tensor(seq.pages, dtype=torch.long)
+    slots = (pages[:, None] * size + torch.arange(size)).flatten()[start:n]
+    slots = slots.to(pool.device)
+    for i, layer in enumerate(kv.layers):
+        dev = pool.storage(i)[0].device  # the layer's device (kvtier.placement)
+        k = layer.keys[0, :, start:n].transpose(0, 1).to(dev)
+        v = layer.values[0, :, start:n].transpose(0, 1).to(dev)
+        pool.write_layer(i, k, v, slots.to(dev))
+
+
+def copy_out(
+    pool: PagePool, seq: PagedSequence, start: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """K/V of tokens `[start, seq.length)` from the pages, per layer as `[1, kv_heads, n, dim]`
+    on the pool's primary device (where the session's Cache lives).
+
+    Nothing from an int8 pool (degraded mode): the session's Cache never takes approximate K/V,
+    so it keeps what it had and the turn's commit covers only that (the rest is recomputed,
+    exactly once the pool is native again)."""
+    end = seq.length
+    if end <= start or pool.quantized:
+        return []
+    out = []
+    for i in range(pool.geometry.num_layers):
+        k, v = pool.gather_layer(seq.pages, start, end, i)
+        k, v = k.to(pool.device), v.to(pool.device)
+        out.append((k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)))
+    return out
+
+
+def append_kv(kv: Any, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Append K/V (`[1, kv_heads, n, dim]` per layer) to a transformers Cache with `update()`.
+
+    Last layer first: kvtier's cache times a multi-token forward from layer 0 to the last layer
+    as a prefill (its cost model learns the prefill rate from it), and this copy is no prefill.
+    """
+    for i in range(len(layers) - 1, -1, -1):
+        k, v = layers[i]
+        kv.update(k, v, i)
