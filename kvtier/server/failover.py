@@ -44,6 +44,7 @@ import concurrent.futures
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -253,13 +254,7 @@ class DeviceFailover:
     def _fail_over(self, sched: Any, device: int, reason: str, since: float) -> None:
         self._set(DRAINING, f"device {device} lost: {reason}")
         moves = device == self.placed.placement.primary
-        old = self._drop(sched, keep_pages=False)
-        if moves:
-            rehome.quiesce(sched)
-        self.placed.replace(device)
-        if moves:
-            rehome.rehome(self, sched, lost=True)
-        self._build(sched, old)
+        self._re_place(sched, moves, lambda: self.placed.replace(device), lost=True)
         self.failovers += 1
         self.last_failover_s = time.perf_counter() - since
         survivors = ", ".join(str(d) for d in self.placed.placement.used())
@@ -273,19 +268,33 @@ class DeviceFailover:
         self._set(RESTORING, f"device {device} returning")
         primary = self.placed.placement.primary
         moves = self.placed.home.primary == device and primary != device
-        old = self._drop(sched, keep_pages=not moves)  # moving L1: its K/V would go too
-        if moves:
-            rehome.quiesce(sched)
-        self.placed.restore(device)
-        if moves:
-            rehome.rehome(self, sched, lost=False)
-        self._build(sched, old)
+        # a running sequence keeps its pages unless L1 moves (its K/V would go too)
+        self._re_place(sched, moves, lambda: self.placed.restore(device), keep_pages=not moves)
         if self.placed.lost:
             lost = ", ".join(str(d) for d in sorted(self.placed.lost))
             self._set(DEGRADED, f"device(s) {lost} still lost")
         else:
             self._set(HEALTHY, "")
         log.warning("device %d restored: %s", device, self.placed.placement.describe())
+
+    def _re_place(
+        self,
+        sched: Any,
+        moves: bool,
+        change: Callable[[], object],
+        lost: bool = False,
+        keep_pages: bool = False,
+    ) -> None:
+        """Drain and drop the pool, `change` the placement, rebuild the pool; when the primary
+        device `moves`, the session L1 and the batch's buffers move with it (rehome.py; `lost`:
+        from a lost device, whose L1 is not read)."""
+        old = self._drop(sched, keep_pages=keep_pages)
+        if moves:
+            rehome.quiesce(sched)
+        change()
+        if moves:
+            rehome.rehome(self, sched, lost=lost)
+        self._build(sched, old)
 
     def _drop(self, sched: Any, keep_pages: bool) -> _PoolShape | None:
         """Drain, then let go of the page pool and the runner (their memory is freed before the

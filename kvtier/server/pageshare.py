@@ -6,7 +6,7 @@ into pages; `PrefixPages` lets a later sequence take the pages of the same prefi
 running sequence instead (`PagePool.share`: one more reference, no copy).
 
 A page is found by a content key: a hash chain over the tenant and the token ids of the first
-`(i + 1) * page_size` tokens (`page_keys`, `kvtier.cache.keys.chunk_key` per page). Equal keys
+`(i + 1) * page_size` tokens (`page_keys`: the cache's chunk-key chain, a page per link). Equal keys
 mean equal tokens from position 0, so equal K/V. The tenant is part of every key: sessions of
 different tenants never share a page, so no tenant can learn from an admission's speed that
 another one sent the same prefix.
@@ -23,26 +23,22 @@ them runs.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvtier.cache.keys import ZERO_KEY, chunk_key
+from kvtier.cache.keys import chain, namespace
 from kvtier.paged import PagedSequence
+
+PAGE_NAMESPACE = b"kvtier-page"  # page keys never equal a chunk key of the cache
 
 
 def page_keys(tenant: str, tokens: Sequence[int], page_size: int, pages: int) -> list[bytes]:
-    """The content keys of the first `pages` full pages of `tokens` under `tenant`."""
-    ns = hashlib.blake2b(
-        b"kvtier-page\x00" + tenant.encode("utf-8", "surrogatepass"), digest_size=16
-    ).digest()
-    out: list[bytes] = []
-    parent = ZERO_KEY
-    for i in range(pages):
-        parent = chunk_key(parent, tokens[i * page_size : (i + 1) * page_size], ns)
-        out.append(parent)
-    return out
+    """The content keys of the first `pages` full pages of `tokens` under `tenant`: the cache's
+    chunk-key chain (`kvtier.cache.keys.chain`) with pages for chunks, in a namespace of its own
+    for each tenant."""
+    ns = namespace(PAGE_NAMESPACE, tenant)
+    return [key for _, key in chain(tokens[: pages * page_size], page_size, ns)]
 
 
 @dataclass(eq=False)

@@ -46,9 +46,9 @@ def _run(sched: BatchScheduler, *calls: Any) -> list[Reply]:
     return asyncio.run(asyncio.wait_for(main(), 120))
 
 
-def _poison_primary(served: Any, sched: BatchScheduler, backend: TieredBackend) -> None:
-    """What the lost primary's memory is worth: NaN (False for the sampler's mask)."""
-    placed = served.devices.placed
+def _poison_weights(placed: Any) -> None:
+    """Device 0's layers and every weight outside the layers (embeddings, norm, LM head,
+    rotary buffers) become NaN."""
     with torch.no_grad():
         for i in placed.placement.layers_on(0):
             for p in placed.layers[i].parameters():
@@ -57,6 +57,13 @@ def _poison_primary(served: Any, sched: BatchScheduler, backend: TieredBackend) 
             t = module._parameters[name] if is_param else module._buffers[name]
             if t is not None and t.is_floating_point():
                 t.fill_(NAN)
+
+
+def _poison_primary(served: Any, sched: BatchScheduler, backend: TieredBackend) -> None:
+    """What the lost primary's memory is worth: NaN (False for the sampler's mask)."""
+    placed = served.devices.placed
+    _poison_weights(placed)
+    with torch.no_grad():
         if served.allowed is not None:
             served.allowed.fill_(False)
         for s in backend.cache.sessions():
@@ -319,14 +326,7 @@ def test_replacing_the_primary_reloads_the_rest_tied_weights_stay_tied() -> None
     assert placed.placement.layers == (0, 0, 1)
     tied = model.lm_head.weight
     assert tied is model.model.embed_tokens.weight
-    with torch.no_grad():
-        for i in placed.placement.layers_on(0):
-            for p in placed.layers[i].parameters():
-                p.fill_(NAN)
-        for module, name, is_param, _ in placed.host.rest:
-            t = module._parameters[name] if is_param else module._buffers[name]
-            if t is not None and t.is_floating_point():
-                t.fill_(NAN)
+    _poison_weights(placed)
     placed.replace(0)
     assert placed.placement.layers == (1, 1, 1) and placed.placement.primary == 1
     assert model.lm_head.weight is tied and model.model.embed_tokens.weight is tied
