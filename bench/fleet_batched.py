@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 from fleet_serve import TENANT, Fleet, Measure, Window, seed, session_name
+from stacks import StackSampler
 
 from kvtier.server.batching import BatchScheduler
 from kvtier.server.engine import Delta, Job, Stream
@@ -140,10 +141,17 @@ def run_batched(
         slots = asyncio.Semaphore(int(sched_config.max_concurrency))
         await asyncio.gather(*(client(s, slots) for s in range(len(fleet.contexts))))
 
+    sampler = StackSampler() if getattr(sched_config, "stacks", False) else None
+
     async def poll() -> None:
         while win.after is None:
             win.poll()
+            if sampler is not None and win.opened and not sampler.started:
+                sampler.start()  # the scheduler thread's stacks, inside the window only
             await asyncio.sleep(0.05)
+        if sampler is not None:
+            sampler.stop()
+            m.extra["stacks"] = sampler.report()
 
     fut = asyncio.run_coroutine_threadsafe(fleet_main(), loop)
     poller = asyncio.run_coroutine_threadsafe(poll(), loop)

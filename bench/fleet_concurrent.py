@@ -142,6 +142,7 @@ def run_scenario(args, model, dev: str, scen: str, n: int, fleet_ceiling, tmp: P
         prefill_step=args.prefill_step,
         batch_kv_bytes=batch * max_ctx * per_token,
         isolate_cpus=False,
+        stacks=args.stacks,
     )
     system = min(args.system, args.context // 2)
     ctxs = contexts(n, args.context, system, args.seed)
@@ -221,6 +222,8 @@ def run_scenario(args, model, dev: str, scen: str, n: int, fleet_ceiling, tmp: P
             f"({time.perf_counter() - t1:.0f}s) {m.note}",
             flush=True,
         )
+        if "stacks" in m.extra:
+            print(m.extra.pop("stacks"), flush=True)
     model.set_attn_implementation("sdpa")
     del bank
     rows = [
@@ -294,6 +297,12 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="also run generate_batch in the hibernate scenario (slow: it "
         "prefills every context every round)",
+    )
+    ap.add_argument(
+        "--stacks",
+        action="store_true",
+        help="sample the batch scheduler thread's Python stack every millisecond inside the "
+        "window and print where its time went (bench/stacks.py)",
     )
     ap.add_argument("--time-limit", type=float, default=20.0, help="seconds per configuration")
     ap.add_argument("--warmup", type=float, default=4.0, help="seconds before the window opens")

@@ -83,6 +83,9 @@ class PagedContext:
     row_seq: torch.Tensor | None = None
     row_lens: torch.Tensor | None = None
     row_table: torch.Tensor | None = None
+    # the rows' blocks (first row, rows; kvtier.paged.rowblocks): a prompt chunk's rows read
+    # their K/V together. None: every row on its own
+    row_blocks: tuple[torch.Tensor, torch.Tensor] | None = None
     capturing: bool = False  # recorded in a CUDA graph: only the "rows" path may run
     # the decode rows of a mixed step, made once per forward (see `_decode_rows`)
     _rows: tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor] | None = field(
@@ -335,6 +338,7 @@ def rows_paged(
         max_len=max(ctx.seq_lens),
         num_splits=ctx.num_splits,
         row_seq=row_seq,
+        blocks=ctx.row_blocks,
     )
 
 

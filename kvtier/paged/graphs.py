@@ -69,6 +69,7 @@ def padded_context(runner: BatchRunner, size: int, *, capturing: bool = False) -
         row_seq=runner.row_seq[:size],
         row_lens=runner.row_lens[:size],
         row_table=runner.block_table,
+        row_blocks=(runner.block_first[:size], runner.block_rows[:size]),
         capturing=capturing,
     )
 

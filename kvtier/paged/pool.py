@@ -360,6 +360,16 @@ class PagePool:
             out.append(x)
         return out[0], out[1]
 
+    def _check_unshared(self, table: Sequence[int], start: int, end: int) -> None:
+        """Tokens `[start, end)` of a sequence may be written: none of their pages is shared."""
+        if end <= start:
+            return
+        s = self.page_size
+        pages = table[start // s : (end - 1) // s + 1]
+        shared = sorted({p for p in pages if self._refs[p] > 1})
+        if shared:
+            raise ValueError(f"pages {shared} are shared; a shared page is never written")
+
     def scatter(
         self, table: Sequence[int], start: int, src: torch.Tensor, *, non_blocking: bool = False
     ) -> None:
@@ -370,9 +380,7 @@ class PagePool:
         end = start + src.shape[2]
         slots = self._slots(table, start, end)
         s = self.page_size
-        shared = sorted({table[t // s] for t in range(start, end) if self._refs[table[t // s]] > 1})
-        if shared:
-            raise ValueError(f"pages {shared} are shared; a shared page is never written")
+        self._check_unshared(table, start, end)
         expected = (*self.kv.shape[:2], end - start, *self.kv.shape[4:])
         if tuple(src.shape) != expected:
             raise ValueError(f"src is {tuple(src.shape)}, need {expected}")

@@ -23,6 +23,7 @@ import torch
 from kvtier.errors import ConfigError
 from kvtier.paged.attention import PagedContext, paged_context, register
 from kvtier.paged.pool import PagedSequence, PagePool, PoolExhausted
+from kvtier.paged.rowblocks import row_blocks, rows_per_block
 
 if TYPE_CHECKING:
     from kvtier.paged.graphs import DecodeGraphs
@@ -85,6 +86,8 @@ class BatchRunner:
         self._h_last = host(max_batch, dtype=torch.long)
         self._h_rowseq = host(max_tokens, dtype=torch.int32)
         self._h_rowlen = host(max_tokens, dtype=torch.int32)
+        self._h_blkrow = host(max_tokens, dtype=torch.int32)
+        self._h_blkn = host(max_tokens, dtype=torch.int32)
         # one table row per sequence, plus the padding row (index max_batch) of graph steps
         self._h_table = host(max_batch + 1, self.max_pages, dtype=torch.int32)
         self.input_ids = torch.zeros(1, max_tokens, dtype=torch.long, device=dev)
@@ -99,6 +102,13 @@ class BatchRunner:
         # "rows" attention backend (every token one row of the decode kernel)
         self.row_seq = torch.zeros(max_tokens, dtype=torch.int32, device=dev)
         self.row_lens = torch.zeros(max_tokens, dtype=torch.int32, device=dev)
+        # the kernel's row blocks (kvtier.paged.rowblocks): first row and rows of each; a
+        # prompt chunk's rows in blocks of `rows_per_block`, so they read their K/V together
+        self.block_first = torch.zeros(max_tokens, dtype=torch.int32, device=dev)
+        self.block_rows = torch.zeros(max_tokens, dtype=torch.int32, device=dev)
+        heads = int(getattr(model.config, "num_attention_heads", 0) or 0)
+        kv_heads = pool.geometry.num_kv_heads
+        self.rows_per_block = rows_per_block(heads // kv_heads if heads >= kv_heads else 1)
         # The host buffers are rewritten each step: wait until the last step's copies are done.
         self._copied = torch.cuda.Event() if pin else None
         self.graphs: DecodeGraphs | None = None
@@ -165,6 +175,7 @@ class BatchRunner:
         rows = min(size, self.max_batch)
         self._h_cu.numpy()[0] = self._h_cuk.numpy()[0] = 0
         self._pad_host(0, size, 0, rows)
+        self._write_blocks([], size)
         self._to_device(size, 1, rows)
 
     def _pad_host(self, t0: int, t1: int, r0: int, r1: int) -> None:
@@ -319,6 +330,7 @@ class BatchRunner:
             seq_lens.append(old + n)
             page_counts.append(count)
         b = len(batch)
+        self._write_blocks(query_lens, pad_to or total)
         if pad_to is not None:
             from kvtier.paged.graphs import padded_context
 
@@ -341,8 +353,23 @@ class BatchRunner:
             row_seq=self.row_seq[:total],
             row_lens=self.row_lens[:total],
             row_table=self.block_table,
+            row_blocks=(self.block_first[:total], self.block_rows[:total]),
         )
         return ctx
+
+    def _write_blocks(self, query_lens: Sequence[int], size: int) -> None:
+        """Host row blocks of a `size`-token step: the sequences' (`query_lens`) first, then
+        every token after them (padding) a block of its own, then empty entries up to `size`."""
+        first, rows = row_blocks(query_lens, self.rows_per_block)
+        total = sum(query_lens)
+        n = len(first)
+        blk_first, blk_rows = self._h_blkrow.numpy(), self._h_blkn.numpy()
+        blk_first[:n], blk_rows[:n] = first, rows
+        pad = size - total
+        blk_first[n : n + pad] = range(total, size)
+        blk_rows[n : n + pad] = 1
+        blk_first[n + pad : size] = 0
+        blk_rows[n + pad : size] = 0
 
     def _to_device(self, tokens: int, width: int, rows: int) -> None:
         """Copy the first `tokens` token entries, `rows` sequence rows and `width` block-table
@@ -354,6 +381,8 @@ class BatchRunner:
         self.slot_mapping[:tokens].copy_(self._h_slots[:tokens], non_blocking=nb)
         self.row_seq[:tokens].copy_(self._h_rowseq[:tokens], non_blocking=nb)
         self.row_lens[:tokens].copy_(self._h_rowlen[:tokens], non_blocking=nb)
+        self.block_first[:tokens].copy_(self._h_blkrow[:tokens], non_blocking=nb)
+        self.block_rows[:tokens].copy_(self._h_blkn[:tokens], non_blocking=nb)
         self.cu_seqlens_q[: b + 1].copy_(self._h_cu[: b + 1], non_blocking=nb)
         self.cu_seqlens_k[: b + 1].copy_(self._h_cuk[: b + 1], non_blocking=nb)
         self.context_lens[:b].copy_(self._h_lens[:b], non_blocking=nb)

@@ -164,10 +164,7 @@ class ShardedPagePool(PagePool):
     ) -> None:
         """As `PagePool.scatter`; each device receives its layers on its own stream."""
         end = start + src.shape[2]
-        s = self.page_size
-        shared = sorted({table[t // s] for t in range(start, end) if self._refs[table[t // s]] > 1})
-        if shared:
-            raise ValueError(f"pages {shared} are shared; a shared page is never written")
+        self._check_unshared(table, start, end)
         expected = (*self.kv.shape[:2], end - start, *self.kv.shape[4:])
         if tuple(src.shape) != expected:
             raise ValueError(f"src is {tuple(src.shape)}, need {expected}")

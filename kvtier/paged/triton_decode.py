@@ -19,6 +19,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kvtier.paged.rowblocks import pow2 as _pow2
+from kvtier.paged.rowblocks import rows_per_block
+
 
 @triton.jit
 def _block(
@@ -62,50 +65,120 @@ def _block(
 
 
 @triton.jit
-def _partial_kernel(
-    Q,
-    K,
-    V,
-    BT,
-    LENS,
-    ROWSEQ,
-    PART,
-    LSE,
-    scale,
-    num_splits,
-    stride_qb,
-    stride_qh,
-    stride_kp,
-    stride_ks,
-    stride_kh,
-    stride_vp,
-    stride_vs,
-    stride_vh,
-    stride_bt,
-    stride_ob,
-    stride_oh,
-    stride_os,
-    stride_lb,
-    stride_lh,
-    GROUP: tl.constexpr,
-    GROUP_PAD: tl.constexpr,
-    PAGE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+def _block_rows(
+    q, K, V, BT, seq, h, t0, end, lens, m, l_sum, acc, scale,
+    stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_bt,
+    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     IEEE: tl.constexpr,
-    WHILE_LOOP: tl.constexpr,
-    HAS_ROWSEQ: tl.constexpr,
-):
-    b = tl.program_id(0)
-    # the block-table row of query row b: its sequence's (several rows, one per prompt token,
-    # may share one), or row b itself
-    if HAS_ROWSEQ:
-        seq = tl.load(ROWSEQ + b)
+):  # fmt: skip
+    """`_block` for a tile of several query rows of one sequence, each with its own context
+    length `lens` (a row may see none of the block: its running max stays -inf, safely)."""
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < HEAD_DIM
+    t = t0 + tl.arange(0, BLOCK_N)
+    tmask = t < end
+    page = tl.load(BT + seq * stride_bt + t // PAGE, mask=tmask, other=0).to(tl.int64)
+    off = t % PAGE
+    kvmask = tmask[:, None] & dmask[None, :]
+    k = tl.load(
+        K + page[:, None] * stride_kp + off[:, None] * stride_ks + h * stride_kh + d[None, :],
+        mask=kvmask,
+        other=0.0,
+    )
+    if IEEE:
+        qk = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
-        seq = b
-    h = tl.program_id(1)
-    s = tl.program_id(2)
+        qk = tl.dot(q, tl.trans(k))
+    seen = tmask[None, :] & (t[None, :] < lens[:, None])
+    qk = tl.where(seen, qk * scale, float("-inf"))
+    m_new = tl.maximum(m, tl.max(qk, 1))
+    empty = m_new == float("-inf")
+    alpha = tl.exp(tl.where(empty, 0.0, m - m_new))
+    p = tl.where(seen, tl.exp(qk - tl.where(empty, 0.0, m_new)[:, None]), 0.0)
+    l_sum = l_sum * alpha + tl.sum(p, 1)
+    v = tl.load(
+        V + page[:, None] * stride_vp + off[:, None] * stride_vs + h * stride_vh + d[None, :],
+        mask=kvmask,
+        other=0.0,
+    )
+    if IEEE:
+        pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(v.dtype), v)
+    return m_new, l_sum, acc * alpha[:, None] + pv
+
+
+@triton.jit
+def _partial_rows(
+    Q, K, V, BT, LENS, ROWSEQ, PART, LSE, scale, num_splits, r0, nrows, h, s,
+    stride_qb, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+    stride_bt, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
+    GROUP: tl.constexpr, GPAD: tl.constexpr, QB: tl.constexpr, PAGE: tl.constexpr,
+    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr,
+    WHILE_LOOP: tl.constexpr,
+):  # fmt: skip
+    """Pass 1 for `nrows` (<= QB) consecutive prompt rows of one sequence from row `r0`: one
+    tile of QB x GPAD query rows (row, head of the GQA group), so every K/V block is read once
+    for all of them instead of once per row. Rows `r0..` have growing contexts (causal)."""
+    i = tl.arange(0, QB * GPAD)
+    r = i // GPAD
+    g = i % GPAD
+    rmask = (r < nrows) & (g < GROUP)
+    row = r0 + r
+    seq = tl.load(ROWSEQ + r0)
+    lens = tl.load(LENS + row, mask=rmask, other=0)
+    length = tl.max(lens, 0)  # the last row's context: the block's furthest token
+    split_len = tl.cdiv(tl.cdiv(length, num_splits), BLOCK_N) * BLOCK_N
+    start = s * split_len
+    end = tl.minimum(start + split_len, length)
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < HEAD_DIM
+    heads = h * GROUP + g
+    q = tl.load(
+        Q + row[:, None] * stride_qb + heads[:, None] * stride_qh + d[None, :],
+        mask=rmask[:, None] & dmask[None, :],
+        other=0.0,
+    )
+    q = q.to(K.dtype.element_ty)
+    m = tl.full([QB * GPAD], float("-inf"), tl.float32)
+    l_sum = tl.zeros([QB * GPAD], tl.float32)
+    acc = tl.zeros([QB * GPAD, BLOCK_D], tl.float32)
+    if WHILE_LOOP:
+        t0 = start
+        while t0 < end:
+            m, l_sum, acc = _block_rows(
+                q, K, V, BT, seq, h, t0, end, lens, m, l_sum, acc, scale,
+                stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_bt,
+                PAGE, BLOCK_N, HEAD_DIM, BLOCK_D, IEEE,
+            )  # fmt: skip
+            t0 += BLOCK_N
+    else:
+        for t0 in range(start, end, BLOCK_N):
+            m, l_sum, acc = _block_rows(
+                q, K, V, BT, seq, h, t0, end, lens, m, l_sum, acc, scale,
+                stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_bt,
+                PAGE, BLOCK_N, HEAD_DIM, BLOCK_D, IEEE,
+            )  # fmt: skip
+    nonempty = l_sum > 0
+    out = acc / tl.where(nonempty, l_sum, 1.0)[:, None]
+    lse = tl.where(nonempty, m + tl.log(tl.where(nonempty, l_sum, 1.0)), float("-inf"))
+    tl.store(
+        PART + row[:, None] * stride_ob + heads[:, None] * stride_oh + s * stride_os + d[None, :],
+        out,
+        mask=rmask[:, None] & dmask[None, :],
+    )
+    tl.store(LSE + row * stride_lb + heads * stride_lh + s, lse, mask=rmask)
+
+
+@triton.jit
+def _partial_one(
+    Q, K, V, BT, LENS, PART, LSE, scale, num_splits, b, seq, h, s,
+    stride_qb, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+    stride_bt, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr, WHILE_LOOP: tl.constexpr,
+):  # fmt: skip
+    """Pass 1 for query row `b` (one token) over block-table row `seq`, split `s`."""
     length = tl.load(LENS + b)
     # this sequence's own split: its context cut into num_splits ranges of whole blocks, so the
     # grid depends on the batch size only (what a CUDA graph needs) and long and short
@@ -158,6 +231,54 @@ def _partial_kernel(
 
 
 @triton.jit
+def _partial_kernel(
+    Q, K, V, BT, LENS, ROWSEQ, BLKROW, BLKN, PART, LSE, scale, num_splits,
+    stride_qb, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+    stride_bt, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, GPAD: tl.constexpr, QB: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    IEEE: tl.constexpr, WHILE_LOOP: tl.constexpr, HAS_ROWSEQ: tl.constexpr,
+    HAS_BLOCKS: tl.constexpr,
+):  # fmt: skip
+    h = tl.program_id(1)
+    s = tl.program_id(2)
+    if HAS_BLOCKS:
+        # program 0-axis j is row block j: `BLKN[j]` rows from `BLKROW[j]` (0: no block). A
+        # block of one row (a decode token) takes the one-row path; a block of a prompt
+        # chunk's rows, the tile of several rows.
+        r0 = tl.load(BLKROW + tl.program_id(0))
+        nrows = tl.load(BLKN + tl.program_id(0))
+        if nrows == 1:
+            _partial_one(
+                Q, K, V, BT, LENS, PART, LSE, scale, num_splits, r0, tl.load(ROWSEQ + r0), h, s,
+                stride_qb, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs,
+                stride_vh, stride_bt, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
+                GROUP, GROUP_PAD, PAGE, BLOCK_N, HEAD_DIM, BLOCK_D, IEEE, WHILE_LOOP,
+            )  # fmt: skip
+        if nrows > 1:
+            _partial_rows(
+                Q, K, V, BT, LENS, ROWSEQ, PART, LSE, scale, num_splits, r0, nrows, h, s,
+                stride_qb, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs,
+                stride_vh, stride_bt, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
+                GROUP, GPAD, QB, PAGE, BLOCK_N, HEAD_DIM, BLOCK_D, IEEE, WHILE_LOOP,
+            )  # fmt: skip
+    else:
+        b = tl.program_id(0)
+        # the block-table row of query row b: its sequence's (several rows, one per prompt
+        # token, may share one), or row b itself
+        if HAS_ROWSEQ:
+            seq = tl.load(ROWSEQ + b)
+        else:
+            seq = b
+        _partial_one(
+            Q, K, V, BT, LENS, PART, LSE, scale, num_splits, b, seq, h, s,
+            stride_qb, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs,
+            stride_vh, stride_bt, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
+            GROUP, GROUP_PAD, PAGE, BLOCK_N, HEAD_DIM, BLOCK_D, IEEE, WHILE_LOOP,
+        )  # fmt: skip
+
+
+@triton.jit
 def _reduce_kernel(
     PART,
     LSE,
@@ -192,10 +313,6 @@ def _reduce_kernel(
     tl.store(OUT + b * stride_outb + h * stride_outh + d, out, mask=dmask)
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
 def default_block_n(head_dim: int) -> int:
     """Tokens per block of the partial pass: 64, or 32 for heads wider than 128."""
     return 64 if head_dim <= 128 else 32
@@ -220,6 +337,7 @@ def paged_decode(
     num_splits: int | None = None,
     block_n: int | None = None,
     row_seq: torch.Tensor | None = None,
+    blocks: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Decode attention of `q` `[B, heads, dim]` over the paged cache; returns `[B, heads, dim]`.
 
@@ -228,6 +346,10 @@ def paged_decode(
     `row_seq` its sequence, this is causal prefill attention too (every token of a step, decode
     or prompt chunk, is one row; see `kvtier.paged.attention.rows_paged`).
     `max_len` (the longest context) sizes the splits; without it, one device sync reads it.
+    `blocks` (first row, rows) int32 `[B]` each, with `row_seq`: program j takes rows
+    `first[j]..first[j]+rows[j]-1`, all of one sequence (at most `rows_per_block(group)` of
+    them; 0 rows: nothing): the rows of a prompt chunk then read each K/V block once together
+    (`kvtier.paged.attention.row_blocks` makes them). Every row must be in exactly one block.
     """
     batch, heads, dim = q.shape
     _, page, kv_heads, _ = k_cache.shape
@@ -244,6 +366,8 @@ def paged_decode(
     out = torch.empty_like(q)
     if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("paged_decode needs the head dim contiguous in q and the caches")
+    if blocks is not None and row_seq is None:
+        raise ValueError("row blocks need row_seq (each row's block-table row)")
     block_d = max(16, _pow2(dim))
     _partial_kernel[(batch, kv_heads, num_splits)](
         q,
@@ -252,6 +376,8 @@ def paged_decode(
         block_table,
         context_lens,
         row_seq if row_seq is not None else context_lens,
+        blocks[0] if blocks is not None else context_lens,
+        blocks[1] if blocks is not None else context_lens,
         partial,
         lse,
         scale,
@@ -272,6 +398,8 @@ def paged_decode(
         lse.stride(1),
         GROUP=group,
         GROUP_PAD=max(16, _pow2(group)),
+        GPAD=_pow2(group),
+        QB=rows_per_block(group),
         PAGE=page,
         BLOCK_N=block_n,
         HEAD_DIM=dim,
@@ -279,6 +407,7 @@ def paged_decode(
         IEEE=q.dtype == torch.float32,
         WHILE_LOOP=os.environ.get("TRITON_INTERPRET") == "1",
         HAS_ROWSEQ=row_seq is not None,
+        HAS_BLOCKS=blocks is not None,
     )
     _reduce_kernel[(batch, heads)](
         partial,

@@ -16,8 +16,16 @@ from kvtier.paged import PagedSequence, PagePool
 
 
 def copy_in(pool: PagePool, kv: Any, seq: PagedSequence, start: int, n: int) -> None:
-    """Tokens `[start, n)` of a transformers Cache, layer by layer, into `seq`'s pages (an int8
-    pool quantizes them)."""
+    """Tokens `[start, n)` of a transformers Cache into `seq`'s pages (an int8 pool quantizes
+    them). A session whose L1 is one block (`SessionBuffers.block`) goes in one copy for every
+    layer; other Caches layer by layer."""
+    if n <= start:
+        return
+    block = _l1_block(kv)
+    if block is not None:
+        # [layer, k|v, 1, H, capacity, D] -> [layer, k|v, token, H, D], a view
+        pool.scatter(seq.pages, start, block[:, :, 0, :, start:n].transpose(2, 3))
+        return
     size = pool.page_size
     pages = torch.tensor(seq.pages, dtype=torch.long)
     slots = (pages[:, None] * size + torch.arange(size)).flatten()[start:n]
@@ -29,11 +37,20 @@ def copy_in(pool: PagePool, kv: Any, seq: PagedSequence, start: int, n: int) -> 
         pool.write_layer(i, k, v, slots.to(dev))
 
 
+def _l1_block(kv: Any) -> torch.Tensor | None:
+    """The one `[layer, k|v, 1, H, capacity, D]` tensor behind a kvtier session's Cache, else
+    None (a DynamicCache, per-layer L1 tensors)."""
+    bufs = getattr(getattr(kv, "owner", None), "bufs", None)
+    block = getattr(bufs, "block", None) if bufs is not None and not bufs.released else None
+    return block if isinstance(block, torch.Tensor) else None
+
+
 def copy_out(
     pool: PagePool, seq: PagedSequence, start: int
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """K/V of tokens `[start, seq.length)` from the pages, per layer as `[1, kv_heads, n, dim]`
-    on the pool's primary device (where the session's Cache lives).
+    on the pool's primary device (where the session's Cache lives): one gather for every
+    layer, returned as views of it.
 
     Nothing from an int8 pool (degraded mode): the session's Cache never takes approximate K/V,
     so it keeps what it had and the turn's commit covers only that (the rest is recomputed,
@@ -41,12 +58,9 @@ def copy_out(
     end = seq.length
     if end <= start or pool.quantized:
         return []
-    out = []
-    for i in range(pool.geometry.num_layers):
-        k, v = pool.gather_layer(seq.pages, start, end, i)
-        k, v = k.to(pool.device), v.to(pool.device)
-        out.append((k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)))
-    return out
+    data = pool.gather(seq.pages, start, end)  # [layer, k|v, token, H, D] on pool.device
+    kv = data.transpose(2, 3).unsqueeze(2)  # [layer, k|v, 1, H, token, D]
+    return [(kv[i, 0], kv[i, 1]) for i in range(pool.geometry.num_layers)]
 
 
 def append_kv(kv: Any, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:

@@ -129,3 +129,57 @@ def test_split_backend_mixes_prefill_and_decode_exactly(name: str) -> None:
     for p, o in zip(prompts, outs, strict=True):
         assert o == _greedy_alone(reference, p, len(o))
         assert len(o) >= 5
+
+
+def _rows_case(seqs, heads, kv_heads, dim, page, dtype):  # type: ignore[no-untyped-def]
+    """A step's rows: per (old context, new tokens) sequence, one row per new token."""
+    g = torch.Generator(device=DEVICE).manual_seed(1)
+    per = [-(-(old + n) // page) for old, n in seqs]
+    pages = sum(per) + 2
+    k_cache = torch.randn(pages, page, kv_heads, dim, device=DEVICE, generator=g).to(dtype)
+    v_cache = torch.randn(pages, page, kv_heads, dim, device=DEVICE, generator=g).to(dtype)
+    perm = torch.randperm(pages, device=DEVICE, generator=g).to(torch.int32)
+    table = torch.zeros(len(seqs), max(per), dtype=torch.int32, device=DEVICE)
+    used = 0
+    for i, n in enumerate(per):
+        table[i, :n] = perm[used : used + n]
+        used += n
+    row_seq = [i for i, (_, n) in enumerate(seqs) for _ in range(n)]
+    row_len = [p + 1 for old, n in seqs for p in range(old, old + n)]
+    q = torch.randn(len(row_seq), heads, dim, device=DEVICE, generator=g).to(dtype)
+    as_int = {"dtype": torch.int32, "device": DEVICE}
+    return q, k_cache, v_cache, table, torch.tensor(row_seq, **as_int), row_len
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(28, 4, 128), (4, 4, 64), (8, 1, 80)])
+@pytest.mark.parametrize("splits", [1, 4])
+def test_row_blocks_match_one_row_per_program(dtype, heads, kv_heads, dim, splits) -> None:  # type: ignore[no-untyped-def]
+    """Prompt chunks in row blocks (one tile of several rows per program) give each row what
+    the one-row path and an fp32 SDPA reference give: decode rows, chunks longer and shorter
+    than a block, a chunk from position 0, empty entries after the blocks."""
+    pytest.importorskip("triton")
+    from kvtier.paged.rowblocks import row_blocks, rows_per_block
+    from kvtier.paged.triton_decode import paged_decode
+
+    if not CUDA and dtype == torch.bfloat16:
+        pytest.skip("Triton's CPU interpreter has no bf16 tl.dot")
+    seqs = [(300, 1), (0, 21), (40, 1), (250, 13), (7, 3), (1000, 1), (64, 9)]
+    q, k_cache, v_cache, table, row_seq, row_len = _rows_case(seqs, heads, kv_heads, dim, 16, dtype)
+    lens = torch.tensor(row_len, dtype=torch.int32, device=DEVICE)
+    first, rows = row_blocks([n for _, n in seqs], rows_per_block(heads // kv_heads))
+    assert len(first) < len(row_len) and max(rows) > 1
+    pad = len(row_len) - len(first)
+    blocks = (
+        torch.tensor(first + [0] * pad, dtype=torch.int32, device=DEVICE),
+        torch.tensor(rows + [0] * pad, dtype=torch.int32, device=DEVICE),
+    )
+    scale = dim**-0.5
+    args = (q, k_cache, v_cache, table, lens, scale)
+    kw = {"max_len": max(row_len), "num_splits": splits, "row_seq": row_seq}
+    got = paged_decode(*args, **kw, blocks=blocks)
+    one = paged_decode(*args, **kw)
+    want = _reference(q, k_cache, v_cache, table[row_seq.long()], row_len, scale)
+    tol = {torch.bfloat16: 2e-2, torch.float32: 1e-4}[dtype]
+    torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
+    torch.testing.assert_close(got, one, rtol=tol, atol=tol)
