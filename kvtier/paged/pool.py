@@ -379,7 +379,6 @@ class PagePool:
         """
         end = start + src.shape[2]
         slots = self._slots(table, start, end)
-        s = self.page_size
         self._check_unshared(table, start, end)
         expected = (*self.kv.shape[:2], end - start, *self.kv.shape[4:])
         if tuple(src.shape) != expected:
