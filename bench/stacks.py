@@ -77,4 +77,3 @@ class StackSampler:
         out.append("  by innermost line:")
         out += [f"    {c / n:6.1%}  {m}" for m, c in self.lines.most_common(top)]
         return "\n".join(out)
-
