@@ -30,6 +30,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from kvtier.errors import ConfigError, KvtierError
@@ -304,9 +305,14 @@ class PagePool:
                 f"token range [{start}, {end}) is outside the {len(table)} pages of the table"
             )
         s = self.page_size
-        pos = torch.arange(start, end)
-        slots = torch.as_tensor(list(table), dtype=torch.long)[pos // s] * s + pos % s
-        return slots.to(self.device if device is None else device)
+        first = start // s
+        pages = np.asarray(table[first : (end - 1) // s + 1 if end > start else first], np.int64)
+        offsets = np.arange(s, dtype=np.int64)
+        slots = (pages[:, None] * s + offsets).reshape(-1)[start - first * s : end - first * s]
+        # from pageable memory without a stream sync: the copy is staged before this returns
+        return torch.from_numpy(slots).to(
+            self.device if device is None else device, non_blocking=True
+        )
 
     def _flat(self) -> torch.Tensor:
         g = self.geometry

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from kvtier.errors import ConfigError
@@ -76,36 +77,39 @@ class BatchRunner:
         def host(*shape: int, dtype: torch.dtype) -> torch.Tensor:
             return torch.zeros(shape, dtype=dtype, pin_memory=pin)
 
-        # One host staging tensor and one device tensor per input; numpy views are written.
-        self._h_ids = host(max_tokens, dtype=torch.long)
-        self._h_pos = host(max_tokens, dtype=torch.long)
-        self._h_slots = host(max_tokens, dtype=torch.long)
-        self._h_cu = host(max_batch + 1, dtype=torch.int32)
-        self._h_cuk = host(max_batch + 1, dtype=torch.int32)
-        self._h_lens = host(max_batch, dtype=torch.int32)
-        self._h_last = host(max_batch, dtype=torch.long)
-        self._h_rowseq = host(max_tokens, dtype=torch.int32)
-        self._h_rowlen = host(max_tokens, dtype=torch.int32)
-        self._h_blkrow = host(max_tokens, dtype=torch.int32)
-        self._h_blkn = host(max_tokens, dtype=torch.int32)
+        # The step's inputs, as views of three host staging tensors and three device tensors
+        # of fixed address (what CUDA graphs replay over): one copy each per step. Numpy views
+        # of the host side are written.
+        T, B = max_tokens, max_batch
+        long_fields = {"ids": T, "pos": T, "slots": T, "last": B}
+        int_fields = {"rowseq": T, "rowlen": T, "blkrow": T, "blkn": T, "cu": B + 1, "cuk": B + 1}
+        int_fields["lens"] = B
+        self._h64 = host(sum(long_fields.values()), dtype=torch.long)
+        self._h32 = host(sum(int_fields.values()), dtype=torch.int32)
+        self._d64 = torch.zeros_like(self._h64, device=dev)
+        self._d32 = torch.zeros_like(self._h32, device=dev)
+        h64, d64 = _carve(self._h64, long_fields), _carve(self._d64, long_fields)
+        h32, d32 = _carve(self._h32, int_fields), _carve(self._d32, int_fields)
+        self._h_ids, self._h_pos, self._h_slots = h64["ids"], h64["pos"], h64["slots"]
+        self._h_last = h64["last"]
+        self._h_cu, self._h_cuk, self._h_lens = h32["cu"], h32["cuk"], h32["lens"]
+        self._h_rowseq, self._h_rowlen = h32["rowseq"], h32["rowlen"]
+        self._h_blkrow, self._h_blkn = h32["blkrow"], h32["blkn"]
         # one table row per sequence, plus the padding row (index max_batch) of graph steps
         self._h_table = host(max_batch + 1, self.max_pages, dtype=torch.int32)
-        self.input_ids = torch.zeros(1, max_tokens, dtype=torch.long, device=dev)
-        self.position_ids = torch.zeros(1, max_tokens, dtype=torch.long, device=dev)
-        self.slot_mapping = torch.zeros(max_tokens, dtype=torch.long, device=dev)
-        self.cu_seqlens_q = torch.zeros(max_batch + 1, dtype=torch.int32, device=dev)
-        self.cu_seqlens_k = torch.zeros(max_batch + 1, dtype=torch.int32, device=dev)
-        self.context_lens = torch.zeros(max_batch, dtype=torch.int32, device=dev)
-        self.last_index = torch.zeros(max_batch, dtype=torch.long, device=dev)
+        self.input_ids = d64["ids"].view(1, T)
+        self.position_ids = d64["pos"].view(1, T)
+        self.slot_mapping = d64["slots"]
+        self.last_index = d64["last"]
+        self.cu_seqlens_q, self.cu_seqlens_k = d32["cu"], d32["cuk"]
+        self.context_lens = d32["lens"]
         self.block_table = torch.zeros(max_batch + 1, self.max_pages, dtype=torch.int32, device=dev)
         # per token: its sequence's block-table row, and its context (position + 1), for the
         # "rows" attention backend (every token one row of the decode kernel)
-        self.row_seq = torch.zeros(max_tokens, dtype=torch.int32, device=dev)
-        self.row_lens = torch.zeros(max_tokens, dtype=torch.int32, device=dev)
+        self.row_seq, self.row_lens = d32["rowseq"], d32["rowlen"]
         # the kernel's row blocks (kvtier.paged.rowblocks): first row and rows of each; a
         # prompt chunk's rows in blocks of `rows_per_block`, so they read their K/V together
-        self.block_first = torch.zeros(max_tokens, dtype=torch.int32, device=dev)
-        self.block_rows = torch.zeros(max_tokens, dtype=torch.int32, device=dev)
+        self.block_first, self.block_rows = d32["blkrow"], d32["blkn"]
         heads = int(getattr(model.config, "num_attention_heads", 0) or 0)
         kv_heads = pool.geometry.num_kv_heads
         self.rows_per_block = rows_per_block(heads // kv_heads if heads >= kv_heads else 1)
@@ -184,7 +188,7 @@ class BatchRunner:
         page = self.pool.page_size
         self._h_ids.numpy()[t0:t1] = 0
         self._h_pos.numpy()[t0:t1] = 0
-        self._h_slots.numpy()[t0:t1] = [self._trash * page + i % page for i in range(t0, t1)]
+        self._h_slots.numpy()[t0:t1] = self._trash * page + np.arange(t0, t1) % page
         self._h_rowseq.numpy()[t0:t1] = self.max_batch
         self._h_rowlen.numpy()[t0:t1] = 1
         self._h_lens.numpy()[r0:r1] = 1
@@ -372,23 +376,24 @@ class BatchRunner:
         blk_rows[n + pad : size] = 0
 
     def _to_device(self, tokens: int, width: int, rows: int) -> None:
-        """Copy the first `tokens` token entries, `rows` sequence rows and `width` block-table
-        columns of the host buffers to the device buffers."""
+        """Copy the host buffers to the device buffers: the token and sequence inputs whole
+        (`tokens` of them are this step's), and `rows` x `width` of the block table."""
         b = rows
         nb = self.pool.device.type == "cuda"
-        self.input_ids[0, :tokens].copy_(self._h_ids[:tokens], non_blocking=nb)
-        self.position_ids[0, :tokens].copy_(self._h_pos[:tokens], non_blocking=nb)
-        self.slot_mapping[:tokens].copy_(self._h_slots[:tokens], non_blocking=nb)
-        self.row_seq[:tokens].copy_(self._h_rowseq[:tokens], non_blocking=nb)
-        self.row_lens[:tokens].copy_(self._h_rowlen[:tokens], non_blocking=nb)
-        self.block_first[:tokens].copy_(self._h_blkrow[:tokens], non_blocking=nb)
-        self.block_rows[:tokens].copy_(self._h_blkn[:tokens], non_blocking=nb)
-        self.cu_seqlens_q[: b + 1].copy_(self._h_cu[: b + 1], non_blocking=nb)
-        self.cu_seqlens_k[: b + 1].copy_(self._h_cuk[: b + 1], non_blocking=nb)
-        self.context_lens[:b].copy_(self._h_lens[:b], non_blocking=nb)
-        self.last_index[:b].copy_(self._h_last[:b], non_blocking=nb)
+        # whole staging tensors (tens of KB): three copies instead of one per input
+        self._d64.copy_(self._h64, non_blocking=nb)
+        self._d32.copy_(self._h32, non_blocking=nb)
         self.block_table[:b, :width].copy_(self._h_table[:b, :width], non_blocking=nb)
         if self._copied is not None:
             # on the pool device's stream, which the copies above ran on (a model placed
             # across devices leaves another device current after its forward)
             self._copied.record(torch.cuda.current_stream(self.pool.device))
+
+
+def _carve(flat: torch.Tensor, fields: dict[str, int]) -> dict[str, torch.Tensor]:
+    """Consecutive views of `flat`, one per field, of the given lengths."""
+    out, at = {}, 0
+    for name, n in fields.items():
+        out[name] = flat[at : at + n]
+        at += n
+    return out

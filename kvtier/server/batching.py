@@ -497,8 +497,11 @@ class BatchScheduler:
                 s.trace.step(took)
         done = [s for s, _ in items if s.fed == len(s.tokens)]  # all fed: a token is due
         if done:
-            rows = [i for i, (s, _) in enumerate(items) if s.fed == len(s.tokens)]
-            chosen = logits[rows].float()
+            if len(done) == len(items):  # every sequence is due a token: no index to copy
+                chosen = logits[: len(items)].float()
+            else:
+                rows = [i for i, (s, _) in enumerate(items) if s.fed == len(s.tokens)]
+                chosen = logits[rows].float()
             if self.served.allowed is not None:
                 chosen = chosen.masked_fill(~self.served.allowed, float("-inf"))
             tokens = sample_rows(
