@@ -220,6 +220,12 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--no-flex", action="store_true", help="skip FlexAttention (compiles)")
     ap.add_argument("--sweep", action="store_true", help="also sweep the Triton page size")
+    ap.add_argument(
+        "--tune",
+        action="store_true",
+        help="also sweep the Triton kernel's launch (splits, block of tokens, warps, stages) for "
+        "decode rows and for a mixed step's rows (decode + prompt chunks in row blocks)",
+    )
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("paged_attention: no CUDA device; nothing to measure (skipped)")
@@ -275,6 +281,118 @@ def main() -> None:
             sec = cuda_time(fn, args.iters)
             print(f"{page:>6} {sec * 1e6:9.1f} {sec * args.layers * 1e3:9.2f} {err:12.2e}")
             del swept
+    if args.tune:
+        tune(case, ref, args)
+
+
+def memcpy_seconds(nbytes: int, iters: int) -> float:
+    """The same bytes copied device to device: the bandwidth ceiling of reading K/V once
+    (a copy reads and writes each byte, so half its time is the read)."""
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda")
+    dst = torch.empty_like(src)
+    return cuda_time(lambda: dst.copy_(src), iters) / 2
+
+
+def tune(case: Case, ref: torch.Tensor, args: argparse.Namespace) -> None:
+    """Time the Triton kernel over its launch parameters, decode rows and mixed rows; print the
+    best configurations and the default's, against reading the K/V once at memcpy speed."""
+    import itertools
+
+    from kvtier.paged.rowblocks import row_blocks, rows_per_block
+    from kvtier.paged.triton_decode import choose_splits, default_block_n, paged_decode
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    kv_bytes = 2 * case.batch * case.ctx * case.kv_heads * case.dim * 2
+    floor = memcpy_seconds(kv_bytes, args.iters)
+    # a mixed step: the decode rows of batch - 2 sequences and two 64-token prompt chunks at
+    # the end of their contexts, every prompt row its own context length (causal)
+    chunk, n_dec = 64, case.batch - 2
+    row_seq = list(range(n_dec)) + [n_dec] * chunk + [n_dec + 1] * chunk
+    row_len = [case.ctx] * n_dec + list(range(case.ctx - chunk + 1, case.ctx + 1)) * 2
+    dev = "cuda"
+    rows_q = torch.randn(len(row_seq), case.heads, case.dim, device=dev, dtype=torch.bfloat16)
+    r_seq = torch.tensor(row_seq, dtype=torch.int32, device=dev)
+    r_len = torch.tensor(row_len, dtype=torch.int32, device=dev)
+    first, count = row_blocks(
+        [1] * n_dec + [chunk, chunk], rows_per_block(case.heads // case.kv_heads)
+    )
+    pad = len(row_seq) - len(first)
+    blocks = (
+        torch.tensor(first + [0] * pad, dtype=torch.int32, device=dev),
+        torch.tensor(count + [0] * pad, dtype=torch.int32, device=dev),
+    )
+    default_splits = choose_splits(
+        case.batch, case.kv_heads, case.ctx, default_block_n(case.dim), sms
+    )
+    grid = list(itertools.product((1, 2, 4, 8, 16, 32), (32, 64), (4, 8), (2, 3, 4)))
+    for kind in ("decode", "mixed"):
+        results = []
+        for splits, block_n, warps, stages in grid:
+            if kind == "decode":
+
+                def fn(s=splits, b=block_n, w=warps, st=stages):  # type: ignore[no-untyped-def]
+                    return paged_decode(
+                        case.q,
+                        case.k_cache,
+                        case.v_cache,
+                        case.table,
+                        case.lens,
+                        case.scale,
+                        max_len=case.ctx,
+                        num_splits=s,
+                        block_n=b,
+                        num_warps=w,
+                        num_stages=st,
+                    )
+            else:
+
+                def fn(s=splits, b=block_n, w=warps, st=stages):  # type: ignore[no-untyped-def]
+                    return paged_decode(
+                        rows_q,
+                        case.k_cache,
+                        case.v_cache,
+                        case.table,
+                        r_len,
+                        case.scale,
+                        max_len=case.ctx,
+                        num_splits=s,
+                        block_n=b,
+                        num_warps=w,
+                        num_stages=st,
+                        row_seq=r_seq,
+                        blocks=blocks,
+                    )
+
+            try:
+                out = fn()
+                if kind == "decode":
+                    err = (out.float() - ref).abs().max().item()
+                    if err > 2e-2:
+                        raise ValueError(f"max abs error {err:.2e}")
+                sec = cuda_time(fn, args.iters)
+            except Exception as exc:  # a launch this GPU cannot take: skip it
+                print(
+                    f"  {kind} splits {splits} block {block_n} warps {warps} stages {stages}: "
+                    f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:80]}"
+                )
+                continue
+            results.append((sec, splits, block_n, warps, stages))
+        results.sort()
+        print(
+            f"\ntriton launch sweep, {kind} rows ({len(row_seq) if kind == 'mixed' else case.batch}"
+            f" rows; K/V read once at memcpy speed: {floor * 1e6:.1f} us; default splits "
+            f"{default_splits}, block {default_block_n(case.dim)}, 4 warps, 3 stages)"
+        )
+        print(
+            f"{'us/call':>9} {'x floor':>8} {'splits':>7} {'block':>6} {'warps':>6} {'stages':>7}"
+        )
+        for sec, splits, block_n, warps, stages in results[:8]:
+            print(
+                f"{sec * 1e6:9.1f} {sec / floor:8.2f} {splits:>7} {block_n:>6} {warps:>6} {stages:>7}"
+            )
+        base = [r for r in results if r[1:] == (default_splits, default_block_n(case.dim), 4, 3)]
+        if base:
+            print(f"{base[0][0] * 1e6:9.1f} {base[0][0] / floor:8.2f}  (the default launch)")
 
 
 if __name__ == "__main__":

@@ -338,6 +338,8 @@ def paged_decode(
     block_n: int | None = None,
     row_seq: torch.Tensor | None = None,
     blocks: tuple[torch.Tensor, torch.Tensor] | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
     """Decode attention of `q` `[B, heads, dim]` over the paged cache; returns `[B, heads, dim]`.
 
@@ -346,6 +348,7 @@ def paged_decode(
     `row_seq` its sequence, this is causal prefill attention too (every token of a step, decode
     or prompt chunk, is one row; see `kvtier.paged.attention.rows_paged`).
     `max_len` (the longest context) sizes the splits; without it, one device sync reads it.
+    `num_warps` / `num_stages` of the first pass: Triton's defaults when None.
     `blocks` (first row, rows) int32 `[B]` each, with `row_seq`: program j takes rows
     `first[j]..first[j]+rows[j]-1`, all of one sequence (at most `rows_per_block(group)` of
     them; 0 rows: nothing): the rows of a prompt chunk then read each K/V block once together
@@ -369,6 +372,11 @@ def paged_decode(
     if blocks is not None and row_seq is None:
         raise ValueError("row blocks need row_seq (each row's block-table row)")
     block_d = max(16, _pow2(dim))
+    launch = {}
+    if num_warps is not None:
+        launch["num_warps"] = num_warps
+    if num_stages is not None:
+        launch["num_stages"] = num_stages
     _partial_kernel[(batch, kv_heads, num_splits)](
         q,
         k_cache,
@@ -408,6 +416,7 @@ def paged_decode(
         WHILE_LOOP=os.environ.get("TRITON_INTERPRET") == "1",
         HAS_ROWSEQ=row_seq is not None,
         HAS_BLOCKS=blocks is not None,
+        **launch,
     )
     _reduce_kernel[(batch, heads)](
         partial,
