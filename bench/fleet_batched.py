@@ -36,10 +36,10 @@ class StepLog:
         without paged varlen attention). Observes; changes nothing."""
         step = runner.step
 
-        def observed(batch: Any) -> Any:
+        def observed(batch: Any, *feed: Any) -> Any:
             self.decode_only = all(len(item.tokens) == 1 for item in batch)
             self.prompt_tokens = sum(len(item.tokens) for item in batch if len(item.tokens) > 1)
-            return step(batch)
+            return step(batch, *feed)
 
         runner.step = observed
 

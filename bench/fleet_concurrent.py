@@ -23,6 +23,8 @@ Configurations:
   kvtier       (d) kvtier's BatchScheduler (the server's) over the paged pool, codec native
   kvtier-int8  (e) the same with the int8 codec
   kvtier-eager (d) without CUDA graphs: every step eager (what graphs add, in the same run)
+  kvtier-sync  (d) without overlapped steps: each step's tokens read back before the next
+               step starts (what the overlap adds, in the same run)
 
 Each session's initial context (a shared `--system`-token system prompt, then its own tokens)
 is prefilled once per scenario, batched; its K/V is kept on the host (the "bank") and copied
@@ -196,6 +198,7 @@ def run_scenario(args, model, dev: str, scen: str, n: int, fleet_ceiling, tmp: P
                 else:
                     cfg = SimpleNamespace(**vars(sched_config))
                     cfg.cuda_graphs = name != "kvtier-eager"
+                    cfg.overlap_steps = name != "kvtier-sync"
                     m = batched.run_batched(
                         name, model, fleet, bank, dev, warmup, limit, backend, cfg
                     )

@@ -164,9 +164,9 @@ class Steps:
         runner = sched.runner
         step = runner.step
 
-        def observed(batch: Any) -> Any:
+        def observed(batch: Any, *feed: Any) -> Any:
             self.decode_only = all(len(item.tokens) == 1 for item in batch)
-            return step(batch)
+            return step(batch, *feed)
 
         runner.step = observed
 

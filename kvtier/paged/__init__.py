@@ -10,12 +10,13 @@ See docs/paged.md.
 
 from kvtier.paged.attention import ATTN_NAME, PagedContext, paged_context, register
 from kvtier.paged.pool import CHUNK_TOKENS, PagedSequence, PagePool, PoolExhausted
-from kvtier.paged.runner import BatchRunner, SeqInput
+from kvtier.paged.runner import BatchRunner, Feed, SeqInput
 
 __all__ = [
     "ATTN_NAME",
     "CHUNK_TOKENS",
     "BatchRunner",
+    "Feed",
     "PagePool",
     "PagedContext",
     "PagedSequence",

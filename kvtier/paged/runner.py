@@ -38,6 +38,16 @@ class SeqInput:
     tokens: Sequence[int]
 
 
+@dataclass
+class Feed:
+    """Input tokens that are on the device only: `batch[items[k]]`'s one new token is
+    `source[rows[k]]` (its `tokens` hold a placeholder)."""
+
+    items: list[int]
+    source: torch.Tensor
+    rows: list[int]
+
+
 class BatchRunner:
     """Runs a transformers causal LM on batches of paged sequences.
 
@@ -81,7 +91,7 @@ class BatchRunner:
         # of fixed address (what CUDA graphs replay over): one copy each per step. Numpy views
         # of the host side are written.
         T, B = max_tokens, max_batch
-        long_fields = {"ids": T, "pos": T, "slots": T, "last": B}
+        long_fields = {"ids": T, "pos": T, "slots": T, "last": B, "feed_to": B, "feed_from": B}
         int_fields = {"rowseq": T, "rowlen": T, "blkrow": T, "blkn": T, "cu": B + 1, "cuk": B + 1}
         int_fields["lens"] = B
         self._h64 = host(sum(long_fields.values()), dtype=torch.long)
@@ -92,6 +102,9 @@ class BatchRunner:
         h32, d32 = _carve(self._h32, int_fields), _carve(self._d32, int_fields)
         self._h_ids, self._h_pos, self._h_slots = h64["ids"], h64["pos"], h64["slots"]
         self._h_last = h64["last"]
+        # tokens fed from the device (see `step`): where each goes, and which source row
+        self._h_feed_to, self._h_feed_from = h64["feed_to"], h64["feed_from"]
+        self._d_feed_to, self._d_feed_from = d64["feed_to"], d64["feed_from"]
         self._h_cu, self._h_cuk, self._h_lens = h32["cu"], h32["cuk"], h32["lens"]
         self._h_rowseq, self._h_rowlen = h32["rowseq"], h32["rowlen"]
         self._h_blkrow, self._h_blkn = h32["blkrow"], h32["blkn"]
@@ -249,18 +262,20 @@ class BatchRunner:
             ok = self.pool.reserve(item.seq, len(item.tokens))
             assert ok, "pages were counted free just above"
 
-    def step(self, batch: Sequence[SeqInput]) -> torch.Tensor:
+    def step(self, batch: Sequence[SeqInput], feed: Feed | None = None) -> torch.Tensor:
         """Run one forward; logits `[len(batch), vocab]` of each sequence's last new token.
 
+        `feed` takes the one token of some sequences from a device tensor instead of their
+        `tokens` (a token sampled by the step before, not yet read back to the host).
         Raises `PoolExhausted` (nothing changed) when the pool cannot hold the new tokens.
         """
         size = self._graph_size(batch)
         if size is not None:
-            return self._replay(batch, size)
-        return self._eager(batch)
+            return self._replay(batch, size, feed)
+        return self._eager(batch, feed)
 
-    def _eager(self, batch: Sequence[SeqInput]) -> torch.Tensor:
-        ctx = self.prepare(batch)
+    def _eager(self, batch: Sequence[SeqInput], feed: Feed | None = None) -> torch.Tensor:
+        ctx = self.prepare(batch, feed=feed)
         b, total = ctx.num_seqs, int(ctx.slot_mapping.shape[0])
         with torch.inference_mode(), paged_context(ctx):
             logits = self.forward(total, logits_to_keep=self.last_index[:b])
@@ -268,9 +283,11 @@ class BatchRunner:
         self.advance(batch)
         return logits
 
-    def _replay(self, batch: Sequence[SeqInput], size: int) -> torch.Tensor:
+    def _replay(
+        self, batch: Sequence[SeqInput], size: int, feed: Feed | None = None
+    ) -> torch.Tensor:
         assert self.graphs is not None
-        self.prepare(batch, pad_to=size)
+        self.prepare(batch, pad_to=size, feed=feed)
         logits = self.graphs.replay(size)[: len(batch)]
         self.graph_steps += 1
         self.advance(batch)
@@ -294,13 +311,16 @@ class BatchRunner:
         for item in batch:
             item.seq.length += len(item.tokens)
 
-    def prepare(self, batch: Sequence[SeqInput], pad_to: int | None = None) -> PagedContext:
+    def prepare(
+        self, batch: Sequence[SeqInput], pad_to: int | None = None, feed: Feed | None = None
+    ) -> PagedContext:
         """Reserve pages, fill the step's input buffers and return the forward context.
 
         `self.input_ids[:, :T]` and `self.position_ids[:, :T]` hold the flattened input after it.
         `pad_to` (a CUDA graph's bucket of tokens) adds padding tokens up to that many, and
         padding sequence rows up to `min(pad_to, max_batch)`; the context is then the padded
-        step's ("rows" attention, as the graph of that bucket runs it).
+        step's ("rows" attention, as the graph of that bucket runs it). `feed` (see `step`)
+        then overwrites some input ids on the device.
         """
         total = self._check(batch)
         self.reserve(batch)
@@ -335,14 +355,22 @@ class BatchRunner:
             page_counts.append(count)
         b = len(batch)
         self._write_blocks(query_lens, pad_to or total)
+        if feed is not None:  # into the staging tensor, so the one copy below takes it along
+            for i in feed.items:
+                if query_lens[i] != 1:
+                    raise ValueError("a token fed from the device replaces a one-token input")
+            self._h_feed_to.numpy()[: len(feed.items)] = [int(cu[i]) for i in feed.items]
+            self._h_feed_from.numpy()[: len(feed.items)] = feed.rows
         if pad_to is not None:
             from kvtier.paged.graphs import padded_context
 
             rows = min(pad_to, self.max_batch)
             self._pad_host(total, pad_to, b, rows)
             self._to_device(pad_to, max(page_counts), rows)
+            self._apply_feed(feed)
             return padded_context(self, pad_to)  # what the buffers now hold: the padded step
         self._to_device(total, max(page_counts), b)
+        self._apply_feed(feed)
         ctx = PagedContext(
             pool=self.pool,
             cu_seqlens_q=self.cu_seqlens_q[: b + 1],
@@ -360,6 +388,16 @@ class BatchRunner:
             row_blocks=(self.block_first[:total], self.block_rows[:total]),
         )
         return ctx
+
+    def _apply_feed(self, feed: Feed | None) -> None:
+        """On the device, after the staging copy: the fed sequences' input ids from the source
+        tensor (no host round trip, so this step can start before the last one's tokens are
+        read back)."""
+        if feed is None or not feed.items:
+            return
+        n = len(feed.items)
+        tokens = feed.source.index_select(0, self._d_feed_from[:n])
+        self.input_ids[0].index_copy_(0, self._d_feed_to[:n], tokens)
 
     def _write_blocks(self, query_lens: Sequence[int], size: int) -> None:
         """Host row blocks of a `size`-token step: the sequences' (`query_lens`) first, then

@@ -40,12 +40,13 @@ import torch
 
 from kvtier.errors import KvtierError, L1BudgetExceeded
 from kvtier.geometry import KVGeometry
-from kvtier.paged import BatchRunner, PagedSequence, PagePool, SeqInput
+from kvtier.paged import BatchRunner, Feed, PagedSequence, PagePool, SeqInput
 from kvtier.paged.attention import VARLEN_PAGE, varlen_block_table_supported
 from kvtier.server.backend import Backend, RecomputeBackend, Restored
 from kvtier.server.engine import ContextExceeded, Delta, Failed, Finished, Job, Started, Stream
 from kvtier.server.eventpost import EventPost
 from kvtier.server.failover import make_pool
+from kvtier.server.lookahead import Ticket, TokenReadback
 from kvtier.server.model import ServedModel
 from kvtier.server.pagecopy import append_kv, copy_in, copy_out
 from kvtier.server.pageshare import PrefixPages, page_keys
@@ -79,11 +80,27 @@ class _Seq:
     trace: TurnTrace = field(default_factory=TurnTrace)  # where the time to its first token went
     # content keys of the full pages of the cached prefix, for (cached, page size)
     keys: tuple[int, int, list[bytes]] | None = None
+    # its last token is a placeholder whose value is on the device: (tensor, row)
+    feed: tuple[torch.Tensor, int] | None = None
+    gone: bool = False  # it left the scheduler (finished or failed)
 
     @property
     def fed(self) -> int:
         """Tokens whose K/V exists (in pages while running, in the Cache while waiting)."""
         return self.paged.length if self.paged is not None else self.cached
+
+
+@dataclass(eq=False)
+class _Pending:
+    """A launched step whose tokens the host has not taken yet."""
+
+    items: list[tuple[_Seq, list[int]]]
+    start: float
+    # the sequences due a token: (sequence, its row of the sampled logits, the index of its
+    # placeholder in `tokens` when the token stayed on the device for the next step, or None)
+    due: list[tuple[_Seq, int, int | None]] = field(default_factory=list)
+    sampled: list[int] = field(default_factory=list)  # tokens sampled on the host, `due` order
+    ticket: Ticket | None = None  # greedy tokens still on their way to the host (overlapped)
 
 
 # A step with at least this many prompt tokens times a prefill for the cost model (shorter ones
@@ -172,6 +189,11 @@ class BatchScheduler:
         self._prefix_pool: PagePool | None = None  # the pool the index's pages belong to
         self.shared_pages = 0  # pages taken from a running sequence at admission, in all
         self._events = EventPost()  # this iteration's events, handed over together
+        # overlapped steps (kvtier.server.lookahead): the step in flight, its tokens not taken
+        self.overlap_steps = bool(getattr(config, "overlap_steps", True))
+        self._readback = TokenReadback(self.pool.device, self.max_batch)
+        self._pending: _Pending | None = None
+        self._last_done = 0.0
         isolate = bool(getattr(config, "isolate_cpus", False)) and served.device.type == "cuda"
         if served.device.type == "cpu":
             # Leave a core to the event loop (HTTP, streaming): on 2 cores, 16 sessions decoded
@@ -279,12 +301,17 @@ class BatchScheduler:
         while True:
             with self._cond:
                 while not (
-                    self._arrived or self.waiting or self.running or self._closed or self._devices()
+                    self._arrived
+                    or self.waiting
+                    or self.running
+                    or self._pending
+                    or self._closed
+                    or self._devices()
                 ):
                     self._cond.wait()
                 self.waiting.extend(self._arrived)
                 self._arrived.clear()
-                if self._closed and not (self.waiting or self.running):
+                if self._closed and not (self.waiting or self.running or self._pending):
                     if self._restoring == 0:
                         return
                     self._cond.wait()
@@ -293,6 +320,7 @@ class BatchScheduler:
                 self._iterate()
             except BaseException as exc:  # a bug here must not leave clients hanging
                 log.exception("batch scheduler iteration failed")
+                self._pending = None
                 for s in [*self.running, *self.waiting]:
                     self._fail(s, exc)
 
@@ -302,13 +330,19 @@ class BatchScheduler:
 
     def _iterate(self) -> None:
         if self.served.devices is not None:
+            self._drain()
             self.served.devices.poll(self)  # between steps: fail over or restore a device
-        for s in [*self.running, *self.waiting]:
-            if s.stream.cancelled.is_set():
-                self._finish(s, "cancelled")
+        cancelled = [s for s in [*self.running, *self.waiting] if s.stream.cancelled.is_set()]
+        if cancelled:
+            self._drain()  # their tokens of the step in flight first
+            for s in cancelled:
+                if not s.gone:
+                    self._finish(s, "cancelled")
         items = self._schedule()
         if items:
             self._step(items)
+        else:
+            self._drain()
         self._deliver()
 
     def _post(self, s: _Seq, event: Any) -> None:
@@ -325,6 +359,9 @@ class BatchScheduler:
             need = sum(pool.pages_needed(s.paged, 1) for s in self._decoding() if s.paged)
             if need <= pool.num_free:
                 break
+            if self._pending is not None:  # its finished turns may free pages; and a preempted
+                self._drain()  # sequence must hold its real tokens, not placeholders
+                continue
             victim = self.running[-1]
             if len(self.running) == 1:
                 self._out_of_room(victim)
@@ -469,15 +506,44 @@ class BatchScheduler:
     # ---- the step -----------------------------------------------------------------------------
 
     def _step(self, items: list[tuple[_Seq, list[int]]]) -> None:
+        """Launch a step; then take the tokens of the step before it (overlapped: the GPU runs
+        this one meanwhile), then this step's own unless they may wait (`kvtier.server.
+        lookahead`)."""
+        before, self._pending = self._pending, None
+        launched = self._launch(items)
+        if before is not None:
+            self._complete(before)
+        if launched is not None:
+            if launched.ticket is not None:
+                self._pending = launched
+            else:
+                self._complete(launched)
+
+    def _drain(self) -> None:
+        """Take the tokens of the step in flight, if any (before anything that needs every
+        sequence's tokens on the host: preemption, cancellation, a device failover)."""
+        before, self._pending = self._pending, None
+        if before is not None:
+            self._complete(before)
+
+    def _launch(self, items: list[tuple[_Seq, list[int]]]) -> _Pending | None:
+        """Run the forward of `items` and sample: on the host (synchronously), or for an
+        all-greedy step on the device only, each due sequence getting a placeholder token that
+        the next step feeds from the device. None: the forward failed (handled here)."""
         start = time.perf_counter()
         batch = [SeqInput(s.paged, toks) for s, toks in items]  # type: ignore[arg-type]
         if self.pool.quantized:
             for s, _ in items:
                 s.stream.degraded_kv = "int8"  # the response and metrics say so
+        fed = [(k, s.feed) for k, (s, _) in enumerate(items) if s.feed is not None]
+        feed = None
+        if fed:
+            feed = Feed([k for k, _ in fed], fed[0][1][0], [f[1] for _, f in fed])
         prompt = sum(len(t) for _, t in items if len(t) > 1)
+        timed = prompt >= PREFILL_SAMPLE_TOKENS
         try:
-            logits = self.runner.step(batch)
-            if prompt >= PREFILL_SAMPLE_TOKENS:
+            logits = self.runner.step(batch) if feed is None else self.runner.step(batch, feed)
+            if timed:
                 # how a recompute runs now: the cost model learns it (a device sync first, as
                 # the forward is asynchronous; sampling below waits for it anyway)
                 if self.pool.device.type == "cuda":
@@ -486,71 +552,124 @@ class BatchScheduler:
         except BaseException as exc:
             devices = self.served.devices
             if devices is not None and devices.lost_in_step(self, exc, items):
-                return  # a device was lost: its sequences wait to run on the survivors
+                return None  # a device was lost: its sequences wait to run on the survivors
             log.exception("batched forward failed (%d sequences)", len(items))
             for s, _ in items:
                 self._fail(s, exc)
-            return
-        took = time.perf_counter() - start
+            return None
         for s, _ in items:
-            if not s.first:
-                s.trace.step(took)
-        done = [s for s, _ in items if s.fed == len(s.tokens)]  # all fed: a token is due
-        if done:
-            if len(done) == len(items):  # every sequence is due a token: no index to copy
-                chosen = logits[: len(items)].float()
-            else:
-                rows = [i for i, (s, _) in enumerate(items) if s.fed == len(s.tokens)]
-                chosen = logits[rows].float()
-            if self.served.allowed is not None:
-                chosen = chosen.masked_fill(~self.served.allowed, float("-inf"))
-            tokens = sample_rows(
+            s.feed = None  # fed now (its placeholder's value arrives with the step before)
+        p = _Pending(items, start)
+        due = [(k, s) for k, (s, _) in enumerate(items) if s.fed == len(s.tokens)]
+        if not due:
+            return p
+        ahead = (
+            self.overlap_steps
+            and not timed
+            and self.served.devices is None
+            and all(s.job.temperature <= 0 for _, s in due)
+        )
+        if ahead or len(due) == len(items):
+            # every row: an index of rows would go to the device by a copy that waits for it
+            chosen = logits[: len(items)]
+        else:
+            chosen = logits[[k for k, _ in due]]
+        chosen = chosen.float()
+        if self.served.allowed is not None:
+            chosen = chosen.masked_fill(~self.served.allowed, float("-inf"))
+        if not ahead:
+            p.sampled = sample_rows(
                 chosen,
-                [s.job.temperature for s in done],
-                [s.job.top_p for s in done],
-                [s.gen for s in done],
+                [s.job.temperature for _, s in due],
+                [s.job.top_p for _, s in due],
+                [s.gen for _, s in due],
             )
-            now = time.perf_counter()
-            for s, token in zip(done, tokens, strict=True):
-                if not s.first:
-                    s.first = True
-                    self._observe_ttft(s, now - s.admitted)
-                    assert s.restored is not None
-                    s.trace.log_first(
-                        s.job.session_id,
-                        s.admitted,
-                        now,
-                        s.restored.source,
-                        s.cached,
-                        len(s.job.prompt_ids),
-                        self.pool.device,
-                    )
-                if s.job.max_tokens <= 0:
-                    self._finish(s, "length", flush=True)
-                else:
-                    self._take(s, token)
-        if self.metrics is not None and hasattr(self.metrics, "step"):
-            self.metrics.step(len(items), time.perf_counter() - start)
+            p.due = [(s, j, None) for j, (_, s) in enumerate(due)]
+            return p
+        tokens, p.ticket = self._readback.start(chosen)
+        for k, s in due:
+            if s.job.max_tokens <= 0 or len(s.reply.ids) + 1 >= s.job.max_tokens:
+                p.due.append((s, k, None))  # its last token: nothing more to feed
+                continue
+            p.due.append((s, k, len(s.tokens)))
+            s.tokens.append(0)  # a placeholder: the next step feeds the token from the device
+            s.feed = (tokens, k)
+        return p
 
-    def _take(self, s: _Seq, token: int) -> None:
-        """A sampled token: stream its text, then end the reply or queue the token to be fed."""
+    def _complete(self, p: _Pending) -> None:
+        """The host side of a launched step: its tokens streamed, finished turns ended."""
+        if p.ticket is not None:
+            host = p.ticket.wait()
+            sampled = [host[row] for _, row, _ in p.due]
+        else:
+            sampled = p.sampled
+        now = time.perf_counter()
+        took = now - max(p.start, self._last_done)  # overlapped steps: the time between them
+        self._last_done = now
+        for s, _ in p.items:
+            if not s.first and not s.gone:
+                s.trace.step(took)
+        for (s, _, placed), token in zip(p.due, sampled, strict=True):
+            if s.gone:
+                continue  # it ended before this step's tokens arrived
+            if placed is not None:
+                s.tokens[placed] = token
+                if len(s.tokens) == placed + 1:
+                    s.feed = None  # not fed yet (no step ran since): the host has it now
+            if not s.first:
+                s.first = True
+                self._observe_ttft(s, now - s.admitted)
+                assert s.restored is not None
+                s.trace.log_first(
+                    s.job.session_id,
+                    s.admitted,
+                    now,
+                    s.restored.source,
+                    s.cached,
+                    len(s.job.prompt_ids),
+                    self.pool.device,
+                )
+            if s.job.max_tokens <= 0:
+                self._unplace(s, placed)
+                self._finish(s, "length", flush=True)
+            else:
+                self._take(s, token, placed)
+        if self.metrics is not None and hasattr(self.metrics, "step"):
+            self.metrics.step(len(p.items), took)
+
+    def _take(self, s: _Seq, token: int, placed: int | None = None) -> None:
+        """A sampled token: stream its text, then end the reply or queue the token to be fed
+        (`placed`: it is in `s.tokens` at that index already, and may be fed already)."""
         reply = s.reply
         delta = reply.add(token)
         if delta:
             self._post(s, Delta(delta))
         if reply.stopped:
+            self._unplace(s, placed)
             self._finish(s, "stop")
         elif reply.eos or len(reply.ids) >= s.job.max_tokens or s.stream.cancelled.is_set():
+            self._unplace(s, placed)
             if s.stream.cancelled.is_set():
                 self._finish(s, "cancelled")
             else:
                 self._finish(s, "stop" if reply.eos else "length", flush=True)
-        else:
+        elif placed is None:
             s.tokens.append(token)
+
+    def _unplace(self, s: _Seq, placed: int | None) -> None:
+        """The reply ended at the token placed at `s.tokens[placed]`: as if it had never been
+        queued, drop it (and a placeholder after it), and the K/V a running step wrote for it."""
+        if placed is None:
+            return
+        del s.tokens[placed:]
+        s.feed = None
+        if s.paged is not None and s.paged.length > placed:
+            s.paged.length = placed
 
     # ---- leaving ------------------------------------------------------------------------------
 
     def _leave(self, s: _Seq) -> None:
+        s.gone = True
         if s in self.running:
             self.running.remove(s)
         elif s in self.waiting:

@@ -81,6 +81,8 @@ class ServerConfig:
     prefill_step: int = 512  # prompt tokens per forward, so other sessions interleave
     batching: bool = True  # one forward per step for every running session (off: one thread each)
     cuda_graphs: bool = True  # with batching on CUDA: decode steps replayed as CUDA graphs
+    # with batching: an all-greedy step starts before the last one's tokens reach the host
+    overlap_steps: bool = True
     batch_tokens: int = 1024  # new tokens in one batched forward: decode tokens + prompt chunks
     # prompt tokens in a step that also decodes: short, even steps for the decoding sessions
     # (0: up to batch_tokens, as a step without decoders)

@@ -124,6 +124,13 @@ def options(f: Callable[..., Any]) -> Callable[..., Any]:
             "(one per batch-size bucket) and replay them (default on).",
         ),
         click.option(
+            "--overlap-steps/--no-overlap-steps",
+            default=None,
+            help="With batching: when every running request samples greedily, start the next "
+            "step before the last one's tokens are read back (fed from the device), so the GPU "
+            "does not wait on the scheduler (default on).",
+        ),
+        click.option(
             "--batch-tokens",
             type=int,
             help="New tokens in one batched forward: decode tokens plus prompt chunks "

@@ -616,3 +616,51 @@ def test_restores_wait_for_l1_room_held_by_running_turns(tmp_path: Path) -> None
     finally:
         sched.close()
         backend.close()
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_overlapped_steps_end_replies_exactly(overlap: bool, tmp_path: Path) -> None:
+    """All greedy: a step starts before the last one's tokens are on the host, its decode tokens
+    fed from the device (kvtier.server.lookahead). A reply that ends meanwhile (a stop string,
+    max_tokens) drops the row it had in the running step: replies and committed KV are what the
+    synchronous scheduler gives, and the next turn goes on exactly."""
+    ref = _build("qwen2")
+    served = _build("qwen2")
+    backend = TieredBackend(served.model, _config(tmp_path), served.name)
+    sched = BatchScheduler(served, backend, _config(tmp_path, overlap_steps=overlap))
+    step = sched.runner.step
+    feeds: list[int] = []
+
+    def counted(batch: Any, *feed: Any) -> Any:
+        if feed and feed[0] is not None:
+            feeds.append(len(feed[0].items))
+        return step(batch, *feed)
+
+    sched.runner.step = counted  # type: ignore[method-assign]
+    try:
+        prompts = _prompts(21, [33, 47, 20])
+        full = _greedy_alone(ref, prompts[0], 24)
+        assert len(full) == 24, "the reference reply must not end early for this test"
+        stop = full[7:9]
+        stopped, length, long = _run(
+            sched,
+            _one(sched, _job("stop", prompts[0], 24, stop=(stop,))),
+            _one(sched, _job("len", prompts[1], 5)),
+            _one(sched, _job("long", prompts[2], 18)),
+        )
+        assert (stopped.text, stopped.finished.finish_reason) == (full[: full.find(stop)], "stop")
+        assert length.text == _greedy_alone(ref, prompts[1], 5)
+        assert long.text == _greedy_alone(ref, prompts[2], 18)
+        # committed: the prompt and every generated token that was fed (all but the last)
+        n = stopped.finished.completion_tokens
+        assert _session(backend, "stop").tokens == prompts[0] + list(full[: n - 1].encode())
+        n = length.finished.completion_tokens
+        assert _session(backend, "len").tokens == prompts[1] + list(length.text[: n - 1].encode())
+        nxt = prompts[2] + list(long.text.encode()) + _prompts(22, [9])[0]
+        back = _run(sched, _one(sched, _job("long", nxt, 8)))[0]
+        assert back.started is not None and back.started.cached_tokens >= len(prompts[2])
+        assert back.text == _greedy_alone(ref, nxt, 8)
+    finally:
+        sched.close()
+        backend.close()
+    assert (sum(feeds) > 0) == overlap

@@ -1,0 +1,59 @@
+"""Greedy tokens read back without stopping the GPU: what lets the scheduler overlap steps.
+
+A step's sampled tokens are needed twice: on the device, as the next step's input, and on the
+host, to stream text and decide who stops. Read back synchronously, the GPU idles while the
+scheduler thread reads them, streams them, and builds and launches the next step: about a fifth
+of every step in the 64-session fleet on an H200 (docs/benchmarks.md). With every sequence due a
+token greedy, the scheduler instead picks the tokens on the device, starts their copy to pinned
+host memory, and launches the next step right away, feeding those tokens from the device
+(`kvtier.paged.Feed`); only then does it wait for the copy and do the host side of the step
+before (`BatchScheduler._complete`). A sequence that turns out to have stopped had one row in
+the step already running: its K/V and output are dropped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Ticket:
+    """The host copy of one step's tokens, in flight."""
+
+    buffer: torch.Tensor
+    rows: int
+    event: torch.cuda.Event | None
+
+    def wait(self) -> list[int]:
+        """Block until the copy is done (the GPU keeps running); the tokens, one per row."""
+        if self.event is not None:
+            self.event.synchronize()
+        return [int(t) for t in self.buffer[: self.rows].tolist()]
+
+
+class TokenReadback:
+    """Greedy tokens of a step: picked on the device, copied to one of two pinned host buffers
+    (a step's buffer stays untouched while the next step's copy runs)."""
+
+    def __init__(self, device: torch.device, max_rows: int) -> None:
+        self.device = device
+        cuda = device.type == "cuda"
+        self._buffers = [torch.zeros(max_rows, dtype=torch.long, pin_memory=cuda) for _ in range(2)]
+        self._next = 0
+
+    def start(self, logits: torch.Tensor) -> tuple[torch.Tensor, Ticket]:
+        """Argmax of every row of `logits` (already masked): the tokens on the device, and the
+        ticket of their copy to the host."""
+        tokens = logits.argmax(dim=-1)
+        buffer = self._buffers[self._next]
+        self._next ^= 1
+        n = tokens.shape[0]
+        if self.device.type != "cuda":
+            buffer[:n].copy_(tokens)
+            return tokens, Ticket(buffer, n, None)
+        buffer[:n].copy_(tokens, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return tokens, Ticket(buffer, n, event)
