@@ -17,7 +17,9 @@ hands back a transformers Cache over the first `covered` prompt tokens) and only
    running sequence of the same tenant already holds (same tokens from position 0) are shared
    instead of copied (`kvtier.server.pageshare`);
 5. runs the batch as one flattened forward (`kvtier.paged.BatchRunner`) and samples one token
-   for every sequence whose tokens are all fed.
+   for every sequence whose tokens are all fed. When they are all greedy, the tokens stay on
+   the device for the next step, which is launched before the host reads them
+   (`kvtier.server.lookahead`: the GPU does not wait on this thread).
 
 A finished turn's new K/V (the prompt suffix and the generated tokens that were fed) is copied
 out of the pages, the pages are freed, and a second small pool appends it to the session's Cache
