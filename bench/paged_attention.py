@@ -329,39 +329,17 @@ def tune(case: Case, ref: torch.Tensor, args: argparse.Namespace) -> None:
         results = []
         for splits, block_n, warps, stages in grid:
             if kind == "decode":
-
-                def fn(s=splits, b=block_n, w=warps, st=stages):  # type: ignore[no-untyped-def]
-                    return paged_decode(
-                        case.q,
-                        case.k_cache,
-                        case.v_cache,
-                        case.table,
-                        case.lens,
-                        case.scale,
-                        max_len=case.ctx,
-                        num_splits=s,
-                        block_n=b,
-                        num_warps=w,
-                        num_stages=st,
-                    )
+                q, lens, rows = case.q, case.lens, {}
             else:
+                q, lens, rows = rows_q, r_len, {"row_seq": r_seq, "blocks": blocks}
+            launch = {"num_splits": splits, "block_n": block_n, "num_warps": warps}
+            launch["num_stages"] = stages
 
-                def fn(s=splits, b=block_n, w=warps, st=stages):  # type: ignore[no-untyped-def]
-                    return paged_decode(
-                        rows_q,
-                        case.k_cache,
-                        case.v_cache,
-                        case.table,
-                        r_len,
-                        case.scale,
-                        max_len=case.ctx,
-                        num_splits=s,
-                        block_n=b,
-                        num_warps=w,
-                        num_stages=st,
-                        row_seq=r_seq,
-                        blocks=blocks,
-                    )
+            def fn(q=q, lens=lens, rows=rows, launch=launch):  # type: ignore[no-untyped-def]
+                return paged_decode(
+                    q, case.k_cache, case.v_cache, case.table, lens, case.scale,
+                    max_len=case.ctx, **launch, **rows,
+                )  # fmt: skip
 
             try:
                 out = fn()

@@ -72,7 +72,8 @@ def _block_rows(
     IEEE: tl.constexpr,
 ):  # fmt: skip
     """`_block` for a tile of several query rows of one sequence, each with its own context
-    length `lens` (a row may see none of the block: its running max stays -inf, safely)."""
+    length `lens` (a row may see none of the block: its running max stays -inf, safely). Kept
+    apart from `_block`, the decode path, which never needs the per-row masks and guards."""
     d = tl.arange(0, BLOCK_D)
     dmask = d < HEAD_DIM
     t = t0 + tl.arange(0, BLOCK_N)
