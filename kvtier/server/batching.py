@@ -19,7 +19,8 @@ hands back a transformers Cache over the first `covered` prompt tokens) and only
 5. runs the batch as one flattened forward (`kvtier.paged.BatchRunner`) and samples one token
    for every sequence whose tokens are all fed. When they are all greedy, the tokens stay on
    the device for the next step, which is launched before the host reads them
-   (`kvtier.server.lookahead`: the GPU does not wait on this thread).
+   (`kvtier.server.lookahead`: the GPU does not wait on this thread). The step itself, its
+   sampling and the tokens' way to the requests are in `kvtier.server.stepping`.
 
 A finished turn's new K/V (the prompt suffix and the generated tokens that were fed) is copied
 out of the pages, the pages are freed, and a second small pool appends it to the session's Cache
@@ -35,25 +36,24 @@ import os
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from kvtier.errors import KvtierError, L1BudgetExceeded
 from kvtier.geometry import KVGeometry
-from kvtier.paged import BatchRunner, Feed, PagedSequence, PagePool, SeqInput
+from kvtier.paged import BatchRunner, PagedSequence, PagePool
 from kvtier.paged.attention import VARLEN_PAGE, varlen_block_table_supported
 from kvtier.server.backend import Backend, RecomputeBackend, Restored
 from kvtier.server.engine import ContextExceeded, Delta, Failed, Finished, Job, Started, Stream
 from kvtier.server.eventpost import EventPost
 from kvtier.server.failover import make_pool
-from kvtier.server.lookahead import Ticket, TokenReadback
+from kvtier.server.lookahead import TokenReadback
 from kvtier.server.model import ServedModel
 from kvtier.server.pagecopy import append_kv, copy_in, copy_out
 from kvtier.server.pageshare import PrefixPages, page_keys
-from kvtier.server.sampling import ReplyText, make_generator, sample_rows
-from kvtier.server.turntrace import TurnTrace
+from kvtier.server.sampling import ReplyText, make_generator
+from kvtier.server.stepping import Stepping, _Pending, _Seq
 from kvtier.tiers import l3_io
 
 log = logging.getLogger("kvtier.server")
@@ -62,52 +62,6 @@ PAGE_SIZE = 16  # tokens per KV page (CPU, or where FlashAttention's varlen cann
 DEFAULT_BATCH_TOKENS = 1024
 DEFAULT_DECODING_PROMPT_TOKENS = 128
 _CPU_POOL_CAP = 2**30  # an automatic pool on the CPU takes at most this many bytes
-
-
-@dataclass(eq=False)
-class _Seq:
-    """One request inside the scheduler."""
-
-    job: Job
-    stream: Stream
-    admitted: float
-    done: concurrent.futures.Future[None]
-    reply: ReplyText
-    gen: torch.Generator | None
-    tokens: list[int]  # prompt + sampled tokens; the last sampled one is fed in the next step
-    restored: Restored | None = None
-    cached: int = 0  # leading tokens whose K/V the session's Cache holds
-    paged: PagedSequence | None = None  # its pages while running, None while waiting
-    first: bool = False  # the first token's logits arrived (TTFT observed)
-    trace: TurnTrace = field(default_factory=TurnTrace)  # where the time to its first token went
-    # content keys of the full pages of the cached prefix, for (cached, page size)
-    keys: tuple[int, int, list[bytes]] | None = None
-    # its last token is a placeholder whose value is on the device: (tensor, row)
-    feed: tuple[torch.Tensor, int] | None = None
-    gone: bool = False  # it left the scheduler (finished or failed)
-
-    @property
-    def fed(self) -> int:
-        """Tokens whose K/V exists (in pages while running, in the Cache while waiting)."""
-        return self.paged.length if self.paged is not None else self.cached
-
-
-@dataclass(eq=False)
-class _Pending:
-    """A launched step whose tokens the host has not taken yet."""
-
-    items: list[tuple[_Seq, list[int]]]
-    start: float
-    # the sequences due a token: (sequence, its row of the sampled logits, the index of its
-    # placeholder in `tokens` when the token stayed on the device for the next step, or None)
-    due: list[tuple[_Seq, int, int | None]] = field(default_factory=list)
-    sampled: list[int] = field(default_factory=list)  # tokens sampled on the host, `due` order
-    ticket: Ticket | None = None  # greedy tokens still on their way to the host (overlapped)
-
-
-# A step with at least this many prompt tokens times a prefill for the cost model (shorter ones
-# are bound by launching kernels and say nothing about recomputing a long prefix).
-PREFILL_SAMPLE_TOKENS = 512
 
 
 def pool_bytes(served: ServedModel, config: Any, per_token: int) -> int:
@@ -131,7 +85,7 @@ def page_size(device: torch.device, dtype: torch.dtype) -> int:
     return VARLEN_PAGE if flash and varlen_block_table_supported() else PAGE_SIZE
 
 
-class BatchScheduler:
+class BatchScheduler(Stepping):
     """Owns the model (paged attention), the page pool and the scheduler thread."""
 
     def __init__(
@@ -504,169 +458,6 @@ class BatchScheduler:
             s.fed,
         )
         self._finish(s, "length", flush=True)
-
-    # ---- the step -----------------------------------------------------------------------------
-
-    def _step(self, items: list[tuple[_Seq, list[int]]]) -> None:
-        """Launch a step; then take the tokens of the step before it (overlapped: the GPU runs
-        this one meanwhile), then this step's own unless they may wait (`kvtier.server.
-        lookahead`)."""
-        before, self._pending = self._pending, None
-        launched = self._launch(items)
-        if before is not None:
-            self._complete(before)
-        if launched is not None:
-            if launched.ticket is not None:
-                self._pending = launched
-            else:
-                self._complete(launched)
-
-    def _drain(self) -> None:
-        """Take the tokens of the step in flight, if any (before anything that needs every
-        sequence's tokens on the host: preemption, cancellation, a device failover)."""
-        before, self._pending = self._pending, None
-        if before is not None:
-            self._complete(before)
-
-    def _launch(self, items: list[tuple[_Seq, list[int]]]) -> _Pending | None:
-        """Run the forward of `items` and sample: on the host (synchronously), or for an
-        all-greedy step on the device only, each due sequence getting a placeholder token that
-        the next step feeds from the device. None: the forward failed (handled here)."""
-        start = time.perf_counter()
-        batch = [SeqInput(s.paged, toks) for s, toks in items]  # type: ignore[arg-type]
-        if self.pool.quantized:
-            for s, _ in items:
-                s.stream.degraded_kv = "int8"  # the response and metrics say so
-        fed = [(k, s.feed) for k, (s, _) in enumerate(items) if s.feed is not None]
-        feed = None
-        if fed:
-            feed = Feed([k for k, _ in fed], fed[0][1][0], [f[1] for _, f in fed])
-        prompt = sum(len(t) for _, t in items if len(t) > 1)
-        timed = prompt >= PREFILL_SAMPLE_TOKENS
-        try:
-            logits = self.runner.step(batch) if feed is None else self.runner.step(batch, feed)
-            if timed:
-                # how a recompute runs now: the cost model learns it (a device sync first, as
-                # the forward is asynchronous; sampling below waits for it anyway)
-                if self.pool.device.type == "cuda":
-                    torch.cuda.synchronize(self.pool.device)
-                self.backend.observe_prefill(prompt, time.perf_counter() - start)
-        except BaseException as exc:
-            devices = self.served.devices
-            if devices is not None and devices.lost_in_step(self, exc, items):
-                return None  # a device was lost: its sequences wait to run on the survivors
-            log.exception("batched forward failed (%d sequences)", len(items))
-            for s, _ in items:
-                self._fail(s, exc)
-            return None
-        for s, _ in items:
-            s.feed = None  # fed now (its placeholder's value arrives with the step before)
-        p = _Pending(items, start)
-        due = [(k, s) for k, (s, _) in enumerate(items) if s.fed == len(s.tokens)]
-        if not due:
-            return p
-        ahead = (
-            self.overlap_steps
-            and not timed
-            and self.served.devices is None
-            and all(s.job.temperature <= 0 for _, s in due)
-        )
-        if ahead or len(due) == len(items):
-            # every row: an index of rows would go to the device by a copy that waits for it
-            chosen = logits[: len(items)]
-        else:
-            chosen = logits[[k for k, _ in due]]
-        chosen = chosen.float()
-        if self.served.allowed is not None:
-            chosen = chosen.masked_fill(~self.served.allowed, float("-inf"))
-        if not ahead:
-            p.sampled = sample_rows(
-                chosen,
-                [s.job.temperature for _, s in due],
-                [s.job.top_p for _, s in due],
-                [s.gen for _, s in due],
-            )
-            p.due = [(s, j, None) for j, (_, s) in enumerate(due)]
-            return p
-        tokens, p.ticket = self._readback.start(chosen)
-        for k, s in due:
-            if s.job.max_tokens <= 0 or len(s.reply.ids) + 1 >= s.job.max_tokens:
-                p.due.append((s, k, None))  # its last token: nothing more to feed
-                continue
-            p.due.append((s, k, len(s.tokens)))
-            s.tokens.append(0)  # a placeholder: the next step feeds the token from the device
-            s.feed = (tokens, k)
-        return p
-
-    def _complete(self, p: _Pending) -> None:
-        """The host side of a launched step: its tokens streamed, finished turns ended."""
-        if p.ticket is not None:
-            host = p.ticket.wait()
-            sampled = [host[row] for _, row, _ in p.due]
-        else:
-            sampled = p.sampled
-        now = time.perf_counter()
-        took = now - max(p.start, self._last_done)  # overlapped steps: the time between them
-        self._last_done = now
-        for s, _ in p.items:
-            if not s.first and not s.gone:
-                s.trace.step(took)
-        for (s, _, placed), token in zip(p.due, sampled, strict=True):
-            if s.gone:
-                continue  # it ended before this step's tokens arrived
-            if placed is not None:
-                s.tokens[placed] = token
-                if len(s.tokens) == placed + 1:
-                    s.feed = None  # not fed yet (no step ran since): the host has it now
-            if not s.first:
-                s.first = True
-                self._observe_ttft(s, now - s.admitted)
-                assert s.restored is not None
-                s.trace.log_first(
-                    s.job.session_id,
-                    s.admitted,
-                    now,
-                    s.restored.source,
-                    s.cached,
-                    len(s.job.prompt_ids),
-                    self.pool.device,
-                )
-            if s.job.max_tokens <= 0:
-                self._unplace(s, placed)
-                self._finish(s, "length", flush=True)
-            else:
-                self._take(s, token, placed)
-        if self.metrics is not None and hasattr(self.metrics, "step"):
-            self.metrics.step(len(p.items), took)
-
-    def _take(self, s: _Seq, token: int, placed: int | None = None) -> None:
-        """A sampled token: stream its text, then end the reply or queue the token to be fed
-        (`placed`: it is in `s.tokens` at that index already, and may be fed already)."""
-        reply = s.reply
-        delta = reply.add(token)
-        if delta:
-            self._post(s, Delta(delta))
-        if reply.stopped:
-            self._unplace(s, placed)
-            self._finish(s, "stop")
-        elif reply.eos or len(reply.ids) >= s.job.max_tokens or s.stream.cancelled.is_set():
-            self._unplace(s, placed)
-            if s.stream.cancelled.is_set():
-                self._finish(s, "cancelled")
-            else:
-                self._finish(s, "stop" if reply.eos else "length", flush=True)
-        elif placed is None:
-            s.tokens.append(token)
-
-    def _unplace(self, s: _Seq, placed: int | None) -> None:
-        """The reply ended at the token placed at `s.tokens[placed]`: as if it had never been
-        queued, drop it (and a placeholder after it), and the K/V a running step wrote for it."""
-        if placed is None:
-            return
-        del s.tokens[placed:]
-        s.feed = None
-        if s.paged is not None and s.paged.length > placed:
-            s.paged.length = placed
 
     # ---- leaving ------------------------------------------------------------------------------
 

@@ -1,0 +1,267 @@
+"""The batch scheduler's step: one forward, its sampling, and its tokens handed to the requests.
+
+Split from kvtier/server/batching.py, whose `BatchScheduler` inherits `Stepping`: this module
+runs what `_schedule` chose (`_launch`: the forward, then sampling on the host, or for an
+all-greedy step on the device only) and takes the tokens (`_complete`: stream the text, end the
+replies that are done). With overlapped steps (`overlap_steps`, kvtier.server.lookahead) the
+tokens of a step are taken after the next step was launched, so the GPU never waits for this
+thread; a reply that ended meanwhile drops the row it had in the running step (`_unplace`).
+Everything else (admission, restores, pages, the end of a turn) stays in batching.py.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvtier.paged import BatchRunner, Feed, PagedSequence, PagePool, SeqInput
+from kvtier.server.backend import Backend, Restored
+from kvtier.server.engine import Delta, Job, Stream
+from kvtier.server.lookahead import Ticket, TokenReadback
+from kvtier.server.model import ServedModel
+from kvtier.server.sampling import ReplyText, sample_rows
+from kvtier.server.turntrace import TurnTrace
+
+log = logging.getLogger("kvtier.server")
+
+
+@dataclass(eq=False)
+class _Seq:
+    """One request inside the scheduler."""
+
+    job: Job
+    stream: Stream
+    admitted: float
+    done: concurrent.futures.Future[None]
+    reply: ReplyText
+    gen: torch.Generator | None
+    tokens: list[int]  # prompt + sampled tokens; the last sampled one is fed in the next step
+    restored: Restored | None = None
+    cached: int = 0  # leading tokens whose K/V the session's Cache holds
+    paged: PagedSequence | None = None  # its pages while running, None while waiting
+    first: bool = False  # the first token's logits arrived (TTFT observed)
+    trace: TurnTrace = field(default_factory=TurnTrace)  # where the time to its first token went
+    # content keys of the full pages of the cached prefix, for (cached, page size)
+    keys: tuple[int, int, list[bytes]] | None = None
+    # its last token is a placeholder whose value is on the device: (tensor, row)
+    feed: tuple[torch.Tensor, int] | None = None
+    gone: bool = False  # it left the scheduler (finished or failed)
+
+    @property
+    def fed(self) -> int:
+        """Tokens whose K/V exists (in pages while running, in the Cache while waiting)."""
+        return self.paged.length if self.paged is not None else self.cached
+
+
+@dataclass(eq=False)
+class _Pending:
+    """A launched step whose tokens the host has not taken yet."""
+
+    items: list[tuple[_Seq, list[int]]]
+    start: float
+    # the sequences due a token: (sequence, its row of the sampled logits, the index of its
+    # placeholder in `tokens` when the token stayed on the device for the next step, or None)
+    due: list[tuple[_Seq, int, int | None]] = field(default_factory=list)
+    sampled: list[int] = field(default_factory=list)  # tokens sampled on the host, `due` order
+    ticket: Ticket | None = None  # greedy tokens still on their way to the host (overlapped)
+
+
+# A step with at least this many prompt tokens times a prefill for the cost model (shorter ones
+# are bound by launching kernels and say nothing about recomputing a long prefix).
+PREFILL_SAMPLE_TOKENS = 512
+
+
+class Stepping:
+    """The step methods of `BatchScheduler` (kvtier.server.batching), which sets these."""
+
+    runner: BatchRunner
+    pool: PagePool
+    served: ServedModel
+    backend: Backend
+    metrics: Any
+    overlap_steps: bool  # an all-greedy step's tokens stay on the device for the next step
+    _readback: TokenReadback
+    _pending: _Pending | None  # the step in flight whose tokens are not taken yet
+    _last_done: float  # when the last step's tokens were taken
+
+    # ---- kept in batching.py (the end of a turn, events, metrics) -----------------------------
+
+    def _fail(self, s: _Seq, exc: BaseException) -> None:
+        raise NotImplementedError
+
+    def _finish(self, s: _Seq, reason: str, flush: bool = False) -> None:
+        raise NotImplementedError
+
+    def _post(self, s: _Seq, event: Any) -> None:
+        raise NotImplementedError
+
+    def _observe_ttft(self, s: _Seq, seconds: float) -> None:
+        raise NotImplementedError
+
+    # ---- the step -----------------------------------------------------------------------------
+
+    def _step(self, items: list[tuple[_Seq, list[int]]]) -> None:
+        """Launch a step; then take the tokens of the step before it (overlapped: the GPU runs
+        this one meanwhile), then this step's own unless they may wait (`kvtier.server.
+        lookahead`)."""
+        before, self._pending = self._pending, None
+        launched = self._launch(items)
+        if before is not None:
+            self._complete(before)
+        if launched is not None:
+            if launched.ticket is not None:
+                self._pending = launched
+            else:
+                self._complete(launched)
+
+    def _drain(self) -> None:
+        """Take the tokens of the step in flight, if any (before anything that needs every
+        sequence's tokens on the host: preemption, cancellation, a device failover)."""
+        before, self._pending = self._pending, None
+        if before is not None:
+            self._complete(before)
+
+    def _launch(self, items: list[tuple[_Seq, list[int]]]) -> _Pending | None:
+        """Run the forward of `items` and sample: on the host (synchronously), or for an
+        all-greedy step on the device only, each due sequence getting a placeholder token that
+        the next step feeds from the device. None: the forward failed (handled here)."""
+        start = time.perf_counter()
+        batch = [SeqInput(s.paged, toks) for s, toks in items]  # type: ignore[arg-type]
+        if self.pool.quantized:
+            for s, _ in items:
+                s.stream.degraded_kv = "int8"  # the response and metrics say so
+        fed = [(k, s.feed) for k, (s, _) in enumerate(items) if s.feed is not None]
+        feed = None
+        if fed:
+            feed = Feed([k for k, _ in fed], fed[0][1][0], [f[1] for _, f in fed])
+        prompt = sum(len(t) for _, t in items if len(t) > 1)
+        timed = prompt >= PREFILL_SAMPLE_TOKENS
+        try:
+            logits = self.runner.step(batch) if feed is None else self.runner.step(batch, feed)
+            if timed:
+                # how a recompute runs now: the cost model learns it (a device sync first, as
+                # the forward is asynchronous; sampling below waits for it anyway)
+                if self.pool.device.type == "cuda":
+                    torch.cuda.synchronize(self.pool.device)
+                self.backend.observe_prefill(prompt, time.perf_counter() - start)
+        except BaseException as exc:
+            devices = self.served.devices
+            if devices is not None and devices.lost_in_step(self, exc, items):
+                return None  # a device was lost: its sequences wait to run on the survivors
+            log.exception("batched forward failed (%d sequences)", len(items))
+            for s, _ in items:
+                self._fail(s, exc)
+            return None
+        for s, _ in items:
+            s.feed = None  # fed now (its placeholder's value arrives with the step before)
+        p = _Pending(items, start)
+        due = [(k, s) for k, (s, _) in enumerate(items) if s.fed == len(s.tokens)]
+        if not due:
+            return p
+        ahead = (
+            self.overlap_steps
+            and not timed
+            and self.served.devices is None
+            and all(s.job.temperature <= 0 for _, s in due)
+        )
+        if ahead or len(due) == len(items):
+            # every row: an index of rows would go to the device by a copy that waits for it
+            chosen = logits[: len(items)]
+        else:
+            chosen = logits[[k for k, _ in due]]
+        chosen = chosen.float()
+        if self.served.allowed is not None:
+            chosen = chosen.masked_fill(~self.served.allowed, float("-inf"))
+        if not ahead:
+            p.sampled = sample_rows(
+                chosen,
+                [s.job.temperature for _, s in due],
+                [s.job.top_p for _, s in due],
+                [s.gen for _, s in due],
+            )
+            p.due = [(s, j, None) for j, (_, s) in enumerate(due)]
+            return p
+        tokens, p.ticket = self._readback.start(chosen)
+        for k, s in due:
+            if s.job.max_tokens <= 0 or len(s.reply.ids) + 1 >= s.job.max_tokens:
+                p.due.append((s, k, None))  # its last token: nothing more to feed
+                continue
+            p.due.append((s, k, len(s.tokens)))
+            s.tokens.append(0)  # a placeholder: the next step feeds the token from the device
+            s.feed = (tokens, k)
+        return p
+
+    def _complete(self, p: _Pending) -> None:
+        """The host side of a launched step: its tokens streamed, finished turns ended."""
+        if p.ticket is not None:
+            host = p.ticket.wait()
+            sampled = [host[row] for _, row, _ in p.due]
+        else:
+            sampled = p.sampled
+        now = time.perf_counter()
+        took = now - max(p.start, self._last_done)  # overlapped steps: the time between them
+        self._last_done = now
+        for s, _ in p.items:
+            if not s.first and not s.gone:
+                s.trace.step(took)
+        for (s, _, placed), token in zip(p.due, sampled, strict=True):
+            if s.gone:
+                continue  # it ended before this step's tokens arrived
+            if placed is not None:
+                s.tokens[placed] = token
+                if len(s.tokens) == placed + 1:
+                    s.feed = None  # not fed yet (no step ran since): the host has it now
+            if not s.first:
+                s.first = True
+                self._observe_ttft(s, now - s.admitted)
+                assert s.restored is not None
+                s.trace.log_first(
+                    s.job.session_id,
+                    s.admitted,
+                    now,
+                    s.restored.source,
+                    s.cached,
+                    len(s.job.prompt_ids),
+                    self.pool.device,
+                )
+            if s.job.max_tokens <= 0:
+                self._unplace(s, placed)
+                self._finish(s, "length", flush=True)
+            else:
+                self._take(s, token, placed)
+        if self.metrics is not None and hasattr(self.metrics, "step"):
+            self.metrics.step(len(p.items), took)
+
+    def _take(self, s: _Seq, token: int, placed: int | None = None) -> None:
+        """A sampled token: stream its text, then end the reply or queue the token to be fed
+        (`placed`: it is in `s.tokens` at that index already, and may be fed already)."""
+        reply = s.reply
+        delta = reply.add(token)
+        if delta:
+            self._post(s, Delta(delta))
+        if reply.stopped:
+            self._unplace(s, placed)
+            self._finish(s, "stop")
+        elif reply.eos or len(reply.ids) >= s.job.max_tokens or s.stream.cancelled.is_set():
+            self._unplace(s, placed)
+            if s.stream.cancelled.is_set():
+                self._finish(s, "cancelled")
+            else:
+                self._finish(s, "stop" if reply.eos else "length", flush=True)
+        elif placed is None:
+            s.tokens.append(token)
+
+    def _unplace(self, s: _Seq, placed: int | None) -> None:
+        """The reply ended at the token placed at `s.tokens[placed]`: as if it had never been
+        queued, drop it (and a placeholder after it), and the K/V a running step wrote for it."""
+        if placed is None:
+            return
+        del s.tokens[placed:]
+        s.feed = None
+        if s.paged is not None and s.paged.length > placed:
+            s.paged.length = placed
