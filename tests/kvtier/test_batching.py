@@ -664,3 +664,42 @@ def test_overlapped_steps_end_replies_exactly(overlap: bool, tmp_path: Path) -> 
         sched.close()
         backend.close()
     assert (sum(feeds) > 0) == overlap
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_overlapped_steps_on_cuda_graphs_equal_synchronous_steps(tmp_path: Path) -> None:
+    """On CUDA, steps replayed from CUDA graphs with their decode tokens fed from the device
+    (float32 model): every greedy reply equals the synchronous scheduler's."""
+    texts: dict[bool, list[str]] = {}
+    fed: dict[bool, int] = {}
+    for overlap in (True, False):
+        served = _build("llama")
+        served.model.to("cuda")
+        if served.allowed is not None:
+            served.allowed = served.allowed.to("cuda")
+        root = tmp_path / f"overlap-{overlap}"
+        backend = TieredBackend(served.model, _config(root), served.name)
+        sched = BatchScheduler(served, backend, _config(root, overlap_steps=overlap))
+        assert sched.runner.capture_graphs()
+        step = sched.runner.step
+        feeds: list[int] = []
+
+        def counted(batch: Any, *feed: Any, step: Any = step, feeds: list[int] = feeds) -> Any:
+            feeds.extend(len(f.items) for f in feed if f is not None)
+            return step(batch, *feed)
+
+        sched.runner.step = counted  # type: ignore[method-assign]
+        try:
+            prompts = _prompts(31, [40, 75, 22, 58, 9])
+            results = _run(
+                sched, *(_one(sched, _job(f"s{i}", p, 30)) for i, p in enumerate(prompts))
+            )
+            assert sched.runner.graph_steps > 0
+        finally:
+            sched.close()
+            backend.close()
+        texts[overlap] = [r.text for r in results]
+        fed[overlap] = sum(feeds)
+    assert texts[True] == texts[False]
+    assert fed[True] > 0 and fed[False] == 0
