@@ -122,7 +122,10 @@ def build_bank(model, ctxs, system: int, device: str, group: int, chunk: int):
 
 
 def fresh(device: str) -> None:
+    # as `kvtier serve` does at the end of its start-up: what lives now (the model, the bank)
+    # is out of the collector's reach, so no full collection walks it inside the window
     gc.collect()
+    gc.freeze()
     if device.startswith("cuda"):
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
