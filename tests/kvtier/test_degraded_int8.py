@@ -6,16 +6,16 @@ and exact replies, when the device is restored."""
 
 from __future__ import annotations
 
-import asyncio
-import time
+import functools
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from prometheus_client import CollectorRegistry
-from test_batching import _build, _config, _greedy_alone, _job, _prompts
+from test_batching import _build, _config, _greedy_alone, _job, _prompts, _run
 from test_multi_device import _poison
+from test_multi_device import _turn_stream as _turn
 
 from kvtier.errors import ConfigError, KvtierError
 from kvtier.geometry import KVGeometry
@@ -27,7 +27,6 @@ from kvtier.server.backend import TieredBackend
 from kvtier.server.batching import BatchScheduler
 from kvtier.server.config import ServerConfig
 from kvtier.server.devices_admin import DEGRADED_KV_HEADER, DegradedTurn
-from kvtier.server.engine import Delta, Finished, Stream
 from kvtier.server.failover import DEGRADED, DRAINING, HEALTHY, RESTORING, place
 from kvtier.server.metrics import ServerMetrics
 
@@ -164,28 +163,6 @@ def test_int8_pages_on_cuda_bf16_close_to_native() -> None:
     assert torch.allclose(both[1], alone, rtol=0, atol=0.02 * float(alone.abs().max()))
 
 
-async def _turn(sched: BatchScheduler, job: Any, on_delta: Any = None) -> tuple[str, Any, Stream]:
-    stream = Stream(asyncio.get_running_loop())
-    done = asyncio.wrap_future(sched.submit(job, stream, time.perf_counter()))
-    text, finished = "", None
-    async for event in stream.events():
-        if isinstance(event, Delta):
-            text += event.text
-            if on_delta is not None:
-                on_delta(text)
-        elif isinstance(event, Finished):
-            finished = event
-    await done
-    return text, finished, stream
-
-
-def _all(sched: BatchScheduler, calls: list[Any]) -> list[tuple[str, Any, Stream]]:
-    async def main() -> list[tuple[str, Any, Stream]]:
-        return list(await asyncio.gather(*calls))
-
-    return asyncio.run(asyncio.wait_for(main(), 120))
-
-
 def test_fault_mid_batch_int8_pool_then_restore_is_native_and_exact(tmp_path: Path) -> None:
     ref = _build("llama")
     served = place(_build("llama"), [CPU, CPU])
@@ -205,9 +182,9 @@ def test_fault_mid_batch_int8_pool_then_restore_is_native_and_exact(tmp_path: Pa
                     1, "test fault", before=lambda: _poison(served, sched, 1)
                 )
 
-        first = _all(
+        first = _run(
             sched,
-            [
+            *[
                 _turn(sched, _job(f"s{i}", p, tokens), fault if i == 1 else None)
                 for i, p in enumerate(prompts)
             ],
@@ -252,9 +229,9 @@ def test_fault_mid_batch_int8_pool_then_restore_is_native_and_exact(tmp_path: Pa
             if len(text) >= 4 and failover.state == DEGRADED and not failover.pending:
                 failover.restore(1)
 
-        again = _all(
+        again = _run(
             sched,
-            [
+            *[
                 _turn(sched, _job(f"s{i}", p, 12), back if i == 0 else None)
                 for i, p in enumerate(seconds)
             ],
@@ -274,7 +251,7 @@ def test_fault_mid_batch_int8_pool_then_restore_is_native_and_exact(tmp_path: Pa
         thirds = [
             p + list(text.encode()) + [10] for p, (text, _, _) in zip(seconds, again, strict=True)
         ]
-        last = _all(sched, [_turn(sched, _job(f"s{i}", p, 8)) for i, p in enumerate(thirds)])
+        last = _run(sched, *[_turn(sched, _job(f"s{i}", p, 8)) for i, p in enumerate(thirds)])
         for (text, fin, stream), p in zip(last, thirds, strict=True):
             assert text == _greedy_alone(ref, p, 8)
             assert fin is not None and stream.degraded_kv == "native"
@@ -313,18 +290,15 @@ def test_http_degraded_kv_int8_headers_usage_and_metrics(tmp_path: Path) -> None
     degraded says its K/V was int8 (header, usage, metric); after the restore a session's turn
     is native again and equals a new session's reply (no int8 value reached its stored KV)."""
     import httpx
-    from server_proc import Server, reply_text
+    from server_proc import Server
     from server_proc import chat as server_chat
+    from server_proc import reply_text as reply
 
     args = ("--devices", "cpu,cpu", "--max-concurrency", "4", "--degraded-kv", "int8")
     srv = Server(tmp_path / "l3", *args).start()
     try:
         url = srv.url
-
-        def chat(sid: str, messages: list[dict[str, str]]) -> httpx.Response:
-            return server_chat(url, sid, messages, max_tokens=12)
-
-        reply = reply_text
+        chat = functools.partial(server_chat, url, max_tokens=12)  # chat(session, messages)
 
         talk = [{"role": "user", "content": "hello there, " * 6}]
         first = chat("s1", talk)

@@ -10,6 +10,7 @@ the same model alone on one device (transformers' DynamicCache).
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from pathlib import Path
 from typing import Any
@@ -85,9 +86,11 @@ def test_sharded_pool_pages_and_chunks_equal_one_pool() -> None:
     assert torch.equal(one.gather(fork1.pages, 0, 40), two.gather(fork2.pages, 0, 40))
 
 
-async def _turn(
+async def _turn_stream(
     sched: BatchScheduler, job: Any, on_delta: Any = None
-) -> tuple[str, Finished | None]:
+) -> tuple[str, Finished | None, Stream]:
+    """One turn through the scheduler: its text, its Finished event and its stream;
+    `on_delta(text so far)` after each delta."""
     stream = Stream(asyncio.get_running_loop())
     done = asyncio.wrap_future(sched.submit(job, stream, time.perf_counter()))
     text, finished = "", None
@@ -99,6 +102,13 @@ async def _turn(
         elif isinstance(event, Finished):
             finished = event
     await done
+    return text, finished, stream
+
+
+async def _turn(
+    sched: BatchScheduler, job: Any, on_delta: Any = None
+) -> tuple[str, Finished | None]:
+    text, finished, _ = await _turn_stream(sched, job, on_delta)
     return text, finished
 
 
@@ -196,18 +206,15 @@ def test_http_fail_and_restore_a_device(tmp_path: Path) -> None:
     runs exact while degraded, a long one over sinks + window, and its next turn after the
     restore is exact (its stored KV was never written from the approximate turn)."""
     import httpx
-    from server_proc import Server, reply_text
+    from server_proc import Server
     from server_proc import chat as server_chat
+    from server_proc import reply_text as text
 
     args = ("--devices", "cpu,cpu", "--max-concurrency", "4", "--degraded-window", "48")
     srv = Server(tmp_path / "l3", *args).start()
     try:
         url = srv.url
-
-        def chat(sid: str, messages: list[dict[str, str]]) -> httpx.Response:
-            return server_chat(url, sid, messages, max_tokens=16)
-
-        text = reply_text
+        chat = functools.partial(server_chat, url, max_tokens=16)  # chat(session, messages)
 
         status = httpx.get(url + "/v1/admin/devices", timeout=10).json()
         assert status["state"] == HEALTHY

@@ -11,6 +11,7 @@ same model alone on one device (transformers' DynamicCache).
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -232,18 +233,15 @@ def test_http_fail_and_restore_the_primary(tmp_path: Path) -> None:
     session's next turn restores its stored chunks from L2 and equals a new session's reply;
     device 1, now the last one, cannot be failed; `restore` brings device 0 back as primary."""
     import httpx
-    from server_proc import Server, reply_text
+    from server_proc import Server
     from server_proc import chat as server_chat
+    from server_proc import reply_text as text
 
     args = ("--devices", "cpu,cpu", "--max-concurrency", "4", "--chunk-tokens", "32")
     srv = Server(tmp_path / "l3", *args).start()
     try:
         url = srv.url
-
-        def chat(sid: str, messages: list[dict[str, str]]) -> httpx.Response:
-            return server_chat(url, sid, messages, max_tokens=16)
-
-        text = reply_text
+        chat = functools.partial(server_chat, url, max_tokens=16)  # chat(session, messages)
 
         def cached(r: httpx.Response) -> int:
             return int(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
