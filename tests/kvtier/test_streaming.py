@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import math
 import random
+from typing import Any
 
 import pytest
 import torch
@@ -57,12 +58,17 @@ def measure(model: torch.nn.Module) -> dict[tuple[int, int], dict[str, float]]:
                 s = sums[(sinks, window)]
                 s[0] += float(torch.nn.functional.cross_entropy(logits, target))
                 s[1] += float((logits.argmax(-1) == full.argmax(-1)).float().mean())
+    return _summary(sums, full_nll)
+
+
+def _summary(sums: dict[Any, list[float]], full_nll: float) -> dict[Any, dict[str, float]]:
+    """Per view: perplexity against the full context's, and greedy agreement with it."""
     out = {}
     ppl_full = math.exp(full_nll / TEXTS)
-    for view, (nll, agree, _) in sums.items():
+    for key, (nll, agree, *_) in sums.items():
         ppl = math.exp(nll / TEXTS)
-        out[view] = {"ppl_full": ppl_full, "ppl": ppl, "change": ppl / ppl_full - 1.0,
-                     "agreement": agree / TEXTS}  # fmt: skip
+        out[key] = {"ppl_full": ppl_full, "ppl": ppl, "change": ppl / ppl_full - 1.0,
+                    "agreement": agree / TEXTS}  # fmt: skip
     return out
 
 
@@ -131,13 +137,7 @@ def measure_paged(model: torch.nn.Module) -> dict[tuple[str, int, int], dict[str
                 s = sums[(kv, sinks, window)]
                 s[0] += float(torch.nn.functional.cross_entropy(logits, target))
                 s[1] += float((logits.argmax(-1) == full.argmax(-1)).float().mean())
-    ppl_full = math.exp(full_nll / TEXTS)
-    out = {}
-    for key, (nll, agree) in sums.items():
-        ppl = math.exp(nll / TEXTS)
-        out[key] = {"ppl_full": ppl_full, "ppl": ppl, "change": ppl / ppl_full - 1.0,
-                    "agreement": agree / TEXTS}  # fmt: skip
-    return out
+    return _summary(sums, full_nll)
 
 
 @pytest.mark.slow
