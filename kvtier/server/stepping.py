@@ -142,7 +142,7 @@ class Stepping:
         prompt = sum(len(t) for _, t in items if len(t) > 1)
         timed = prompt >= PREFILL_SAMPLE_TOKENS
         try:
-            logits = self.runner.step(batch) if feed is None else self.runner.step(batch, feed)
+            logits = self.runner.step(batch, feed)
             if timed:
                 # how a recompute runs now: the cost model learns it (a device sync first, as
                 # the forward is asynchronous; sampling below waits for it anyway)

@@ -292,11 +292,11 @@ def test_an_error_that_loses_no_device_fails_its_step_only(tmp_path: Path) -> No
     step = sched.runner.step
     calls: list[int] = []
 
-    def once(batch: Any) -> Any:
+    def once(batch: Any, feed: Any = None) -> Any:
         calls.append(1)
         if len(calls) == 1:
             raise RuntimeError("CUDA error: unspecified launch failure")
-        return step(batch)
+        return step(batch, feed)
 
     sched.runner.step = once  # type: ignore[method-assign]
     try:
