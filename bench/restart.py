@@ -5,7 +5,8 @@ full chunks are durable in L3, SIGKILLs the server (no drain), starts it again a
 the moment /readyz answers, the first token of that session's next turn. Targets: <= 500 ms,
 and the request's TTFT at most 1.05 x the recompute of the same prompt.
 In the same run it measures the ceiling (the same turn served from L1 on a warm server) and the
-baseline (the same prompt recomputed under a tenant with nothing cached).
+baseline: the same prompt recomputed under a tenant with nothing cached, as the first request
+of another restart (each cycle restarts twice) and, for reference, on the warm process.
 
     PYTHONPATH=. python3 bench/restart.py [--device cuda] [--model DIR] [--png restart.png]
 """
@@ -141,6 +142,8 @@ def main() -> None:
     ]
     rows = []
     for cycle in range(args.repeat):
+        if cycle:  # the last restart served a fresh tenant: bring the session back into L1
+            first_token(client, url, convo, sid)
         ceiling, src_l1, _ = first_token(client, url, convo, sid)  # warm server, session in L1
         # Wait until write-through has made the session's full chunks durable in L3.
         want = prompt_tokens // 256
@@ -157,6 +160,13 @@ def main() -> None:
         after_ready = time.perf_counter() - ready
         probe = {"X-Tenant": f"recompute-{cycle}"}
         recompute, _, _ = first_token(client, url, convo, probe)
+        # The like-for-like baseline: the same prompt recomputed as the first request of a
+        # restarted process (what a server without the cache pays after a restart), so the
+        # process's first-use costs fall on both sides of the ratio.
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        proc, _, _ = start(args, l3, port, log, client)
+        cold_recompute, _, _ = first_token(client, url, convo, {"X-Tenant": f"cold-{cycle}"})
         rows.append(
             {
                 "after_ready_s": after_ready,
@@ -167,6 +177,7 @@ def main() -> None:
                 "ceiling_s": ceiling,
                 "ceiling_source": src_l1,
                 "recompute_s": recompute,
+                "recompute_first_s": cold_recompute,
             }
         )
     extra: dict[str, float] = {}
@@ -209,16 +220,22 @@ def main() -> None:
         f"{t * 1000:>8.1f}ms{c * 1000:>8.1f}ms{c / t:>8.2f}"
     )
     print(f"{'  of which request TTFT':<44}{med('ttft_s') * 1000:>8.1f}ms")
-    print(f"{'recompute of the same prompt (baseline)':<44}{med('recompute_s') * 1000:>8.1f}ms")
+    r, warm = med("recompute_first_s"), med("recompute_s")
+    print(f"{'recompute, first request after a restart':<44}{r * 1000:>8.1f}ms")
+    print(f"{'recompute, second request (warm process)':<44}{warm * 1000:>8.1f}ms")
     print(f"prompt tokens restored on resume: {rows[-1]['cached_tokens']}")
     verdict = "MET" if t <= TARGET_S else "MISSED"
     print(f"target <= {TARGET_S * 1000:.0f} ms after ready: {verdict}")
-    r = med("recompute_s")
-    verdict = "MET" if med("ttft_s") <= RECOMPUTE_FACTOR * r else "MISSED"
+    ratio = med("ttft_s") / r
+    verdict = "MET" if ratio <= RECOMPUTE_FACTOR else "MISSED"
     print(
-        f"target request TTFT <= {RECOMPUTE_FACTOR:.2f} x recompute: {verdict} "
-        f"({med('ttft_s') / r:.2f} x; the cache picks recompute where loading would be slower)"
+        f"target request TTFT <= {RECOMPUTE_FACTOR:.2f} x recompute (both the first request of "
+        f"a restarted process): {verdict} ({ratio:.2f} x; against the warm process's "
+        f"recompute {med('ttft_s') / warm:.2f} x; the cache picks recompute where loading "
+        "would be slower)"
     )
+    per = ", ".join(f"{x['ttft_s'] * 1000:.1f}/{x['recompute_first_s'] * 1000:.1f}" for x in rows)
+    print(f"per cycle, request TTFT / first-request recompute (ms): {per}")
     print(f"(ceiling = the same turn from L1 on a warm server; log: {log})")
     if extra:
         print("\ndiagnosis (one request each, in this order):")
@@ -236,7 +253,7 @@ def main() -> None:
 
         fig, ax = plt.subplots(figsize=(6, 3.5))
         labels = ["L1 (warm)", "after restart", "recompute"]
-        vals = [c * 1000, t * 1000, med("recompute_s") * 1000]
+        vals = [c * 1000, t * 1000, r * 1000]
         ax.bar(labels, vals, color=["tab:green", "tab:blue", "tab:gray"])
         ax.axhline(TARGET_S * 1000, color="red", linestyle="--", label="target")
         ax.set(ylabel="first token (ms)", title=f"{prompt_tokens}-token session, {name}")
