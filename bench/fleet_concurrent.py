@@ -25,6 +25,8 @@ Configurations:
   kvtier-eager (d) without CUDA graphs: every step eager (what graphs add, in the same run)
   kvtier-sync  (d) without overlapped steps: each step's tokens read back before the next
                step starts (what the overlap adds, in the same run)
+  kvtier-gil5  (d) with Python's default GIL switch interval, 5 ms, instead of the
+               scheduler's 0.5 ms (what the shorter interval adds, in the same run)
 
 Each session's initial context (a shared `--system`-token system prompt, then its own tokens)
 is prefilled once per scenario, batched; its K/V is kept on the host (the "bank") and copied
@@ -202,6 +204,8 @@ def run_scenario(args, model, dev: str, scen: str, n: int, fleet_ceiling, tmp: P
                     cfg = SimpleNamespace(**vars(sched_config))
                     cfg.cuda_graphs = name != "kvtier-eager"
                     cfg.overlap_steps = name != "kvtier-sync"
+                    if name == "kvtier-gil5":  # the interpreter's default GIL switch interval
+                        cfg.switch_interval_s = 0.005
                     m = batched.run_batched(
                         name, model, fleet, bank, dev, warmup, limit, backend, cfg
                     )

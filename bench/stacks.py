@@ -4,6 +4,8 @@ A poor man's sampling profiler for one named thread (the batch scheduler, "kvtie
 in the benchmark's own process. Every sample records two things: the scheduler method the
 thread is in (the frame below its loop) and the innermost line it is on. A thread that
 waits on the device or for the GIL is counted where it waits, so the table reads as wall time.
+The report also gives the CPU every thread of the process used meanwhile, in cores: the threads
+that run Python share one GIL, so their sum near 1 means they wait for each other.
 """
 
 from __future__ import annotations
@@ -11,7 +13,10 @@ from __future__ import annotations
 import collections
 import sys
 import threading
+import time
 from types import FrameType
+
+from kvtier.server.turntrace import thread_cpu
 
 OUTER = ("_iterate", "_main")  # the scheduler's loop: report the frame just inside it
 
@@ -25,17 +30,23 @@ class StackSampler:
         self.samples = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="stack-sampler", daemon=True)
+        self._cpu: dict[int, float] = {}  # CPU seconds by native thread id at start
+        self._cpu_used: dict[int, float] = {}  # ... used from start to stop
+        self._wall = 0.0
 
     @property
     def started(self) -> bool:
         return self._thread.ident is not None
 
     def start(self) -> None:
+        self._cpu, self._wall = thread_cpu(), time.perf_counter()
         self._thread.start()
 
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
+        self._wall = time.perf_counter() - self._wall
+        self._cpu_used = {t: sec - self._cpu.get(t, 0.0) for t, sec in thread_cpu().items()}
 
     def _target(self) -> int | None:
         for t in threading.enumerate():
@@ -76,4 +87,14 @@ class StackSampler:
         out += [f"    {c / n:6.1%}  {m}" for m, c in self.methods.most_common(12)]
         out.append("  by innermost line:")
         out += [f"    {c / n:6.1%}  {m}" for m, c in self.lines.most_common(top)]
+        if self._cpu_used and self._wall > 0:
+            names = {t.native_id: t.name for t in threading.enumerate()}
+            used = sorted(((sec, t) for t, sec in self._cpu_used.items()), reverse=True)
+            total = sum(sec for sec, _ in used) / self._wall
+            out.append(f"  CPU by thread meanwhile, in cores (all threads: {total:.2f}):")
+            out += [
+                f"    {sec / self._wall:5.2f}  {names.get(t, f'native {t}')}"
+                for sec, t in used[:12]
+                if sec / self._wall >= 0.01
+            ]
         return "\n".join(out)

@@ -33,6 +33,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import os
+import sys
 import threading
 import time
 from collections import deque
@@ -62,6 +63,11 @@ PAGE_SIZE = 16  # tokens per KV page (CPU, or where FlashAttention's varlen cann
 DEFAULT_BATCH_TOKENS = 1024
 DEFAULT_DECODING_PROMPT_TOKENS = 128
 _CPU_POOL_CAP = 2**30  # an automatic pool on the CPU takes at most this many bytes
+# The interpreter's GIL switch interval while a scheduler runs (Python's default: 5 ms). Every
+# torch call of the scheduler thread releases the GIL and takes it back, and the restore,
+# commit and event-loop threads run Python meanwhile: at 5 ms one step's dozen calls could wait
+# longer than the step (docs/architecture.md, "Overlapped steps").
+SWITCH_INTERVAL_S = 0.0005
 
 
 def pool_bytes(served: ServedModel, config: Any, per_token: int) -> int:
@@ -151,6 +157,8 @@ class BatchScheduler(Stepping):
         self._pending: _Pending | None = None
         self._last_done = 0.0
         isolate = bool(getattr(config, "isolate_cpus", False)) and served.device.type == "cuda"
+        self._switch_interval = sys.getswitchinterval()  # given back at close
+        sys.setswitchinterval(float(getattr(config, "switch_interval_s", SWITCH_INTERVAL_S)))
         if served.device.type == "cpu":
             # Leave a core to the event loop (HTTP, streaming): on 2 cores, 16 sessions decoded
             # 2.2x faster with one intra-op thread than with two (docs/architecture.md).
@@ -193,6 +201,7 @@ class BatchScheduler(Stepping):
         self._thread.join()
         self._restores.shutdown(wait=True)
         self._commits.shutdown(wait=True)
+        sys.setswitchinterval(self._switch_interval)
 
     # ---- restore (thread pool) ----------------------------------------------------------------
 

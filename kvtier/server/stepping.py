@@ -174,19 +174,19 @@ class Stepping:
             chosen = logits[: len(items)]
         else:
             chosen = logits[[k for k, _ in due]]
-        chosen = chosen.float()
-        if self.served.allowed is not None:
-            chosen = chosen.masked_fill(~self.served.allowed, float("-inf"))
+        allowed = self.served.allowed
+        if allowed is not None:  # one call (each torch call gives the GIL up and back)
+            chosen = torch.where(allowed, chosen, float("-inf"))
         if not ahead:
             p.sampled = sample_rows(
-                chosen,
+                chosen.float(),
                 [s.job.temperature for _, s in due],
                 [s.job.top_p for _, s in due],
                 [s.gen for _, s in due],
             )
             p.due = [(s, j, None) for j, (_, s) in enumerate(due)]
             return p
-        tokens, p.ticket = self._readback.start(chosen)
+        tokens, p.ticket = self._readback.start(chosen)  # argmax in the model's dtype: exact
         for k, s in due:
             if s.job.max_tokens <= 0 or len(s.reply.ids) + 1 >= s.job.max_tokens:
                 p.due.append((s, k, None))  # its last token: nothing more to feed

@@ -481,6 +481,25 @@ def test_a_step_that_decodes_takes_few_prompt_tokens(tmp_path: Path) -> None:
         ServerConfig.load(flags={"decoding_prompt_tokens": -1}, env={})
 
 
+def test_scheduler_shortens_the_gil_switch_interval_while_it_runs(tmp_path: Path) -> None:
+    """The scheduler thread gives the GIL up at every torch call; while a scheduler runs, the
+    interpreter switches threads every 0.5 ms instead of 5, and gets its own interval back."""
+    import sys
+
+    from kvtier.server.batching import SWITCH_INTERVAL_S
+
+    served = _build("llama")
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(0.004)
+    try:
+        sched = BatchScheduler(served, RecomputeBackend(served.model), _config(tmp_path))
+        assert sys.getswitchinterval() == pytest.approx(SWITCH_INTERVAL_S)
+        sched.close()
+        assert sys.getswitchinterval() == pytest.approx(0.004)
+    finally:
+        sys.setswitchinterval(before)
+
+
 def test_sample_rows_draws_what_each_row_draws_alone() -> None:
     """The batch samples all rows at once; each row must get the token it gets alone (the
     per-request path), so a seeded request's reply does not depend on batching or neighbours."""
