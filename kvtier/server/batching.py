@@ -68,6 +68,7 @@ _CPU_POOL_CAP = 2**30  # an automatic pool on the CPU takes at most this many by
 # commit and event-loop threads run Python meanwhile: at 5 ms one step's dozen calls could wait
 # longer than the step (docs/architecture.md, "Overlapped steps").
 SWITCH_INTERVAL_S = 0.0005
+HELPER_THREADS_CUDA = 4  # restore threads, and as many commit threads, on a CUDA device
 
 
 def pool_bytes(served: ServedModel, config: Any, per_token: int) -> int:
@@ -130,8 +131,11 @@ class BatchScheduler(Stepping):
             max_seq_len=served.context_tokens,
         )
         self._keep_kv = not isinstance(backend, RecomputeBackend)
-        self._restores = concurrent.futures.ThreadPoolExecutor(2, "kvtier-restore")
-        self._commits = concurrent.futures.ThreadPoolExecutor(2, "kvtier-commit")
+        # On CUDA a restore's or a commit's copies wait for the steps in flight (they share the
+        # default stream), so more of them run at once; on the CPU they compete for the cores.
+        helpers = HELPER_THREADS_CUDA if served.device.type == "cuda" else 2
+        self._restores = concurrent.futures.ThreadPoolExecutor(helpers, "kvtier-restore")
+        self._commits = concurrent.futures.ThreadPoolExecutor(helpers, "kvtier-commit")
         self._cond = threading.Condition()
         self._arrived: list[_Seq] = []
         self._restoring = 0  # submitted jobs whose restore has not finished
@@ -209,7 +213,9 @@ class BatchScheduler(Stepping):
         job = s.job
         s.trace.restore = time.perf_counter()
         try:
-            ids = torch.tensor([job.prompt_ids], dtype=torch.long, device=self.served.device)
+            # on the host: the cache matches ids as a list, and a copy to the device would queue
+            # behind the steps in flight on the default stream, then wait for them to read back
+            ids = torch.tensor([job.prompt_ids], dtype=torch.long)
             s.restored = self._restore_when_room(job, ids)
         except BaseException as exc:  # nothing restored, nothing to abort
             self._report(s, exc)
