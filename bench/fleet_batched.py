@@ -94,11 +94,13 @@ def run_batched(
         m.extra["graphs"] = sched.runner.capture_graphs()
         m.extra["graph_capture_s"] = round(time.perf_counter() - t0, 2)
     log.watch(sched.runner)  # before the first submit: the scheduler thread is idle until then
+    phases = trace_phases(sched)
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, name="fleet-clients", daemon=True)
     thread.start()
     win = Window(device, warmup, limit)
     received: list[tuple[float, int]] = []  # (arrival, tokens) of every delta
+    slot_waits: list[float] = []  # returning turns' wait for a generation slot
 
     async def client(sid: int, slots: asyncio.Semaphore) -> None:
         ctx = list(fleet.contexts[sid])
@@ -122,6 +124,8 @@ def run_batched(
                 async with slots:  # the server's generation slots (Engine: max_concurrency)
                     if win.over():
                         return
+                    if returning and win.inside(submitted):
+                        slot_waits.append(time.perf_counter() - submitted)
                     sched.submit(job, stream, submitted)
                     async for ev in stream.events():
                         if isinstance(ev, Delta) and ev.text:
@@ -181,7 +185,50 @@ def run_batched(
     m.extra["graph_steps"] = sched.runner.graph_steps
     m.extra["eager_steps"] = sched.runner.eager_steps
     m.extra["server_ttft_p50"] = _median([s for _, s in log.ttfts])
+    inside = [p for t, p in phases if win.inside(t)]
+    if inside:
+        names = ("queued", "restore", "waiting", "copy-in", "steps", "total")
+        m.extra["ttft_phases_p50_ms"] = {
+            "slot": round(_median(slot_waits) * 1000, 1),  # part of "queued"
+            **{
+                n: round(_median([p[1 + i] for p in inside]) * 1000, 1) for i, n in enumerate(names)
+            },
+        }
+        sources: dict[str, int] = {}
+        for p in inside:
+            sources[p[0]] = sources.get(p[0], 0) + 1
+        m.extra["restore_sources"] = sources
     return m
+
+
+def trace_phases(sched: BatchScheduler) -> list[tuple[float, tuple[Any, ...]]]:
+    """Where each turn's server-side time to its first token went (its `TurnTrace`): (when,
+    (restore source, queued, restore, waiting, copy-in, steps, total) in seconds), recorded as
+    the scheduler observes the first token. Observes; changes nothing."""
+    out: list[tuple[float, tuple[Any, ...]]] = []
+    observe = sched._observe_ttft
+
+    def observed(s: Any, seconds: float) -> None:
+        t = s.trace
+        source = s.restored.source if s.restored is not None else "?"
+        out.append(
+            (
+                time.perf_counter(),
+                (
+                    source,
+                    t.restore - s.admitted,
+                    t.restored - t.restore,
+                    t.admit - t.restored,
+                    t.copy_in_s,
+                    t.step_s,
+                    seconds,
+                ),
+            )
+        )
+        observe(s, seconds)
+
+    sched._observe_ttft = observed  # type: ignore[method-assign]
+    return out
 
 
 def _median(values: list[float]) -> float:

@@ -82,6 +82,10 @@ def table(title: str, rows: list[dict[str, Any]]) -> str:
                 f"{r.get('extra_graph_steps', 0)} graph / {r.get('extra_eager_steps', 0)} eager "
                 "forwards"
             )
+        if r.get("extra_ttft_phases_p50_ms"):
+            phases = ", ".join(f"{k} {v}" for k, v in r["extra_ttft_phases_p50_ms"].items())
+            src = ", ".join(f"{k} {v}" for k, v in r.get("extra_restore_sources", {}).items())
+            lines.append(f"{'':>14}  server TTFT P50 by phase (ms): {phases}; restored from {src}")
     return "\n".join(lines)
 
 
