@@ -4,8 +4,9 @@ A poor man's sampling profiler for one named thread (the batch scheduler, "kvtie
 in the benchmark's own process. Every sample records two things: the scheduler method the
 thread is in (the frame below its loop) and the innermost line it is on. A thread that
 waits on the device or for the GIL is counted where it waits, so the table reads as wall time.
-The report also gives the CPU every thread of the process used meanwhile, in cores: the threads
-that run Python share one GIL, so their sum near 1 means they wait for each other.
+The report also gives the CPU every thread of the process used meanwhile, in cores (user and
+system time; a thread that spins in a device wait counts, and so does the handing over of the
+GIL, so the threads' sum can pass 1 even where only one of them runs Python at a time).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ class StackSampler:
         self._cpu: dict[int, float] = {}  # CPU seconds by native thread id at start
         self._cpu_used: dict[int, float] = {}  # ... used from start to stop
         self._wall = 0.0
+        self._names: dict[int | None, str] = {}  # thread names by native id, at stop
 
     @property
     def started(self) -> bool:
@@ -47,6 +49,7 @@ class StackSampler:
         self._thread.join(timeout=5)
         self._wall = time.perf_counter() - self._wall
         self._cpu_used = {t: sec - self._cpu.get(t, 0.0) for t, sec in thread_cpu().items()}
+        self._names = {t.native_id: t.name for t in threading.enumerate()}  # alive now
 
     def _target(self) -> int | None:
         for t in threading.enumerate():
@@ -88,7 +91,7 @@ class StackSampler:
         out.append("  by innermost line:")
         out += [f"    {c / n:6.1%}  {m}" for m, c in self.lines.most_common(top)]
         if self._cpu_used and self._wall > 0:
-            names = {t.native_id: t.name for t in threading.enumerate()}
+            names = self._names
             used = sorted(((sec, t) for t, sec in self._cpu_used.items()), reverse=True)
             total = sum(sec for sec, _ in used) / self._wall
             out.append(f"  CPU by thread meanwhile, in cores (all threads: {total:.2f}):")
