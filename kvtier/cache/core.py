@@ -18,6 +18,7 @@ session is never evicted while a request is running on it (state ACTIVE).
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import threading
@@ -342,15 +343,23 @@ class TieredCache(LifecycleMixin):
 
     def key_for(self, parent: bytes, toks: list[int], s: Session) -> bytes:
         """Key of a full chunk: the shared namespace's if that prefix was published."""
-        shared = chunk_key(parent, toks, self._shared_ns)
-        d = self.directory
-        if d.get(shared) is not None or (self._published and d.in_l3(shared)):
-            return shared
-        if self.l4 is not None and shared in self.l4.known:  # published on another host
-            return shared
-        return chunk_key(parent, toks, s.ns)
+        return self.keyed(parent, toks, s)[0]
 
-    @property
+    def keyed(self, parent: bytes, toks: list[int], s: Session) -> tuple[bytes, bool]:
+        """`key_for`, and whether the key is the shared namespace's. A shared key is looked for
+        only where one can exist: something was published into this store (`_published`, also
+        set from L3 at start), or another host's may be in L4. Otherwise the session's own key
+        is the only one, and one hash instead of two (a restore hashes every chunk)."""
+        if self._published or self.l4 is not None:
+            shared = chunk_key(parent, toks, self._shared_ns)
+            d = self.directory
+            if d.get(shared) is not None or (self._published and d.in_l3(shared)):
+                return shared, True
+            if self.l4 is not None and shared in self.l4.known:  # published on another host
+                return shared, True
+        return chunk_key(parent, toks, s.ns), False
+
+    @functools.cached_property
     def _shared_ns(self) -> bytes:
         return namespace(self.fingerprint, SHARED_TENANT)
 

@@ -270,6 +270,7 @@ class LifecycleMixin:
             C = self.chunk_tokens
             parent = ZERO_KEY
             n = 0
+            self._published = True  # before any shared key exists (key_for looks from now on)
             for i in range(common // C):
                 key = chunk_key(parent, ids[i * C : (i + 1) * C], self._shared_ns)
                 e = self.directory.ensure(key, parent, C)
@@ -277,7 +278,6 @@ class LifecycleMixin:
                     self._write_down(session, i * C, e, tenant=SHARED_TENANT)
                 parent = key
                 n += 1
-            self._published = True
             return n
 
     def evict_l2(self) -> int:

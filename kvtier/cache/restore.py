@@ -101,11 +101,10 @@ def plan(cache: TieredCache, s: Session, want: list[int]) -> RestorePlan | None:
         entry: Chunk | None = None
         src = ""
         if len(toks) == C:
-            key = cache.key_for(parent, toks, s)
+            key, shared = cache.keyed(parent, toks, s)
             entry, src = locate(cache, key, parent)
             if entry is not None and not entry.tenant:  # found in L3: whose is it (shred)?
-                own = key == chunk_key(parent, toks, s.ns)
-                entry.tenant = s.tenant if own else SHARED_TENANT
+                entry.tenant = SHARED_TENANT if shared else s.tenant
         if (
             entry is None
             and tail
