@@ -150,6 +150,7 @@ def run_scenario(args, model, dev: str, scen: str, n: int, fleet_ceiling, tmp: P
         batch_kv_bytes=batch * max_ctx * per_token,
         isolate_cpus=False,
         stacks=args.stacks,
+        helper_threads=args.helper_threads,
     )
     system = min(args.system, args.context // 2)
     ctxs = contexts(n, args.context, system, args.seed)
@@ -329,6 +330,12 @@ def main(argv: list[str] | None = None) -> None:
         help="prompt tokens in a step that also decodes (0: up to --batch-tokens)",
     )
     ap.add_argument("--prefill-chunk", type=int, default=512, help="bank prefill chunk")
+    ap.add_argument(
+        "--helper-threads",
+        type=int,
+        default=0,
+        help="the scheduler's restore threads, and as many commit threads (0: its default)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)

@@ -134,6 +134,7 @@ class BatchScheduler(Stepping):
         # On CUDA a restore's or a commit's copies wait for the steps in flight (they share the
         # default stream), so more of them run at once; on the CPU they compete for the cores.
         helpers = HELPER_THREADS_CUDA if served.device.type == "cuda" else 2
+        helpers = int(getattr(config, "helper_threads", 0) or helpers)  # a bench sweeps it
         self._restores = concurrent.futures.ThreadPoolExecutor(helpers, "kvtier-restore")
         self._commits = concurrent.futures.ThreadPoolExecutor(helpers, "kvtier-commit")
         self._cond = threading.Condition()

@@ -481,9 +481,10 @@ def test_a_step_that_decodes_takes_few_prompt_tokens(tmp_path: Path) -> None:
         ServerConfig.load(flags={"decoding_prompt_tokens": -1}, env={})
 
 
-def test_scheduler_shortens_the_gil_switch_interval_while_it_runs(tmp_path: Path) -> None:
+def test_scheduler_gil_switch_interval_and_helper_threads(tmp_path: Path) -> None:
     """The scheduler thread gives the GIL up at every torch call; while a scheduler runs, the
-    interpreter switches threads every 0.5 ms instead of 5, and gets its own interval back."""
+    interpreter switches threads every 0.5 ms instead of 5, and gets its own interval back.
+    Its restore and commit pools have 2 threads each on the CPU, or as many as configured."""
     import sys
 
     from kvtier.server.batching import SWITCH_INTERVAL_S
@@ -494,8 +495,13 @@ def test_scheduler_shortens_the_gil_switch_interval_while_it_runs(tmp_path: Path
     try:
         sched = BatchScheduler(served, RecomputeBackend(served.model), _config(tmp_path))
         assert sys.getswitchinterval() == pytest.approx(SWITCH_INTERVAL_S)
+        assert sched._restores._max_workers == 2  # on the CPU: they compete for the cores
         sched.close()
         assert sys.getswitchinterval() == pytest.approx(0.004)
+        config = _config(tmp_path, helper_threads=3)  # what bench/agent_fleet.py sweeps
+        sched = BatchScheduler(served, RecomputeBackend(served.model), config)
+        assert sched._restores._max_workers == 3 and sched._commits._max_workers == 3
+        sched.close()
     finally:
         sys.setswitchinterval(before)
 
