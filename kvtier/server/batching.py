@@ -66,7 +66,7 @@ _CPU_POOL_CAP = 2**30  # an automatic pool on the CPU takes at most this many by
 # The interpreter's GIL switch interval while a scheduler runs (Python's default: 5 ms). Every
 # torch call of the scheduler thread releases the GIL and takes it back, and the restore,
 # commit and event-loop threads run Python meanwhile: at 5 ms one step's dozen calls could wait
-# longer than the step (docs/architecture.md, "Overlapped steps").
+# longer than the step (docs/architecture.md, "The GIL").
 SWITCH_INTERVAL_S = 0.0005
 HELPER_THREADS_CUDA = 4  # restore threads, and as many commit threads, on a CUDA device
 
