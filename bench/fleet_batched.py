@@ -187,7 +187,7 @@ def run_batched(
     m.extra["server_ttft_p50"] = _median([s for _, s in log.ttfts])
     inside = [p for t, p in phases if win.inside(t)]
     if inside:
-        names = ("queued", "restore", "waiting", "copy-in", "steps", "total")
+        names = ("queued", "restore", "of which L1 room", "waiting", "copy-in", "steps", "total")
         m.extra["ttft_phases_p50_ms"] = {
             "slot": round(_median(slot_waits) * 1000, 1),  # part of "queued"
             **{
@@ -203,7 +203,8 @@ def run_batched(
 
 def trace_phases(sched: BatchScheduler) -> list[tuple[float, tuple[Any, ...]]]:
     """Where each turn's server-side time to its first token went (its `TurnTrace`): (when,
-    (restore source, queued, restore, waiting, copy-in, steps, total) in seconds), recorded as
+    (restore source, queued, restore, its wait for L1 room, waiting, copy-in, steps, total) in
+    seconds), recorded as
     the scheduler observes the first token. Observes; changes nothing."""
     out: list[tuple[float, tuple[Any, ...]]] = []
     observe = sched._observe_ttft
@@ -218,6 +219,7 @@ def trace_phases(sched: BatchScheduler) -> list[tuple[float, tuple[Any, ...]]]:
                     source,
                     t.restore - s.admitted,
                     t.restored - t.restore,
+                    t.room_wait_s,
                     t.admit - t.restored,
                     t.copy_in_s,
                     t.step_s,

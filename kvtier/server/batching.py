@@ -55,6 +55,7 @@ from kvtier.server.pagecopy import append_kv, copy_in, copy_out
 from kvtier.server.pageshare import PrefixPages, page_keys
 from kvtier.server.sampling import ReplyText, make_generator
 from kvtier.server.stepping import Stepping, _Pending, _Seq
+from kvtier.server.turntrace import TurnTrace
 from kvtier.tiers import l3_io
 
 log = logging.getLogger("kvtier.server")
@@ -217,7 +218,7 @@ class BatchScheduler(Stepping):
             # on the host: the cache matches ids as a list, and a copy to the device would queue
             # behind the steps in flight on the default stream, then wait for them to read back
             ids = torch.tensor([job.prompt_ids], dtype=torch.long)
-            s.restored = self._restore_when_room(job, ids)
+            s.restored = self._restore_when_room(job, ids, s.trace)
         except BaseException as exc:  # nothing restored, nothing to abort
             self._report(s, exc)
             with self._cond:
@@ -232,10 +233,11 @@ class BatchScheduler(Stepping):
             self._arrived.append(s)
             self._cond.notify_all()
 
-    def _restore_when_room(self, job: Job, ids: torch.Tensor) -> Restored:
+    def _restore_when_room(self, job: Job, ids: torch.Tensor, trace: TurnTrace) -> Restored:
         """`backend.restore`, waiting while L1 is full of sessions whose turns are running: each
-        commit makes one evictable again. Fails when nothing holds L1 (the session alone does
-        not fit) or after `queue_timeout`, as a wait for a slot would."""
+        commit makes one evictable again (the wait is added to `trace.room_wait_s`). Fails when
+        nothing holds L1 (the session alone does not fit) or after `queue_timeout`, as a wait
+        for a slot would."""
         deadline = time.monotonic() + float(getattr(self.config, "queue_timeout", 30.0))
         while True:
             with self._cond:
@@ -247,10 +249,12 @@ class BatchScheduler(Stepping):
                     if self._holding == 0 or self._closed:
                         raise
                     left = deadline - time.monotonic()
+                    t0 = time.perf_counter()
                     moved = self._cond.wait_for(
                         lambda seen=seen: self._released != seen or self._closed,  # type: ignore[misc]
                         timeout=max(0.0, left),
                     )
+                    trace.room_wait_s += time.perf_counter() - t0
                 if not moved or self._closed:
                     raise
                 continue

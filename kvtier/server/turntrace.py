@@ -30,6 +30,7 @@ class TurnTrace:
 
     restore: float = 0.0  # the restore pool began this turn's restore
     restored: float = 0.0  # ... and handed it to the scheduler
+    room_wait_s: float = 0.0  # of which waiting for L1 room (turns running hold it)
     admit: float = 0.0  # admission into the batch began (pages, copy-in)
     copy_in_s: float = 0.0
     steps: int = 0  # forwards this turn was part of before its first token
@@ -68,8 +69,8 @@ class TurnTrace:
         ms = 1000.0
         turns_log.debug(
             "turn %s: first token %.1f ms after admission: queued %.1f, restore %.1f (%s, %d of "
-            "%d cached), waiting %.1f, copy-in %.1f, %d steps %.1f %s, rest %.1f; %d device "
-            "allocations; CPU ms by thread meanwhile: %s",
+            "%d cached; %.1f waiting for L1 room), waiting %.1f, copy-in %.1f, %d steps %.1f %s, "
+            "rest %.1f; %d device allocations; CPU ms by thread meanwhile: %s",
             session_id[:64],
             (now - admitted) * ms,
             (self.restore - admitted) * ms,
@@ -77,6 +78,7 @@ class TurnTrace:
             source,
             cached,
             prompt,
+            self.room_wait_s * ms,
             (self.admit - self.restored) * ms,
             self.copy_in_s * ms,
             self.steps,

@@ -632,12 +632,22 @@ def test_restores_wait_for_l1_room_held_by_running_turns(tmp_path: Path) -> None
     config = _config(tmp_path, l1_bytes=2 * 64 * per_token + 1024, queue_timeout=60)
     backend = TieredBackend(served.model, config, served.name)
     sched = BatchScheduler(served, backend, config)
+    waits: list[float] = []  # each turn's wait for L1 room, as its trace has it
+    observe = sched._observe_ttft
+
+    def observed(s: Any, seconds: float) -> None:
+        waits.append(s.trace.room_wait_s)
+        observe(s, seconds)
+
+    sched._observe_ttft = observed  # type: ignore[method-assign]
     try:
         prompts = _prompts(21, [40, 41, 42, 43, 44])
         results = _run(sched, *(_one(sched, _job(f"w{i}", p, 10)) for i, p in enumerate(prompts)))
         for p, r in zip(prompts, results, strict=True):
             assert r.finished.finish_reason == "length"
             assert r.text == _greedy_alone(ref, p, 10)
+        # L1 holds two: the first two restores find room, a later one waits (and says so)
+        assert len(waits) == 5 and waits.count(0.0) >= 2 and max(waits) > 0, waits
     finally:
         sched.close()
         backend.close()
