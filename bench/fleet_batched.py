@@ -100,7 +100,7 @@ def run_batched(
     thread.start()
     win = Window(device, warmup, limit)
     received: list[tuple[float, int]] = []  # (arrival, tokens) of every delta
-    slot_waits: list[float] = []  # returning turns' wait for a generation slot
+    slot_waits: list[float] = []  # each turn's wait for a generation slot
 
     async def client(sid: int, slots: asyncio.Semaphore) -> None:
         ctx = list(fleet.contexts[sid])
@@ -119,13 +119,13 @@ def run_batched(
             stream = Stream(loop=asyncio.get_running_loop())
             submitted = time.perf_counter()
             first = None
+            slot_wait = 0.0
             text: list[str] = []
             try:
                 async with slots:  # the server's generation slots (Engine: max_concurrency)
                     if win.over():
                         return
-                    if returning and win.inside(submitted):
-                        slot_waits.append(time.perf_counter() - submitted)
+                    slot_wait = time.perf_counter() - submitted
                     sched.submit(job, stream, submitted)
                     async for ev in stream.events():
                         if isinstance(ev, Delta) and ev.text:
@@ -136,6 +136,8 @@ def run_batched(
             except Exception as exc:  # counted; the scheduler aborted the turn
                 m.fail(exc)
                 continue
+            if first is not None and win.inside(first):  # as the phases: first token inside
+                slot_waits.append(slot_wait)
             if first is not None and returning and win.inside(first):
                 m.ttft.append(first - submitted)
                 m.turns += 1
