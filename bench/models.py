@@ -24,6 +24,15 @@ SHAPES = {
         num_key_value_heads=2,
         vocab_size=32000,
     ),
+    # Tiny, for host-side benches (the cache's own work, which does not depend on the model).
+    "qwen2-tiny": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+    ),
 }
 
 

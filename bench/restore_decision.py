@@ -5,7 +5,7 @@ every chunk's key hashed and looked up, the cost model. A fresh tenant's turn as
 question of an empty store. When the cost model picks recompute (as on a GPU, where a small
 model prefills faster than L3 reads), everything after the decision is the same for both, so
 this is the whole of the cache's own cost on the first request after a restart (the
-core-hardening target: at most 1.05 x recompute). The model is a tiny random Llama on the CPU:
+core-hardening target: at most 1.05 x recompute). The model is a tiny random Qwen2 on the CPU:
 the decision is host work and does not depend on the model's size, only on the prompt's length.
 
     PYTHONPATH=. python3 bench/restore_decision.py [--tokens 2048] [--repeat 5]
@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from models import build
 
 from kvtier.server.backend import TieredBackend
 from kvtier.server.config import ServerConfig
@@ -33,18 +33,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=2048, help="the stored session's length")
     ap.add_argument("--repeat", type=int, default=5, help="restarts (median reported)")
     args = ap.parse_args()
-    torch.manual_seed(0)
-    layers = 8
-    config = LlamaConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=2 * args.tokens + 64,
-    )
-    model = LlamaForCausalLM(config).eval()
+    model = build("qwen2-tiny", "cpu", torch.float32)
+    layers, dim = model.config.num_hidden_layers, 16  # head_dim = 64 / 4
     rng = random.Random(0)
     ctx = [rng.randrange(32, 127) for _ in range(args.tokens)]
     with tempfile.TemporaryDirectory(prefix="kvtier-decision-") as tmp:
@@ -52,7 +42,7 @@ def main() -> None:
         backend = TieredBackend(model, settings, model_id="bench-decision")
         restored = backend.restore("stored", "t", torch.tensor([ctx]))
         n = len(ctx) - restored.covered
-        append_kv(restored.kv, [(torch.randn(1, 2, n, 16), torch.randn(1, 2, n, 16))] * layers)
+        append_kv(restored.kv, [(torch.randn(1, 2, n, dim), torch.randn(1, 2, n, dim))] * layers)
         backend.commit("stored", "t", torch.tensor(ctx))
         backend.close()  # the session is durable in L3 now: a restart finds it
         want = torch.tensor([[*ctx, 65, 66, 67]])
