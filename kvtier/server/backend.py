@@ -9,7 +9,7 @@ them); calls for different sessions may run on different threads.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -39,7 +39,10 @@ class PrefillEstimate:
 
 
 class Backend(Protocol):
-    def restore(self, session_id: str, tenant: str, ids: torch.Tensor) -> Restored: ...
+    # ids: `[1, T]` or a list (the cache matches them as a list: no device tensor needed)
+    def restore(
+        self, session_id: str, tenant: str, ids: torch.Tensor | Sequence[int]
+    ) -> Restored: ...
     def commit(self, session_id: str, tenant: str, ids: torch.Tensor) -> None: ...
     def abort(self, session_id: str, tenant: str) -> None: ...
     # tenant None: the sessions of that id of every tenant (admin); else only that tenant's
@@ -62,7 +65,7 @@ class RecomputeBackend:
     def __init__(self, model: Any) -> None:
         self._config = model.config
 
-    def restore(self, session_id: str, tenant: str, ids: torch.Tensor) -> Restored:
+    def restore(self, session_id: str, tenant: str, ids: torch.Tensor | Sequence[int]) -> Restored:
         from transformers import DynamicCache
 
         return Restored(DynamicCache(config=self._config), 0, RestoreSource.RECOMPUTE.value)
@@ -146,7 +149,7 @@ class TieredBackend:
     def tenants_of(self, session_id: str) -> list[str]:
         return sorted({s.tenant for s in self._find(session_id)})
 
-    def restore(self, session_id: str, tenant: str, ids: torch.Tensor) -> Restored:
+    def restore(self, session_id: str, tenant: str, ids: torch.Tensor | Sequence[int]) -> Restored:
         s = self.cache.session(session_id, tenant=tenant)
         kv = s.restore(ids)
         return Restored(kv, int(kv.get_seq_length()), str(s.restore_source))

@@ -134,8 +134,8 @@ class BatchScheduler(Stepping):
         self._keep_kv = not isinstance(backend, RecomputeBackend)
         # On CUDA a restore's or a commit's copies wait for the steps in flight (they share the
         # default stream), so more of them run at once; on the CPU they compete for the cores.
-        helpers = HELPER_THREADS_CUDA if served.device.type == "cuda" else 2
-        helpers = int(getattr(config, "helper_threads", 0) or helpers)  # a bench sweeps it
+        default = HELPER_THREADS_CUDA if served.device.type == "cuda" else 2
+        helpers = int(getattr(config, "helper_threads", 0) or default)  # a bench sweeps it
         self._restores = concurrent.futures.ThreadPoolExecutor(helpers, "kvtier-restore")
         self._commits = concurrent.futures.ThreadPoolExecutor(helpers, "kvtier-commit")
         self._cond = threading.Condition()
@@ -215,10 +215,7 @@ class BatchScheduler(Stepping):
         job = s.job
         s.trace.restore = time.perf_counter()
         try:
-            # on the host: the cache matches ids as a list, and a copy to the device would queue
-            # behind the steps in flight on the default stream, then wait for them to read back
-            ids = torch.tensor([job.prompt_ids], dtype=torch.long)
-            s.restored = self._restore_when_room(job, ids, s.trace)
+            s.restored = self._restore_when_room(job, s.trace)
         except BaseException as exc:  # nothing restored, nothing to abort
             self._report(s, exc)
             with self._cond:
@@ -233,7 +230,7 @@ class BatchScheduler(Stepping):
             self._arrived.append(s)
             self._cond.notify_all()
 
-    def _restore_when_room(self, job: Job, ids: torch.Tensor, trace: TurnTrace) -> Restored:
+    def _restore_when_room(self, job: Job, trace: TurnTrace) -> Restored:
         """`backend.restore`, waiting while L1 is full of sessions whose turns are running: each
         commit makes one evictable again (the wait is added to `trace.room_wait_s`). Fails when
         nothing holds L1 (the session alone does not fit) or after `queue_timeout`, as a wait
@@ -243,7 +240,9 @@ class BatchScheduler(Stepping):
             with self._cond:
                 seen = self._released
             try:
-                restored = self.backend.restore(job.session_id, job.tenant, ids)
+                # the prompt as a list: made on the device, its copy would queue behind the
+                # steps in flight on the default stream, and the cache reads it back as a list
+                restored = self.backend.restore(job.session_id, job.tenant, job.prompt_ids)
             except L1BudgetExceeded:
                 with self._cond:
                     if self._holding == 0 or self._closed:

@@ -7,8 +7,8 @@ of every step in the 64-session fleet on an H200 (docs/benchmarks.md). With ever
 token greedy, the scheduler instead picks the tokens on the device, starts their copy to pinned
 host memory, and launches the next step right away, feeding those tokens from the device
 (`kvtier.paged.Feed`); only then does it wait for the copy and do the host side of the step
-before (`BatchScheduler._complete`). A sequence that turns out to have stopped had one row in
-the step already running: its K/V and output are dropped.
+before (`Stepping._complete`, kvtier/server/stepping.py). A sequence that turns out to have
+stopped had one row in the step already running: its K/V and output are dropped.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ class Ticket:
         """Block until the copy is done (the GPU keeps running); the tokens, one per row."""
         if self.event is not None:
             self.event.synchronize()
-        return [int(t) for t in self.buffer[: self.rows].tolist()]
+        return self.buffer[: self.rows].tolist()
 
 
 class TokenReadback:
@@ -50,10 +50,10 @@ class TokenReadback:
         buffer = self._buffers[self._next]
         self._next ^= 1
         n = tokens.shape[0]
-        if self.device.type != "cuda":
-            buffer[:n].copy_(tokens)
-            return tokens, Ticket(buffer, n, None)
-        buffer[:n].copy_(tokens, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(self.device))
+        cuda = self.device.type == "cuda"
+        buffer[:n].copy_(tokens, non_blocking=cuda)
+        event = None
+        if cuda:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.device))
         return tokens, Ticket(buffer, n, event)

@@ -93,8 +93,7 @@ def _reload(sched: Any, cache: Any) -> None:
             continue  # restored into the new L1 already
         try:
             if owner is None or cache is None:  # no tiered cache: recompute it all
-                ids = torch.tensor([s.tokens], dtype=torch.long)
-                s.restored = sched.backend.restore(s.job.session_id, s.job.tenant, ids)
+                s.restored = sched.backend.restore(s.job.session_id, s.job.tenant, s.tokens)
             else:
                 kv = cache.reload_session(owner, list(s.tokens))
                 s.restored = Restored(kv, int(kv.get_seq_length()), owner.restore_source)
