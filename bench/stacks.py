@@ -20,6 +20,7 @@ from types import FrameType
 from kvtier.server.turntrace import thread_cpu
 
 OUTER = ("_iterate", "_main")  # the scheduler's loop: report the frame just inside it
+HELPERS = ("kvtier-restore", "kvtier-commit")  # thread pools sampled beside the scheduler
 
 
 class StackSampler:
@@ -35,6 +36,11 @@ class StackSampler:
         self._cpu_used: dict[int, float] = {}  # ... used from start to stop
         self._wall = 0.0
         self._names: dict[int | None, str] = {}  # thread names by native id, at stop
+        # per helper pool (thread name prefix): busy samples by "kvtier frame > innermost line"
+        self.helpers: dict[str, collections.Counter[str]] = {
+            p: collections.Counter() for p in HELPERS
+        }
+        self.helper_samples: dict[str, int] = dict.fromkeys(HELPERS, 0)
 
     @property
     def started(self) -> bool:
@@ -61,9 +67,29 @@ class StackSampler:
         ident = None
         while not self._stop.wait(self.interval):
             ident = ident or self._target()
-            frame = sys._current_frames().get(ident) if ident else None
+            frames = sys._current_frames()
+            frame = frames.get(ident) if ident else None
             if frame is not None:
                 self._record(frame)
+            for t in threading.enumerate():
+                pool = next((p for p in HELPERS if t.name.startswith(p)), None)
+                if pool is not None and (f := frames.get(t.ident or -1)) is not None:
+                    self._record_helper(pool, f)
+
+    def _record_helper(self, pool: str, frame: FrameType) -> None:
+        """One sample of a pool thread: its deepest kvtier frame and its innermost line; a
+        thread waiting for work (in the executor's queue) is counted as idle."""
+        self.helper_samples[pool] += 1
+        chain: list[FrameType] = []
+        f: FrameType | None = frame
+        while f is not None:
+            chain.append(f)
+            f = f.f_back
+        own = next((fr for fr in chain if _module(fr).startswith("kvtier.")), None)
+        if own is None:
+            self.helpers[pool]["idle"] += 1
+            return
+        self.helpers[pool][f"{_where(own)} > {_where(frame)}"] += 1
 
     def _record(self, frame: FrameType) -> None:
         self.samples += 1
@@ -79,9 +105,7 @@ class StackSampler:
                 method = chain[i - 1].f_code.co_name
                 break
         self.methods[method] += 1
-        code = inner.f_code
-        where = f"{code.co_filename.rsplit('/', 2)[-2:][-1]}:{inner.f_lineno} {code.co_name}"
-        self.lines[f"{method} > {where}"] += 1
+        self.lines[f"{method} > {_where(inner)}"] += 1
 
     def report(self, top: int = 25) -> str:
         n = max(self.samples, 1)
@@ -90,6 +114,15 @@ class StackSampler:
         out += [f"    {c / n:6.1%}  {m}" for m, c in self.methods.most_common(12)]
         out.append("  by innermost line:")
         out += [f"    {c / n:6.1%}  {m}" for m, c in self.lines.most_common(top)]
+        for pool, lines in self.helpers.items():
+            k = max(self.helper_samples[pool], 1)
+            if not self.helper_samples[pool]:
+                continue
+            out.append(
+                f"  {pool} threads, {self.helper_samples[pool]} samples (all threads), by deepest "
+                "kvtier frame > innermost line:"
+            )
+            out += [f"    {c / k:6.1%}  {m}" for m, c in lines.most_common(top // 2)]
         if self._cpu_used and self._wall > 0:
             names = self._names
             used = sorted(((sec, t) for t, sec in self._cpu_used.items()), reverse=True)
@@ -101,3 +134,12 @@ class StackSampler:
                 if sec / self._wall >= 0.01
             ]
         return "\n".join(out)
+
+
+def _module(frame: FrameType) -> str:
+    return str(frame.f_globals.get("__name__", ""))
+
+
+def _where(frame: FrameType) -> str:
+    code = frame.f_code
+    return f"{code.co_filename.rsplit('/', 1)[-1]}:{frame.f_lineno} {code.co_name}"

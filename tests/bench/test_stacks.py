@@ -11,6 +11,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
 from stacks import StackSampler
 
+from kvtier.cache.restore import common_prefix  # a kvtier frame for a helper thread
+
 
 def _spin(stop: threading.Event) -> None:
     while not stop.is_set():
@@ -48,3 +50,34 @@ def test_report_names_the_method_and_each_busy_threads_cores() -> None:
     lines = {ln.split()[1]: float(ln.split()[0]) for ln in cpu.splitlines()[1:]}
     assert lines["kvtier-batch"] > 0.1 and lines["kvtier-commit_0"] > 0.1, report
     assert "stack-sampler" not in lines or lines["stack-sampler"] < lines["kvtier-batch"]
+
+
+def _restore_like(stop: threading.Event) -> None:
+    ids = list(range(20000))
+    while not stop.is_set():
+        common_prefix(ids, ids)
+
+
+def test_helper_pools_are_sampled_by_their_kvtier_frame_and_idle_threads_apart() -> None:
+    import concurrent.futures
+
+    stop = threading.Event()
+    busy = threading.Thread(
+        target=_restore_like, args=(stop,), name="kvtier-restore_0", daemon=True
+    )
+    idle = concurrent.futures.ThreadPoolExecutor(1, "kvtier-restore")
+    idle.submit(lambda: None).result()  # a pool thread now waiting in the queue
+    busy.start()
+    sampler = StackSampler()
+    sampler.start()
+    time.sleep(0.3)
+    sampler.stop()
+    stop.set()
+    busy.join()
+    idle.shutdown()
+    lines = sampler.helpers["kvtier-restore"]
+    assert sampler.helper_samples["kvtier-restore"] > 5
+    assert lines["idle"] > 0, lines  # the executor's thread, waiting for work
+    top = [k for k in lines if k != "idle"]
+    assert top and all("restore.py" in k and "common_prefix" in k for k in top), lines
+    assert "kvtier-restore threads" in sampler.report()
