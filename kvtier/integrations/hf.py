@@ -111,6 +111,31 @@ class KvtierCache(Cache):
         super().__init__(layers=layers)  # type: ignore[arg-type]
         self.owner = owner
 
+    def extend(self, kv: torch.Tensor) -> None:
+        """Append the same `n` tokens to every layer: `kv` is `[layer, k|v, 1, kv_heads, n,
+        head_dim]`, the layout of a session's L1 block. One copy when the session's L1 is one
+        block, else one per layer and plane. It is a copy, not a forward: the prefill timer
+        (`on_forward`) does not see it. Layers of different lengths take `update` one by one."""
+        owner = self.owner
+        if len(set(owner.lengths)) != 1:
+            for i in range(len(owner.lengths) - 1, -1, -1):  # last first: not a prefill
+                self.update(kv[i, 0], kv[i, 1], i)
+            return
+        start = owner.lengths[0]
+        end = start + kv.shape[-2]
+        if end > owner.bufs.capacity:
+            owner.ensure_capacity(end)
+        block = owner.bufs.block
+        if block is not None:
+            block[:, :, :, :, start:end].copy_(kv)
+        else:
+            for (k, v), new in zip(owner.bufs.layers, kv, strict=True):
+                k[:, :, start:end].copy_(new[0])
+                v[:, :, start:end].copy_(new[1])
+        owner.lengths[:] = [end] * len(owner.lengths)
+        for layer in self.layers:
+            layer._refresh_views()  # type: ignore[attr-defined]
+
 
 def set_cudnn_attention(enabled: bool) -> None:
     """Let PyTorch's scaled_dot_product_attention use its cuDNN backend, or not (process-wide).

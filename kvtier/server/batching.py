@@ -69,7 +69,11 @@ _CPU_POOL_CAP = 2**30  # an automatic pool on the CPU takes at most this many by
 # commit and event-loop threads run Python meanwhile: at 5 ms one step's dozen calls could wait
 # longer than the step (docs/architecture.md, "The GIL").
 SWITCH_INTERVAL_S = 0.0005
-HELPER_THREADS_CUDA = 4  # restore threads, and as many commit threads, on a CUDA device
+# Restore threads, and as many commit threads, on a CUDA device. A restore from L2 spends most
+# of its time waiting (for locks, the GIL, its copies), so more threads admit more returning
+# turns: in the 256-session fleet on an H200, 4 threads served 2,266 tok/s and 8 served
+# 2,577-2,679 (docs/benchmarks.md, "The restore threads' waits").
+HELPER_THREADS_CUDA = 8
 
 
 def pool_bytes(served: ServedModel, config: Any, per_token: int) -> int:
@@ -447,7 +451,7 @@ class BatchScheduler(Stepping):
             self.pool.release(s.paged)
             s.paged = None
 
-    def _copy_out(self, s: _Seq) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def _copy_out(self, s: _Seq) -> torch.Tensor | None:
         """K/V of tokens [cached, fed) from the pages (nothing from an int8 pool)."""
         assert s.paged is not None
         return copy_out(self.pool, s.paged, s.cached)
@@ -457,7 +461,9 @@ class BatchScheduler(Stepping):
         self.running.remove(s)
         try:
             assert s.restored is not None
-            append_kv(s.restored.kv, self._copy_out(s))
+            new = self._copy_out(s)
+            if new is not None:
+                append_kv(s.restored.kv, new)
         except BaseException as exc:
             self._fail(s, exc)
             return
@@ -496,22 +502,20 @@ class BatchScheduler(Stepping):
                 self._post(s, Delta(rest))
         fed = s.fed
         try:
-            layers = self._copy_out(s) if (self._keep_kv and s.paged is not None) else []
+            new = self._copy_out(s) if (self._keep_kv and s.paged is not None) else None
         except BaseException as exc:
             self._fail(s, exc)
             return
         self._release(s)
         self._deliver()  # its deltas reach the client before Finished
-        self._commits.submit(self._commit, s, reason, fed, layers)
+        self._commits.submit(self._commit, s, reason, fed, new)
 
-    def _commit(
-        self, s: _Seq, reason: str, fed: int, layers: list[tuple[torch.Tensor, torch.Tensor]]
-    ) -> None:
+    def _commit(self, s: _Seq, reason: str, fed: int, new: torch.Tensor | None) -> None:
         job, backend = s.job, self.backend
         assert s.restored is not None
         try:
-            if layers:
-                append_kv(s.restored.kv, layers)
+            if new is not None:
+                append_kv(s.restored.kv, new)
             # Commit what the KV now covers, also after a disconnect: a returning client finds it.
             backend.commit(job.session_id, job.tenant, torch.tensor(s.tokens[:fed]))
             if job.ephemeral:

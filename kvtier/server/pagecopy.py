@@ -8,6 +8,7 @@ cache then commits.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -45,30 +46,35 @@ def _l1_block(kv: Any) -> torch.Tensor | None:
     return block if isinstance(block, torch.Tensor) else None
 
 
-def copy_out(
-    pool: PagePool, seq: PagedSequence, start: int
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """K/V of tokens `[start, seq.length)` from the pages, per layer as `[1, kv_heads, n, dim]`
-    on the pool's primary device (where the session's Cache lives): one gather for every
-    layer, returned as views of it.
+def copy_out(pool: PagePool, seq: PagedSequence, start: int) -> torch.Tensor | None:
+    """K/V of tokens `[start, seq.length)` from the pages as one `[layer, k|v, 1, kv_heads, n,
+    head_dim]` tensor (a session's L1 block layout) on the pool's primary device, where the
+    session's Cache lives: one gather for every layer.
 
-    Nothing from an int8 pool (degraded mode): the session's Cache never takes approximate K/V,
+    None from an int8 pool (degraded mode): the session's Cache never takes approximate K/V,
     so it keeps what it had and the turn's commit covers only that (the rest is recomputed,
     exactly once the pool is native again)."""
     end = seq.length
     if end <= start or pool.quantized:
-        return []
+        return None
     data = pool.gather(seq.pages, start, end)  # [layer, k|v, token, H, D] on pool.device
-    kv = data.transpose(2, 3).unsqueeze(2)  # [layer, k|v, 1, H, token, D]
-    return [(kv[i, 0], kv[i, 1]) for i in range(pool.geometry.num_layers)]
+    return data.transpose(2, 3).unsqueeze(2)  # [layer, k|v, 1, H, token, D]
 
 
-def append_kv(kv: Any, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """Append K/V (`[1, kv_heads, n, dim]` per layer) to a transformers Cache with `update()`.
+def append_kv(kv: Any, new: torch.Tensor | Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Append K/V to a transformers Cache: `new` is `copy_out`'s tensor, or one `(K, V)` pair
+    of `[1, kv_heads, n, dim]` per layer.
 
-    Last layer first: kvtier's cache times a multi-token forward from layer 0 to the last layer
-    as a prefill (its cost model learns the prefill rate from it), and this copy is no prefill.
+    A kvtier session's Cache takes the tensor whole (`KvtierCache.extend`: one copy into its L1
+    block); other Caches take `update()` per layer, last layer first: kvtier's cache times a
+    multi-token forward from layer 0 to the last layer as a prefill (its cost model learns the
+    prefill rate from it), and this copy is no prefill.
     """
-    for i in range(len(layers) - 1, -1, -1):
-        k, v = layers[i]
+    if isinstance(new, torch.Tensor):
+        if hasattr(kv, "extend"):
+            kv.extend(new)
+            return
+        new = [(new[i, 0], new[i, 1]) for i in range(new.shape[0])]
+    for i in range(len(new) - 1, -1, -1):
+        k, v = new[i]
         kv.update(k, v, i)

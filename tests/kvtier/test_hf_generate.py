@@ -46,3 +46,38 @@ def test_generate_twice_without_deprecation_warnings(tmp_path: Path) -> None:
         assert torch.equal(out2[:, : again.shape[1]], again)
     finally:
         cache.close()
+
+
+def test_extend_appends_every_layer_as_update_does_and_grows_the_block(tmp_path: Path) -> None:
+    """`KvtierCache.extend` (the batch's commit path: one copy into the session's L1 block)
+    leaves the same K/V and lengths as `update` layer by layer, growing past the capacity."""
+    model = tiny_llama()
+    cfg = CacheConfig(
+        l3_root=tmp_path, l1_bytes=16 << 20, l2_bytes=8 << 20, chunk_tokens=16, pin_memory=False
+    )
+    cache = TieredCache(cfg, model)
+    try:
+        ids = list(range(3, 23))  # 20 tokens: 19 restored (nothing cached), capacity 32
+        a = cache.session("a").restore(ids)
+        b = cache.session("b").restore(ids)
+        n_layers = len(a.layers)
+        heads, dim = a.layers[0].keys.shape[1], a.layers[0].keys.shape[3]
+        for n in (19, 30):  # the second passes the 32-token capacity: the block grows
+            new = torch.randn(n_layers, 2, 1, heads, n, dim)
+            start = a.get_seq_length()
+            a.extend(new)
+            for i in range(n_layers - 1, -1, -1):
+                b.update(new[i, 0], new[i, 1], i)
+            for i in range(n_layers):
+                assert a.layers[i].keys.shape[2] == start + n == b.layers[i].keys.shape[2]
+                assert torch.equal(a.layers[i].keys, b.layers[i].keys)
+                assert torch.equal(a.layers[i].values, b.layers[i].values)
+                assert torch.equal(a.layers[i].keys[0, :, start:], new[i, 0, 0])
+        assert a.owner.bufs.block is not None  # the one-copy path was taken
+        a.layers[1].crop(-1)  # layers of different lengths: update, layer by layer
+        one = torch.randn(n_layers, 2, 1, heads, 1, dim)
+        a.extend(one)
+        assert a.owner.lengths[0] == 50 and a.owner.lengths[1] == 49
+        assert torch.equal(a.layers[1].keys[0, :, -1], one[1, 0, 0, :, 0])
+    finally:
+        cache.close()
