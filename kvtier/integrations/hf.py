@@ -110,6 +110,7 @@ class KvtierCache(Cache):
         layers = [KvtierLayer(owner, i) for i in range(len(owner.bufs.layers))]
         super().__init__(layers=layers)  # type: ignore[arg-type]
         self.owner = owner
+        self._own_layers = layers  # `self.layers`, typed
 
     def extend(self, kv: torch.Tensor) -> None:
         """Append the same `n` tokens to every layer: `kv` is `[layer, k|v, 1, kv_heads, n,
@@ -133,8 +134,8 @@ class KvtierCache(Cache):
                 k[:, :, start:end].copy_(new[0])
                 v[:, :, start:end].copy_(new[1])
         owner.lengths[:] = [end] * len(owner.lengths)
-        for layer in self.layers:
-            layer._refresh_views()  # type: ignore[attr-defined]
+        for layer in self._own_layers:
+            layer._refresh_views()
 
 
 def set_cudnn_attention(enabled: bool) -> None:

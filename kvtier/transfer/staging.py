@@ -8,6 +8,7 @@ the events that order its producer and consumer streams.
 
 from __future__ import annotations
 
+import threading
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -16,7 +17,10 @@ if TYPE_CHECKING:
     from kvtier.transfer.device import DeviceMover
 
 _ALIGN = 256  # staging rows start on this many bytes (scales are read as float32)
-_WAITERS: dict[int, torch.cuda.Stream] = {}  # per device: the stream `Handle.wait(spin)` syncs
+# Per thread and device: the stream `Handle.wait(spin)` syncs. One per thread, since a stream's
+# synchronize waits for everything queued on it: with one per device, a restore thread would
+# also wait for the copies other threads queued there before it.
+_WAITERS = threading.local()
 
 
 def _done_event() -> torch.cuda.Event:
@@ -63,9 +67,10 @@ class Handle:
         if event is not None:
             if spin and self._device is not None:
                 index = self._device.index or 0
-                waiter = _WAITERS.get(index)
+                mine = _WAITERS.__dict__.setdefault("streams", {})
+                waiter = mine.get(index)
                 if waiter is None:
-                    waiter = _WAITERS.setdefault(index, torch.cuda.Stream(self._device))
+                    waiter = mine[index] = torch.cuda.Stream(self._device)
                 waiter.wait_event(event)
                 waiter.synchronize()
             else:
