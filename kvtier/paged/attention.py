@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 from kvtier.errors import ConfigError, KvtierError
-from kvtier.paged.pool import PagePool
+from kvtier.paged.pool import PagePool, to_device
 
 ATTN_NAME = "kvtier_paged"
 BACKENDS = ("auto", "reference", "triton", "split", "rows", "varlen")
@@ -401,8 +401,8 @@ def _decode_rows(
             starts.append(starts[-1] + n)
         decode = [i for i, n in enumerate(ctx.query_lens) if n == 1]
         device = ctx.block_table.device
-        index = torch.tensor(decode, dtype=torch.long, device=device)
-        rows = torch.tensor([starts[i] for i in decode], dtype=torch.long, device=device)
+        index = to_device(torch.tensor(decode, dtype=torch.long), device)
+        rows = to_device(torch.tensor([starts[i] for i in decode], dtype=torch.long), device)
         ctx._rows = (
             decode,
             rows,

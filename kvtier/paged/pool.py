@@ -309,10 +309,7 @@ class PagePool:
         pages = np.asarray(table[first : (end - 1) // s + 1 if end > start else first], np.int64)
         offsets = np.arange(s, dtype=np.int64)
         slots = (pages[:, None] * s + offsets).reshape(-1)[start - first * s : end - first * s]
-        # from pageable memory without a stream sync: the copy is staged before this returns
-        return torch.from_numpy(slots).to(
-            self.device if device is None else device, non_blocking=True
-        )
+        return to_device(torch.from_numpy(slots), self.device if device is None else device)
 
     def _flat(self) -> torch.Tensor:
         g = self.geometry
@@ -396,3 +393,15 @@ class PagePool:
             self._flat_scales().index_copy_(2, slots, scale)
             return
         self._flat().index_copy_(2, slots, data)
+
+
+def to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A small host tensor (indices) on `device`, without waiting for the device's work.
+
+    To CUDA it goes through pinned memory (the caching host allocator's, which keeps a block
+    until its copy is done): from pageable memory the driver may synchronize with the stream
+    first, so the scheduler thread would wait there for the steps in flight."""
+    target = torch.device(device)
+    if target.type == "cuda":
+        host = host.pin_memory()
+    return host.to(target, non_blocking=True)

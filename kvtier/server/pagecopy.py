@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from kvtier.paged import PagedSequence, PagePool
+from kvtier.paged.pool import to_device
 
 
 def copy_in(pool: PagePool, kv: Any, seq: PagedSequence, start: int, n: int) -> None:
@@ -29,13 +30,15 @@ def copy_in(pool: PagePool, kv: Any, seq: PagedSequence, start: int, n: int) -> 
         return
     size = pool.page_size
     pages = torch.tensor(seq.pages, dtype=torch.long)
-    slots = (pages[:, None] * size + torch.arange(size)).flatten()[start:n]
-    slots = slots.to(pool.device)
+    host = (pages[:, None] * size + torch.arange(size)).flatten()[start:n]
+    slots: dict[torch.device, torch.Tensor] = {}
     for i, layer in enumerate(kv.layers):
         dev = pool.storage(i)[0].device  # the layer's device (kvtier.placement)
+        if dev not in slots:
+            slots[dev] = to_device(host, dev)
         k = layer.keys[0, :, start:n].transpose(0, 1).to(dev)
         v = layer.values[0, :, start:n].transpose(0, 1).to(dev)
-        pool.write_layer(i, k, v, slots.to(dev))
+        pool.write_layer(i, k, v, slots[dev])
 
 
 def _l1_block(kv: Any) -> torch.Tensor | None:
