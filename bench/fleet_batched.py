@@ -98,7 +98,7 @@ def run_batched(
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, name="fleet-clients", daemon=True)
     thread.start()
-    win = Window(device, warmup, limit)
+    win = Window(device, warmup, limit, segments=bool(getattr(sched_config, "stacks", False)))
     received: list[tuple[float, int]] = []  # (arrival, tokens) of every delta
     slot_waits: list[float] = []  # each turn's wait for a generation slot
 

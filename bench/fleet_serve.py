@@ -100,7 +100,7 @@ def alloc_counters(device: str) -> tuple[int, int]:
 class Window:
     """The measured window of one configuration: [start + warmup, start + limit)."""
 
-    def __init__(self, device: str, warmup: float, limit: float) -> None:
+    def __init__(self, device: str, warmup: float, limit: float, segments: bool = False) -> None:
         self.device = device
         self.t0 = time.perf_counter()
         self.open_at = self.t0 + warmup
@@ -108,6 +108,12 @@ class Window:
         self.opened = False
         self.before = (-1, -1)
         self.after: tuple[int, int] | None = None
+        # with `segments` (CUDA): the allocator's segments at the open and the close, so the
+        # report can say which memory pool the window's cudaMallocs went to (a snapshot takes
+        # milliseconds: only in diagnostic runs)
+        self.segments = segments and device.startswith("cuda")
+        self.seg_before: dict[int, str] = {}
+        self.seg_after: dict[int, str] | None = None
 
     def inside(self, t: float) -> bool:
         return self.open_at <= t < self.close_at
@@ -122,8 +128,12 @@ class Window:
         if not self.opened and now >= self.open_at:
             self.opened = True
             self.before = alloc_counters(self.device)
+            if self.segments:
+                self.seg_before = segment_pools()
         if self.opened and self.after is None and now >= self.close_at:
             self.after = alloc_counters(self.device)
+            if self.segments:
+                self.seg_after = segment_pools()
 
     def finish(self, m: Measure) -> None:
         m.window = max(self.close_at - self.open_at, 1e-9)
@@ -131,6 +141,30 @@ class Window:
             after = self.after or alloc_counters(self.device)
             m.mallocs = after[0] - self.before[0]
             m.segments = after[1] - self.before[1]
+        if self.segments and self.opened:
+            new = self.seg_after if self.seg_after is not None else segment_pools()
+            pools: dict[str, int] = {}
+            for addr, pool in new.items():
+                if addr not in self.seg_before:
+                    pools[pool] = pools.get(pool, 0) + 1
+            if pools:
+                where = ", ".join(f"{n} in {pool}" for pool, n in sorted(pools.items()))
+                m.extra["new_segments"] = pools
+                m.note = (m.note + "; " if m.note else "") + f"new segments: {where}"
+
+
+def segment_pools() -> dict[int, str]:
+    """The CUDA allocator's segments: address -> its memory pool ("default", or "pool a.b",
+    e.g. kvtier's L1 MemPool or a CUDA graph's private pool)."""
+    from kvtier.tiers.l1 import _POOLS  # kvtier's L1 MemPool of each device
+
+    named = {tuple(p.id): "kvtier L1" for p in _POOLS.values()}  # type: ignore[attr-defined]
+    out = {}
+    for seg in torch.cuda.memory_snapshot():
+        pool = tuple(seg.get("segment_pool_id", (0, 0)))
+        name = "default" if pool == (0, 0) else named.get(pool, f"pool {pool[0]}.{pool[1]}")
+        out[int(seg["address"])] = name
+    return out
 
 
 def bank_layers(bank: list[tuple[torch.Tensor, torch.Tensor]], sid: int, start: int, device: str):
