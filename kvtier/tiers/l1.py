@@ -14,7 +14,11 @@ On CUDA, kvtier's buffers come from a dedicated ``torch.cuda.MemPool`` so that s
 fragments kvtier's own segments, never the blocks the model's activations use, and `reserve`
 claims the whole budget for that pool at start: sessions are then carved out of one segment
 instead of growing the pool one cudaMalloc (a device-wide synchronization) at a time, and a
-budget the GPU cannot hold fails at start. On the CPU the same code uses ordinary tensors.
+budget the GPU cannot hold fails at start. The segment can still fragment: when many resident
+sessions grow (each growth takes a larger block while the old one is alive) and no hole is large
+enough, the allocator maps another segment for the pool (57 in a 9 s window of the 64-session
+fleet on an H200, docs/benchmarks.md, "The restore threads' waits"). On the CPU the same code
+uses ordinary tensors.
 """
 
 from __future__ import annotations
