@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from kvtier.integrations.hf import KvtierCache
 from kvtier.paged import PagedSequence, PagePool
 from kvtier.paged.pool import to_device
 
@@ -74,7 +75,7 @@ def append_kv(kv: Any, new: torch.Tensor | Sequence[tuple[torch.Tensor, torch.Te
     prefill rate from it), and this copy is no prefill.
     """
     if isinstance(new, torch.Tensor):
-        if hasattr(kv, "extend"):
+        if isinstance(kv, KvtierCache):
             kv.extend(new)
             return
         new = [(new[i, 0], new[i, 1]) for i in range(new.shape[0])]

@@ -81,3 +81,31 @@ def test_extend_appends_every_layer_as_update_does_and_grows_the_block(tmp_path:
         assert torch.equal(a.layers[1].keys[0, :, -1], one[1, 0, 0, :, 0])
     finally:
         cache.close()
+
+
+def test_append_kv_takes_copy_outs_tensor_into_any_cache(tmp_path: Path) -> None:
+    """`pagecopy.append_kv`: a kvtier session's Cache takes `copy_out`'s tensor whole, and a
+    plain DynamicCache gets the same K/V layer by layer."""
+    from transformers import DynamicCache
+
+    from kvtier.server.pagecopy import append_kv
+
+    model = tiny_llama()
+    cfg = CacheConfig(
+        l3_root=tmp_path, l1_bytes=16 << 20, l2_bytes=8 << 20, chunk_tokens=16, pin_memory=False
+    )
+    cache = TieredCache(cfg, model)
+    try:
+        kv = cache.session("a").restore(list(range(3, 13)))
+        n_layers = len(kv.layers)
+        heads, dim = kv.layers[0].keys.shape[1], kv.layers[0].keys.shape[3]
+        new = torch.randn(n_layers, 2, 1, heads, 5, dim)
+        plain = DynamicCache()
+        append_kv(kv, new)
+        append_kv(plain, new)
+        for i in range(n_layers):
+            assert torch.equal(kv.layers[i].keys, new[i, 0])
+            assert torch.equal(plain.layers[i].keys, new[i, 0])
+            assert torch.equal(plain.layers[i].values, new[i, 1])
+    finally:
+        cache.close()
