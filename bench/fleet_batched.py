@@ -29,6 +29,10 @@ class StepLog:
         self.decode_only = False  # the kind of the step now running (set by `watch`)
         self.prompt_tokens = 0  # prompt-chunk tokens of the step now running
         self.prompts: list[int] = []  # prompt-chunk tokens of every step, in `steps` order
+        # host work of the scheduler between two step completions: (admissions, finished
+        # turns) since the step before, in `steps` order (`watch_scheduler`)
+        self.host: list[tuple[int, int]] = []
+        self._admits = self._finishes = 0
 
     def watch(self, runner: Any) -> None:
         """Note, before each forward, whether the step is decode-only (one token per sequence:
@@ -43,6 +47,21 @@ class StepLog:
 
         runner.step = observed
 
+    def watch_scheduler(self, sched: Any) -> None:
+        """Count the scheduler's admissions (copy into the pages) and finished turns (copy out,
+        commit queued) between step completions. Observes; changes nothing."""
+        admit, finish = sched._admit, sched._finish
+
+        def admitted(*a: Any, **k: Any) -> Any:
+            self._admits += 1
+            return admit(*a, **k)
+
+        def finished(*a: Any, **k: Any) -> Any:
+            self._finishes += 1
+            return finish(*a, **k)
+
+        sched._admit, sched._finish = admitted, finished
+
     def count(self, name: str, n: int = 1) -> None:
         return None
 
@@ -52,6 +71,8 @@ class StepLog:
     def step(self, batch_size: int, seconds: float) -> None:
         self.steps.append((time.perf_counter(), seconds, batch_size, self.decode_only))
         self.prompts.append(self.prompt_tokens)
+        self.host.append((self._admits, self._finishes))
+        self._admits = self._finishes = 0
 
 
 def served_model(model) -> ServedModel:
@@ -94,6 +115,7 @@ def run_batched(
         m.extra["graphs"] = sched.runner.capture_graphs()
         m.extra["graph_capture_s"] = round(time.perf_counter() - t0, 2)
     log.watch(sched.runner)  # before the first submit: the scheduler thread is idle until then
+    log.watch_scheduler(sched)
     phases = trace_phases(sched)
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, name="fleet-clients", daemon=True)
@@ -183,6 +205,7 @@ def run_batched(
         p for (t, _, _, d), p in zip(log.steps, log.prompts, strict=True) if win.inside(t) and not d
     ]
     m.extra["mixed_prompt_tokens_p50"] = _median([float(p) for p in chunks])
+    m.extra["step_tail"] = step_tail(log, win)
     m.extra["preemptions"] = sched.preemptions
     m.extra["graph_steps"] = sched.runner.graph_steps
     m.extra["eager_steps"] = sched.runner.eager_steps
@@ -201,6 +224,41 @@ def run_batched(
             sources[p[0]] = sources.get(p[0], 0) + 1
         m.extra["restore_sources"] = sources
     return m
+
+
+def step_tail(log: StepLog, win: Any) -> dict[str, dict[str, float]]:
+    """What the slowest steps had in common: the steps inside the window above their P90 (the
+    tail) against those at or below their P50 (the body), each with its mean batch, share of
+    steps with prompt chunks, mean prompt tokens, and mean admissions and finished turns the
+    scheduler handled since the step before. Empty with fewer than 20 steps."""
+    rows = [
+        (sec, batch, not only, prompt, host)
+        for (t, sec, batch, only), prompt, host in zip(
+            log.steps, log.prompts, log.host, strict=True
+        )
+        if win.inside(t)
+    ]
+    if len(rows) < 20:
+        return {}
+    ordered = sorted(r[0] for r in rows)
+    p50, p90 = ordered[len(ordered) // 2], ordered[int(len(ordered) * 0.9)]
+
+    def describe(group: list[tuple[float, int, bool, int, tuple[int, int]]]) -> dict[str, float]:
+        n = max(len(group), 1)
+        return {
+            "steps": len(group),
+            "mean_ms": round(sum(r[0] for r in group) / n * 1000, 1),
+            "batch": round(sum(r[1] for r in group) / n, 1),
+            "mixed": round(sum(r[2] for r in group) / n, 2),
+            "prompt_tokens": round(sum(r[3] for r in group) / n, 1),
+            "admissions": round(sum(r[4][0] for r in group) / n, 2),
+            "finished": round(sum(r[4][1] for r in group) / n, 2),
+        }
+
+    return {
+        "tail": describe([r for r in rows if r[0] > p90]),
+        "body": describe([r for r in rows if r[0] <= p50]),
+    }
 
 
 def trace_phases(sched: BatchScheduler) -> list[tuple[float, tuple[Any, ...]]]:

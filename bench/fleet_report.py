@@ -82,6 +82,17 @@ def table(title: str, rows: list[dict[str, Any]]) -> str:
                 f"{r.get('extra_graph_steps', 0)} graph / {r.get('extra_eager_steps', 0)} eager "
                 "forwards"
             )
+        tail = r.get("extra_step_tail") or {}
+        if tail:
+            lines.append(
+                f"{'':>14}  steps above P90 against those at or below P50 (mean): "
+                + "; ".join(
+                    f"{name} {g['steps']} steps {g['mean_ms']} ms, batch {g['batch']}, "
+                    f"{g['mixed']:.0%} with prompt chunks ({g['prompt_tokens']} tokens), "
+                    f"{g['admissions']} admissions, {g['finished']} finished turns before it"
+                    for name, g in (("tail", tail["tail"]), ("body", tail["body"]))
+                )
+            )
         if r.get("extra_ttft_phases_p50_ms"):
             phases = ", ".join(f"{k} {v}" for k, v in r["extra_ttft_phases_p50_ms"].items())
             src = ", ".join(f"{k} {v}" for k, v in r.get("extra_restore_sources", {}).items())

@@ -58,6 +58,12 @@ def test_concurrent_fleet_cpu_smoke(tmp_path: Path) -> None:
         assert phases["restore"] >= phases["of which L1 room"] >= 0, phases
         assert phases["total"] >= phases["steps"] > 0, phases
         assert sum(fit[name]["extra_restore_sources"].values()) > 0, fit[name]
+        tail = fit[name]["extra_step_tail"]  # what the slowest steps had in common
+        assert tail["tail"]["mean_ms"] >= tail["body"]["mean_ms"] > 0, tail
+        assert tail["tail"]["steps"] > 0 and tail["body"]["steps"] > 0, tail
+        admits = tail["tail"]["admissions"] * tail["tail"]["steps"]
+        admits += tail["body"]["admissions"] * tail["body"]["steps"]
+        assert admits > 0, tail  # the scheduler admitted turns inside the window
     hib = {r["config"]: r for r in data["results"]["hibernate"]}
     assert {"ceiling", "kvtier-seq", "kvtier", "kvtier-int8"} <= set(hib)
     for name in ("kvtier", "kvtier-int8"):
