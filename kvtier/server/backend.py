@@ -39,11 +39,11 @@ class PrefillEstimate:
 
 
 class Backend(Protocol):
-    # ids: `[1, T]` or a list (the cache matches them as a list: no device tensor needed)
+    # ids: `[1, T]`, `[T]` or a list (the cache keeps them as a list: no tensor needed)
     def restore(
         self, session_id: str, tenant: str, ids: torch.Tensor | Sequence[int]
     ) -> Restored: ...
-    def commit(self, session_id: str, tenant: str, ids: torch.Tensor) -> None: ...
+    def commit(self, session_id: str, tenant: str, ids: torch.Tensor | Sequence[int]) -> None: ...
     def abort(self, session_id: str, tenant: str) -> None: ...
     # tenant None: the sessions of that id of every tenant (admin); else only that tenant's
     def hibernate(self, session_id: str, tenant: str | None = None) -> bool: ...
@@ -70,7 +70,7 @@ class RecomputeBackend:
 
         return Restored(DynamicCache(config=self._config), 0, RestoreSource.RECOMPUTE.value)
 
-    def commit(self, session_id: str, tenant: str, ids: torch.Tensor) -> None:
+    def commit(self, session_id: str, tenant: str, ids: torch.Tensor | Sequence[int]) -> None:
         return None
 
     def abort(self, session_id: str, tenant: str) -> None:
@@ -154,7 +154,7 @@ class TieredBackend:
         kv = s.restore(ids)
         return Restored(kv, int(kv.get_seq_length()), str(s.restore_source))
 
-    def commit(self, session_id: str, tenant: str, ids: torch.Tensor) -> None:
+    def commit(self, session_id: str, tenant: str, ids: torch.Tensor | Sequence[int]) -> None:
         self.cache.session(session_id, tenant=tenant).commit(ids)
 
     def abort(self, session_id: str, tenant: str) -> None:

@@ -136,8 +136,7 @@ class BatchScheduler(Stepping):
             max_seq_len=served.context_tokens,
         )
         self._keep_kv = not isinstance(backend, RecomputeBackend)
-        # On CUDA a restore's or a commit's copies wait for the steps in flight (they share the
-        # default stream), so more of them run at once; on the CPU they compete for the cores.
+        # on the CPU the helper threads compete with the scheduler for the cores
         default = HELPER_THREADS_CUDA if served.device.type == "cuda" else 2
         helpers = int(getattr(config, "helper_threads", 0) or default)  # a bench sweeps it
         self._restores = concurrent.futures.ThreadPoolExecutor(helpers, "kvtier-restore")
@@ -517,7 +516,7 @@ class BatchScheduler(Stepping):
             if new is not None:
                 append_kv(s.restored.kv, new)
             # Commit what the KV now covers, also after a disconnect: a returning client finds it.
-            backend.commit(job.session_id, job.tenant, torch.tensor(s.tokens[:fed]))
+            backend.commit(job.session_id, job.tenant, s.tokens[:fed])
             if job.ephemeral:
                 backend.forget(job.session_id, job.tenant)
             elif reason == "cancelled":

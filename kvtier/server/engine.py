@@ -506,7 +506,7 @@ class Engine:
                 backend.forget(job.session_id, job.tenant)
             raise
         # Commit what the KV now covers, also after a disconnect: a returning client finds it.
-        backend.commit(job.session_id, job.tenant, torch.tensor(fed, dtype=torch.long))
+        backend.commit(job.session_id, job.tenant, fed)
         if job.ephemeral:
             backend.forget(job.session_id, job.tenant)
         elif finished == "cancelled":
