@@ -11,25 +11,19 @@ decode step writes one token into spare room, and only every ``chunk_tokens`` to
 buffer move to a larger allocation (never a ``torch.cat`` per token).
 
 On CUDA, `reserve` claims the whole budget at start as one slab (a budget the GPU cannot hold
-fails there, not mid-turn), and every session's buffers are carved out of it
-(`kvtier.tiers.extents`: best fit, free neighbours merge). The slab's unit is one chunk of one
-layer's K or V (256 tokens x kv heads x head dim; 256 KiB for a Qwen2-7B shape): a session's
-block takes `2 x layers` units per chunk in one range; when no range is that long, the session
-gets one tensor per layer and plane, each one range of its chunks, carved from the holes
-(`split_allocations`). No session and no growth calls cudaMalloc after `reserve`, and kvtier's
-L1 never takes more device memory than its budget. Only when even the pieces do not fit
-(`L1Fragmented`) are idle sessions evicted, and with none left a block comes from the allocator
-after all (`L1Pool.outside`, counted).
+fails there, not mid-turn), and every session's block is carved out of it in whole chunks
+(`kvtier.tiers.extents`: best fit, free neighbours merge). No session and no growth calls
+cudaMalloc after that, and kvtier's L1 never takes more device memory than its budget.
 
 Before the slab, blocks came from the caching allocator (a dedicated `torch.cuda.MemPool`,
 claimed whole at start). That segment fragmented: when the 64 resident sessions of the fleet
 grow by a chunk (each growth takes a larger block while the old one is alive), the holes left
 were too small and the allocator mapped new segments past the budget, 55-57 in a 5-9 s window
-on an H200. A slab carved in whole blocks only, evicting idle sessions until a range was long
-enough, evicted too often: in the 256-session fleet the batch fell from 60 to 34 sessions
-(docs/benchmarks.md, "L1 out of one slab").
+on an H200 (docs/benchmarks.md, "L1 out of one slab"). Carved from the slab, such a block
+instead evicts idle sessions (LRU, as a full budget does) until a range is free; only when no
+idle session is left does it come from the allocator after all (`L1Pool.outside`, counted).
 
-A carved block (or piece) is a tensor of its own over the slab's storage, so its views keep it alive as
+A carved block is a tensor of its own over the slab's storage, so its views keep it alive as
 usual; its range goes back to the free list when the last of them dies, once the GPU work that
 was queued by then is done (an event on the device's default stream, the current one and the
 transfer engine's streams, `L1Pool.side_streams`). On the CPU the same code uses ordinary
@@ -145,9 +139,8 @@ class L1Pool:
 
     @property
     def unit_bytes(self) -> int:
-        """The slab's unit: one chunk of one layer's K (or V)."""
-        g = self.geometry
-        return self.bytes_for(self.chunk_tokens) // (g.num_layers * g.kv_planes)
+        """One chunk of every layer's K and V: the slab's unit."""
+        return self.bytes_for(self.chunk_tokens)
 
     @property
     def largest_free_bytes(self) -> int | None:
@@ -230,7 +223,8 @@ class L1Pool:
         v_dim = g.v_head_dim or g.head_dim
         if self._extents is not None and v_dim == g.head_dim:
             if not getattr(self._outside_slab, "on", False):
-                return self._carve(capacity)
+                block = self._carve(capacity)
+                return [(block[i, 0], block[i, 1]) for i in range(g.num_layers)]
             self.outside += 1
         with self._in_pool():
             if v_dim == g.head_dim:  # one allocation, per-layer views (see the module doc)
@@ -266,50 +260,31 @@ class L1Pool:
 
     # -- the slab ------------------------------------------------------------------------------
 
-    def _carve(self, capacity: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per-layer K and V over the slab: views of one ``[layer, k|v, 1, H, capacity, D]``
-        block when a range that long is free, else one piece per layer and plane; raises
-        `L1Fragmented` when not even the pieces fit."""
-        g = self.geometry
-        per_plane = capacity // self.chunk_tokens  # units
-        planes = 2 * g.num_layers
+    def _carve(self, capacity: int) -> torch.Tensor:
+        """A ``[layer, k|v, 1, H, capacity, D]`` block over a free range of the slab; raises
+        `L1Fragmented` when no range is that long."""
+        assert self._slab is not None and self._extents is not None
+        units = capacity // self.chunk_tokens
         with self._lock:
-            offset = self._take(planes * per_plane)
-            pieces: list[int] = []
+            offset = self._take(units)
             if offset is None:
-                while len(pieces) < planes:
-                    at = self._take(per_plane)
-                    if at is None:
-                        for taken in pieces:
-                            self._extents.give(taken, per_plane)  # type: ignore[union-attr]
-                        self.fragmented += 1
-                        raise L1Fragmented(
-                            f"L1 has {self.free_bytes} bytes free but not in ranges of "
-                            f"{per_plane * self.unit_bytes} bytes; evict idle sessions and retry"
-                        )
-                    pieces.append(at)
-                self.split_allocations += 1
-        if offset is not None:
-            block = self._over(offset, planes * per_plane, (g.num_layers, 2), capacity)
-            return [(block[i, 0], block[i, 1]) for i in range(g.num_layers)]
-        it = iter(self._over(at, per_plane, (), capacity) for at in pieces)
-        return [(next(it), next(it)) for _ in range(g.num_layers)]
-
-    def _over(self, offset: int, units: int, lead: tuple[int, ...], capacity: int) -> torch.Tensor:
-        """A ``[*lead, 1, H, capacity, D]`` tensor over `units` units of the slab at `offset`;
-        the range comes back when its last view dies (see the module doc)."""
-        assert self._slab is not None
+                self.fragmented += 1
+                raise L1Fragmented(
+                    f"L1 has {self.free_bytes} bytes free but no contiguous "
+                    f"{units * self.unit_bytes} of them; evict idle sessions and retry"
+                )
         g = self.geometry
-        shape = (*lead, 1, g.num_kv_heads, capacity, g.head_dim)
-        t = torch.empty(0, dtype=self.dtype, device=self.device)
-        t.set_(
+        shape = (g.num_layers, 2, 1, g.num_kv_heads, capacity, g.head_dim)
+        block = torch.empty(0, dtype=self.dtype, device=self.device)
+        block.set_(
             self._slab.untyped_storage(),
             offset * self.unit_bytes // g.element_size,
             shape,
             torch.empty(shape, device="meta").stride(),
         )
-        weakref.finalize(t, self._died, offset, units).atexit = False
-        return t
+        # the range comes back when the last view of the block dies (see the module doc)
+        weakref.finalize(block, self._died, offset, units).atexit = False
+        return block
 
     def _take(self, units: int) -> int | None:
         """Under the lock: a free range of `units`, after taking back the dead blocks whose GPU
