@@ -188,13 +188,6 @@ def run_batched(
         poller.result(timeout=5)
     finally:
         win.finish(m)
-        l1 = backend.cache.l1  # the slab's misses in the whole run (kvtier/tiers/l1.py)
-        m.extra["l1_fragmented"], m.extra["l1_outside"] = l1.fragmented, l1.outside
-        if l1.fragmented or l1.outside:
-            m.note = (m.note + "; " if m.note else "") + (
-                f"L1 slab in the run: {l1.fragmented} carvings found no range long enough "
-                f"(idle sessions evicted), {l1.outside} blocks from outside it"
-            )
         sched.close()
         loop.call_soon_threadsafe(loop.stop)
         thread.join(timeout=10)

@@ -23,10 +23,6 @@ class L1BudgetExceeded(KvtierError):
     """An L1 allocation would exceed the configured GPU byte budget even after eviction."""
 
 
-class L1Fragmented(L1BudgetExceeded):
-    """The L1 slab has the bytes free but no contiguous range that long; evict and retry."""
-
-
 # ---- L3 / .kvbin ---------------------------------------------------------------------------
 
 

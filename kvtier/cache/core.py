@@ -39,7 +39,7 @@ from kvtier.cache.lifecycle import LifecycleMixin
 from kvtier.cache.session import Session
 from kvtier.cache.stats import Counters, SnapshotInputs, build_snapshot
 from kvtier.codecs import make_codec
-from kvtier.errors import BudgetError, ConfigError, L1BudgetExceeded, L1Fragmented, SessionError
+from kvtier.errors import BudgetError, ConfigError, L1BudgetExceeded, SessionError
 from kvtier.geometry import KVGeometry, model_fingerprint, normalize_dtype
 from kvtier.integrations.hf import KvtierCache
 from kvtier.kvbin import ChunkHeader
@@ -187,7 +187,6 @@ class TieredCache(LifecycleMixin):
             )
         self.l1.budget_bytes -= staging
         self.l1.reserve()
-        self.l1.side_streams = self.engine.streams()
 
     # -- sessions -------------------------------------------------------------------------------
 
@@ -410,17 +409,12 @@ class TieredCache(LifecycleMixin):
             s.bufs, s.lengths = None, []
 
     def _with_room(self, need: int, alloc: Any, exclude: Session) -> Any:
-        """Run `alloc`, evicting idle sessions (unpinned first, LRU) while L1 is short. A
-        fragmented slab (the bytes free, no range that long) evicts too; with no idle session
-        left, the block comes from the allocator instead (`L1Pool.outside_slab`)."""
+        """Run `alloc`, evicting idle sessions (unpinned first, LRU) while L1 is short."""
         with self._lock:
             while True:
-                fragmented = False
                 try:
                     if self.l1.free_bytes >= need:
                         return alloc()
-                except L1Fragmented:
-                    fragmented = True
                 except torch.cuda.OutOfMemoryError:
                     self.counters.oom_retries += 1
                     if not self._evict_one(exclude):
@@ -433,9 +427,6 @@ class TieredCache(LifecycleMixin):
                 except L1BudgetExceeded:
                     pass
                 if not self._evict_one(exclude):
-                    if fragmented:
-                        with self.l1.outside_slab():
-                            return alloc()
                     raise L1BudgetExceeded(
                         f"L1 budget of {self.l1.budget_bytes} bytes cannot hold {need} more bytes "
                         "even after evicting every idle session; raise l1_bytes or lower the "

@@ -10,42 +10,29 @@ tensor per layer and plane instead, which the engine also handles. Capacity grow
 decode step writes one token into spare room, and only every ``chunk_tokens`` tokens does the
 buffer move to a larger allocation (never a ``torch.cat`` per token).
 
-On CUDA, `reserve` claims the whole budget at start as one slab (a budget the GPU cannot hold
-fails there, not mid-turn), and every session's block is carved out of it in whole chunks
-(`kvtier.tiers.extents`: best fit, free neighbours merge). No session and no growth calls
-cudaMalloc after that, and kvtier's L1 never takes more device memory than its budget.
-
-Before the slab, blocks came from the caching allocator (a dedicated `torch.cuda.MemPool`,
-claimed whole at start). That segment fragmented: when the 64 resident sessions of the fleet
-grow by a chunk (each growth takes a larger block while the old one is alive), the holes left
-were too small and the allocator mapped new segments past the budget, 55-57 in a 5-9 s window
-on an H200 (docs/benchmarks.md, "L1 out of one slab"). Carved from the slab, such a block
-instead evicts idle sessions (LRU, as a full budget does) until a range is free; only when no
-idle session is left does it come from the allocator after all (`L1Pool.outside`, counted).
-
-A carved block is a tensor of its own over the slab's storage, so its views keep it alive as
-usual; its range goes back to the free list when the last of them dies, once the GPU work that
-was queued by then is done (an event on the device's default stream, the current one and the
-transfer engine's streams, `L1Pool.side_streams`). On the CPU the same code uses ordinary
-tensors (`reserve(slab=True)` carves there too, for tests).
+On CUDA, kvtier's buffers come from a dedicated ``torch.cuda.MemPool`` so that session churn
+fragments kvtier's own segments, never the blocks the model's activations use, and `reserve`
+claims the whole budget for that pool at start: sessions are then carved out of one segment
+instead of growing the pool one cudaMalloc (a device-wide synchronization) at a time, and a
+budget the GPU cannot hold fails at start. The segment can still fragment: when many resident
+sessions grow (each growth takes a larger block while the old one is alive) and no hole is large
+enough, the allocator maps another segment for the pool (57 in a 9 s window of the 64-session
+fleet on an H200, docs/benchmarks.md, "The restore threads' waits"). On the CPU the same code
+uses ordinary tensors.
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import logging
 import threading
-import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
-from kvtier.errors import BudgetError, L1BudgetExceeded, L1Fragmented
+from kvtier.errors import BudgetError, L1BudgetExceeded
 from kvtier.geometry import KVGeometry
-from kvtier.tiers.extents import Extents
 
 log = logging.getLogger("kvtier.l1")
 _POOLS: dict[int, object] = {}
@@ -116,16 +103,8 @@ class L1Pool:
         self.dtype = geometry.torch_dtype()
         self.used_bytes = 0
         self.split_allocations = 0  # sessions given per-layer tensors: no contiguous block fit
-        self.fragmented = 0  # carvings the slab had the bytes but no long enough range for
-        self.outside = 0  # blocks made by the allocator: fragmented, no idle session to evict
-        self.side_streams: list[Any] = []  # streams besides the current one that use L1 blocks
         self._lock = threading.Lock()
         self._pool = _kvtier_pool(self.device)
-        self._slab: torch.Tensor | None = None
-        self._extents: Extents | None = None
-        # carved ranges whose block died: (offset, units, events that mark its last GPU use)
-        self._dead: collections.deque[tuple[int, int, list[Any] | None]] = collections.deque()
-        self._outside_slab = threading.local()
 
     # -- sizes ---------------------------------------------------------------------------------
 
@@ -138,20 +117,6 @@ class L1Pool:
         return self.geometry.bytes_per_token * capacity
 
     @property
-    def unit_bytes(self) -> int:
-        """One chunk of every layer's K and V: the slab's unit."""
-        return self.bytes_for(self.chunk_tokens)
-
-    @property
-    def largest_free_bytes(self) -> int | None:
-        """The longest range the slab could carve now, in bytes; None without a slab."""
-        if self._extents is None:
-            return None
-        with self._lock:
-            self._reap(wait=False)
-            return self._extents.largest * self.unit_bytes
-
-    @property
     def free_bytes(self) -> int:
         return self.budget_bytes - self.used_bytes
 
@@ -161,39 +126,27 @@ class L1Pool:
             return sum(seg["total_size"] for seg in self._pool.snapshot())
         return self.used_bytes
 
-    def reserve(self, slab: bool | None = None) -> None:
-        """Claim the whole budget now as one slab that every session's block is carved from.
+    def reserve(self) -> None:
+        """Claim the whole budget from the CUDA allocator now, for kvtier's pool alone.
 
-        No session or growth calls cudaMalloc after this (each one may synchronize the device,
-        and under a memory cap it pushes out the model's cached blocks), and a budget the GPU
-        cannot hold fails here, at start, not mid-turn. `slab`: None claims on CUDA only (on
-        the CPU the pool keeps making ordinary tensors); True claims on any device.
+        One allocation of `budget_bytes` is made in the pool and freed again: the pool keeps
+        the segment, and session buffers are then carved out of it without another cudaMalloc
+        (each one synchronizes the device, and under a memory cap it pushes out the model's
+        cached blocks). A budget the GPU cannot hold fails here, at start, not mid-turn. A
+        no-op on the CPU.
         """
-        if not (self.device.type == "cuda" if slab is None else slab) or self._slab is not None:
+        if self._pool is None:
             return
-        units = self.budget_bytes // self.unit_bytes
         try:
             with self._in_pool():
-                self._slab = torch.empty(
-                    units * self.unit_bytes, dtype=torch.uint8, device=self.device
-                )
+                claim = torch.empty(self.budget_bytes, dtype=torch.uint8, device=self.device)
         except torch.OutOfMemoryError as exc:
             free, _total = torch.cuda.mem_get_info(self.device)
             raise BudgetError(
                 f"L1 budget of {self.budget_bytes} bytes does not fit on {self.device} "
                 f"({free} bytes free); lower l1_bytes or load a smaller model"
             ) from exc
-        self._extents = Extents(units)
-
-    @contextlib.contextmanager
-    def outside_slab(self) -> Iterator[None]:
-        """Blocks made in this thread meanwhile come from the allocator, not the slab: the last
-        resort of a fragmented slab with no idle session left to evict (counted in `outside`)."""
-        self._outside_slab.on = True
-        try:
-            yield
-        finally:
-            self._outside_slab.on = False
+        del claim
 
     # -- allocation ----------------------------------------------------------------------------
 
@@ -221,11 +174,6 @@ class L1Pool:
     def _new_layers(self, capacity: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         g = self.geometry
         v_dim = g.v_head_dim or g.head_dim
-        if self._extents is not None and v_dim == g.head_dim:
-            if not getattr(self._outside_slab, "on", False):
-                block = self._carve(capacity)
-                return [(block[i, 0], block[i, 1]) for i in range(g.num_layers)]
-            self.outside += 1
         with self._in_pool():
             if v_dim == g.head_dim:  # one allocation, per-layer views (see the module doc)
                 try:
@@ -257,82 +205,6 @@ class L1Pool:
                 )
                 for _ in range(g.num_layers)
             ]
-
-    # -- the slab ------------------------------------------------------------------------------
-
-    def _carve(self, capacity: int) -> torch.Tensor:
-        """A ``[layer, k|v, 1, H, capacity, D]`` block over a free range of the slab; raises
-        `L1Fragmented` when no range is that long."""
-        assert self._slab is not None and self._extents is not None
-        units = capacity // self.chunk_tokens
-        with self._lock:
-            offset = self._take(units)
-            if offset is None:
-                self.fragmented += 1
-                raise L1Fragmented(
-                    f"L1 has {self.free_bytes} bytes free but no contiguous "
-                    f"{units * self.unit_bytes} of them; evict idle sessions and retry"
-                )
-        g = self.geometry
-        shape = (g.num_layers, 2, 1, g.num_kv_heads, capacity, g.head_dim)
-        block = torch.empty(0, dtype=self.dtype, device=self.device)
-        block.set_(
-            self._slab.untyped_storage(),
-            offset * self.unit_bytes // g.element_size,
-            shape,
-            torch.empty(shape, device="meta").stride(),
-        )
-        # the range comes back when the last view of the block dies (see the module doc)
-        weakref.finalize(block, self._died, offset, units).atexit = False
-        return block
-
-    def _take(self, units: int) -> int | None:
-        """Under the lock: a free range of `units`, after taking back the dead blocks whose GPU
-        work is done (and, when that is not enough, waiting for the rest)."""
-        assert self._extents is not None
-        self._reap(wait=False)
-        offset = self._extents.take(units)
-        if offset is None and self._dead:
-            self._reap(wait=True)
-            offset = self._extents.take(units)
-        return offset
-
-    def _died(self, offset: int, units: int) -> None:
-        """A carved block's last view died (any thread, any time): mark the GPU work queued so
-        far on every stream that may use it; its range is free once that is done."""
-        events: list[Any] | None = []
-        if self.device.type == "cuda":
-            try:
-                streams = {torch.cuda.default_stream(self.device), *self.side_streams}
-                if not torch.cuda.is_current_stream_capturing():
-                    streams.add(torch.cuda.current_stream(self.device))
-                events = [torch.cuda.Event() for _ in streams]
-                for event, stream in zip(events, streams, strict=True):
-                    event.record(stream)
-            except Exception:  # an event could not be recorded: wait for the whole device
-                events = None
-        self._dead.append((offset, units, events))
-
-    def _reap(self, wait: bool) -> None:
-        """Under the lock: give the dead blocks' ranges back to the free list, those whose GPU
-        work is done (all of them, waiting, with `wait`)."""
-        assert self._extents is not None
-        pending = []
-        while self._dead:
-            offset, units, events = item = self._dead.popleft()
-            if events is None:
-                if not wait:
-                    pending.append(item)
-                    continue
-                torch.cuda.synchronize(self.device)
-            elif wait:
-                for event in events:
-                    event.synchronize()
-            elif not all(event.query() for event in events):
-                pending.append(item)
-                continue
-            self._extents.give(offset, units)
-        self._dead.extendleft(reversed(pending))
 
     def _charged_layers(self, tokens: int) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], int]:
         """New per-layer buffers for `tokens` (whole chunks), charged to the budget."""

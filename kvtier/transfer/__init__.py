@@ -113,10 +113,6 @@ class TransferEngine:
         """Where this engine's L3 file writes run: "process" or "threads"."""
         return "threads" if self._proc is None else "process"
 
-    def streams(self) -> list[Any]:
-        """The side streams that read and write L1 blocks (none off CUDA)."""
-        return self._device.streams()
-
     @property
     def staging_bytes(self) -> int:
         """Device (or host, on CPU) memory the staging buffers hold, for the L1 budget."""

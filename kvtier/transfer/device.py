@@ -449,10 +449,6 @@ class DeviceMover:
         if copy is not None:
             copy.wait()
 
-    def streams(self) -> list[Any]:
-        """The side streams that read and write L1 blocks (none off CUDA)."""
-        return [s for pair in self._streams.values() for s in pair if s is not None]
-
     def synchronize(self) -> None:
         """Wait for every device copy issued so far."""
         for streams in self._streams.values():

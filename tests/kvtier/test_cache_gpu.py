@@ -66,7 +66,7 @@ def test_cuda_l1_budget_and_oom_safety(tmp_path: Path) -> None:
     staging = cache.engine.staging_bytes  # comes out of l1_bytes; the rest is claimed at start
     assert cache.l1.budget_bytes == 4 * per_session - staging
     claimed = cache.l1.reserved_bytes()
-    assert claimed >= cache.l1.budget_bytes - cache.l1.unit_bytes  # whole chunks of it
+    assert claimed >= cache.l1.budget_bytes
     for i in range(12):
         # > 1 MiB per session: the allocator's large blocks, carved from the claimed segment
         # (blocks up to 1 MiB come from small 2 MiB segments of their own)
@@ -79,48 +79,6 @@ def test_cuda_l1_budget_and_oom_safety(tmp_path: Path) -> None:
         assert cache.l1.used_bytes <= cache.l1.budget_bytes
     assert cache.stats().tier("l1").evictions >= 8
     assert cache.l1.reserved_bytes() == claimed  # every session fit in the claimed segment
-    cache.close()
-
-
-def test_cuda_sessions_that_grow_hibernate_and_return_make_no_cudamalloc(tmp_path: Path) -> None:
-    """L1 is carved from its slab: after a warm-up, sessions growing chunk by chunk (a turn's
-    K/V appended as the batch scheduler's commit threads do), hibernating and coming back from
-    L2 make no cudaMalloc, and every block stays inside the slab."""
-    model = tiny_llama().cuda()
-    cache = TieredCache(
-        CacheConfig(
-            l3_root=tmp_path, l1_bytes=8 << 20, l2_bytes=64 << 20, chunk_tokens=64, cost_model=False
-        ),
-        model,
-    )
-    names = [f"s{i}" for i in range(12)]
-    tokens = {n: [1 + i] * 100 for i, n in enumerate(names)}
-    new = torch.randn(2, 2, 1, 2, 40, 16, device="cuda")  # 40 tokens of K/V, every layer
-
-    def turns(round_: int) -> None:
-        for i, name in enumerate(names):
-            s = cache.session(name, tenant="t")
-            prompt = tokens[name]
-            kv = s.restore(prompt)
-            held = kv.get_seq_length()
-            if held < len(prompt):  # the first turn: the prompt's K/V
-                kv.extend(torch.randn(2, 2, 1, 2, len(prompt) - held, 16, device="cuda"))
-            kv.extend(new)
-            tokens[name] = prompt + [7] * 40
-            s.commit(tokens[name])
-            if (i + round_) % 4 == 0:
-                s.hibernate()
-
-    for r in range(3):
-        turns(r)
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_stats()["num_device_alloc"]
-    for r in range(3, 12):
-        turns(r)
-    torch.cuda.synchronize()
-    assert torch.cuda.memory_stats()["num_device_alloc"] == before
-    assert cache.l1.outside == 0
-    assert max(len(t) for t in tokens.values()) == 100 + 12 * 40  # 9 chunks: every one grew
     cache.close()
 
 
