@@ -17,8 +17,11 @@ instead of growing the pool one cudaMalloc (a device-wide synchronization) at a 
 budget the GPU cannot hold fails at start. The segment can still fragment: when many resident
 sessions grow (each growth takes a larger block while the old one is alive) and no hole is large
 enough, the allocator maps another segment for the pool (57 in a 9 s window of the 64-session
-fleet on an H200, docs/benchmarks.md, "The restore threads' waits"). On the CPU the same code
-uses ordinary tensors.
+fleet on an H200, docs/benchmarks.md, "The restore threads' waits"). Carving the blocks from a
+slab of exactly the budget instead was measured and reverted: under a hard budget, the holes of
+blocks of varying sizes were too short so often that the 256-session fleet evicted its batch down
+to 34 sessions (docs/benchmarks.md, "L1 out of one slab"). Fixed-size pages are the fix. On the
+CPU the same code uses ordinary tensors.
 """
 
 from __future__ import annotations
