@@ -175,6 +175,8 @@ def run_scenario(args, model, dev: str, scen: str, n: int, fleet_ceiling, tmp: P
     for name in names:
         if name == "generate" and scen == "hibernate" and not args.generate_hibernate:
             continue
+        if name == "kvtier-seq" and scen == "hibernate" and not args.seq_hibernate:
+            continue
         reuse = fleet_ceiling is not None and fleet_ceiling.extra.get("batch") == batch
         if name == "ceiling" and scen == "hibernate" and reuse:
             ceiling = fleet_ceiling
@@ -308,6 +310,13 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="also run generate_batch in the hibernate scenario (slow: it "
         "prefills every context every round)",
+    )
+    ap.add_argument(
+        "--seq-hibernate",
+        action="store_true",
+        help="also run kvtier-seq (one session per forward) in the hibernate scenario (its "
+        "window then takes about 90 s on an H200 for about 30 tok/s; the targets of that "
+        "scenario do not compare with it)",
     )
     ap.add_argument(
         "--stacks",

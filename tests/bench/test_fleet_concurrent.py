@@ -31,6 +31,7 @@ def test_concurrent_fleet_cpu_smoke(tmp_path: Path) -> None:
         "--hibernate-sessions", "8",
         "--l1-sessions", "2",
         "--think-hibernate", "0.05,0.1",
+        "--seq-hibernate",
         "--time-limit", "3",
         "--warmup", "0.5",
         "--out", str(out),
