@@ -33,6 +33,11 @@ class StepLog:
         # turns) since the step before, in `steps` order (`watch_scheduler`)
         self.host: list[tuple[int, int]] = []
         self._admits = self._finishes = 0
+        # host seconds of the scheduler thread between two step completions, in `steps` order:
+        # (launching the next step: inputs + replay, waiting for the GPU's tokens). A wait near
+        # 0 means the GPU had finished first: the host set that step's pace, not the GPU.
+        self.thread: list[tuple[float, float]] = []
+        self._launch_s = self._wait_s = 0.0
 
     def watch(self, runner: Any) -> None:
         """Note, before each forward, whether the step is decode-only (one token per sequence:
@@ -43,7 +48,11 @@ class StepLog:
         def observed(batch: Any, *feed: Any) -> Any:
             self.decode_only = all(len(item.tokens) == 1 for item in batch)
             self.prompt_tokens = sum(len(item.tokens) for item in batch if len(item.tokens) > 1)
-            return step(batch, *feed)
+            t0 = time.perf_counter()
+            try:
+                return step(batch, *feed)
+            finally:
+                self._launch_s += time.perf_counter() - t0
 
         runner.step = observed
 
@@ -61,6 +70,23 @@ class StepLog:
             return finish(*a, **k)
 
         sched._admit, sched._finish = admitted, finished
+        start = sched._readback.start
+
+        def started(logits: Any) -> Any:  # time the wait for each step's tokens
+            tokens, ticket = start(logits)
+            wait = ticket.wait
+
+            def timed() -> Any:
+                t0 = time.perf_counter()
+                try:
+                    return wait()
+                finally:
+                    self._wait_s += time.perf_counter() - t0
+
+            ticket.wait = timed
+            return tokens, ticket
+
+        sched._readback.start = started
 
     def count(self, name: str, n: int = 1) -> None:
         return None
@@ -73,6 +99,8 @@ class StepLog:
         self.prompts.append(self.prompt_tokens)
         self.host.append((self._admits, self._finishes))
         self._admits = self._finishes = 0
+        self.thread.append((self._launch_s, self._wait_s))
+        self._launch_s = self._wait_s = 0.0
 
 
 def served_model(model) -> ServedModel:
@@ -229,12 +257,13 @@ def run_batched(
 def step_tail(log: StepLog, win: Any) -> dict[str, dict[str, float]]:
     """What the slowest steps had in common: the steps inside the window above their P90 (the
     tail) against those at or below their P50 (the body), each with its mean batch, share of
-    steps with prompt chunks, mean prompt tokens, and mean admissions and finished turns the
-    scheduler handled since the step before. Empty with fewer than 20 steps."""
+    steps with prompt chunks, mean prompt tokens, mean admissions and finished turns the
+    scheduler handled since the step before, and the scheduler thread's time launching the next
+    step and waiting for the GPU in that interval. Empty with fewer than 20 steps."""
     rows = [
-        (sec, batch, not only, prompt, host)
-        for (t, sec, batch, only), prompt, host in zip(
-            log.steps, log.prompts, log.host, strict=True
+        (sec, batch, not only, prompt, host, thread)
+        for (t, sec, batch, only), prompt, host, thread in zip(
+            log.steps, log.prompts, log.host, log.thread, strict=True
         )
         if win.inside(t)
     ]
@@ -243,7 +272,9 @@ def step_tail(log: StepLog, win: Any) -> dict[str, dict[str, float]]:
     ordered = sorted(r[0] for r in rows)
     p50, p90 = ordered[len(ordered) // 2], ordered[int(len(ordered) * 0.9)]
 
-    def describe(group: list[tuple[float, int, bool, int, tuple[int, int]]]) -> dict[str, float]:
+    def describe(
+        group: list[tuple[float, int, bool, int, tuple[int, int], tuple[float, float]]],
+    ) -> dict[str, float]:
         n = max(len(group), 1)
         return {
             "steps": len(group),
@@ -253,6 +284,8 @@ def step_tail(log: StepLog, win: Any) -> dict[str, dict[str, float]]:
             "prompt_tokens": round(sum(r[3] for r in group) / n, 1),
             "admissions": round(sum(r[4][0] for r in group) / n, 2),
             "finished": round(sum(r[4][1] for r in group) / n, 2),
+            "launch_ms": round(sum(r[5][0] for r in group) / n * 1000, 2),
+            "wait_ms": round(sum(r[5][1] for r in group) / n * 1000, 2),
         }
 
     return {

@@ -89,7 +89,9 @@ def table(title: str, rows: list[dict[str, Any]]) -> str:
                 + "; ".join(
                     f"{name} {g['steps']} steps {g['mean_ms']} ms, batch {g['batch']}, "
                     f"{g['mixed']:.0%} with prompt chunks ({g['prompt_tokens']} tokens), "
-                    f"{g['admissions']} admissions, {g['finished']} finished turns before it"
+                    f"{g['admissions']} admissions, {g['finished']} finished turns before it, "
+                    f"the scheduler launching {g.get('launch_ms', float('nan'))} ms and waiting "
+                    f"for the GPU {g.get('wait_ms', float('nan'))} ms"
                     for name, g in (("tail", tail["tail"]), ("body", tail["body"]))
                 )
             )

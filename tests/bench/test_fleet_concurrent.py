@@ -65,6 +65,8 @@ def test_concurrent_fleet_cpu_smoke(tmp_path: Path) -> None:
         admits = tail["tail"]["admissions"] * tail["tail"]["steps"]
         admits += tail["body"]["admissions"] * tail["body"]["steps"]
         assert admits > 0, tail  # the scheduler admitted turns inside the window
+        for group in ("tail", "body"):  # the scheduler thread's launch and wait, per interval
+            assert tail[group]["launch_ms"] > 0 and tail[group]["wait_ms"] >= 0, tail
     hib = {r["config"]: r for r in data["results"]["hibernate"]}
     assert {"ceiling", "kvtier-seq", "kvtier", "kvtier-int8"} <= set(hib)
     for name in ("kvtier", "kvtier-int8"):
