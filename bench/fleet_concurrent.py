@@ -27,6 +27,9 @@ Configurations:
                step starts (what the overlap adds, in the same run)
   kvtier-gil5  (d) with Python's default GIL switch interval, 5 ms, instead of the
                scheduler's 0.5 ms (what the shorter interval adds, in the same run)
+  kvtier-gil01 (d) with a 0.1 ms switch interval (whether the GIL paces the slow steps)
+  kvtier-admit1 (d) admitting at most one turn per step (`admissions_per_step` 1: whether
+               admissions bunched into one step make the slow steps)
 
 Each session's initial context (a shared `--system`-token system prompt, then its own tokens)
 is prefilled once per scenario, batched; its K/V is kept on the host (the "bank") and copied
@@ -209,6 +212,10 @@ def run_scenario(args, model, dev: str, scen: str, n: int, fleet_ceiling, tmp: P
                     cfg.overlap_steps = name != "kvtier-sync"
                     if name == "kvtier-gil5":  # the interpreter's default GIL switch interval
                         cfg.switch_interval_s = 0.005
+                    if name == "kvtier-gil01":  # a 0.1 ms switch interval (the default 0.5)
+                        cfg.switch_interval_s = 0.0001
+                    if name == "kvtier-admit1":  # at most one turn admitted per step
+                        cfg.admissions_per_step = 1
                     m = batched.run_batched(
                         name, model, fleet, bank, dev, warmup, limit, backend, cfg
                     )

@@ -11,8 +11,8 @@ hands back a transformers Cache over the first `covered` prompt tokens) and only
 3. fills the rest of the token budget (`batch_tokens`, or `decoding_prompt_tokens` when the
    step decodes) with prompt chunks (at most `prefill_step` tokens each) of sequences still
    prefilling, oldest first;
-4. admits waiting sequences while budget, batch slots (`max_concurrency`) and pages for their
-   whole known token list remain: it copies the restored prefix's K/V into the new pages
+4. admits waiting sequences while budget, batch slots (`max_concurrency`), pages for their
+   whole known token list and `admissions_per_step` (when set) remain: it copies the restored prefix's K/V into the new pages
    (device to device) and schedules their first prompt chunk. Full pages of that prefix that a
    running sequence of the same tenant already holds (same tokens from position 0) are shared
    instead of copied (`kvtier.server.pageshare`);
@@ -121,6 +121,8 @@ class BatchScheduler(Stepping):
         self.decoding_prompt_tokens = int(
             getattr(config, "decoding_prompt_tokens", DEFAULT_DECODING_PROMPT_TOKENS)
         )
+        # turns admitted in one step (0: no limit but the budget, slots and pages)
+        self.admissions_per_step = int(getattr(config, "admissions_per_step", 0))
         self.pool: PagePool = make_pool(  # sharded by layer on a model placed across devices
             served,
             geometry,
@@ -360,7 +362,10 @@ class BatchScheduler(Stepping):
                 n = min(left, self.prefill_step, budget)
                 items.append((s, s.tokens[s.fed : s.fed + n]))
                 budget -= n
+        admitted = 0
         while self.waiting and budget > 0 and len(self.running) < self.max_batch:
+            if self.admissions_per_step and admitted >= self.admissions_per_step:
+                break
             s = self.waiting[0]
             pages = pool.pages_for(len(s.tokens))
             if pages > pool.num_pages:
@@ -373,6 +378,7 @@ class BatchScheduler(Stepping):
             self.waiting.popleft()
             if not self._admit(s, shared):
                 continue
+            admitted += 1
             n = min(len(s.tokens) - s.fed, self.prefill_step, budget)
             items.append((s, s.tokens[s.fed : s.fed + n]))
             budget -= n

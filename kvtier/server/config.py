@@ -87,6 +87,9 @@ class ServerConfig:
     # prompt tokens in a step that also decodes: short, even steps for the decoding sessions
     # (0: up to batch_tokens, as a step without decoders)
     decoding_prompt_tokens: int = 128
+    # turns admitted into the batch in one step (0: as many as the budget, slots and pages
+    # allow); each one is host work (pages, the copy of its restored prefix) before a launch
+    admissions_per_step: int = 0
     batch_kv_bytes: int = 0  # the batch's KV page pool; 0 = room for max_concurrency contexts
     max_body_bytes: int = 4 * 2**20
     log_level: str = "info"
@@ -120,6 +123,11 @@ class ServerConfig:
             raise ConfigError(
                 f"decoding_prompt_tokens: must not be negative, got {self.decoding_prompt_tokens}"
                 " (0 means up to batch_tokens)"
+            )
+        if self.admissions_per_step < 0:
+            raise ConfigError(
+                f"admissions_per_step: must not be negative, got {self.admissions_per_step}"
+                " (0 means no limit)"
             )
         if self.degraded_window < 0 or self.degraded_sinks < 0:
             raise ConfigError("degraded_window and degraded_sinks must not be negative")

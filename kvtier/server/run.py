@@ -144,6 +144,13 @@ def options(f: Callable[..., Any]) -> Callable[..., Any]:
             "takes up to --batch-tokens.",
         ),
         click.option(
+            "--admissions-per-step",
+            type=int,
+            help="Turns admitted into the batch in one step (default 0: as many as the token "
+            "budget, slots and free pages allow). Each admission is host work before the "
+            "step's launch; 1 spreads arrivals over steps.",
+        ),
+        click.option(
             "--batch-kv-bytes",
             help="KV page pool of the batch, e.g. 4GiB (default: room for max-concurrency "
             "full contexts, at most half the free GPU memory or 1 GiB on the CPU).",

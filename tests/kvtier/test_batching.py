@@ -481,6 +481,61 @@ def test_a_step_that_decodes_takes_few_prompt_tokens(tmp_path: Path) -> None:
         ServerConfig.load(flags={"decoding_prompt_tokens": -1}, env={})
 
 
+def test_admissions_per_step_spreads_arrivals_over_steps(tmp_path: Path) -> None:
+    """Five turns waiting at once: without a limit one step admits them all; with
+    `admissions_per_step` 1, each step admits one, and served through the scheduler thread
+    every reply still equals the session's greedy reply alone."""
+    import concurrent.futures
+
+    from kvtier.server.backend import Restored
+    from kvtier.server.batching import _Seq
+    from kvtier.server.sampling import ReplyText
+
+    ref = _build("llama")
+    served = _build("llama")
+    prompts = _prompts(7, [12, 30, 9, 21, 16])
+    loop = asyncio.new_event_loop()
+
+    def admitted_per_step(cap: int) -> list[int]:
+        config = _config(tmp_path / f"cap{cap}", admissions_per_step=cap)
+        sched = BatchScheduler(served, RecomputeBackend(served.model), config)
+        sched.close()  # no scheduler thread: the test drives the steps
+        for p in prompts:
+            s = _Seq(
+                job=_job("x", p, 100),
+                stream=Stream(loop),
+                admitted=0.0,
+                done=concurrent.futures.Future(),
+                reply=ReplyText(served.tokenizer, served.eos_ids, ()),
+                gen=None,
+                tokens=list(p),
+            )
+            s.restored = Restored(DynamicCache(config=served.model.config), 0, "recompute")
+            sched.waiting.append(s)
+        counts = []
+        while sched.waiting:
+            before = len(sched.running)
+            items = sched._schedule()
+            counts.append(len(sched.running) - before)
+            sched._step(items)
+        return counts
+
+    assert admitted_per_step(0) == [5]
+    assert admitted_per_step(1) == [1, 1, 1, 1, 1]
+    loop.close()
+
+    config = _config(tmp_path / "served", admissions_per_step=1)
+    sched = BatchScheduler(served, RecomputeBackend(served.model), config)
+    try:
+        results = _run(sched, *(_one(sched, _job(f"a{i}", p, 8)) for i, p in enumerate(prompts)))
+    finally:
+        sched.close()
+    for p, r in zip(prompts, results, strict=True):
+        assert r.text == _greedy_alone(ref, p, 8)
+    with pytest.raises(ConfigError, match="admissions_per_step"):
+        ServerConfig.load(flags={"admissions_per_step": -1}, env={})
+
+
 def test_scheduler_gil_switch_interval_and_helper_threads(tmp_path: Path) -> None:
     """The scheduler thread gives the GIL up at every torch call; while a scheduler runs, the
     interpreter switches threads every 0.5 ms instead of 5, and gets its own interval back.
