@@ -12,10 +12,10 @@ hands back a transformers Cache over the first `covered` prompt tokens) and only
    step decodes) with prompt chunks (at most `prefill_step` tokens each) of sequences still
    prefilling, oldest first;
 4. admits waiting sequences while budget, batch slots (`max_concurrency`), pages for their
-   whole known token list and `admissions_per_step` (when set) remain: it copies the restored prefix's K/V into the new pages
-   (device to device) and schedules their first prompt chunk. Full pages of that prefix that a
-   running sequence of the same tenant already holds (same tokens from position 0) are shared
-   instead of copied (`kvtier.server.pageshare`);
+   whole known token list and `admissions_per_step` (when set) remain: it copies the restored
+   prefix's K/V into the new pages (device to device) and schedules their first prompt chunk.
+   Full pages of that prefix that a running sequence of the same tenant already holds (same
+   tokens from position 0) are shared instead of copied (`kvtier.server.pageshare`);
 5. runs the batch as one flattened forward (`kvtier.paged.BatchRunner`) and samples one token
    for every sequence whose tokens are all fed. When they are all greedy, the tokens stay on
    the device for the next step, which is launched before the host reads them
