@@ -207,7 +207,10 @@ def run_batched(
             await asyncio.sleep(0.05)
         if sampler is not None:
             sampler.stop()
-            m.extra["stacks"] = sampler.report()
+            steps = [(t, sec) for t, sec, _, _ in list(log.steps) if win.inside(t)]
+            m.extra["stacks"] = "\n".join(
+                part for part in (sampler.report(), sampler.tail_report(steps)) if part
+            )
 
     fut = asyncio.run_coroutine_threadsafe(fleet_main(), loop)
     poller = asyncio.run_coroutine_threadsafe(poll(), loop)

@@ -7,6 +7,11 @@ waits on the device or for the GIL is counted where it waits, so the table reads
 The report also gives the CPU every thread of the process used meanwhile, in cores (user and
 system time; a thread that spins in a device wait counts, and so does the handing over of the
 GIL, so the threads' sum can pass 1 even where only one of them runs Python at a time).
+
+`tail_report` splits the scheduler thread's samples by the step whose interval they fall in
+(from the end of the step before to the end of this one): what the thread did in the slowest
+steps (above the window's P90) against the typical ones (at or below its P50), in milliseconds
+per step, so a line that only the slow steps have stands out.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ class StackSampler:
         self.methods: collections.Counter[str] = collections.Counter()
         self.lines: collections.Counter[str] = collections.Counter()
         self.samples = 0
+        self.timeline: list[tuple[float, str]] = []  # (when, "method > line") of every sample
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="stack-sampler", daemon=True)
         self._cpu: dict[int, float] = {}  # CPU seconds by native thread id at start
@@ -105,7 +111,48 @@ class StackSampler:
                 method = chain[i - 1].f_code.co_name
                 break
         self.methods[method] += 1
-        self.lines[f"{method} > {_where(inner)}"] += 1
+        line = f"{method} > {_where(inner)}"
+        self.lines[line] += 1
+        self.timeline.append((time.perf_counter(), line))
+
+    def tail_report(self, steps: list[tuple[float, float]], top: int = 12) -> str:
+        """The scheduler thread's samples in the intervals of the slowest `steps` against the
+        typical ones: `steps` are (end time, seconds) in order, the window's only. Each group
+        lists its top lines in milliseconds per step (samples x interval / steps)."""
+        if len(steps) < 20 or not self.timeline:
+            return ""
+        ordered = sorted(sec for _, sec in steps)
+        p50, p90 = ordered[len(ordered) // 2], ordered[int(len(ordered) * 0.9)]
+        groups: dict[str, collections.Counter[str]] = {
+            "tail": collections.Counter(),
+            "body": collections.Counter(),
+        }
+        counts = {"tail": 0, "body": 0}
+        ends = [t for t, _ in steps]
+        kinds = ["tail" if sec > p90 else "body" if sec <= p50 else "" for _, sec in steps]
+        for k in kinds:
+            if k:
+                counts[k] += 1
+        i = 0
+        for when, line in self.timeline:  # samples and steps are both in time order
+            while i < len(ends) and ends[i] < when:
+                i += 1
+            if i == 0 or i >= len(ends):  # before the first step's interval, or after the last
+                continue
+            if kinds[i]:
+                groups[kinds[i]][line] += 1
+        ms = self.interval * 1000
+        out = [
+            "  the scheduler thread in the slowest steps' intervals (above P90, "
+            f"{counts['tail']} steps) and the typical ones (at or below P50, {counts['body']} "
+            "steps), ms per step:"
+        ]
+        for name in ("tail", "body"):
+            n = max(counts[name], 1)
+            total = sum(groups[name].values()) * ms / n
+            out.append(f"    {name}: {total:.1f} ms sampled per step")
+            out += [f"      {c * ms / n:6.2f}  {line}" for line, c in groups[name].most_common(top)]
+        return "\n".join(out)
 
     def report(self, top: int = 25) -> str:
         n = max(self.samples, 1)

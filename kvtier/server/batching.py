@@ -12,8 +12,9 @@ hands back a transformers Cache over the first `covered` prompt tokens) and only
    step decodes) with prompt chunks (at most `prefill_step` tokens each) of sequences still
    prefilling, oldest first;
 4. admits waiting sequences while budget, batch slots (`max_concurrency`), pages for their
-   whole known token list and `admissions_per_step` (when set) remain: it copies the restored
-   prefix's K/V into the new pages (device to device) and schedules their first prompt chunk.
+   whole known token list and, while the step decodes, `admissions_per_step` (when set)
+   remain: it copies the restored prefix's K/V into the new pages (device to device) and
+   schedules their first prompt chunk.
    Full pages of that prefix that a running sequence of the same tenant already holds (same
    tokens from position 0) are shared instead of copied (`kvtier.server.pageshare`);
 5. runs the batch as one flattened forward (`kvtier.paged.BatchRunner`) and samples one token
@@ -349,6 +350,7 @@ class BatchScheduler(Stepping):
                 self._preempt(victim)
             need = 0
         items = [(s, s.tokens[-1:]) for s in self._decoding()]
+        decoding = bool(items)
         budget = self.batch_tokens - len(items)
         if items and self.decoding_prompt_tokens:
             # Sessions decode in this step: a few prompt tokens ride along, so each of their
@@ -363,8 +365,10 @@ class BatchScheduler(Stepping):
                 items.append((s, s.tokens[s.fed : s.fed + n]))
                 budget -= n
         admitted = 0
+        # the cap protects decoding sequences from a long step; with none, admit freely
+        cap = self.admissions_per_step if decoding else 0
         while self.waiting and budget > 0 and len(self.running) < self.max_batch:
-            if self.admissions_per_step and admitted >= self.admissions_per_step:
+            if cap and admitted >= cap:
                 break
             s = self.waiting[0]
             pages = pool.pages_for(len(s.tokens))

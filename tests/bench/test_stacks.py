@@ -81,3 +81,21 @@ def test_helper_pools_are_sampled_by_their_kvtier_frame_and_idle_threads_apart()
     top = [k for k in lines if k != "idle"]
     assert top and all("restore.py" in k and "common_prefix" in k for k in top), lines
     assert "kvtier-restore threads" in sampler.report()
+
+
+def test_tail_report_puts_each_sample_in_its_steps_interval() -> None:
+    """Steps end at t = 1, 2, ..., 40; three of them (10, 20, 30) are slow. A line sampled
+    only inside those three intervals is the tail's alone, in ms per step."""
+    sampler = StackSampler()
+    slow = (10, 20, 30)
+    steps = [(float(t), 0.030 if t in slow else 0.015) for t in range(1, 41)]
+    sampler.timeline = sorted(
+        [(t + 0.5, "_step > everywhere") for t in range(40)]
+        + [(t - 0.3, "_admit > only slow") for t in slow]  # inside (t - 1, t]
+    )
+    report = sampler.tail_report(steps)
+    tail, body = report.split("    tail: ", 1)[1].split("    body: ", 1)
+    assert "(above P90, 3 steps)" in report and "(at or below P50, 37 steps)" in report
+    assert "1.00  _admit > only slow" in tail and "only slow" not in body
+    assert "1.00  _step > everywhere" in tail
+    assert sampler.tail_report(steps[:10]) == ""  # too few steps to have a tail

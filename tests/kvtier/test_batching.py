@@ -481,37 +481,48 @@ def test_a_step_that_decodes_takes_few_prompt_tokens(tmp_path: Path) -> None:
         ServerConfig.load(flags={"decoding_prompt_tokens": -1}, env={})
 
 
-def test_admissions_per_step_spreads_arrivals_over_steps(tmp_path: Path) -> None:
-    """Five turns waiting at once: without a limit one step admits them all; with
-    `admissions_per_step` 1, each step admits one, and served through the scheduler thread
-    every reply still equals the session's greedy reply alone."""
+def _waiting(prompt: list[int], loop: asyncio.AbstractEventLoop, served: Any) -> Any:
+    """A turn restored with nothing cached, ready for the scheduler's waiting queue."""
     import concurrent.futures
 
     from kvtier.server.backend import Restored
     from kvtier.server.batching import _Seq
     from kvtier.server.sampling import ReplyText
 
+    s = _Seq(
+        job=_job("x", prompt, 100),
+        stream=Stream(loop),
+        admitted=0.0,
+        done=concurrent.futures.Future(),
+        reply=ReplyText(served.tokenizer, served.eos_ids, ()),
+        gen=None,
+        tokens=list(prompt),
+    )
+    s.restored = Restored(DynamicCache(config=served.model.config), 0, "recompute")
+    return s
+
+
+def test_admissions_per_step_spreads_arrivals_over_steps(tmp_path: Path) -> None:
+    """Five turns waiting at once behind a decoding one: without a limit one step admits them
+    all; with `admissions_per_step` 1, each step admits one. With nothing decoding the cap does
+    not apply (it protects decoders' steps). Served through the scheduler thread every reply
+    still equals the session's greedy reply alone."""
     ref = _build("llama")
     served = _build("llama")
     prompts = _prompts(7, [12, 30, 9, 21, 16])
     loop = asyncio.new_event_loop()
 
-    def admitted_per_step(cap: int) -> list[int]:
-        config = _config(tmp_path / f"cap{cap}", admissions_per_step=cap)
+    def admitted_per_step(cap: int, decoder: bool = True) -> list[int]:
+        # a budget that holds every prompt beside the decoder: only the cap limits them
+        over = {"admissions_per_step": cap, "decoding_prompt_tokens": 96}
+        config = _config(tmp_path / f"cap{cap}{decoder}", **over)
         sched = BatchScheduler(served, RecomputeBackend(served.model), config)
         sched.close()  # no scheduler thread: the test drives the steps
+        for p in prompts[:1] if decoder else []:  # admitted and prefilled: it decodes next
+            sched.waiting.append(_waiting(p, loop, served))
+            sched._step(sched._schedule())
         for p in prompts:
-            s = _Seq(
-                job=_job("x", p, 100),
-                stream=Stream(loop),
-                admitted=0.0,
-                done=concurrent.futures.Future(),
-                reply=ReplyText(served.tokenizer, served.eos_ids, ()),
-                gen=None,
-                tokens=list(p),
-            )
-            s.restored = Restored(DynamicCache(config=served.model.config), 0, "recompute")
-            sched.waiting.append(s)
+            sched.waiting.append(_waiting(p, loop, served))
         counts = []
         while sched.waiting:
             before = len(sched.running)
@@ -522,6 +533,7 @@ def test_admissions_per_step_spreads_arrivals_over_steps(tmp_path: Path) -> None
 
     assert admitted_per_step(0) == [5]
     assert admitted_per_step(1) == [1, 1, 1, 1, 1]
+    assert admitted_per_step(1, decoder=False) == [5]
     loop.close()
 
     config = _config(tmp_path / "served", admissions_per_step=1)
