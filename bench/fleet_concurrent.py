@@ -30,6 +30,8 @@ Configurations:
   kvtier-gil01 (d) with a 0.1 ms switch interval (whether the GIL paces the slow steps)
   kvtier-admit1 (d) admitting at most one turn per step (`admissions_per_step` 1: whether
                admissions bunched into one step make the slow steps)
+  kvtier-nogc  (d) with Python's cyclic garbage collector off for the configuration's run
+               (whether collections make the slow steps)
 
 Each session's initial context (a shared `--system`-token system prompt, then its own tokens)
 is prefilled once per scenario, batched; its K/V is kept on the host (the "bank") and copied
@@ -137,8 +139,8 @@ def fresh(device: str) -> None:
         torch.cuda.reset_peak_memory_stats()
 
 
-def run_scenario(args, model, dev: str, scen: str, n: int, fleet_ceiling, tmp: Path):
-    """Every configuration on one scenario; returns (rows, the ceiling Measure)."""
+def run_scenario(args, model, dev: str, scen: str, n: int, fleet_ceiling, step, tmp: Path):
+    """Every configuration on one scenario; returns (rows, the ceiling Measure, `pace`)."""
     geo = KVGeometry.from_config(model.config, dtype=str(model.dtype).split(".")[-1])
     per_token = geo.bytes_per_token
     batch = args.sessions if scen == "fit" else args.l1_sessions
@@ -162,7 +164,7 @@ def run_scenario(args, model, dev: str, scen: str, n: int, fleet_ceiling, tmp: P
     print(f"[{scen}] {n} contexts prefilled in {time.perf_counter() - t0:.1f}s", flush=True)
     think = args.think
     if scen == "hibernate":
-        think = hibernate_think(args, n, batch, fleet_ceiling)
+        think = hibernate_think(args, n, batch, step)
     fleet = serve.Fleet(ctxs, system, args.decode_tokens, think, args.max_growth, args.seed)
     # the window opens once the first arrivals (spread over the think time) have settled
     warmup = args.warmup + (sum(think) / 2 if scen == "hibernate" else 0.0)
@@ -216,9 +218,14 @@ def run_scenario(args, model, dev: str, scen: str, n: int, fleet_ceiling, tmp: P
                         cfg.switch_interval_s = 0.0001
                     if name == "kvtier-admit1":  # at most one turn admitted per step
                         cfg.admissions_per_step = 1
-                    m = batched.run_batched(
-                        name, model, fleet, bank, dev, warmup, limit, backend, cfg
-                    )
+                    if name == "kvtier-nogc":
+                        gc.disable()
+                    try:
+                        m = batched.run_batched(
+                            name, model, fleet, bank, dev, warmup, limit, backend, cfg
+                        )
+                    finally:
+                        gc.enable()
             else:
                 print(f"unknown configuration {name}", flush=True)
                 continue
@@ -252,19 +259,33 @@ def run_scenario(args, model, dev: str, scen: str, n: int, fleet_ceiling, tmp: P
     ]
     if ceiling is not None and ceiling not in measures:
         rows[0]["note"] = f"ceiling at batch {batch}, measured in the fit scenario of this run"
-    return rows, ceiling
+    return rows, ceiling, pace(measures)
 
 
 def bank_rows(bank, n: int):
     return [(k[:n], v[:n]) for k, v in bank]
 
 
-def hibernate_think(args, n: int, batch: int, ceiling) -> tuple[float, float]:
+def pace(measures) -> float | None:
+    """The fastest step P50 of the fit scenario's batched configurations (the ceiling, kvtier's):
+    the pace at which a server that keeps up finishes turns."""
+    steps = [
+        report.pct(m.steps, 0.5)
+        for m in measures
+        if m.steps
+        and (m.name == "ceiling" or m.name.startswith("kvtier"))
+        and m.name != "kvtier-seq"
+    ]
+    return min(steps) if steps else None
+
+
+def hibernate_think(args, n: int, batch: int, step: float | None) -> tuple[float, float]:
     """Think time that keeps about `batch` of the `n` sessions in a turn: (n/batch - 1) turn
-    times, the turn time taken from the ceiling's step (or `--step-guess` without one)."""
+    times, the turn time taken from the fit scenario's fastest step (`pace`; `--step-guess`
+    without one). From the ceiling's step alone, an instance whose eager step is slow offered
+    the 256 sessions so long a think time that kvtier's batch held 25-27 of its 64 places."""
     if args.think_hibernate:
         return args.think_hibernate
-    step = report.pct(ceiling.steps, 0.5) if ceiling is not None and ceiling.steps else None
     step = step or args.step_guess
     turn = args.decode_tokens * step
     mean = max(n / batch - 1, 0.0) * turn
@@ -303,7 +324,7 @@ def main(argv: list[str] | None = None) -> None:
         "--think-hibernate",
         type=pair,
         default=None,
-        help="hibernate: think seconds lo,hi (default: from the ceiling's step)",
+        help="hibernate: think seconds lo,hi (default: from the fit scenario's fastest step)",
     )
     ap.add_argument(
         "--step-guess",
@@ -372,13 +393,13 @@ def main(argv: list[str] | None = None) -> None:
     results: dict[str, list[dict]] = {}
     checks: dict[str, list[dict]] = {}
     texts = []
-    ceiling = None
+    ceiling, step = None, None
     try:
         for scen, n in (("fit", args.sessions), ("hibernate", args.hibernate_sessions)):
             if n <= 0:
                 continue
-            rows, c = run_scenario(args, model, dev, scen, n, ceiling, tmp)
-            ceiling = ceiling or c
+            rows, c, pace_s = run_scenario(args, model, dev, scen, n, ceiling, step, tmp)
+            ceiling, step = ceiling or c, step or pace_s
             results[scen] = rows
             checks[scen] = report.targets(scen, rows)
             title = (

@@ -12,11 +12,20 @@ GIL, so the threads' sum can pass 1 even where only one of them runs Python at a
 (from the end of the step before to the end of this one): what the thread did in the slowest
 steps (above the window's P90) against the typical ones (at or below its P50), in milliseconds
 per step, so a line that only the slow steps have stands out.
+
+Two things a stack sample cannot see are timed beside it. The sampler needs the GIL to take a
+sample, so while one thread holds it (a long C call that keeps it, a garbage collection) no
+thread is sampled at all. So the sampler times every garbage collection (`gc.callbacks`), and
+every wait of its own past `GAP` seconds, charged to the line each busy thread of the process
+was on when the wait ended (the GIL's holder is among them, on the line it just left). Both
+are also given per step in `tail_report`.
 """
 
 from __future__ import annotations
 
+import bisect
 import collections
+import gc
 import sys
 import threading
 import time
@@ -26,6 +35,7 @@ from kvtier.server.turntrace import thread_cpu
 
 OUTER = ("_iterate", "_main")  # the scheduler's loop: report the frame just inside it
 HELPERS = ("kvtier-restore", "kvtier-commit")  # thread pools sampled beside the scheduler
+GAP = 0.004  # a wait of the sampler's this much past its interval is a blind spot, charged
 
 
 class StackSampler:
@@ -47,6 +57,10 @@ class StackSampler:
             p: collections.Counter() for p in HELPERS
         }
         self.helper_samples: dict[str, int] = dict.fromkeys(HELPERS, 0)
+        self.collections: list[tuple[float, float, int]] = []  # (start, end, generation)
+        self._gc_start = 0.0
+        self.gaps: list[tuple[float, float]] = []  # (end, seconds) of the sampler's blind spots
+        self.gap_lines: collections.Counter[str] = collections.Counter()  # seconds by line
 
     @property
     def started(self) -> bool:
@@ -54,11 +68,14 @@ class StackSampler:
 
     def start(self) -> None:
         self._cpu, self._wall = thread_cpu(), time.perf_counter()
+        gc.callbacks.append(self._on_gc)
         self._thread.start()
 
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
+        if self._on_gc in gc.callbacks:
+            gc.callbacks.remove(self._on_gc)
         self._wall = time.perf_counter() - self._wall
         self._cpu_used = {t: sec - self._cpu.get(t, 0.0) for t, sec in thread_cpu().items()}
         self._names = {t.native_id: t.name for t in threading.enumerate()}  # alive now
@@ -69,11 +86,24 @@ class StackSampler:
                 return t.ident
         return None
 
+    def _on_gc(self, phase: str, info: dict) -> None:
+        """gc.callbacks: runs in the collecting thread, around the collection."""
+        if phase == "start":
+            self._gc_start = time.perf_counter()
+        else:
+            self.collections.append((self._gc_start, time.perf_counter(), info["generation"]))
+
     def _run(self) -> None:
         ident = None
+        last = time.perf_counter()
         while not self._stop.wait(self.interval):
             ident = ident or self._target()
             frames = sys._current_frames()
+            now = time.perf_counter()
+            blind = now - last - self.interval
+            last = now
+            if blind > GAP:
+                self._charge_gap(now, blind, frames)
             frame = frames.get(ident) if ident else None
             if frame is not None:
                 self._record(frame)
@@ -81,6 +111,17 @@ class StackSampler:
                 pool = next((p for p in HELPERS if t.name.startswith(p)), None)
                 if pool is not None and (f := frames.get(t.ident or -1)) is not None:
                     self._record_helper(pool, f)
+
+    def _charge_gap(self, now: float, blind: float, frames: dict[int, FrameType]) -> None:
+        """A wait for the GIL (or the CPU) past GAP: its seconds go to the line of each thread
+        that is not parked in a wait of the standard library (a queue, an event, a lock)."""
+        self.gaps.append((now, blind))
+        names = {t.ident: t.name for t in threading.enumerate()}
+        for ident, frame in frames.items():
+            if ident == threading.get_ident() or _parked(frame):
+                continue
+            name = names.get(ident, "?").rstrip("0123456789").rstrip("_")
+            self.gap_lines[f"{name}: {_where(frame)}"] += blind
 
     def _record_helper(self, pool: str, frame: FrameType) -> None:
         """One sample of a pool thread: its deepest kvtier frame and its innermost line; a
@@ -142,6 +183,12 @@ class StackSampler:
             if kinds[i]:
                 groups[kinds[i]][line] += 1
         ms = self.interval * 1000
+        extra = {"tail": [0.0, 0.0], "body": [0.0, 0.0]}  # garbage collection, blind spots
+        for which, spans in ((0, [(e, e - s) for s, e, _ in self.collections]), (1, self.gaps)):
+            for end, sec in spans:
+                k = bisect.bisect_left(ends, end)
+                if 0 < k < len(ends) and kinds[k]:
+                    extra[kinds[k]][which] += sec
         out = [
             "  the scheduler thread in the slowest steps' intervals (above P90, "
             f"{counts['tail']} steps) and the typical ones (at or below P50, {counts['body']} "
@@ -150,7 +197,12 @@ class StackSampler:
         for name in ("tail", "body"):
             n = max(counts[name], 1)
             total = sum(groups[name].values()) * ms / n
-            out.append(f"    {name}: {total:.1f} ms sampled per step")
+            collect, blind = (1000 * sec / n for sec in extra[name])
+            out.append(
+                f"    {name}: {total:.1f} ms sampled per step; garbage collection {collect:.2f} "
+                f"ms per step; the sampler blind (waits past {GAP * 1e3:.0f} ms) {blind:.2f} ms "
+                "per step"
+            )
             out += [f"      {c * ms / n:6.2f}  {line}" for line, c in groups[name].most_common(top)]
         return "\n".join(out)
 
@@ -170,6 +222,26 @@ class StackSampler:
                 "kvtier frame > innermost line:"
             )
             out += [f"    {c / k:6.1%}  {m}" for m, c in lines.most_common(top // 2)]
+        if self.collections:
+            by_gen: dict[int, list[float]] = collections.defaultdict(list)
+            for start, end, gen in self.collections:
+                by_gen[gen].append(end - start)
+            out.append("  garbage collections meanwhile (every thread):")
+            out += [
+                f"    generation {gen}: {len(d)}, {sum(d) * 1e3:.1f} ms in all, longest "
+                f"{max(d) * 1e3:.1f} ms"
+                for gen, d in sorted(by_gen.items())
+            ]
+        if self.gaps:
+            blind = sum(sec for _, sec in self.gaps)
+            out.append(
+                f"  the sampler blind: {len(self.gaps)} waits past {GAP * 1e3:.0f} ms, "
+                f"{blind * 1e3:.0f} ms in all, longest {max(s for _, s in self.gaps) * 1e3:.1f} "
+                "ms; the lines of the busy threads when they ended, ms:"
+            )
+            out += [
+                f"    {sec * 1e3:7.1f}  {line}" for line, sec in self.gap_lines.most_common(top)
+            ]
         if self._cpu_used and self._wall > 0:
             names = self._names
             used = sorted(((sec, t) for t, sec in self._cpu_used.items()), reverse=True)
@@ -181,6 +253,14 @@ class StackSampler:
                 if sec / self._wall >= 0.01
             ]
         return "\n".join(out)
+
+
+PARKED = ("threading.py", "queue.py", "selectors.py", "thread.py", "stacks.py")
+
+
+def _parked(frame: FrameType) -> bool:
+    """A thread waiting in the standard library (its innermost frame there): not a holder."""
+    return frame.f_code.co_filename.rsplit("/", 1)[-1] in PARKED
 
 
 def _module(frame: FrameType) -> str:

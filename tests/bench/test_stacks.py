@@ -99,3 +99,52 @@ def test_tail_report_puts_each_sample_in_its_steps_interval() -> None:
     assert "1.00  _admit > only slow" in tail and "only slow" not in body
     assert "1.00  _step > everywhere" in tail
     assert sampler.tail_report(steps[:10]) == ""  # too few steps to have a tail
+
+
+def test_tail_report_gives_collections_and_blind_spots_per_step() -> None:
+    """A 20 ms collection ending inside a slow step's interval, and a 6 ms blind spot inside a
+    typical one, each counted once, in the group of the step it ended in."""
+    sampler = StackSampler()
+    steps = [(float(t), 0.030 if t in (10, 20, 30) else 0.015) for t in range(1, 41)]
+    sampler.timeline = [(t + 0.5, "_step > everywhere") for t in range(40)]
+    sampler.collections = [(9.5, 9.52, 2)]  # ends in (9, 10]: step 10, a slow one
+    sampler.gaps = [(4.7, 0.006)]  # ends in (4, 5]: step 5, a typical one
+    tail, body = sampler.tail_report(steps).split("    tail: ", 1)[1].split("    body: ", 1)
+    # 20 ms over the 3 slow steps; 6 ms over the 37 typical ones
+    assert "garbage collection 6.67 ms per step" in tail and "blind" in tail
+    assert "waits past 4 ms) 0.00 ms" in tail
+    assert "garbage collection 0.00 ms per step" in body
+    assert "waits past 4 ms) 0.16 ms" in body
+
+
+def _hold_gil(stop: threading.Event) -> None:
+    """Pure Python that never waits: it gives the GIL up only at the switch interval."""
+    while not stop.is_set():
+        sum(i * i for i in range(200))
+
+
+def test_collections_are_timed_and_the_samplers_long_waits_charged_to_the_busy_lines() -> None:
+    import gc
+
+    stop = threading.Event()
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(0.02)  # a 20 ms hold: the sampler's waits for the GIL pass GAP
+    busy = threading.Thread(target=_hold_gil, args=(stop,), name="kvtier-commit_3", daemon=True)
+    sampler = StackSampler()
+    try:
+        busy.start()
+        sampler.start()
+        time.sleep(0.2)
+        gc.collect()  # this thread's: a generation-2 collection, timed by the callback
+        time.sleep(0.2)
+        sampler.stop()
+    finally:
+        sys.setswitchinterval(old)
+        stop.set()
+        busy.join()
+    assert sampler._on_gc not in gc.callbacks  # stop() took its callback back
+    assert any(gen == 2 and end > start for start, end, gen in sampler.collections)
+    report = sampler.report()
+    assert "generation 2: " in report
+    assert sampler.gaps, "a thread that holds the GIL for 20 ms blinds the sampler"
+    assert "kvtier-commit: test_stacks.py" in report, report
