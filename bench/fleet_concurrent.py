@@ -139,8 +139,8 @@ def fresh(device: str) -> None:
         torch.cuda.reset_peak_memory_stats()
 
 
-def run_scenario(args, model, dev: str, scen: str, n: int, fleet_ceiling, step, tmp: Path):
-    """Every configuration on one scenario; returns (rows, the ceiling Measure, `pace`)."""
+def run_scenario(args, model, dev: str, scen: str, n: int, fleet_ceiling, tmp: Path):
+    """Every configuration on one scenario; returns (rows, the ceiling Measure)."""
     geo = KVGeometry.from_config(model.config, dtype=str(model.dtype).split(".")[-1])
     per_token = geo.bytes_per_token
     batch = args.sessions if scen == "fit" else args.l1_sessions
@@ -164,7 +164,7 @@ def run_scenario(args, model, dev: str, scen: str, n: int, fleet_ceiling, step, 
     print(f"[{scen}] {n} contexts prefilled in {time.perf_counter() - t0:.1f}s", flush=True)
     think = args.think
     if scen == "hibernate":
-        think = hibernate_think(args, n, batch, step)
+        think = hibernate_think(args, n, batch, fleet_ceiling)
     fleet = serve.Fleet(ctxs, system, args.decode_tokens, think, args.max_growth, args.seed)
     # the window opens once the first arrivals (spread over the think time) have settled
     warmup = args.warmup + (sum(think) / 2 if scen == "hibernate" else 0.0)
@@ -259,33 +259,24 @@ def run_scenario(args, model, dev: str, scen: str, n: int, fleet_ceiling, step, 
     ]
     if ceiling is not None and ceiling not in measures:
         rows[0]["note"] = f"ceiling at batch {batch}, measured in the fit scenario of this run"
-    return rows, ceiling, pace(measures)
+    return rows, ceiling
 
 
 def bank_rows(bank, n: int):
     return [(k[:n], v[:n]) for k, v in bank]
 
 
-def pace(measures) -> float | None:
-    """The fastest step P50 of the fit scenario's batched configurations (the ceiling, kvtier's):
-    the pace at which a server that keeps up finishes turns."""
-    steps = [
-        report.pct(m.steps, 0.5)
-        for m in measures
-        if m.steps
-        and (m.name == "ceiling" or m.name.startswith("kvtier"))
-        and m.name != "kvtier-seq"
-    ]
-    return min(steps) if steps else None
-
-
-def hibernate_think(args, n: int, batch: int, step: float | None) -> tuple[float, float]:
+def hibernate_think(args, n: int, batch: int, ceiling) -> tuple[float, float]:
     """Think time that keeps about `batch` of the `n` sessions in a turn: (n/batch - 1) turn
-    times, the turn time taken from the fit scenario's fastest step (`pace`; `--step-guess`
-    without one). From the ceiling's step alone, an instance whose eager step is slow offered
-    the 256 sessions so long a think time that kvtier's batch held 25-27 of its 64 places."""
+    times, the turn time taken from the ceiling's step (or `--step-guess` without one).
+
+    The ceiling's step, not kvtier's: from the fit scenario's kvtier step (17 ms on an H200
+    whose ceiling stepped in 33 ms), the 256 sessions asked for more than the hibernate
+    scenario serves there (its steps took 25 ms), and returning turns queued 2.5-3 s for a
+    slot. On such an instance, the ceiling's step leaves kvtier's batch part-empty instead."""
     if args.think_hibernate:
         return args.think_hibernate
+    step = report.pct(ceiling.steps, 0.5) if ceiling is not None and ceiling.steps else None
     step = step or args.step_guess
     turn = args.decode_tokens * step
     mean = max(n / batch - 1, 0.0) * turn
@@ -324,7 +315,7 @@ def main(argv: list[str] | None = None) -> None:
         "--think-hibernate",
         type=pair,
         default=None,
-        help="hibernate: think seconds lo,hi (default: from the fit scenario's fastest step)",
+        help="hibernate: think seconds lo,hi (default: from the ceiling's step)",
     )
     ap.add_argument(
         "--step-guess",
@@ -393,13 +384,13 @@ def main(argv: list[str] | None = None) -> None:
     results: dict[str, list[dict]] = {}
     checks: dict[str, list[dict]] = {}
     texts = []
-    ceiling, step = None, None
+    ceiling = None
     try:
         for scen, n in (("fit", args.sessions), ("hibernate", args.hibernate_sessions)):
             if n <= 0:
                 continue
-            rows, c, pace_s = run_scenario(args, model, dev, scen, n, ceiling, step, tmp)
-            ceiling, step = ceiling or c, step or pace_s
+            rows, c = run_scenario(args, model, dev, scen, n, ceiling, tmp)
+            ceiling = ceiling or c
             results[scen] = rows
             checks[scen] = report.targets(scen, rows)
             title = (

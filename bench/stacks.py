@@ -255,12 +255,16 @@ class StackSampler:
         return "\n".join(out)
 
 
-PARKED = ("threading.py", "queue.py", "selectors.py", "thread.py", "stacks.py")
+PARKED = ("threading.py", "queue.py", "selectors.py", "thread.py", "connection.py", "stacks.py")
+DEVICE_WAITS = ("synchronize", "wait", "wait_stream", "wait_event")  # torch.cuda's, GIL released
 
 
 def _parked(frame: FrameType) -> bool:
-    """A thread waiting in the standard library (its innermost frame there): not a holder."""
-    return frame.f_code.co_filename.rsplit("/", 1)[-1] in PARKED
+    """A thread waiting in the standard library (its innermost frame there), or on a device
+    event or stream: not the GIL's holder. (A thread blocked on a lock of kvtier's own still
+    counts, on its `with` line.)"""
+    name = frame.f_code.co_filename.rsplit("/", 1)[-1]
+    return name in PARKED or (name == "streams.py" and frame.f_code.co_name in DEVICE_WAITS)
 
 
 def _module(frame: FrameType) -> str:
