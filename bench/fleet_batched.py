@@ -74,17 +74,7 @@ class StepLog:
 
         def started(logits: Any) -> Any:  # time the wait for each step's tokens
             tokens, ticket = start(logits)
-            wait = ticket.wait
-
-            def timed() -> Any:
-                t0 = time.perf_counter()
-                try:
-                    return wait()
-                finally:
-                    self._wait_s += time.perf_counter() - t0
-
-            ticket.wait = timed
-            return tokens, ticket
+            return tokens, _TimedTicket(ticket, self)
 
         sched._readback.start = started
 
@@ -101,6 +91,22 @@ class StepLog:
         self._admits = self._finishes = 0
         self.thread.append((self._launch_s, self._wait_s))
         self._launch_s = self._wait_s = 0.0
+
+
+class _TimedTicket:
+    """A step's ticket whose wait is timed into the log. A wrapper, not the ticket's `wait`
+    replaced by a closure over itself: that made a reference cycle per step, and the bench's
+    window then held collections that the server's never does."""
+
+    def __init__(self, ticket: Any, log: StepLog) -> None:
+        self._ticket, self._log = ticket, log
+
+    def wait(self) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return self._ticket.wait()
+        finally:
+            self._log._wait_s += time.perf_counter() - t0
 
 
 def served_model(model) -> ServedModel:
