@@ -805,3 +805,71 @@ def test_overlapped_steps_on_cuda_graphs_equal_synchronous_steps(tmp_path: Path)
         fed[overlap] = sum(feeds)
     assert texts[True] == texts[False]
     assert fed[True] > 0 and fed[False] == 0
+
+
+def test_helper_gate_holds_helpers_while_closed_never_past_its_limit() -> None:
+    """Closed, the gate holds a helper until it opens, or `helper_gate_ms` at most; off, it
+    never holds one."""
+    import threading
+    import time
+
+    from kvtier.server.hostgate import HostGate
+
+    off = HostGate(0)
+    off.close()
+    t0 = time.perf_counter()
+    off.pass_()
+    assert time.perf_counter() - t0 < 0.05 and off.waited == 0
+
+    gate = HostGate(60)
+    gate.close()
+    t0 = time.perf_counter()
+    gate.pass_()  # nobody opens it: the limit
+    assert time.perf_counter() - t0 >= 0.055 and gate.waited == 1
+
+    slow = HostGate(10_000)
+    slow.close()
+    passed = threading.Event()
+    helper = threading.Thread(target=lambda: (slow.pass_(), passed.set()))
+    helper.start()
+    assert not passed.wait(0.1)  # held while closed
+    slow.open()
+    assert passed.wait(5)  # released when the scheduler waits, long before the limit
+    helper.join()
+    with pytest.raises(ValueError, match="helper_gate_ms"):
+        HostGate(-1)
+
+
+def test_helper_gate_on_replies_still_equal_each_session_alone(tmp_path: Path) -> None:
+    """With the gate on, restores and commits start only while the scheduler waits (or after
+    the limit): turns that arrive while others decode, and second turns restored from the
+    cache, still get each session's greedy reply alone."""
+    from kvtier.errors import ConfigError
+
+    ref = _build("qwen2")
+    served = _build("qwen2")
+    config = _config(tmp_path, helper_gate_ms=5.0)
+    backend = TieredBackend(served.model, config, served.name)
+    sched = BatchScheduler(served, backend, config)
+    try:
+        prompts = _prompts(4, [11, 70, 23, 140])
+        first = _run(
+            sched, *(_one(sched, _job(f"g{i}", p, 10), 0.03 * i) for i, p in enumerate(prompts))
+        )
+        backend.hibernate("g1")
+        second = [p + list(r.text.encode()) for p, r in zip(prompts[:2], first[:2], strict=True)]
+        again = _run(sched, *(_one(sched, _job(f"g{i}", p, 12)) for i, p in enumerate(second)))
+    finally:
+        sched.close()
+        backend.close()
+    for p, r in zip(prompts, first, strict=True):
+        assert r.text == _greedy_alone(ref, p, 10)
+    for p, r in zip(second, again, strict=True):
+        assert r.started is not None and r.started.cached_tokens > 0
+        assert r.text == _greedy_alone(ref, p, 12)
+    assert sched._gate.enabled and sched._gate.waited > 0  # helpers did find it closed
+    assert ServerConfig.load(flags={"helper_gate_ms": 20}, env={}).helper_gate_ms == 20.0
+    env = ServerConfig.load(flags={}, env={"KVTIER_HELPER_GATE_MS": "7.5"})
+    assert env.helper_gate_ms == 7.5
+    with pytest.raises(ConfigError, match="helper_gate_ms"):
+        ServerConfig.load(flags={"helper_gate_ms": -1}, env={})
