@@ -244,7 +244,6 @@ def run_batched(
     m.extra["mixed_prompt_tokens_p50"] = _median([float(p) for p in chunks])
     m.extra["step_tail"] = step_tail(log, win)
     m.extra["preemptions"] = sched.preemptions
-    m.extra["gate_holds"] = sched._gate.waited  # helper jobs that found the gate closed
     m.extra["graph_steps"] = sched.runner.graph_steps
     m.extra["eager_steps"] = sched.runner.eager_steps
     m.extra["server_ttft_p50"] = _median([s for _, s in log.ttfts])

@@ -32,9 +32,6 @@ Configurations:
                admissions bunched into one step make the slow steps)
   kvtier-nogc  (d) with Python's cyclic garbage collector off for the configuration's run
                (whether collections make the slow steps)
-  kvtier-gate  (d) with `helper_gate_ms` 20: restore and commit jobs start while the
-               scheduler waits for the GPU (whether the helpers' Python, taking the GIL
-               between the scheduler's torch calls, makes the slow steps)
 
 Each session's initial context (a shared `--system`-token system prompt, then its own tokens)
 is prefilled once per scenario, batched; its K/V is kept on the host (the "bank") and copied
@@ -221,8 +218,6 @@ def run_scenario(args, model, dev: str, scen: str, n: int, fleet_ceiling, tmp: P
                         cfg.switch_interval_s = 0.0001
                     if name == "kvtier-admit1":  # at most one turn admitted per step
                         cfg.admissions_per_step = 1
-                    if name == "kvtier-gate":  # helpers start while the scheduler waits
-                        cfg.helper_gate_ms = 20.0
                     if name == "kvtier-nogc":
                         gc.disable()
                     try:

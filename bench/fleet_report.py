@@ -81,11 +81,6 @@ def table(title: str, rows: list[dict[str, Any]]) -> str:
                 f"mean batch {r['extra_mean_batch']:.1f}, {r['extra_preemptions']} preemptions, "
                 f"{r.get('extra_graph_steps', 0)} graph / {r.get('extra_eager_steps', 0)} eager "
                 "forwards"
-                + (
-                    f", {r['extra_gate_holds']} helper jobs held"
-                    if r.get("extra_gate_holds")
-                    else ""
-                )
             )
         tail = r.get("extra_step_tail") or {}
         if tail:

@@ -26,8 +26,7 @@ hands back a transformers Cache over the first `covered` prompt tokens) and only
 A finished turn's new K/V (the prompt suffix and the generated tokens that were fed) is copied
 out of the pages, the pages are freed, and a second small pool appends it to the session's Cache
 with `Cache.update()` and commits, exactly as the per-request worker does (abort on error,
-hibernate on cancel, forget when ephemeral). Restores and commits never stall the batch; with
-`helper_gate_ms` set they start while this thread waits (`kvtier.server.hostgate`).
+hibernate on cancel, forget when ephemeral). Restores and commits never stall the batch.
 """
 
 from __future__ import annotations
@@ -51,7 +50,6 @@ from kvtier.server.backend import Backend, RecomputeBackend, Restored
 from kvtier.server.engine import ContextExceeded, Delta, Failed, Finished, Job, Started, Stream
 from kvtier.server.eventpost import EventPost
 from kvtier.server.failover import make_pool
-from kvtier.server.hostgate import HostGate
 from kvtier.server.lookahead import TokenReadback
 from kvtier.server.model import ServedModel
 from kvtier.server.pagecopy import append_kv, copy_in, copy_out
@@ -146,7 +144,6 @@ class BatchScheduler(Stepping):
         helpers = int(getattr(config, "helper_threads", 0) or default)  # a bench sweeps it
         self._restores = concurrent.futures.ThreadPoolExecutor(helpers, "kvtier-restore")
         self._commits = concurrent.futures.ThreadPoolExecutor(helpers, "kvtier-commit")
-        self._gate = HostGate(float(getattr(config, "helper_gate_ms", 0.0)))
         self._cond = threading.Condition()
         self._arrived: list[_Seq] = []
         self._restoring = 0  # submitted jobs whose restore has not finished
@@ -221,7 +218,6 @@ class BatchScheduler(Stepping):
     # ---- restore (thread pool) ----------------------------------------------------------------
 
     def _restore(self, s: _Seq) -> None:
-        self._gate.pass_()
         job = s.job
         s.trace.restore = time.perf_counter()
         try:
@@ -293,17 +289,14 @@ class BatchScheduler(Stepping):
                     or self._closed
                     or self._devices()
                 ):
-                    self._gate.open()
                     self._cond.wait()
                 self.waiting.extend(self._arrived)
                 self._arrived.clear()
                 if self._closed and not (self.waiting or self.running or self._pending):
-                    self._gate.open()
                     if self._restoring == 0:
                         return
                     self._cond.wait()
                     continue
-            self._gate.close()
             try:
                 self._iterate()
             except BaseException as exc:  # a bug here must not leave clients hanging
@@ -527,7 +520,6 @@ class BatchScheduler(Stepping):
         self._commits.submit(self._commit, s, reason, fed, new)
 
     def _commit(self, s: _Seq, reason: str, fed: int, new: torch.Tensor | None) -> None:
-        self._gate.pass_()
         job, backend = s.job, self.backend
         assert s.restored is not None
         try:

@@ -90,9 +90,6 @@ class ServerConfig:
     # turns admitted into the batch in one step (0: as many as the budget, slots and pages
     # allow); each one is host work (pages, the copy of its restored prefix) before a launch
     admissions_per_step: int = 0
-    # restore and commit threads start their jobs while the scheduler waits for the GPU, or
-    # after this many ms (0: whenever); kvtier.server.hostgate
-    helper_gate_ms: float = 0.0
     batch_kv_bytes: int = 0  # the batch's KV page pool; 0 = room for max_concurrency contexts
     max_body_bytes: int = 4 * 2**20
     log_level: str = "info"
@@ -131,10 +128,6 @@ class ServerConfig:
             raise ConfigError(
                 f"admissions_per_step: must not be negative, got {self.admissions_per_step}"
                 " (0 means no limit)"
-            )
-        if self.helper_gate_ms < 0:
-            raise ConfigError(
-                f"helper_gate_ms: must not be negative, got {self.helper_gate_ms} (0 means off)"
             )
         if self.degraded_window < 0 or self.degraded_sinks < 0:
             raise ConfigError("degraded_window and degraded_sinks must not be negative")

@@ -151,13 +151,6 @@ def options(f: Callable[..., Any]) -> Callable[..., Any]:
             "step's launch; 1 spreads arrivals over steps.",
         ),
         click.option(
-            "--helper-gate-ms",
-            type=float,
-            help="Restore and commit threads start their jobs while the scheduler waits for "
-            "the GPU, or after this many ms (default 0: whenever). Keeps their Python off the "
-            "GIL while the scheduler launches a step.",
-        ),
-        click.option(
             "--batch-kv-bytes",
             help="KV page pool of the batch, e.g. 4GiB (default: room for max-concurrency "
             "full contexts, at most half the free GPU memory or 1 GiB on the CPU).",

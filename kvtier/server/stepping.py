@@ -22,7 +22,6 @@ import torch
 from kvtier.paged import BatchRunner, Feed, PagedSequence, PagePool, SeqInput
 from kvtier.server.backend import Backend, Restored
 from kvtier.server.engine import Delta, Job, Stream
-from kvtier.server.hostgate import HostGate
 from kvtier.server.lookahead import Ticket, TokenReadback
 from kvtier.server.model import ServedModel
 from kvtier.server.sampling import ReplyText, sample_rows
@@ -89,7 +88,6 @@ class Stepping:
     _readback: TokenReadback
     _pending: _Pending | None  # the step in flight whose tokens are not taken yet
     _last_done: float  # when the last step's tokens were taken
-    _gate: HostGate  # open while this thread waits for the GPU (kvtier.server.hostgate)
 
     # ---- kept in batching.py (the end of a turn, events, metrics) -----------------------------
 
@@ -149,9 +147,7 @@ class Stepping:
                 # how a recompute runs now: the cost model learns it (a device sync first, as
                 # the forward is asynchronous; sampling below waits for it anyway)
                 if self.pool.device.type == "cuda":
-                    self._gate.open()
                     torch.cuda.synchronize(self.pool.device)
-                    self._gate.close()
                 self.backend.observe_prefill(prompt, time.perf_counter() - start)
         except BaseException as exc:
             devices = self.served.devices
@@ -203,9 +199,7 @@ class Stepping:
     def _complete(self, p: _Pending) -> None:
         """The host side of a launched step: its tokens streamed, finished turns ended."""
         if p.ticket is not None:
-            self._gate.open()  # the helpers' turn while the GPU runs
             host = p.ticket.wait()
-            self._gate.close()
             sampled = [host[row] for _, row, _ in p.due]
         else:
             sampled = p.sampled
