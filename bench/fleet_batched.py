@@ -203,7 +203,9 @@ def run_batched(
         slots = asyncio.Semaphore(int(sched_config.max_concurrency))
         await asyncio.gather(*(client(s, slots) for s in range(len(fleet.contexts))))
 
-    sampler = StackSampler() if getattr(sched_config, "stacks", False) else None
+    sampler = None
+    if getattr(sched_config, "stacks", False):
+        sampler = StackSampler(garbage=bool(getattr(sched_config, "gc_garbage", False)))
 
     async def poll() -> None:
         while win.after is None:

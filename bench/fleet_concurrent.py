@@ -155,6 +155,7 @@ def run_scenario(args, model, dev: str, scen: str, n: int, fleet_ceiling, tmp: P
         batch_kv_bytes=batch * max_ctx * per_token,
         isolate_cpus=False,
         stacks=args.stacks,
+        gc_garbage=args.gc_garbage,
         helper_threads=args.helper_threads,
     )
     system = min(args.system, args.context // 2)
@@ -342,6 +343,12 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="sample the batch scheduler thread's Python stack every millisecond inside the "
         "window and print where its time went (bench/stacks.py)",
+    )
+    ap.add_argument(
+        "--gc-garbage",
+        action="store_true",
+        help="with --stacks: keep what the window's garbage collections find and count it by "
+        "type (the reference cycles the serving makes)",
     )
     ap.add_argument("--time-limit", type=float, default=20.0, help="seconds per configuration")
     ap.add_argument("--warmup", type=float, default=4.0, help="seconds before the window opens")

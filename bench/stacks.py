@@ -19,6 +19,10 @@ thread is sampled at all. So the sampler times every garbage collection (`gc.cal
 every wait of its own past `GAP` seconds, charged to the line each busy thread of the process
 was on when the wait ended (the GIL's holder is among them, on the line it just left). Both
 are also given per step in `tail_report`.
+
+With `garbage=True` the collector also keeps what it finds in the window (`gc.DEBUG_SAVEALL`),
+and the report counts it by type: the reference cycles the serving makes, which the young
+collections must find and free (tensors in them free device memory from inside a collection).
 """
 
 from __future__ import annotations
@@ -39,8 +43,13 @@ GAP = 0.004  # a wait of the sampler's this much past its interval is a blind sp
 
 
 class StackSampler:
-    def __init__(self, thread_name: str = "kvtier-batch", interval: float = 0.001) -> None:
+    def __init__(
+        self, thread_name: str = "kvtier-batch", interval: float = 0.001, garbage: bool = False
+    ) -> None:
         self.thread_name = thread_name
+        self.garbage = garbage
+        self.garbage_types: collections.Counter[str] = collections.Counter()
+        self.garbage_tensor_bytes = 0
         self.interval = interval
         self.methods: collections.Counter[str] = collections.Counter()
         self.lines: collections.Counter[str] = collections.Counter()
@@ -69,6 +78,10 @@ class StackSampler:
     def start(self) -> None:
         self._cpu, self._wall = thread_cpu(), time.perf_counter()
         gc.callbacks.append(self._on_gc)
+        if self.garbage:
+            gc.collect()
+            gc.garbage.clear()
+            gc.set_debug(gc.DEBUG_SAVEALL)
         self._thread.start()
 
     def stop(self) -> None:
@@ -76,6 +89,25 @@ class StackSampler:
         self._thread.join(timeout=5)
         if self._on_gc in gc.callbacks:
             gc.callbacks.remove(self._on_gc)
+        if self.garbage:
+            gc.set_debug(0)
+            self._count_garbage()
+
+    def _count_garbage(self) -> None:
+        """What the window's collections found, by type (functions and frames by name)."""
+        import torch
+
+        for obj in gc.garbage:
+            kind = type(obj)
+            name = f"{kind.__module__}.{kind.__qualname__}"
+            if kind.__name__ == "function":
+                name += f" {obj.__qualname__}"
+            elif kind.__name__ == "frame":
+                name += f" {obj.f_code.co_name}"
+            self.garbage_types[name] += 1
+            if isinstance(obj, torch.Tensor):
+                self.garbage_tensor_bytes += obj.numel() * obj.element_size()
+        gc.garbage.clear()
         self._wall = time.perf_counter() - self._wall
         self._cpu_used = {t: sec - self._cpu.get(t, 0.0) for t, sec in thread_cpu().items()}
         self._names = {t.native_id: t.name for t in threading.enumerate()}  # alive now
@@ -232,6 +264,13 @@ class StackSampler:
                 f"{max(d) * 1e3:.1f} ms"
                 for gen, d in sorted(by_gen.items())
             ]
+        if self.garbage:
+            total = sum(self.garbage_types.values())
+            out.append(
+                f"  cyclic garbage the window's collections found: {total} objects, tensors of "
+                f"{self.garbage_tensor_bytes / 2**20:.1f} MiB among them; by type:"
+            )
+            out += [f"    {c:7d}  {name}" for name, c in self.garbage_types.most_common(top)]
         if self.gaps:
             blind = sum(sec for _, sec in self.gaps)
             out.append(
