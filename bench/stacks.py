@@ -89,6 +89,9 @@ class StackSampler:
         self._thread.join(timeout=5)
         if self._on_gc in gc.callbacks:
             gc.callbacks.remove(self._on_gc)
+        self._wall = time.perf_counter() - self._wall
+        self._cpu_used = {t: sec - self._cpu.get(t, 0.0) for t, sec in thread_cpu().items()}
+        self._names = {t.native_id: t.name for t in threading.enumerate()}  # alive now
         if self.garbage:
             gc.set_debug(0)
             self._count_garbage()
@@ -108,9 +111,6 @@ class StackSampler:
             if isinstance(obj, torch.Tensor):
                 self.garbage_tensor_bytes += obj.numel() * obj.element_size()
         gc.garbage.clear()
-        self._wall = time.perf_counter() - self._wall
-        self._cpu_used = {t: sec - self._cpu.get(t, 0.0) for t, sec in thread_cpu().items()}
-        self._names = {t.native_id: t.name for t in threading.enumerate()}  # alive now
 
     def _target(self) -> int | None:
         for t in threading.enumerate():

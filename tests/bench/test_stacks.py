@@ -148,3 +148,24 @@ def test_collections_are_timed_and_the_samplers_long_waits_charged_to_the_busy_l
     assert "generation 2: " in report
     assert sampler.gaps, "a thread that holds the GIL for 20 ms blinds the sampler"
     assert "kvtier-commit: test_stacks.py" in report, report
+
+
+class _Node:
+    def __init__(self) -> None:
+        self.other: _Node | None = None
+
+
+def test_garbage_mode_counts_the_cycles_the_windows_collections_find() -> None:
+    import gc
+
+    sampler = StackSampler(garbage=True)
+    sampler.start()
+    for _ in range(5):  # five two-node cycles, unreachable once the loop moves on
+        a, b = _Node(), _Node()
+        a.other, b.other = b, a
+    del a, b
+    gc.collect()
+    sampler.stop()
+    assert gc.get_debug() == 0 and not gc.garbage  # the collector as it was, nothing kept
+    assert sampler.garbage_types[f"{__name__}._Node"] == 10
+    assert "cyclic garbage the window's collections found" in sampler.report()
