@@ -39,7 +39,7 @@ from kvtier.server.turntrace import thread_cpu
 
 OUTER = ("_iterate", "_main")  # the scheduler's loop: report the frame just inside it
 HELPERS = ("kvtier-restore", "kvtier-commit")  # thread pools sampled beside the scheduler
-GAP = 0.004  # a wait of the sampler's this much past its interval is a blind spot, charged
+GAP = 0.004  # a wait of the sampler's this much past its interval is a blind spot (_charge_gap)
 
 
 class StackSampler:
@@ -146,7 +146,7 @@ class StackSampler:
 
     def _charge_gap(self, now: float, blind: float, frames: dict[int, FrameType]) -> None:
         """A wait for the GIL (or the CPU) past GAP: its seconds go to the line of each thread
-        that is not parked in a wait of the standard library (a queue, an event, a lock)."""
+        that is not parked (`_parked`: a queue, an event, a pipe, a device wait)."""
         self.gaps.append((now, blind))
         names = {t.ident: t.name for t in threading.enumerate()}
         for ident, frame in frames.items():
