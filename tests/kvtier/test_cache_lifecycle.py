@@ -269,3 +269,30 @@ def test_writer_process_unavailable_falls_back_to_threads(
     cache.flush()
     assert cache.stats().tier("l3").chunks == 2  # type: ignore[union-attr]
     cache.close()
+
+
+def _common_prefix_loop(a: list[int], b: list[int]) -> int:
+    i = 0
+    while i < min(len(a), len(b)) and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def test_common_prefix_equals_the_element_by_element_count() -> None:
+    """What a session's stored tokens and a prompt share decides what is restored: the C-speed
+    version (one comparison, bisection on a mismatch) agrees with counting token by token."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from kvtier.cache.restore import common_prefix
+
+    tokens = st.lists(st.integers(0, 3), max_size=300)  # few values: long shared runs
+
+    @settings(max_examples=400, deadline=None)
+    @given(a=tokens, b=tokens, shared=st.lists(st.integers(0, 3), max_size=300))
+    def check(a: list[int], b: list[int], shared: list[int]) -> None:
+        x, y = shared + a, shared + b
+        assert common_prefix(x, y) == _common_prefix_loop(x, y) == common_prefix(y, x)
+
+    check()
+    assert common_prefix([], [1]) == 0 and common_prefix([5, 6], [5, 6, 7]) == 2
