@@ -294,7 +294,7 @@ class StackSampler:
         return "\n".join(out)
 
 
-PARKED = ("threading.py", "queue.py", "selectors.py", "thread.py", "connection.py", "stacks.py")
+PARKED = ("threading.py", "queue.py", "selectors.py", "thread.py", "connection.py")
 DEVICE_WAITS = ("synchronize", "wait", "wait_stream", "wait_event")  # torch.cuda's, GIL released
 
 

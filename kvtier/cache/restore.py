@@ -46,8 +46,8 @@ class RestorePlan:
 def common_prefix(a: list[int], b: list[int]) -> int:
     """How many leading tokens `a` and `b` share. List comparisons run in C: the usual case, one
     list extending the other, is one comparison, and a mismatch is found by bisection over
-    slices. A loop in Python over thousands of tokens, on every restore and commit, took the
-    GIL from the batch scheduler's thread for as long."""
+    slices. A loop in Python over thousands of tokens, on every restore (and `publish_shared`),
+    took the GIL from the batch scheduler's thread for as long."""
     n = min(len(a), len(b))
     if a[:n] == b[:n]:
         return n
