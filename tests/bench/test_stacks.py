@@ -53,9 +53,13 @@ def test_report_names_the_method_and_each_busy_threads_cores() -> None:
 
 
 def _restore_like(stop: threading.Event) -> None:
+    """A prompt that differs from the stored tokens only at its end: common_prefix bisects,
+    so the thread spends its time (and yields the GIL) inside its loop, a kvtier frame. Equal
+    lists would return after one comparison in C, and the thread would yield in this loop."""
     ids = list(range(20000))
+    prompt = ids[:-1] + [-1]
     while not stop.is_set():
-        common_prefix(ids, ids)
+        common_prefix(ids, prompt)
 
 
 def test_helper_pools_are_sampled_by_their_kvtier_frame_and_idle_threads_apart() -> None:
