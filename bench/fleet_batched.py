@@ -159,7 +159,10 @@ def run_batched(
     slot_waits: list[float] = []  # each turn's wait for a generation slot
 
     async def client(sid: int, slots: asyncio.Semaphore) -> None:
-        ctx = list(fleet.contexts[sid])
+        # tuples, as `kvtier serve` keeps a prompt: a real client holds its context in another
+        # process, and lists here would give the collector millions of references to walk
+        # that no server has (docs/benchmarks.md, "What the collector walks")
+        ctx = tuple(fleet.contexts[sid])
         conv, turn = 0, 1
         while True:
             wake = time.perf_counter() + fleet.think_s(sid, turn)
@@ -168,8 +171,8 @@ def run_batched(
                 return
             returning = True
             if len(ctx) > len(fleet.contexts[sid]) + fleet.max_growth:
-                conv, ctx, returning = conv + 1, list(fleet.contexts[sid]), False
-            prompt = ctx + fleet.append(sid, turn)
+                conv, ctx, returning = conv + 1, tuple(fleet.contexts[sid]), False
+            prompt = ctx + tuple(fleet.append(sid, turn))
             turn += 1
             job = Job(session_name(sid, conv), TENANT, prompt, fleet.decode, temperature=0.0)
             stream = Stream(loop=asyncio.get_running_loop())
@@ -197,7 +200,7 @@ def run_batched(
             if first is not None and returning and win.inside(first):
                 m.ttft.append(first - submitted)
                 m.turns += 1
-            ctx = prompt + list("".join(text).encode("utf-8"))
+            ctx = prompt + tuple("".join(text).encode("utf-8"))
 
     async def fleet_main() -> None:
         slots = asyncio.Semaphore(int(sched_config.max_concurrency))

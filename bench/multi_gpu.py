@@ -200,7 +200,7 @@ async def turn(
 ) -> tuple[str, str]:
     """One greedy turn; (reply text, how it ended: the finish reason or the error)."""
     stream = Stream(asyncio.get_running_loop())
-    job = Job(sid, "bench", prompt, tokens, temperature=0.0)
+    job = Job(sid, "bench", tuple(prompt), tokens, temperature=0.0)
     done = asyncio.wrap_future(sched.submit(job, stream, time.perf_counter()))
     text, end = "", "none"
     try:

@@ -24,6 +24,7 @@ import os
 import threading
 import time
 from array import array
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -36,7 +37,7 @@ from kvtier.cache.directory import Chunk, ChunkDirectory
 from kvtier.cache.keys import SHARED_TENANT, TENANT_MAX_BYTES, chunk_key, namespace
 from kvtier.cache.l4 import SharedTier
 from kvtier.cache.lifecycle import LifecycleMixin
-from kvtier.cache.session import Session
+from kvtier.cache.session import Ids, Session
 from kvtier.cache.stats import Counters, SnapshotInputs, build_snapshot
 from kvtier.codecs import make_codec
 from kvtier.errors import BudgetError, ConfigError, L1BudgetExceeded, SessionError
@@ -235,7 +236,7 @@ class TieredCache(LifecycleMixin):
         """A hibernated session from its record (L3's index, or L4); into `s` if given."""
         if s is None:
             s = Session(self, rec.session_id, rec.tenant)
-        s.tokens = list(array("i", rec.token_ids))
+        s.tokens = tuple(array("i", rec.token_ids))
         n_full = len(s.tokens) // self.chunk_tokens
         keys = list(rec.chunk_keys)
         s.chunk_keys = keys[:n_full]
@@ -279,7 +280,7 @@ class TieredCache(LifecycleMixin):
 
     # -- the host API that `Session` calls (session.SessionHost) --------------------------------
 
-    def restore_session(self, s: Session, ids: list[int]) -> KvtierCache:
+    def restore_session(self, s: Session, ids: Ids) -> KvtierCache:
         if not ids:
             raise SessionError("restore needs at least one input token")
         t0 = time.perf_counter()
@@ -341,11 +342,11 @@ class TieredCache(LifecycleMixin):
         with self._lock:
             return self.directory.count(keys)
 
-    def key_for(self, parent: bytes, toks: list[int], s: Session) -> bytes:
+    def key_for(self, parent: bytes, toks: Sequence[int], s: Session) -> bytes:
         """Key of a full chunk: the shared namespace's if that prefix was published."""
         return self.keyed(parent, toks, s)[0]
 
-    def keyed(self, parent: bytes, toks: list[int], s: Session) -> tuple[bytes, bool]:
+    def keyed(self, parent: bytes, toks: Sequence[int], s: Session) -> tuple[bytes, bool]:
         """`key_for`, and whether the key is the shared namespace's. A shared key is looked for
         only where one can exist: something was published into this store (`_published`, also
         set from L3 at start), or another host's may be in L4. Otherwise the session's own key

@@ -20,7 +20,7 @@ from kvtier.cache import relocate as _relocate
 from kvtier.cache.directory import Chunk, ChunkDirectory
 from kvtier.cache.keys import SHARED_TENANT, ZERO_KEY, chunk_key
 from kvtier.cache.restore import common_prefix
-from kvtier.cache.session import Session, as_list
+from kvtier.cache.session import Ids, Session, as_ids
 from kvtier.errors import SessionError
 from kvtier.tiers.l3_keys import tenant_chunk_keys
 from kvtier.types import SessionState
@@ -64,13 +64,13 @@ class LifecycleMixin:
         def _record(self, s: Session) -> SessionRecord: ...
         def _submit_record(self, fn: Any, *args: Any) -> Future[Any]: ...
         def _release_l1(self, s: Session) -> None: ...
-        def key_for(self, parent: bytes, toks: list[int], s: Session) -> bytes: ...
+        def key_for(self, parent: bytes, toks: Sequence[int], s: Session) -> bytes: ...
         @property
         def _shared_ns(self) -> bytes: ...
 
     # -- commit and the write policies ----------------------------------------------------------
 
-    def commit_session(self, s: Session, ids: list[int]) -> None:
+    def commit_session(self, s: Session, ids: Ids) -> None:
         with self._lock:
             if s.state is not SessionState.ACTIVE or s.bufs is None:
                 raise SessionError("commit() must follow restore() on the same session")
@@ -249,7 +249,7 @@ class LifecycleMixin:
         """A new, empty L1 on `device`; returns the old budget (`kvtier.cache.relocate`)."""
         return _relocate.relocate_l1(self, device, budget, lost)  # type: ignore[arg-type]
 
-    def reload_session(self, s: Session, ids: list[int]) -> KvtierCache:
+    def reload_session(self, s: Session, ids: Ids) -> KvtierCache:
         """After `move_l1`: restore a running request's session into the new L1."""
         return _relocate.reload_session(self, s, ids)  # type: ignore[arg-type]
 
@@ -262,7 +262,7 @@ class LifecycleMixin:
         that are not secret; everything else stays per tenant. Published chunks are written to
         L3 under the shared tenant, so a restarted cache serves them too.
         """
-        ids = as_list(input_ids)
+        ids = as_ids(input_ids)
         with self._lock:
             if not session.resident:
                 raise SessionError("publish_shared needs a resident session holding the prefix")

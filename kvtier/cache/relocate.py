@@ -32,7 +32,7 @@ from kvtier.types import SessionState
 
 if TYPE_CHECKING:  # pragma: no cover
     from kvtier.cache.core import TieredCache
-    from kvtier.cache.session import Session
+    from kvtier.cache.session import Ids, Session
     from kvtier.integrations.hf import KvtierCache
 
 log = logging.getLogger("kvtier.cache")
@@ -110,7 +110,7 @@ def relocate_l1(
         return before
 
 
-def reload_session(cache: TieredCache, s: Session, ids: list[int]) -> KvtierCache:
+def reload_session(cache: TieredCache, s: Session, ids: Ids) -> KvtierCache:
     """A session with a request running whose L1 was dropped (`relocate_l1`): restore the
     longest stored prefix of `ids` into the new L1, as `Session.restore` does."""
     with cache._lock:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -25,14 +26,14 @@ from kvtier.types import RestoreSource
 
 if TYPE_CHECKING:  # pragma: no cover
     from kvtier.cache.core import TieredCache
-    from kvtier.cache.session import Session
+    from kvtier.cache.session import Ids, Session
 
 log = logging.getLogger("kvtier.cache")
 
 
 @dataclass
 class RestorePlan:
-    want: list[int]
+    want: Ids
     segments: list[tuple[str, Chunk]]
     reads: dict[int, Future[Any]] = field(default_factory=dict)  # segment index -> its L3 read
     l4_reads: set[int] = field(default_factory=set)  # the reads above that come from L4
@@ -43,11 +44,13 @@ class RestorePlan:
     t_l2: float = 0.0
 
 
-def common_prefix(a: list[int], b: list[int]) -> int:
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     """How many leading tokens `a` and `b` share. List comparisons run in C: the usual case, one
     list extending the other, is one comparison, and a mismatch is found by bisection over
     slices. A loop in Python over thousands of tokens, on every restore (and `publish_shared`),
     took the GIL from the batch scheduler's thread for as long."""
+    if type(a) is not type(b):  # a tuple never equals a list: compare two tuples
+        a, b = tuple(a), tuple(b)
     n = min(len(a), len(b))
     if a[:n] == b[:n]:
         return n
@@ -90,7 +93,7 @@ def start_read(cache: TieredCache, e: Chunk) -> Future[Any] | None:
     return cache.directory.start_read(e, cache.fingerprint)
 
 
-def plan(cache: TieredCache, s: Session, want: list[int]) -> RestorePlan | None:
+def plan(cache: TieredCache, s: Session, want: Ids) -> RestorePlan | None:
     """Phase 1 (under the lock). None: served from L1, nothing to load."""
     C = cache.chunk_tokens
     n = cache.counters
@@ -144,7 +147,7 @@ def plan(cache: TieredCache, s: Session, want: list[int]) -> RestorePlan | None:
     try:
         loaded = sum(e.tokens for _, e in segments)
         cache.alloc_l1(s, max(len(want) + 1, loaded))
-        s.tokens, s.chunk_keys, s.flushed, s.tail_key = [], [], 0, None
+        s.tokens, s.chunk_keys, s.flushed, s.tail_key = (), [], 0, None
         p.l4 = cache.l4.pending() if cache.l4 is not None else None
         for i, (src, e) in enumerate(segments):
             if src not in ("l3", "l4") and e.l3_read is None:

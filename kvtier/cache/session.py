@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol
@@ -19,6 +20,14 @@ if TYPE_CHECKING:  # pragma: no cover
     from kvtier.integrations.hf import KvtierCache
 
 
+Ids = tuple[int, ...]
+"""Token ids as the cache keeps them (a session's `tokens`, a restore's plan). A tuple cannot
+change under a session, and Python's cyclic garbage collector stops walking a tuple of ints
+after its first collection (it untracks it); a list of a session's 3,000 ids stayed tracked,
+and every collection that reached it visited each id: 256 such sessions are 768,000 references
+for each full collection (docs/benchmarks.md, "What the collector walks")."""
+
+
 class SessionHost(Protocol):
     """What a `Session` needs from its cache (`TieredCache` implements it)."""
 
@@ -27,8 +36,8 @@ class SessionHost(Protocol):
     chunk_tokens: int
     geometry: KVGeometry
 
-    def restore_session(self, s: Session, ids: list[int]) -> KvtierCache: ...
-    def commit_session(self, s: Session, ids: list[int]) -> None: ...
+    def restore_session(self, s: Session, ids: Ids) -> KvtierCache: ...
+    def commit_session(self, s: Session, ids: Ids) -> None: ...
     def abort_session(self, s: Session) -> None: ...
     def hibernate_session(self, s: Session, *, wait: bool = True) -> None: ...
     def prefetch_session(self, s: Session) -> None: ...
@@ -80,7 +89,7 @@ class Session:
         self.pinned = False
         self.ttl_s: float | None = cache.config.session_ttl_s
         self.last_active = time.time()
-        self.tokens: list[int] = []  # ids whose KV is in L1 (resident) or stored (hibernated)
+        self.tokens: Ids = ()  # ids whose KV is in L1 (resident) or stored (hibernated)
         self.chunk_keys: list[bytes] = []  # keys of full chunks of self.tokens, in order
         self.tail_key: bytes | None = None  # partial chunk written at hibernation
         self.flushed = 0  # leading full chunks already handed to the write policy
@@ -111,11 +120,11 @@ class Session:
 
         At least the last input token is left to compute, so the model produces its logits.
         """
-        return self._cache.restore_session(self, as_list(input_ids))
+        return self._cache.restore_session(self, as_ids(input_ids))
 
     def commit(self, token_ids: torch.Tensor | Sequence[int]) -> None:
         """Record which token ids the session's KV now covers (prompt + generated)."""
-        self._cache.commit_session(self, as_list(token_ids))
+        self._cache.commit_session(self, as_ids(token_ids))
 
     def abort(self) -> None:
         """Forget KV written since the last commit (a failed or cancelled request)."""
@@ -168,11 +177,25 @@ class Session:
         )
 
 
-def as_list(ids: torch.Tensor | Sequence[int]) -> list[int]:
+def as_ids(ids: torch.Tensor | Sequence[int]) -> Ids:
+    """Token ids as a tuple of Python ints (`Ids`). Ids that are ints already, the usual case,
+    are checked and copied in C; others (numpy or torch integers) are converted one by one,
+    and anything that is not an integer raises TypeError."""
     if isinstance(ids, torch.Tensor):
         if ids.dim() == 2:
             if ids.shape[0] != 1:
                 raise ValueError("kvtier sessions hold one sequence: pass a [1, T] tensor")
             ids = ids[0]
-        return [int(x) for x in ids.tolist()]
-    return [int(x) for x in ids]
+        if ids.is_floating_point() or ids.is_complex():
+            raise TypeError(f"token ids must be integers, got a {ids.dtype} tensor")
+        return tuple(ids.tolist())
+    t = tuple(ids)
+    if set(map(type, t)) <= {int}:
+        return t
+    try:
+        return tuple(operator.index(x) for x in t)
+    except TypeError:
+        bad = next(x for x in t if not hasattr(type(x), "__index__"))
+        raise TypeError(
+            f"token ids must be integers, got {type(bad).__name__} {bad!r:.40}"
+        ) from None

@@ -383,7 +383,7 @@ def _routes(app: FastAPI, state: State) -> None:
         job = Job(
             sid,
             tenant,
-            ids,
+            tuple(ids),
             max_tokens,
             body.temperature,
             body.top_p,

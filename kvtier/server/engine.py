@@ -74,7 +74,7 @@ class Job:
 
     session_id: str
     tenant: str
-    prompt_ids: list[int]
+    prompt_ids: tuple[int, ...]  # immutable: the collector untracks it (kvtier.cache.session.Ids)
     max_tokens: int
     temperature: float = 1.0
     top_p: float = 1.0

@@ -54,4 +54,7 @@ def degrade(job: Any, devices: Any, config: Any) -> tuple[Any, tuple[int, int] |
     if ids is None:
         return job, None
     sid = STREAMING_SESSION + uuid.uuid4().hex
-    return dataclasses.replace(job, session_id=sid, prompt_ids=ids, ephemeral=True), (sinks, window)
+    return dataclasses.replace(job, session_id=sid, prompt_ids=tuple(ids), ephemeral=True), (
+        sinks,
+        window,
+    )

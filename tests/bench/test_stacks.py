@@ -57,7 +57,7 @@ def _restore_like(stop: threading.Event) -> None:
     so the thread spends its time (and yields the GIL) inside its loop, a kvtier frame. Equal
     lists would return after one comparison in C, and the thread would yield in this loop."""
     ids = list(range(20000))
-    prompt = ids[:-1] + [-1]
+    prompt = [*ids[:-1], -1]
     while not stop.is_set():
         common_prefix(ids, prompt)
 
@@ -173,3 +173,22 @@ def test_garbage_mode_counts_the_cycles_the_windows_collections_find() -> None:
     assert gc.get_debug() == 0 and not gc.garbage  # the collector as it was, nothing kept
     assert sampler.garbage_types[f"{__name__}._Node"] == 10
     assert "cyclic garbage the window's collections found" in sampler.report()
+
+
+def test_census_counts_what_a_full_collection_walks() -> None:
+    """A list of ids stays in the collector's walk with every id a reference; the same ids in
+    a tuple leave it at the first collection (the census collects before it counts)."""
+    from stacks import census
+
+    held = [list(range(1000, 101000))]  # 100,000 ids in one tracked list
+    before = census()
+    lists = {name: refs for name, _, refs in before.by_type}["builtins.list"]
+    assert lists >= 100_000 and before.references >= lists and before.full_ms > 0
+    assert "builtins.list" in before.report(5)
+    held[0] = tuple(held[0])
+    after = census()
+    lists_after = {name: refs for name, _, refs in after.by_type}.get("builtins.list", 0)
+    assert lists - lists_after >= 95_000, (lists, lists_after)  # a few lists come and go
+    import gc
+
+    assert not gc.is_tracked(held[0])

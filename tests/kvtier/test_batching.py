@@ -249,7 +249,7 @@ def test_stop_strings_and_max_tokens(tmp_path: Path) -> None:
     )
     # The committed KV covers the prompt and every generated token that was fed (not the last).
     n = length.finished.completion_tokens
-    assert _session(backend, "len").tokens == prompts[0] + list(full[: n - 1].encode())
+    assert list(_session(backend, "len").tokens) == prompts[0] + list(full[: n - 1].encode())
     backend.close()
 
 
@@ -270,7 +270,7 @@ def test_cancel_mid_decode_commits_what_was_fed(tmp_path: Path) -> None:
         assert 5 <= n < 400
         assert gone.text == _greedy_alone(ref, prompts[0], n)
         s = _session(backend, "gone")
-        assert s.tokens == prompts[0] + list(gone.text[: n - 1].encode())
+        assert list(s.tokens) == prompts[0] + list(gone.text[: n - 1].encode())
         assert not s.resident  # hibernated: its L1 is free
         assert stays.text == _greedy_alone(ref, prompts[1], 40)
         # The client comes back: the next turn restores what was committed and goes on exactly.
@@ -755,9 +755,11 @@ def test_overlapped_steps_end_replies_exactly(overlap: bool, tmp_path: Path) -> 
         assert long.text == _greedy_alone(ref, prompts[2], 18)
         # committed: the prompt and every generated token that was fed (all but the last)
         n = stopped.finished.completion_tokens
-        assert _session(backend, "stop").tokens == prompts[0] + list(full[: n - 1].encode())
+        assert list(_session(backend, "stop").tokens) == prompts[0] + list(full[: n - 1].encode())
         n = length.finished.completion_tokens
-        assert _session(backend, "len").tokens == prompts[1] + list(length.text[: n - 1].encode())
+        assert list(_session(backend, "len").tokens) == prompts[1] + list(
+            length.text[: n - 1].encode()
+        )
         nxt = prompts[2] + list(long.text.encode()) + _prompts(22, [9])[0]
         back = _run(sched, _one(sched, _job("long", nxt, 8)))[0]
         assert back.started is not None and back.started.cached_tokens >= len(prompts[2])

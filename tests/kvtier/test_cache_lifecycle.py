@@ -293,6 +293,44 @@ def test_common_prefix_equals_the_element_by_element_count() -> None:
     def check(a: list[int], b: list[int], shared: list[int]) -> None:
         x, y = shared + a, shared + b
         assert common_prefix(x, y) == _common_prefix_loop(x, y) == common_prefix(y, x)
+        # a session's tokens are a tuple, a caller's prompt may be a list
+        assert common_prefix(tuple(x), y) == common_prefix(x, tuple(y)) == common_prefix(x, y)
 
     check()
     assert common_prefix([], [1]) == 0 and common_prefix([5, 6], [5, 6, 7]) == 2
+
+
+def test_token_ids_are_ints_in_a_tuple_and_anything_else_is_a_type_error() -> None:
+    import numpy as np
+
+    from kvtier.cache.session import as_ids
+
+    assert as_ids([3, 4, 5]) == (3, 4, 5)
+    assert as_ids(torch.tensor([[3, 4, 5]])) == (3, 4, 5)
+    for odd in (np.array([3, 4, 5]), [np.int64(3), 4, True]):
+        ids = as_ids(odd)
+        assert ids[:2] == (3, 4) and {type(x) for x in ids} == {int}, ids
+    for bad in ([1, 2.0], ["1"], torch.tensor([1.0, 2.0])):
+        with pytest.raises(TypeError, match="token ids must be integers"):
+            as_ids(bad)
+    with pytest.raises(ValueError, match="one sequence"):
+        as_ids(torch.zeros(2, 3, dtype=torch.long))
+
+
+def test_stored_token_ids_are_out_of_the_collectors_walk(tmp_path: Path, model) -> None:
+    """A session keeps its token ids as a tuple of ints, which the cyclic collector untracks at
+    its first collection: it never walks a session's ids again, however many sessions there are.
+    (A list stays tracked, and every collection that reaches it visits each id.)"""
+    import gc
+
+    cache = TieredCache(cfg(tmp_path), model)
+    s = turn(model, cache, "a", ids_of(40))
+    s2 = turn(model, cache, "b", ids_of(40, seed=1))
+    s2.hibernate()
+    cache.close()
+    cache = TieredCache(cfg(tmp_path), model)  # "b" again, from L3's record
+    returning = cache.session("b", tenant="t")
+    gc.collect()
+    for sess in (s, returning):
+        assert len(sess.tokens) >= 32 and not gc.is_tracked(sess.tokens), type(sess.tokens)
+    cache.close()

@@ -283,7 +283,7 @@ def test_cache_start_with_wrong_key_errors_then_right_key_restores(model, tmp_pa
     assert {k for k in all_files(root) if not k.startswith("index.sqlite")} == before
     cache = TieredCache(cfg(root, key), model)
     s = cache.session("s", tenant="t")
-    assert s.tokens == ids[0].tolist()  # the sealed record opened
+    assert list(s.tokens) == ids[0].tolist()  # the sealed record opened
     longer = torch.cat([ids, ids_of(4, seed=5)], dim=1)
     pkv = s.restore(longer)
     assert s.restore_source == "l3" and pkv.get_seq_length() == ids.shape[1]

@@ -252,7 +252,7 @@ def test_tenants_are_isolated_in_l4(tmp_path: Path, model, redis_server) -> None
         fp = a.fingerprint
         r.set(keys.record(fp, "b", "planted"), r.get(keys.record(fp, "a", "same-id")))
         s = b.session("planted", tenant="b")
-        assert s.tokens == [] and b.stats().l4["errors"] == 1
+        assert s.tokens == () and b.stats().l4["errors"] == 1
         # tenant a's chunk copied under tenant b's chunk key, named by a valid record of
         # tenant b, fails the tenant check of the chunk's header
         sa = a.session("same-id", tenant="a")
@@ -497,7 +497,7 @@ def test_closing_a_session_drops_its_l4_record_at_once(tmp_path: Path, model, re
             time.sleep(0.05)
         assert not r.exists(keys.record(a.fingerprint, "t", "s1"))
         with TieredCache(config(tmp_path / "c", redis_server.url), model) as c:
-            assert c.session("s1", tenant="t").tokens == []  # gone for every host
+            assert c.session("s1", tenant="t").tokens == ()  # gone for every host
     finally:
         a.close()
         b.close()

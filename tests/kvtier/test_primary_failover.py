@@ -211,7 +211,7 @@ def test_move_l1_keeps_only_what_l2_holds(tmp_path: Path) -> None:
             v.fill_(NAN)
         before = cache.l1.budget_bytes
         assert cache.move_l1(CPU) == before and cache.l1.used_bytes == 0
-        assert s.state is SessionState.HIBERNATED and s.tokens == ids[:96]
+        assert s.state is SessionState.HIBERNATED and list(s.tokens) == ids[:96]
         assert busy.state is SessionState.ACTIVE and not busy.resident
         kv = s.restore([*ids, 5])
         assert kv.get_seq_length() == 96 and s.restore_source == "l2" and s.bufs is not None
