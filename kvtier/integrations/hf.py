@@ -44,14 +44,37 @@ class KvtierLayer(CacheLayerMixin):
         self.is_initialized = True
         self._refresh_views()
 
+    # `keys` and `values` are views of the filled part of the layer's buffers, made when read.
+    # Attention takes `update`'s return and the batched server copies a session's L1 block
+    # whole, so most are never read; made eagerly, a restore and every append of a turn's K/V
+    # made two per layer (56 for a 28-layer model), on a helper thread holding the GIL.
+    @property  # type: ignore[override]
+    def keys(self) -> torch.Tensor | None:
+        return self._filled(0)
+
+    @keys.setter
+    def keys(self, value: torch.Tensor | None) -> None:
+        _views_only(value)
+
+    @property  # type: ignore[override]
+    def values(self) -> torch.Tensor | None:
+        return self._filled(1)
+
+    @values.setter
+    def values(self, value: torch.Tensor | None) -> None:
+        _views_only(value)
+
+    def _filled(self, plane: int) -> torch.Tensor | None:
+        bufs = self.owner.bufs
+        if bufs.released:
+            return None
+        return bufs.layers[self.layer_idx][plane][:, :, : self.owner.lengths[self.layer_idx]]
+
     def _refresh_views(self) -> None:
-        n = self.owner.lengths[self.layer_idx]
-        if self.owner.bufs.released:
-            self.keys = self.values = None
-            return
-        k, v = self.owner.bufs.layers[self.layer_idx]
-        self.keys, self.values = k[:, :, :n], v[:, :, :n]
-        self.device = k.device
+        """Keep `device` that of the layer's buffers (the views follow the buffers by
+        themselves)."""
+        if not self.owner.bufs.released:
+            self.device = self.owner.bufs.layers[self.layer_idx][0].device
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         return None  # buffers exist before the first forward
@@ -74,8 +97,7 @@ class KvtierLayer(CacheLayerMixin):
         k[:, :, start:end].copy_(key_states)
         v[:, :, start:end].copy_(value_states)
         owner.lengths[i] = end
-        self.keys, self.values = k[:, :, :end], v[:, :, :end]
-        return self.keys, self.values
+        return k[:, :, :end], v[:, :, :end]
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.get_seq_length() + query_length, 0
@@ -101,6 +123,15 @@ class KvtierLayer(CacheLayerMixin):
 
     def prefetch(self) -> None:
         return None
+
+
+def _views_only(value: torch.Tensor | None) -> None:
+    """`CacheLayerMixin.__init__` sets `keys` and `values` to None; nothing else may set them."""
+    if value is not None:
+        raise AttributeError(
+            "a kvtier layer's keys and values are views of the session's L1 buffers; write "
+            "K/V with update()"
+        )
 
 
 class KvtierCache(Cache):

@@ -334,3 +334,31 @@ def test_stored_token_ids_are_out_of_the_collectors_walk(tmp_path: Path, model) 
     for sess in (s, returning):
         assert len(sess.tokens) >= 32 and not gc.is_tracked(sess.tokens), type(sess.tokens)
     cache.close()
+
+
+def test_layer_views_follow_the_buffers_and_are_read_only(tmp_path: Path, model) -> None:
+    """A restored Cache's `keys`/`values` are made when read: after the forward, an append
+    (`extend`) and a crop they cover exactly the filled tokens, and they are the L1 buffers'
+    own memory; assigning them is refused (K/V goes in through update())."""
+    from kvtier.integrations.hf import KvtierCache
+
+    cache = TieredCache(cfg(tmp_path), model)
+    ids = ids_of(40)
+    s = cache.session("v", tenant="t")
+    kv = s.restore(ids)
+    assert isinstance(kv, KvtierCache)
+    with torch.no_grad():
+        model(ids, **{cache_kwarg(model): kv})
+    layer = kv.layers[1]
+    k, v = layer.keys, layer.values
+    assert k.shape[-2] == v.shape[-2] == 40
+    assert k.data_ptr() == s.bufs.layers[1][0].data_ptr()  # a view, not a copy
+    new = torch.randn(len(kv.layers), 2, 1, k.shape[1], 3, k.shape[-1])
+    kv.extend(new)
+    assert layer.keys.shape[-2] == 43 and torch.equal(layer.values[0, :, 40:], new[1, 1, 0])
+    layer.crop(41)
+    assert layer.keys.shape[-2] == 41
+    with pytest.raises(AttributeError, match="update"):
+        layer.keys = torch.zeros(1)
+    s.abort()
+    cache.close()
