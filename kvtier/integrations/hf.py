@@ -30,6 +30,25 @@ class L1Owner(Protocol):
     def on_forward(self, layer_idx: int, new_tokens: int) -> None: ...
 
 
+class _Plane:
+    """A `KvtierLayer`'s `keys` (plane 0) or `values` (plane 1): a view of the filled part of
+    the layer's buffer, made when read. `CacheLayerMixin.__init__` sets both to None; nothing
+    else may set them."""
+
+    def __init__(self, plane: int) -> None:
+        self.plane = plane
+
+    def __get__(self, layer: KvtierLayer | None, kind: type | None = None) -> Any:
+        return self if layer is None else layer._filled(self.plane)
+
+    def __set__(self, layer: KvtierLayer, value: torch.Tensor | None) -> None:
+        if value is not None:
+            raise AttributeError(
+                "a kvtier layer's keys and values are views of the session's L1 buffers; "
+                "write K/V with update()"
+            )
+
+
 class KvtierLayer(CacheLayerMixin):
     """One attention layer's KV, stored in the owner's L1 buffers."""
 
@@ -48,21 +67,8 @@ class KvtierLayer(CacheLayerMixin):
     # Attention takes `update`'s return and the batched server copies a session's L1 block
     # whole, so most are never read; made eagerly, a restore and every append of a turn's K/V
     # made two per layer (56 for a 28-layer model), on a helper thread holding the GIL.
-    @property  # type: ignore[override]
-    def keys(self) -> torch.Tensor | None:
-        return self._filled(0)
-
-    @keys.setter
-    def keys(self, value: torch.Tensor | None) -> None:
-        _views_only(value)
-
-    @property  # type: ignore[override]
-    def values(self) -> torch.Tensor | None:
-        return self._filled(1)
-
-    @values.setter
-    def values(self, value: torch.Tensor | None) -> None:
-        _views_only(value)
+    keys = _Plane(0)  # type: ignore[assignment]
+    values = _Plane(1)  # type: ignore[assignment]
 
     def _filled(self, plane: int) -> torch.Tensor | None:
         bufs = self.owner.bufs
@@ -123,15 +129,6 @@ class KvtierLayer(CacheLayerMixin):
 
     def prefetch(self) -> None:
         return None
-
-
-def _views_only(value: torch.Tensor | None) -> None:
-    """`CacheLayerMixin.__init__` sets `keys` and `values` to None; nothing else may set them."""
-    if value is not None:
-        raise AttributeError(
-            "a kvtier layer's keys and values are views of the session's L1 buffers; write "
-            "K/V with update()"
-        )
 
 
 class KvtierCache(Cache):
