@@ -37,7 +37,9 @@ import os
 import sys
 import threading
 import time
+from array import array
 from collections import deque
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -196,7 +198,7 @@ class BatchScheduler(Stepping):
             done=done,
             reply=ReplyText(tok, self.served.eos_ids, job.stop),
             gen=make_generator(job.temperature, job.seed),
-            tokens=list(job.prompt_ids),
+            tokens=array("q", job.prompt_ids),
         )
         with self._cond:
             if self._closed:
@@ -332,7 +334,7 @@ class BatchScheduler(Stepping):
     def _deliver(self) -> None:
         self._events.send()
 
-    def _schedule(self) -> list[tuple[_Seq, list[int]]]:
+    def _schedule(self) -> list[tuple[_Seq, Sequence[int]]]:
         pool = self.pool
         # Decoding sequences first, one token each; free pages for the ones whose page is full.
         need = 0
@@ -349,7 +351,7 @@ class BatchScheduler(Stepping):
             else:
                 self._preempt(victim)
             need = 0
-        items = [(s, s.tokens[-1:]) for s in self._decoding()]
+        items: list[tuple[_Seq, Sequence[int]]] = [(s, s.tokens[-1:]) for s in self._decoding()]
         decoding = bool(items)
         budget = self.batch_tokens - len(items)
         if items and self.decoding_prompt_tokens:

@@ -95,7 +95,7 @@ def _reload(sched: Any, cache: Any) -> None:
             if owner is None or cache is None:  # no tiered cache: recompute it all
                 s.restored = sched.backend.restore(s.job.session_id, s.job.tenant, s.tokens)
             else:
-                kv = cache.reload_session(owner, list(s.tokens))
+                kv = cache.reload_session(owner, tuple(s.tokens))
                 s.restored = Restored(kv, int(kv.get_seq_length()), owner.restore_source)
             s.cached = s.restored.covered
         except BaseException as exc:

@@ -14,6 +14,8 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import time
+from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,7 +42,10 @@ class _Seq:
     done: concurrent.futures.Future[None]
     reply: ReplyText
     gen: torch.Generator | None
-    tokens: list[int]  # prompt + sampled tokens; the last sampled one is fed in the next step
+    # prompt + sampled tokens; the last sampled one is fed in the next step. An array: no
+    # Python object per id, so the cyclic collector never walks them (a list of a running
+    # turn's 3,000 ids was walked id by id by every collection that reached it)
+    tokens: array[int]
     restored: Restored | None = None
     cached: int = 0  # leading tokens whose K/V the session's Cache holds
     paged: PagedSequence | None = None  # its pages while running, None while waiting
@@ -62,7 +67,7 @@ class _Seq:
 class _Pending:
     """A launched step whose tokens the host has not taken yet."""
 
-    items: list[tuple[_Seq, list[int]]]
+    items: list[tuple[_Seq, Sequence[int]]]
     start: float
     # the sequences due a token: (sequence, its row of the sampled logits, the index of its
     # placeholder in `tokens` when the token stayed on the device for the next step, or None)
@@ -105,7 +110,7 @@ class Stepping:
 
     # ---- the step -----------------------------------------------------------------------------
 
-    def _step(self, items: list[tuple[_Seq, list[int]]]) -> None:
+    def _step(self, items: list[tuple[_Seq, Sequence[int]]]) -> None:
         """Launch a step; then take the tokens of the step before it (overlapped: the GPU runs
         this one meanwhile), then this step's own unless they may wait (`kvtier.server.
         lookahead`)."""
@@ -126,7 +131,7 @@ class Stepping:
         if before is not None:
             self._complete(before)
 
-    def _launch(self, items: list[tuple[_Seq, list[int]]]) -> _Pending | None:
+    def _launch(self, items: list[tuple[_Seq, Sequence[int]]]) -> _Pending | None:
         """Run the forward of `items` and sample: on the host (synchronously), or for an
         all-greedy step on the device only, each due sequence getting a placeholder token that
         the next step feeds from the device. None: the forward failed (handled here)."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from array import array
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -417,7 +418,7 @@ def test_admission_leaves_the_decoders_their_next_page(tmp_path: Path) -> None:
             done=concurrent.futures.Future(),
             reply=ReplyText(served.tokenizer, served.eos_ids, ()),
             gen=None,
-            tokens=_prompts(n, [n])[0],
+            tokens=array("q", _prompts(n, [n])[0]),  # as submit() makes it
         )
         s.restored = Restored(DynamicCache(config=served.model.config), 0, "recompute")
         return s
