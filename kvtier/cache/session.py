@@ -186,7 +186,7 @@ def as_ids(ids: torch.Tensor | Sequence[int]) -> Ids:
             if ids.shape[0] != 1:
                 raise ValueError("kvtier sessions hold one sequence: pass a [1, T] tensor")
             ids = ids[0]
-        if ids.is_floating_point() or ids.is_complex():
+        if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
             raise TypeError(f"token ids must be integers, got a {ids.dtype} tensor")
         return tuple(ids.tolist())
     t = tuple(ids)

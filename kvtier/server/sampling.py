@@ -73,7 +73,7 @@ class ReplyText:
 
     The text is decoded incrementally, so a token costs the same at the end of a long reply as
     at its start. Decoding the whole reply again for every token (as this class once did) made
-    a token's host time grow with the reply: 14 us at 64 tokens, 190 us at 1,024 and 730 us at
+    a token's host time grow with the reply: 14 us at 64 tokens, 175 us at 1,024 and 666 us at
     4,096 on a 2-core CPU (`bench/reply_text.py`), on the batch scheduler's thread, for every
     sequence of every step. The ids are split at a boundary `_base`: the text of the ids before
     it is final (`_final`), and only the ids after it are decoded again, beside the few before
