@@ -190,12 +190,15 @@ def as_ids(ids: torch.Tensor | Sequence[int]) -> Ids:
             raise TypeError(f"token ids must be integers, got a {ids.dtype} tensor")
         return tuple(ids.tolist())
     t = tuple(ids)
-    if set(map(type, t)) <= {int}:
+    kinds = set(map(type, t))
+    if kinds <= {int}:
         return t
     try:
+        if bool in kinds:  # a mask passed for the ids, most likely
+            raise TypeError
         return tuple(operator.index(x) for x in t)
     except TypeError:
-        bad = next(x for x in t if not hasattr(type(x), "__index__"))
+        bad = next(x for x in t if type(x) is bool or not hasattr(type(x), "__index__"))
         raise TypeError(
             f"token ids must be integers, got {type(bad).__name__} {bad!r:.40}"
         ) from None

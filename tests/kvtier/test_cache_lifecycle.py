@@ -307,10 +307,10 @@ def test_token_ids_are_ints_in_a_tuple_and_anything_else_is_a_type_error() -> No
 
     assert as_ids([3, 4, 5]) == (3, 4, 5)
     assert as_ids(torch.tensor([[3, 4, 5]])) == (3, 4, 5)
-    for odd in (np.array([3, 4, 5]), [np.int64(3), 4, True]):
+    for odd in (np.array([3, 4, 5]), [np.int64(3), 4, np.int32(5)]):
         ids = as_ids(odd)
         assert ids[:2] == (3, 4) and {type(x) for x in ids} == {int}, ids
-    for bad in ([1, 2.0], ["1"], torch.tensor([1.0, 2.0]), torch.tensor([True])):
+    for bad in ([1, 2.0], ["1"], [3, True], torch.tensor([1.0, 2.0]), torch.tensor([True])):
         with pytest.raises(TypeError, match="token ids must be integers"):
             as_ids(bad)
     with pytest.raises(ValueError, match="one sequence"):
