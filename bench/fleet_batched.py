@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from array import array
 from types import SimpleNamespace
 from typing import Any
 
@@ -155,7 +156,9 @@ def run_batched(
     thread = threading.Thread(target=loop.run_forever, name="fleet-clients", daemon=True)
     thread.start()
     win = Window(device, warmup, limit, segments=bool(getattr(sched_config, "stacks", False)))
-    received: list[tuple[float, int]] = []  # (arrival, tokens) of every delta
+    # arrival and tokens of every delta; arrays, which the collector never walks (a list of
+    # tuples grew by one per token and was walked by every collection that reached it)
+    arrivals, counts = array("d"), array("q")
     slot_waits: list[float] = []  # each turn's wait for a generation slot
 
     async def client(sid: int, slots: asyncio.Semaphore) -> None:
@@ -191,7 +194,8 @@ def run_batched(
                             now = time.perf_counter()
                             first = first if first is not None else now
                             text.append(ev.text)
-                            received.append((now, len(ev.text)))
+                            arrivals.append(now)
+                            counts.append(len(ev.text))
             except Exception as exc:  # counted; the scheduler aborted the turn
                 m.fail(exc)
                 continue
@@ -233,7 +237,7 @@ def run_batched(
         sched.close()
         loop.call_soon_threadsafe(loop.stop)
         thread.join(timeout=10)
-    m.tokens = sum(k for t, k in received if win.inside(t))
+    m.tokens = sum(k for t, k in zip(arrivals, counts, strict=True) if win.inside(t))
     inside = [(s, b, d) for t, s, b, d in log.steps if win.inside(t)]
     m.steps = [s for s, _, _ in inside]
     m.extra["mean_batch"] = sum(b for _, b, _ in inside) / max(len(inside), 1)
