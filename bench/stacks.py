@@ -20,6 +20,11 @@ every wait of its own past `GAP` seconds, charged to the line each busy thread o
 was on when the wait ended (the GIL's holder is among them, on the line it just left). Both
 are also given per step in `tail_report`.
 
+At the end (`stop`) it takes a census of what a full collection walks: the collector's tracked
+objects outside `gc.freeze()` by type, the references each type holds, and one timed full
+collection (`census`). The collections free next to nothing in the serving, so this is their
+cost.
+
 With `garbage=True` the collector also keeps what it finds in the window (`gc.DEBUG_SAVEALL`),
 and the report counts it by type: the reference cycles the serving makes, which the young
 collections must find and free (tensors in them free device memory from inside a collection).
