@@ -215,8 +215,10 @@ def create_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         log.info("%s", state.auth.describe())
         state.auth.install_sighup()
+        state.metrics.watch_gc()
         task = asyncio.create_task(load())
         yield
+        state.metrics.watch_gc(False)
         state.auth.remove_sighup()
         await task
         if state.engine is not None:

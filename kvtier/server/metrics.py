@@ -6,11 +6,16 @@ cache and host metrics on one `/metrics` without kvtier importing ops.
 
 from __future__ import annotations
 
+import gc
+import time
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+GC_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
 
 
 class ServerMetrics:
@@ -99,6 +104,30 @@ class ServerMetrics:
             "Degraded turns whose K/V was read, wholly or partly, from int8 pages (--degraded-kv).",
             registry=registry,
         )
+
+        self.gc_pause_seconds = Histogram(
+            "kvtier_server_gc_pause_seconds",
+            "Python's cyclic garbage collections while serving, by generation: each holds every "
+            "thread of the process, the batch scheduler's included.",
+            ["generation"],
+            buckets=GC_BUCKETS,
+            registry=registry,
+        )
+        self._gc_start = 0.0
+
+    def watch_gc(self, on: bool = True) -> None:
+        """Time every garbage collection of the process (`gc.callbacks`) from now on, or stop."""
+        if on and self._on_gc not in gc.callbacks:
+            gc.callbacks.append(self._on_gc)
+        elif not on and self._on_gc in gc.callbacks:
+            gc.callbacks.remove(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._gc_start = time.perf_counter()
+        elif self._gc_start:
+            seconds = time.perf_counter() - self._gc_start
+            self.gc_pause_seconds.labels(generation=str(info["generation"])).observe(seconds)
 
     def devices(self, ok: int, lost: int, state: str, failover_s: float | None = None) -> None:
         self.device_count.labels(state="ok").set(ok)

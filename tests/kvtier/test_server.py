@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 
@@ -43,6 +44,9 @@ def test_health_ready_models(server: Server, client: openai.OpenAI) -> None:
     assert [m.id for m in client.models.list()] == ["default"]
     metrics = httpx.get(server.url + "/metrics").text
     assert "kvtier_server_requests_total" in metrics
+    # the start-up's full collection (before gc.freeze) was timed
+    full = re.search(r'kvtier_server_gc_pause_seconds_count\{generation="2"\} (\S+)', metrics)
+    assert full is not None and float(full.group(1)) >= 1, metrics[-2000:]
 
 
 def test_chat_non_streaming_reports_usage_and_restore_source(client: openai.OpenAI) -> None:
