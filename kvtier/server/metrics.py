@@ -113,6 +113,10 @@ class ServerMetrics:
             buckets=GC_BUCKETS,
             registry=registry,
         )
+        # One child per generation, made now: the callback must not take the family's lock.
+        # A scrape copies the family's children under that (non-reentrant) lock, the copy may
+        # start a collection in the scraping thread, and the callback runs in that thread.
+        self._gc_pause = {g: self.gc_pause_seconds.labels(generation=str(g)) for g in range(3)}
         self._gc_start = 0.0
 
     def watch_gc(self, on: bool = True) -> None:
@@ -125,9 +129,8 @@ class ServerMetrics:
     def _on_gc(self, phase: str, info: dict[str, Any]) -> None:
         if phase == "start":
             self._gc_start = time.perf_counter()
-        elif self._gc_start:
-            seconds = time.perf_counter() - self._gc_start
-            self.gc_pause_seconds.labels(generation=str(info["generation"])).observe(seconds)
+        elif self._gc_start and (child := self._gc_pause.get(info["generation"])) is not None:
+            child.observe(time.perf_counter() - self._gc_start)
 
     def devices(self, ok: int, lost: int, state: str, failover_s: float | None = None) -> None:
         self.device_count.labels(state="ok").set(ok)
