@@ -109,6 +109,15 @@ def l2_row(screen: str) -> str:
 
 
 @pytest.mark.slow
+def _host_disk_nearly_full(path: Path) -> bool:
+    """The filesystem under `path` (the test's L3) near the L3-filesystem alert's free-space
+    threshold: a host filling its own disk then fires that alert, whatever the cache does."""
+    from ops.thresholds import L3_FILESYSTEM
+
+    st = os.statvfs(path)
+    return st.f_bavail / st.f_blocks < L3_FILESYSTEM.value + 0.05
+
+
 def test_kvtop_in_tmux_matches_metrics_and_obeys_keys(tmp_path: Path, tmux_factory) -> None:
     from test_kvtop_live import live_exporter
 
@@ -142,7 +151,10 @@ def test_kvtop_in_tmux_matches_metrics_and_obeys_keys(tmp_path: Path, tmux_facto
             matched = screen
         assert matched, "the cache never settled after the workload stopped"
         assert "Traceback" not in matched
-        assert "alerts: none would fire now" in matched
+        if _host_disk_nearly_full(tmp_path):  # the host's own disk, not the cache's doing
+            assert "alerts: none would fire now" in matched or "L3FilesystemFilling" in matched
+        else:
+            assert "alerts: none would fire now" in matched
         listed = sum(int(after.get("kvtier_sessions", state=st) or 0) for st in STATES)
         assert f"top {listed} of {listed} by bytes" in matched  # the list agrees with the gauges
         (tmp_path / "screen.txt").write_text(matched)
