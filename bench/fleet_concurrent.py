@@ -10,7 +10,8 @@ Two scenarios, each run with every configuration:
   fit        `--sessions` sessions (64), all decoding at once, all KV fits in L1
   hibernate  `--hibernate-sessions` sessions (256) with an L1 budget and a batch for
              `--l1-sessions` (64): the rest hibernate in L2/L3 and return after their think time
-             (by default long enough that about `--l1-sessions` are active at a time)
+             (by default long enough that about `--l1-sessions` are active at a time, if
+             each turn took as long as in the fit scenario: `--think-from`)
 
 Configurations:
   ceiling      (a) batched eager DynamicCache, all KV resident, every session in lockstep (equal
@@ -35,6 +36,8 @@ Configurations:
   kvtier-gc10k (d) with young collections every 10,000 net allocations instead of 700 (the
                serving makes no reference cycles on an H200, `--gc-garbage`, so a collection
                only walks live objects: fewer of them, the same garbage freed)
+  kvtier-pN    (d) with N prompt tokens in a step that also decodes (`decoding_prompt_tokens`;
+               the default is the server's, 128)
 
 Each session's initial context (a shared `--system`-token system prompt, then its own tokens)
 is prefilled once per scenario, batched; its K/V is kept on the host (the "bank") and copied
@@ -59,6 +62,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import re
 import shutil
 import sys
 import tempfile
@@ -142,8 +146,10 @@ def fresh(device: str) -> None:
         torch.cuda.reset_peak_memory_stats()
 
 
-def run_scenario(args, model, dev: str, scen: str, n: int, fleet_ceiling, tmp: Path):
-    """Every configuration on one scenario; returns (rows, the ceiling Measure)."""
+def run_scenario(args, model, dev: str, scen: str, n: int, fleet_ceiling, fit_step, tmp: Path):
+    """Every configuration on one scenario; returns (rows, the ceiling Measure, the step P50 of
+    the `kvtier` configuration or None). `fit_step`: that step in the fit scenario, for the
+    hibernate scenario's think time."""
     geo = KVGeometry.from_config(model.config, dtype=str(model.dtype).split(".")[-1])
     per_token = geo.bytes_per_token
     batch = args.sessions if scen == "fit" else args.l1_sessions
@@ -168,7 +174,7 @@ def run_scenario(args, model, dev: str, scen: str, n: int, fleet_ceiling, tmp: P
     print(f"[{scen}] {n} contexts prefilled in {time.perf_counter() - t0:.1f}s", flush=True)
     think = args.think
     if scen == "hibernate":
-        think = hibernate_think(args, n, batch, fleet_ceiling)
+        think = hibernate_think(args, n, batch, fleet_ceiling, fit_step)
     fleet = serve.Fleet(ctxs, system, args.decode_tokens, think, args.max_growth, args.seed)
     # the window opens once the first arrivals (spread over the think time) have settled
     warmup = args.warmup + (sum(think) / 2 if scen == "hibernate" else 0.0)
@@ -178,6 +184,10 @@ def run_scenario(args, model, dev: str, scen: str, n: int, fleet_ceiling, tmp: P
         f"L2 {l2_bytes / 2**30:.2f} GiB, batch {batch}",
         flush=True,
     )
+    if scen == "hibernate":
+        # what the sessions could ask for at most: every turn served at once, no queueing
+        offered = n * args.decode_tokens / (sum(think) / 2)
+        print(f"[{scen}] offered at most {offered:,.0f} tok/s (turns taking no time)", flush=True)
     names = [c for c in args.configs.split(",") if c]
     measures: list[serve.Measure] = []
     ceiling = None
@@ -222,6 +232,8 @@ def run_scenario(args, model, dev: str, scen: str, n: int, fleet_ceiling, tmp: P
                         cfg.switch_interval_s = 0.0001
                     if name == "kvtier-admit1":  # at most one turn admitted per step
                         cfg.admissions_per_step = 1
+                    if re.fullmatch(r"kvtier-p\d+", name):  # prompt tokens of a decoding step
+                        cfg.decoding_prompt_tokens = int(name[len("kvtier-p") :])
                     thresholds = gc.get_threshold()
                     if name == "kvtier-nogc":
                         gc.disable()
@@ -267,25 +279,31 @@ def run_scenario(args, model, dev: str, scen: str, n: int, fleet_ceiling, tmp: P
     ]
     if ceiling is not None and ceiling not in measures:
         rows[0]["note"] = f"ceiling at batch {batch}, measured in the fit scenario of this run"
-    return rows, ceiling
+    ours = next((m for m in measures if m.name == "kvtier" and m.steps), None)
+    return rows, ceiling, report.pct(ours.steps, 0.5) if ours is not None else None
 
 
 def bank_rows(bank, n: int):
     return [(k[:n], v[:n]) for k, v in bank]
 
 
-def hibernate_think(args, n: int, batch: int, ceiling) -> tuple[float, float]:
+def hibernate_think(args, n: int, batch: int, ceiling, fit_step=None) -> tuple[float, float]:
     """Think time that keeps about `batch` of the `n` sessions in a turn: (n/batch - 1) turn
-    times, the turn time taken from the ceiling's step (or `--step-guess` without one).
+    times, uniform within +-25 %. The turn time is `--decode-tokens` steps of (`--think-from`):
 
-    The ceiling's step, not kvtier's: from the fit scenario's kvtier step (17 ms on an H200
-    whose ceiling stepped in 33 ms), the 256 sessions asked for more than the hibernate
-    scenario serves there (its steps took 25 ms), and returning turns queued 2.5-3 s for a
-    slot. On such an instance, the ceiling's step leaves kvtier's batch part-empty instead."""
+    kvtier   the `kvtier` configuration's step P50 in the fit scenario of this run (the
+             default): the load the server itself could carry with a full batch. A server
+             slower in this scenario than in fit queues returning turns, which TTFT shows.
+    ceiling  the eager ceiling's step. It is 1.5-2 x kvtier's on an H200 and varies with the
+             instance (26-35 ms), so the load offered follows the instance: at a 35 ms step
+             the 256 sessions ask for at most about 2,400 tok/s, less than the target.
+
+    Without the chosen step, the other one, else `--step-guess`."""
     if args.think_hibernate:
         return args.think_hibernate
-    step = report.pct(ceiling.steps, 0.5) if ceiling is not None and ceiling.steps else None
-    step = step or args.step_guess
+    eager = report.pct(ceiling.steps, 0.5) if ceiling is not None and ceiling.steps else None
+    first, second = (fit_step, eager) if args.think_from == "kvtier" else (eager, fit_step)
+    step = first or second or args.step_guess
     turn = args.decode_tokens * step
     mean = max(n / batch - 1, 0.0) * turn
     return (0.75 * mean, 1.25 * mean)
@@ -323,7 +341,13 @@ def main(argv: list[str] | None = None) -> None:
         "--think-hibernate",
         type=pair,
         default=None,
-        help="hibernate: think seconds lo,hi (default: from the ceiling's step)",
+        help="hibernate: think seconds lo,hi (default: from a step, --think-from)",
+    )
+    ap.add_argument(
+        "--think-from",
+        choices=("kvtier", "ceiling"),
+        default="kvtier",
+        help="hibernate think time from the fit scenario's kvtier step or the ceiling's step",
     )
     ap.add_argument(
         "--step-guess",
@@ -398,13 +422,14 @@ def main(argv: list[str] | None = None) -> None:
     results: dict[str, list[dict]] = {}
     checks: dict[str, list[dict]] = {}
     texts = []
-    ceiling = None
+    ceiling = fit_step = None
     try:
         for scen, n in (("fit", args.sessions), ("hibernate", args.hibernate_sessions)):
             if n <= 0:
                 continue
-            rows, c = run_scenario(args, model, dev, scen, n, ceiling, tmp)
+            rows, c, step = run_scenario(args, model, dev, scen, n, ceiling, fit_step, tmp)
             ceiling = ceiling or c
+            fit_step = fit_step or step
             results[scen] = rows
             checks[scen] = report.targets(scen, rows)
             title = (
