@@ -161,8 +161,7 @@ class BatchScheduler(Stepping):
         # where L2/L3 hold approximate K/V (an int8 or fp8 codec): a session restored from L1
         # would then read another's approximate prefix instead of its own exact one.
         self.share_prefixes = str(getattr(config, "codec", "native")) == "native"
-        self._prefixes = PrefixPages()
-        self._prefix_pool: PagePool | None = None  # the pool the index's pages belong to
+        self._prefixes = PrefixPages(self.pool)
         self.shared_pages = 0  # pages taken from a running sequence at admission, in all
         self._events = EventPost()  # this iteration's events, handed over together
         # overlapped steps (kvtier.server.lookahead): the step in flight, its tokens not taken
@@ -435,9 +434,8 @@ class BatchScheduler(Stepping):
         """Whether admissions share prefix pages now: not from an int8 pool (degraded mode)."""
         if not self.share_prefixes or self.pool.quantized:
             return False
-        if self._prefix_pool is not self.pool:  # rebuilt by a device failover: a new index
-            self._prefixes.clear()
-            self._prefix_pool = self.pool
+        if self._prefixes.pool is not self.pool:  # rebuilt by a device failover: a new index
+            self._prefixes = PrefixPages(self.pool)
         return True
 
     def _page_keys(self, s: _Seq) -> list[bytes]:
@@ -453,7 +451,7 @@ class BatchScheduler(Stepping):
         pages (the same tenant and tokens from position 0)."""
         if s.cached < self.pool.page_size or not self.running or not self._sharing():
             return []
-        return self._prefixes.lookup(self._page_keys(s), self.running)
+        return self._prefixes.lookup(self._page_keys(s))
 
     def _release(self, s: _Seq) -> None:
         """`s` leaves the pool: drop its reference to each page (a shared page stays)."""
