@@ -230,6 +230,9 @@ class BatchScheduler(Stepping):
                 self._cond.notify_all()
             return
         s.cached = s.restored.covered
+        if self.share_prefixes and s.cached >= self.pool.page_size:
+            # the prefix's page keys (a hash per page) here, not on the scheduler's thread
+            self._page_keys(s)
         s.trace.restored = time.perf_counter()
         s.stream.put(Started(s.restored.source, s.cached, len(job.prompt_ids)))
         with self._cond:
