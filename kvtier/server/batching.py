@@ -65,7 +65,7 @@ log = logging.getLogger("kvtier.server")
 
 PAGE_SIZE = 16  # tokens per KV page (CPU, or where FlashAttention's varlen cannot run)
 DEFAULT_BATCH_TOKENS = 1024
-DEFAULT_DECODING_PROMPT_TOKENS = 128
+DEFAULT_DECODING_PROMPT_TOKENS = 192
 _CPU_POOL_CAP = 2**30  # an automatic pool on the CPU takes at most this many bytes
 # The interpreter's GIL switch interval while a scheduler runs (Python's default: 5 ms). Every
 # torch call of the scheduler thread releases the GIL and takes it back, and the restore,
@@ -360,7 +360,9 @@ class BatchScheduler(Stepping):
             # Sessions decode in this step: a few prompt tokens ride along, so each of their
             # tokens waits one short step. On an H200 (7B, 64 decoding over 3,000-token
             # contexts) a step took 14 ms alone, 26 ms with 196 prompt tokens and 125 ms with
-            # 930, i.e. prompt tokens cost half as much in small pieces.
+            # 930, i.e. prompt tokens cost half as much in small pieces. 192 rather than 128:
+            # turns then wait less for their prompt's turn and the batch runs fuller (the
+            # fleet bench on an H200: 3,140 tok/s against 2,924 with 64 sessions).
             budget = min(budget, self.decoding_prompt_tokens)
         for s in self.running:
             left = len(s.tokens) - s.fed
