@@ -36,6 +36,8 @@ Configurations:
   kvtier-gc10k (d) with young collections every 10,000 net allocations instead of 700 (the
                serving makes no reference cycles on an H200, `--gc-garbage`, so a collection
                only walks live objects: fewer of them, the same garbage freed)
+  kvtier-park  (d) with `park_pages`: a finished turn's pages stay in the pool as its
+               session's, and its next turn (restored from L1) starts from them
   kvtier-pN    (d) with N prompt tokens in a step that also decodes (`decoding_prompt_tokens`;
                the default is the server's, 128)
 
@@ -232,6 +234,8 @@ def run_scenario(args, model, dev: str, scen: str, n: int, fleet_ceiling, fit_st
                         cfg.switch_interval_s = 0.0001
                     if name == "kvtier-admit1":  # at most one turn admitted per step
                         cfg.admissions_per_step = 1
+                    if name == "kvtier-park":  # finished turns' pages parked in the pool
+                        cfg.park_pages = True
                     if re.fullmatch(r"kvtier-p\d+", name):  # prompt tokens of a decoding step
                         cfg.decoding_prompt_tokens = int(name[len("kvtier-p") :])
                     thresholds = gc.get_threshold()

@@ -44,6 +44,8 @@ def start(args: argparse.Namespace, batching: bool, work: Path) -> tuple[subproc
     cmd += ["--batching" if batching else "--no-batching", "--device", args.device]
     if args.model:
         cmd += ["--model", args.model]
+    if args.park_pages:
+        cmd += ["--park-pages"]
     path = os.environ.get("PYTHONPATH")
     env = {**os.environ, "PYTHONPATH": str(ROOT) + (os.pathsep + path if path else "")}
     env = {k: v for k, v in env.items() if not k.startswith("KVTIER_")}
@@ -122,6 +124,9 @@ def main() -> None:
     ap.add_argument("--sessions", default="1,16", help="comma-separated session counts")
     ap.add_argument("--modes", default="on,off", help="batching modes to run: on, off or both")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument(
+        "--park-pages", action="store_true", help="serve with --park-pages (batching on)"
+    )
     ap.add_argument("--model", default=None, help="local HF model dir (default: built-in)")
     ap.add_argument("--max-tokens", type=int, default=64, help="new tokens per request")
     ap.add_argument("--seconds", type=float, default=20.0, help="measured window per point")

@@ -32,13 +32,14 @@ hibernate on cancel, forget when ephemeral). Restores and commits never stall th
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import logging
 import os
 import sys
 import threading
 import time
 from array import array
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from typing import Any
 
@@ -60,6 +61,7 @@ from kvtier.server.sampling import ReplyText, make_generator
 from kvtier.server.stepping import Stepping, _Pending, _Seq
 from kvtier.server.turntrace import TurnTrace
 from kvtier.tiers import l3_io
+from kvtier.types import RestoreSource
 
 log = logging.getLogger("kvtier.server")
 
@@ -77,6 +79,14 @@ SWITCH_INTERVAL_S = 0.0005
 # turns: in the 256-session fleet on an H200, 4 threads served 2,266 tok/s and 8 served
 # 2,577-2,679 (docs/benchmarks.md, "The restore threads' waits").
 HELPER_THREADS_CUDA = 8
+
+
+@dataclasses.dataclass(eq=False)
+class _Parked:
+    """A finished turn's pages, kept in the pool for its session's next turn (`park_pages`)."""
+
+    table: PagedSequence  # `length`: the tokens whose K/V the pages hold
+    tokens: array[int]  # those tokens' ids
 
 
 def pool_bytes(served: ServedModel, config: Any, per_token: int) -> int:
@@ -162,6 +172,14 @@ class BatchScheduler(Stepping):
         # would then read another's approximate prefix instead of its own exact one.
         self.share_prefixes = str(getattr(config, "codec", "native")) == "native"
         self._prefixes = PrefixPages(self.pool)
+        # Parked pages (`park_pages`): a finished turn's pages stay in the pool as its
+        # session's, least recently parked first out, while nothing else needs them; the next
+        # turn of that session, restored from L1, starts from them instead of a copy of its
+        # prefix (docs/architecture.md, "Parked pages")
+        self.park_pages = bool(getattr(config, "park_pages", False)) and self._keep_kv
+        self._parked: OrderedDict[tuple[str, str], _Parked] = OrderedDict()
+        self._parked_pool: PagePool | None = self.pool
+        self.parked_turns = 0  # turns admitted from their session's parked pages
         self.shared_pages = 0  # pages taken from a running sequence at admission, in all
         self._events = EventPost()  # this iteration's events, handed over together
         # overlapped steps (kvtier.server.lookahead): the step in flight, its tokens not taken
@@ -342,7 +360,7 @@ class BatchScheduler(Stepping):
         need = 0
         while self.running:
             need = sum(pool.pages_needed(s.paged, 1) for s in self._decoding() if s.paged)
-            if need <= pool.num_free:
+            if need <= pool.num_free or self._unpark(need - pool.num_free):
                 break
             if self._pending is not None:  # its finished turns may free pages; and a preempted
                 self._drain()  # sequence must hold its real tokens, not placeholders
@@ -382,11 +400,16 @@ class BatchScheduler(Stepping):
                 self.waiting.popleft()
                 self._fail(s, self._too_long(len(s.tokens)))
                 continue
-            shared = self._shareable(s)  # held already: they take no free page
-            if pages - len(shared) > pool.num_free - need:  # the decoders' new pages come first
-                break  # the pool is full: it waits for a sequence to finish
+            own = self._own_pages(s)
+            want, shared = self._pages_wanted(s, own)  # shared: held already, no free page
+            if want > pool.num_free - need:  # the decoders' new pages come first
+                if not self._unpark(want - (pool.num_free - need), keep=own):
+                    break  # the pool is full: it waits for a sequence to finish
+                want, shared = self._pages_wanted(s, own)  # unparking may have freed them
+                if want > pool.num_free - need:
+                    break
             self.waiting.popleft()
-            if not self._admit(s, shared):
+            if not self._admit(s, shared, own):
                 continue
             admitted += 1
             n = min(len(s.tokens) - s.fed, self.prefill_step, budget)
@@ -404,23 +427,35 @@ class BatchScheduler(Stepping):
             "it, or raise batch_kv_bytes (or turn batching off)"
         )
 
-    def _admit(self, s: _Seq, shared: list[int] | None = None) -> bool:
+    def _admit(self, s: _Seq, shared: list[int] | None = None, own: _Parked | None = None) -> bool:
         """Give a waiting sequence pages for all its known tokens and copy in its cached K/V;
-        `shared` (from `_shareable`) are full pages of its cached prefix that it shares."""
-        seq = PagedSequence()
+        `shared` (from `_shareable`) are full pages of its cached prefix that it shares; `own`
+        (from `_own_pages`) its session's parked pages, which hold that K/V already."""
         s.trace.admitting(self.pool.device)
-        if shared:
-            seq.pages = self.pool.share(shared)
-            seq.length = len(shared) * self.pool.page_size
+        stale = self._parking().pop((s.job.tenant, s.job.session_id), None)
+        if own is not None:
+            assert stale is own
+            seq, stale = own.table, None
+            # written from `cached` on: those pages' keys no longer name their contents
+            self._index().drop(seq.pages[s.cached // self.pool.page_size :])
+            seq.length = s.cached
+            self.parked_turns += 1
+        else:
+            seq = PagedSequence()
+            if shared:
+                seq.pages = self.pool.share(shared)
+                seq.length = len(shared) * self.pool.page_size
         ok = self.pool.reserve(seq, len(s.tokens) - seq.length)
         assert ok, "free pages were counted above"
+        if stale is not None:  # a new turn of the session: its older pages go
+            self._free_table(stale.table)
         try:
             if s.cached > seq.length:
                 assert s.restored is not None
                 copy_in(self.pool, s.restored.kv, seq, seq.length, s.cached)
                 s.trace.copied_in()
         except BaseException as exc:
-            self.pool.release(seq)
+            self._free_table(seq)
             self._fail(s, exc)
             return False
         seq.length = s.cached
@@ -430,18 +465,89 @@ class BatchScheduler(Stepping):
             self.shared_pages += len(shared)
             self._count("shared_kv_pages", len(shared))
         if self._sharing():
-            self._prefixes.register(s, self._page_keys(s), seq)
+            self._index().register(self._page_keys(s), seq)
         return True
+
+    # ---- parked pages (park_pages) --------------------------------------------------------------
+
+    def _parking(self) -> OrderedDict[tuple[str, str], _Parked]:
+        """The parked tables; emptied when a device failover rebuilt the pool (their pages went
+        with the old one)."""
+        if self._parked_pool is not self.pool:
+            self._parked.clear()
+            self._parked_pool = self.pool
+        return self._parked
+
+    def _park(self, s: _Seq) -> bool:
+        """Keep a finished turn's pages as its session's; False where they may not stay: parking
+        off, an ephemeral session, an int8 pool (its pages are approximate, and the session's
+        Cache did not take them)."""
+        if not self.park_pages or s.paged is None or s.job.ephemeral or self.pool.quantized:
+            return False
+        parked = self._parking()
+        key = (s.job.tenant, s.job.session_id)
+        old = parked.pop(key, None)
+        if old is not None:
+            self._free_table(old.table)
+        table = s.paged
+        parked[key] = _Parked(table, array("q", s.tokens[: table.length]))
+        s.paged = None
+        return True
+
+    def _own_pages(self, s: _Seq) -> _Parked | None:
+        """`s`'s session's parked pages when they hold exactly its restored prefix: restored
+        from L1 (what the last turn committed, whose pages these are), the same ids, and no
+        page it will write held by another table."""
+        if not self._parked:
+            return None
+        p = self._parking().get((s.job.tenant, s.job.session_id))
+        if p is None or s.restored is None or s.restored.source != RestoreSource.L1.value:
+            return None
+        n = s.cached
+        if n > p.table.length or p.tokens[:n] != array("q", s.tokens[:n]):
+            return None
+        first = n // self.pool.page_size
+        if any(self.pool.refcount(page) > 1 for page in p.table.pages[first:]):
+            return None
+        return p
+
+    def _pages_wanted(self, s: _Seq, own: _Parked | None) -> tuple[int, list[int]]:
+        """Free pages `s`'s admission takes, and the pages it shares (see `_admit`)."""
+        if own is not None:
+            probe = PagedSequence(list(own.table.pages), s.cached)
+            return self.pool.pages_needed(probe, len(s.tokens) - s.cached), []
+        shared = self._shareable(s)
+        return self.pool.pages_for(len(s.tokens)) - len(shared), shared
+
+    def _unpark(self, pages: int, keep: _Parked | None = None) -> bool:
+        """Free parked tables, least recently parked first (not `keep`), until `pages` more
+        pages are free; whether they are."""
+        parked = self._parking()
+        goal = self.pool.num_free + pages
+        for key in list(parked):
+            if self.pool.num_free >= goal:
+                break
+            if parked[key] is keep:
+                continue
+            self._free_table(parked.pop(key).table)
+        return self.pool.num_free >= goal
+
+    def _free_table(self, table: PagedSequence) -> None:
+        """Give a table's pages back; the prefix index forgets those no other table holds."""
+        self._index().drop(table.pages)
+        self.pool.release(table)
 
     # ---- shared prefix pages (kvtier.server.pageshare) ----------------------------------------
 
     def _sharing(self) -> bool:
         """Whether admissions share prefix pages now: not from an int8 pool (degraded mode)."""
-        if not self.share_prefixes or self.pool.quantized:
-            return False
-        if self._prefixes.pool is not self.pool:  # rebuilt by a device failover: a new index
+        return self.share_prefixes and not self.pool.quantized
+
+    def _index(self) -> PrefixPages:
+        """The prefix-page index of the current pool (a device failover rebuilds the pool)."""
+        if self._prefixes.pool is not self.pool:
             self._prefixes = PrefixPages(self.pool)
-        return True
+        return self._prefixes
 
     def _page_keys(self, s: _Seq) -> list[bytes]:
         """Content keys of the full pages of `s`'s cached prefix (tenant and token ids)."""
@@ -456,13 +562,12 @@ class BatchScheduler(Stepping):
         pages (the same tenant and tokens from position 0)."""
         if s.cached < self.pool.page_size or not self.running or not self._sharing():
             return []
-        return self._prefixes.lookup(self._page_keys(s))
+        return self._index().lookup(self._page_keys(s))
 
     def _release(self, s: _Seq) -> None:
         """`s` leaves the pool: drop its reference to each page (a shared page stays)."""
-        self._prefixes.forget(s)
         if s.paged is not None:
-            self.pool.release(s.paged)
+            self._free_table(s.paged)
             s.paged = None
 
     def _copy_out(self, s: _Seq) -> torch.Tensor | None:
@@ -520,7 +625,8 @@ class BatchScheduler(Stepping):
         except BaseException as exc:
             self._fail(s, exc)
             return
-        self._release(s)
+        if reason == "cancelled" or not self._park(s):  # a client gone: its L1 is freed too
+            self._release(s)
         self._deliver()  # its deltas reach the client before Finished
         self._commits.submit(self._commit, s, reason, fed, new)
 

@@ -91,6 +91,10 @@ class ServerConfig:
     # turns admitted into the batch in one step (0: as many as the budget, slots and pages
     # allow); each one is host work (pages, the copy of its restored prefix) before a launch
     admissions_per_step: int = 0
+    # with batching: a finished turn's KV pages stay in the pool for its session's next turn
+    # (restored from L1, it starts from them, no copy of its prefix) while nothing else needs
+    # them. Off until measured on a GPU (docs/architecture.md, "Parked pages")
+    park_pages: bool = False
     batch_kv_bytes: int = 0  # the batch's KV page pool; 0 = room for max_concurrency contexts
     max_body_bytes: int = 4 * 2**20
     log_level: str = "info"

@@ -15,15 +15,14 @@ Only FULL pages inside a sequence's restored prefix (`cached` tokens) are regist
 shared: the scheduler writes a sequence's pages only past its cached prefix, so a shared page is
 never written, and no shared partial page (copy-on-write) ever arises.
 
-A key is dropped when the last running sequence that holds its page leaves the pool (the
-scheduler calls `forget` before it frees a sequence's pages), so a key never names a freed
-page, nor one given to another sequence since.
+A key is dropped when the last page table that holds its page lets it go (the scheduler calls
+`drop` before it frees a table's pages, or writes a parked table's pages again), so a key never
+names a freed page, nor one given to another sequence since, nor one written since.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 from kvtier.cache.keys import chain, namespace
 from kvtier.paged import PagedSequence, PagePool
@@ -40,28 +39,26 @@ def page_keys(tenant: str, tokens: Sequence[int], page_size: int, pages: int) ->
 
 
 class PrefixPages:
-    """Content key of a full prefix page -> the page, while a running sequence that registered
-    it holds it.
+    """Content key of a full prefix page -> the page, while some page table holds it.
 
-    Two flat maps of bytes and ints (key -> page, page -> key) and a count per holder: the
-    garbage collector walks none of them (dicts of atomic keys and values are untracked), where
-    an entry object per holder and page made it walk about 8,000 of them per collection in the
-    64-session fleet (pages of 16 tokens). A key names one page: when two copies of one prefix
-    run (the second admitted while no holder of the first ran), the first registered stays
-    findable until its last holder leaves.
+    Two flat maps of bytes and ints (key -> page, page -> key): the garbage collector walks
+    neither (dicts of atomic keys and values are untracked), where an entry object per holder
+    and page made it walk about 8,000 of them per collection in the 64-session fleet (pages of
+    16 tokens). A key names one page: when two copies of one prefix are held (the second
+    admitted while no holder of the first ran), the first registered stays findable until its
+    last holder lets it go.
     """
 
     def __init__(self, pool: PagePool | None = None) -> None:
         self.pool = pool  # the pool the pages belong to
         self._page: dict[bytes, int] = {}
         self._key: dict[int, bytes] = {}
-        self._owned: dict[int, int] = {}  # id(holder) -> its registered (leading) pages
 
     def __len__(self) -> int:
         return len(self._page)
 
     def lookup(self, keys: Sequence[bytes]) -> list[int]:
-        """Pages for the longest run of leading `keys` that some running sequence holds."""
+        """Pages for the longest run of leading `keys` that some page table holds."""
         pages: list[int] = []
         for key in keys:
             page = self._page.get(key)
@@ -70,26 +67,20 @@ class PrefixPages:
             pages.append(page)
         return pages
 
-    def register(self, owner: Any, keys: Sequence[bytes], table: PagedSequence) -> None:
-        """`owner` holds `table`, whose first `len(keys)` pages hold its prefix's K/V."""
-        self.forget(owner)
+    def register(self, keys: Sequence[bytes], table: PagedSequence) -> None:
+        """The first `len(keys)` pages of `table` hold the K/V of the prefix those keys name."""
         for key, page in zip(keys, table.pages, strict=False):
             if self._page.setdefault(key, page) == page:
                 self._key[page] = key
-        if keys:
-            self._owned[id(owner)] = len(keys)
 
-    def forget(self, owner: Any) -> None:
-        """`owner` is about to leave the pool (its `paged` still set): drop the keys of its
-        registered pages that no other sequence holds."""
-        n = self._owned.pop(id(owner), 0)
-        table = owner.paged
-        if not n or table is None:
-            return
+    def drop(self, pages: Sequence[int]) -> None:
+        """`pages` are about to be freed or written by their holder: forget the key of each one
+        that no other page table holds. Call it before every `release` of a table and before
+        a table is written below what its keys cover."""
         assert self.pool is not None
-        for page in table.pages[:n]:
+        for page in pages:
             if self.pool.refcount(page) > 1:
-                continue  # a sharer holds it still
+                continue  # another table holds it, unchanged
             key = self._key.pop(page, None)
             if key is not None and self._page.get(key) == page:
                 del self._page[key]

@@ -139,7 +139,7 @@ def options(f: Callable[..., Any]) -> Callable[..., Any]:
         click.option(
             "--decoding-prompt-tokens",
             type=int,
-            help="Prompt tokens in a batched step that also decodes (default 128; 0: up to "
+            help="Prompt tokens in a batched step that also decodes (default 192; 0: up to "
             "--batch-tokens). Small keeps every decode step short; a step without decoders "
             "takes up to --batch-tokens.",
         ),
@@ -149,6 +149,13 @@ def options(f: Callable[..., Any]) -> Callable[..., Any]:
             help="Turns admitted into the batch in one step (default 0: as many as the token "
             "budget, slots and free pages allow). Each admission is host work before the "
             "step's launch; 1 spreads arrivals over steps.",
+        ),
+        click.option(
+            "--park-pages/--no-park-pages",
+            default=None,
+            help="Keep a finished turn's KV pages in the batch's pool as its session's while "
+            "no other turn needs the room; its next turn, restored from L1, starts from them "
+            "instead of a copy (default off).",
         ),
         click.option(
             "--batch-kv-bytes",
