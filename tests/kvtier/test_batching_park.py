@@ -9,9 +9,8 @@ session's greedy reply alone; at the end every page is free or parked.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
-from array import array
 from pathlib import Path
+from typing import Any
 
 import pytest
 from test_batching import _build, _greedy_alone, _job
@@ -27,10 +26,10 @@ from test_batching_share import (
     _restored,
 )
 
+from kvtier.server.backend import TieredBackend
 from kvtier.server.batching import BatchScheduler, _Seq
-from kvtier.server.engine import Job, Stream
+from kvtier.server.model import ServedModel
 from kvtier.server.pageshare import page_keys
-from kvtier.server.sampling import ReplyText, make_generator
 
 
 def _parked_pages(sched: BatchScheduler) -> set[int]:
@@ -45,13 +44,26 @@ def _accounted(sched: BatchScheduler) -> None:
     assert all(pool.refcount(p) >= 1 for p in held)
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])
-def test_a_returning_turn_starts_from_its_parked_pages(kind: str, tmp_path: Path) -> None:
+def _parked_fleet(
+    kind: str, tmp_path: Path, name: str, n: int = 2, **over: Any
+) -> tuple[ServedModel, ServedModel, list[list[int]], BatchScheduler, TieredBackend, list[str]]:
+    """The reference model, the served one, `n` conversations, and a scheduler (parking on)
+    that ran their first turns as sessions `name0`, `name1`, ..."""
     ref = _build(kind)
     served = _build(kind)
-    firsts = _conversations(3)
-    jobs = [_job(f"p{i}", p, 8) for i, p in enumerate(firsts)]
-    sched, backend, replies = _first_turns(served, tmp_path, jobs, park_pages=True)
+    firsts = _conversations(n)
+    jobs = [_job(f"{name}{i}", p, 8) for i, p in enumerate(firsts)]
+    sched, backend, replies = _first_turns(served, tmp_path, jobs, park_pages=True, **over)
+    return ref, served, firsts, sched, backend, replies
+
+
+def _run_alone(sched: BatchScheduler, turn: _Seq) -> None:
+    _run_alone(sched, turn)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_a_returning_turn_starts_from_its_parked_pages(kind: str, tmp_path: Path) -> None:
+    ref, served, firsts, sched, backend, replies = _parked_fleet(kind, tmp_path, "p", 3)
     loop = asyncio.new_event_loop()
     try:
         assert set(sched._parked) == {("t", f"p{i}") for i in range(3)}
@@ -99,8 +111,8 @@ def test_parked_pages_make_room_least_recent_first(tmp_path: Path) -> None:
         oldest = next(iter(sched._parked))
         newest = list(sched._parked)[-1]
         # a third session's first turn needs more than the free pages: the oldest goes
-        third = _restored_first(sched, loop, jobs[2])
-        _drive(sched, lambda step: sched.waiting.append(third) if step == 0 else None)
+        third = _restored(sched, loop, jobs[2], check=False)
+        _run_alone(sched, third)
         assert _reply(served, third) == _greedy_alone(ref, firsts[2], 8)
         assert oldest not in sched._parked and newest in sched._parked
         _accounted(sched)
@@ -109,7 +121,7 @@ def test_parked_pages_make_room_least_recent_first(tmp_path: Path) -> None:
         nxt = _next_prompts([firsts[i]], [replies[i]], 41)[0]
         turn = _restored(sched, loop, _job(newest[1], nxt, 8))
         before = sched.parked_turns
-        _drive(sched, lambda step: sched.waiting.append(turn) if step == 0 else None)
+        _run_alone(sched, turn)
         assert sched.parked_turns == before + 1
         assert _reply(served, turn) == _greedy_alone(ref, nxt, 8)
         _accounted(sched)
@@ -117,29 +129,8 @@ def test_parked_pages_make_room_least_recent_first(tmp_path: Path) -> None:
         _close(sched, backend, loop)
 
 
-def _restored_first(sched: BatchScheduler, loop: asyncio.AbstractEventLoop, job: Job) -> _Seq:
-    """A turn restored however much the cache holds of it (a first turn: nothing of its own),
-    ready to queue."""
-    s = _Seq(
-        job=job,
-        stream=Stream(loop),
-        admitted=0.0,
-        done=concurrent.futures.Future(),
-        reply=ReplyText(sched.served.tokenizer, sched.served.eos_ids, job.stop),
-        gen=make_generator(job.temperature, job.seed),
-        tokens=array("q", job.prompt_ids),
-    )
-    sched._restore(s)
-    sched._arrived.remove(s)
-    return s
-
-
 def test_a_turn_restored_from_l2_copies_in_and_frees_the_old_parked_pages(tmp_path: Path) -> None:
-    ref = _build("qwen2")
-    served = _build("qwen2")
-    firsts = _conversations(2)
-    jobs = [_job(f"h{i}", p, 8) for i, p in enumerate(firsts)]
-    sched, backend, replies = _first_turns(served, tmp_path, jobs, park_pages=True)
+    ref, served, firsts, sched, backend, replies = _parked_fleet("qwen2", tmp_path, "h", 2)
     loop = asyncio.new_event_loop()
     try:
         assert backend.hibernate("h0", "t")  # its L1 goes to L2: the parked pages are not it
@@ -156,7 +147,7 @@ def test_a_turn_restored_from_l2_copies_in_and_frees_the_old_parked_pages(tmp_pa
 
         _drive(sched, hook)
         assert seen == [False]
-        assert sched.parked_turns == 0 and turn.trace.copy_in_s > 0  # copied in from L1
+        assert sched.parked_turns == 0 and turn.trace.copy_in_s > 0  # copied from its Cache
         assert _reply(served, turn) == _greedy_alone(ref, nxt, 16)
         assert ("t", "h0") in sched._parked  # parked again, with this turn's pages
         _accounted(sched)
@@ -171,16 +162,12 @@ def test_a_diverging_turn_reuses_its_pages_and_its_written_pages_lose_their_keys
     conversation just after the common prefix: it restores only up to the edit, starts from
     its parked pages all the same and writes from there, and the index no longer names the
     pages it wrote (another admission would otherwise share K/V of the old tokens)."""
-    ref = _build("llama")
-    served = _build("llama")
-    firsts = _conversations(2)
-    jobs = [_job(f"d{i}", p, 8) for i, p in enumerate(firsts)]
-    sched, backend, replies = _first_turns(served, tmp_path, jobs, park_pages=True)
+    ref, served, firsts, sched, backend, replies = _parked_fleet("llama", tmp_path, "d", 2)
     loop = asyncio.new_event_loop()
     try:
         second = _next_prompts([firsts[0]], [replies[0]], 43)[0]
         turn = _restored(sched, loop, _job("d0", second, 8))
-        _drive(sched, lambda step: sched.waiting.append(turn) if step == 0 else None)
+        _run_alone(sched, turn)
         assert _reply(served, turn) == _greedy_alone(ref, second, 8)
         registered = page_keys("t", second, 16, turn.cached // 16)
         assert len(sched._index().lookup(registered)) == len(registered) > (COMMON + 3) // 16
@@ -190,7 +177,7 @@ def test_a_diverging_turn_reuses_its_pages_and_its_written_pages_lose_their_keys
         assert second[edit] != 35
         turn = _restored(sched, loop, _job("d0", third, 12))
         assert turn.cached == edit
-        _drive(sched, lambda step: sched.waiting.append(turn) if step == 0 else None)
+        _run_alone(sched, turn)
         assert sched.parked_turns == 2
         assert _reply(served, turn) == _greedy_alone(ref, third, 12)
         # page `edit // 16` on were written: their old keys are gone
@@ -234,11 +221,7 @@ def test_a_turn_that_would_write_a_page_another_table_holds_copies_in_instead(
     first session then edits its conversation inside that prefix: starting from its parked
     pages would write pages the other session's parked table holds, so it copies in instead,
     and the other session's next turn still starts from its own, unchanged pages."""
-    ref = _build("qwen2")
-    served = _build("qwen2")
-    firsts = _conversations(2)
-    jobs = [_job(f"w{i}", p, 8) for i, p in enumerate(firsts)]
-    sched, backend, replies = _first_turns(served, tmp_path, jobs, park_pages=True)
+    ref, served, firsts, sched, backend, replies = _parked_fleet("qwen2", tmp_path, "w", 2)
     loop = asyncio.new_event_loop()
     try:
         seconds = _next_prompts(firsts, replies, 44)
@@ -255,16 +238,16 @@ def test_a_turn_that_would_write_a_page_another_table_holds_copies_in_instead(
 
         edit = 40  # inside the common prefix
         third = seconds[0][:edit] + [35] * 5 + seconds[0][edit + 5 :]
-        turn = _restored_first(sched, loop, _job("w0", third, 8))
+        turn = _restored(sched, loop, _job("w0", third, 8), check=False)
         assert turn.cached == edit
         before = sched.parked_turns
-        _drive(sched, lambda step: sched.waiting.append(turn) if step == 0 else None)
+        _run_alone(sched, turn)
         assert sched.parked_turns == before  # not from its parked pages
         assert _reply(served, turn) == _greedy_alone(ref, third, 8)
 
         other = _next_prompts([seconds[1]], [_reply(served, turns[1])], 45)[0]
         turn = _restored(sched, loop, _job("w1", other, 8))
-        _drive(sched, lambda step: sched.waiting.append(turn) if step == 0 else None)
+        _run_alone(sched, turn)
         assert sched.parked_turns == before + 1  # from its own parked pages
         assert _reply(served, turn) == _greedy_alone(ref, other, 8)
         _accounted(sched)
