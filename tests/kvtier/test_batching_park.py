@@ -58,7 +58,8 @@ def _parked_fleet(
 
 
 def _run_alone(sched: BatchScheduler, turn: _Seq) -> None:
-    _run_alone(sched, turn)
+    """Queue `turn` and step until it is done."""
+    _drive(sched, lambda step: sched.waiting.append(turn) if step == 0 else None)
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
