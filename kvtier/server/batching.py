@@ -440,6 +440,7 @@ class BatchScheduler(Stepping):
             self._index().drop(seq.pages[s.cached // self.pool.page_size :])
             seq.length = s.cached
             self.parked_turns += 1
+            self._count("parked_turns")
         else:
             seq = PagedSequence()
             if shared:

@@ -99,6 +99,12 @@ class ServerMetrics:
             "of its tenant instead of copying them (batching scheduler).",
             registry=registry,
         )
+        self.parked_turns = Counter(
+            "kvtier_server_parked_turns_total",
+            "Returning turns that started from their session's parked KV pages instead of a "
+            "copy of their restored prefix (batching scheduler, --park-pages).",
+            registry=registry,
+        )
         self.int8_kv_turns = Counter(
             "kvtier_server_int8_kv_turns_total",
             "Degraded turns whose K/V was read, wholly or partly, from int8 pages (--degraded-kv).",
@@ -150,6 +156,7 @@ class ServerMetrics:
             "streaming_turns": self.streaming_turns,
             "int8_kv_turns": self.int8_kv_turns,
             "shared_kv_pages": self.shared_kv_pages,
+            "parked_turns": self.parked_turns,
         }[name].inc(n)
 
     def ttft(self, source: str, seconds: float) -> None:

@@ -101,6 +101,40 @@ def test_session_id_from_user_field_and_second_turn_restores(
     assert usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens
 
 
+def test_park_pages_serves_the_same_replies(
+    server: Server, client: openai.OpenAI, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """A server with --park-pages answers a three-turn conversation exactly as the module's
+    server without it, and its returning turns start from their parked pages."""
+    park = Server(
+        tmp_path_factory.mktemp("park") / "l3", "--max-concurrency", "4", *SMALL, "--park-pages"
+    ).start()
+    try:
+        parked = openai.OpenAI(base_url=park.url + "/v1", api_key="unused", max_retries=0)
+        replies: list[list[str]] = []
+        for c in (client, parked):
+            messages = [{"role": "system", "content": SYSTEM}]
+            said: list[str] = []
+            for text in ("plan the task", "run step one", "report"):
+                messages.append({"role": "user", "content": text})
+                out = c.chat.completions.create(
+                    model="default",
+                    messages=messages,  # type: ignore[arg-type]
+                    temperature=0,
+                    max_tokens=10,
+                    extra_headers={"X-Session-ID": "park-conv", "X-Tenant": "park"},
+                )
+                said.append(out.choices[0].message.content or "")
+                messages.append({"role": "assistant", "content": said[-1]})
+            replies.append(said)
+        assert replies[0] == replies[1]
+        text = httpx.get(park.url + "/metrics", timeout=10).text
+        found = re.search(r"^kvtier_server_parked_turns_total ([0-9.]+)$", text, re.M)
+        assert found and float(found.group(1)) >= 2, text[-2000:]
+    finally:
+        assert park.stop() == 0, park.output()
+
+
 def test_unknown_model_is_openai_404(client: openai.OpenAI) -> None:
     with pytest.raises(openai.NotFoundError) as err:
         client.chat.completions.create(
