@@ -178,7 +178,7 @@ class BatchScheduler(Stepping):
         # prefix (docs/architecture.md, "Parked pages")
         self.park_pages = bool(getattr(config, "park_pages", False)) and self._keep_kv
         self._parked: OrderedDict[tuple[str, str], _Parked] = OrderedDict()
-        self._parked_pool: PagePool | None = self.pool
+        self._state_pool: PagePool | None = self.pool  # the pool the two above belong to
         self.parked_turns = 0  # turns admitted from their session's parked pages
         self.shared_pages = 0  # pages taken from a running sequence at admission, in all
         self._events = EventPost()  # this iteration's events, handed over together
@@ -471,12 +471,17 @@ class BatchScheduler(Stepping):
 
     # ---- parked pages (park_pages) --------------------------------------------------------------
 
-    def _parking(self) -> OrderedDict[tuple[str, str], _Parked]:
-        """The parked tables; emptied when a device failover rebuilt the pool (their pages went
-        with the old one)."""
-        if self._parked_pool is not self.pool:
+    def _pool_state(self) -> None:
+        """The prefix index and the parked tables name pages of one pool: when a device
+        failover has rebuilt it, they start empty (the old pages went with the old pool)."""
+        if self._state_pool is not self.pool:
+            self._prefixes = PrefixPages(self.pool)
             self._parked.clear()
-            self._parked_pool = self.pool
+            self._state_pool = self.pool
+
+    def _parking(self) -> OrderedDict[tuple[str, str], _Parked]:
+        """The parked tables of the current pool."""
+        self._pool_state()
         return self._parked
 
     def _park(self, s: _Seq) -> bool:
@@ -514,9 +519,8 @@ class BatchScheduler(Stepping):
 
     def _pages_wanted(self, s: _Seq, own: _Parked | None) -> tuple[int, list[int]]:
         """Free pages `s`'s admission takes, and the pages it shares (see `_admit`)."""
-        if own is not None:
-            probe = PagedSequence(list(own.table.pages), s.cached)
-            return self.pool.pages_needed(probe, len(s.tokens) - s.cached), []
+        if own is not None:  # its pages from `cached` on are its own: no copy-on-write
+            return max(0, self.pool.pages_for(len(s.tokens)) - len(own.table.pages)), []
         shared = self._shareable(s)
         return self.pool.pages_for(len(s.tokens)) - len(shared), shared
 
@@ -545,9 +549,8 @@ class BatchScheduler(Stepping):
         return self.share_prefixes and not self.pool.quantized
 
     def _index(self) -> PrefixPages:
-        """The prefix-page index of the current pool (a device failover rebuilds the pool)."""
-        if self._prefixes.pool is not self.pool:
-            self._prefixes = PrefixPages(self.pool)
+        """The prefix-page index of the current pool."""
+        self._pool_state()
         return self._prefixes
 
     def _page_keys(self, s: _Seq) -> list[bytes]:
