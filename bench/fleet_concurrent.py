@@ -38,6 +38,9 @@ Configurations:
                only walks live objects: fewer of them, the same garbage freed)
   kvtier-park  (d) with `park_pages`: a finished turn's pages stay in the pool as its
                session's, and its next turn (restored from L1) starts from them
+  kvtier-paged (d) with `paged_l1`: the page pool is the sessions' L1. A quarter of the L1
+               budget stays the cache's L1, for restores from L2/L3 until their admission;
+               the rest goes to the pool, where finished turns park their pages
   kvtier-pN    (d) with N prompt tokens in a step that also decodes (`decoding_prompt_tokens`;
                the default is the server's, 128)
 
@@ -219,9 +222,9 @@ def run_scenario(args, model, dev: str, scen: str, n: int, fleet_ceiling, fit_st
                     m = serve.run_generate(model, fleet, dev, limit)
             elif name.startswith("kvtier"):
                 codec = "int8" if name.endswith("int8") else "native"
-                backend = serve.tiered_backend(
-                    model, root, codec, l1_bytes, l2_bytes, args.write_policy
-                )
+                # paged L1: the cache's L1 only carries restores from L2/L3 into the pages
+                l1 = l1_bytes // 4 if name == "kvtier-paged" else l1_bytes
+                backend = serve.tiered_backend(model, root, codec, l1, l2_bytes, args.write_policy)
                 if name == "kvtier-seq":
                     m = serve.run_sequential(model, fleet, bank, dev, warmup, limit, backend)
                 else:
@@ -236,6 +239,9 @@ def run_scenario(args, model, dev: str, scen: str, n: int, fleet_ceiling, fit_st
                         cfg.admissions_per_step = 1
                     if name == "kvtier-park":  # finished turns' pages parked in the pool
                         cfg.park_pages = True
+                    if name == "kvtier-paged":  # the pool is L1: it takes the L1 budget's rest
+                        cfg.paged_l1 = True
+                        cfg.batch_kv_bytes += l1_bytes - l1
                     if re.fullmatch(r"kvtier-p\d+", name):  # prompt tokens of a decoding step
                         cfg.decoding_prompt_tokens = int(name[len("kvtier-p") :])
                     thresholds = gc.get_threshold()

@@ -37,6 +37,7 @@ from kvtier.cache.directory import Chunk, ChunkDirectory
 from kvtier.cache.keys import SHARED_TENANT, TENANT_MAX_BYTES, chunk_key, namespace
 from kvtier.cache.l4 import SharedTier
 from kvtier.cache.lifecycle import LifecycleMixin
+from kvtier.cache.restore import common_prefix
 from kvtier.cache.session import Ids, Session
 from kvtier.cache.stats import Counters, SnapshotInputs, build_snapshot
 from kvtier.codecs import make_codec
@@ -318,6 +319,40 @@ class TieredCache(LifecycleMixin):
             self._restoring -= 1
             self._idle.notify_all()
             return self._restored(s, _restore.publish(self, s, plan), t0)
+
+    def resume_pages(self, s: Session, ids: Ids, held: int) -> int:
+        """Start a turn whose first `held` tokens' K/V a batch's page pool holds (`paged_l1`:
+        the pages are the session's L1): nothing is copied. Returns how many leading tokens
+        of `ids` (never the last) the turn may take from those pages: the part of `held` that
+        the session's stored tokens also cover, so that the commit that follows continues a
+        prefix the cache knows. 0: none; the session is then left as it was, for `restore`."""
+        t0 = time.perf_counter()
+        with self._lock:
+            self._check_open()
+            if s.state in (SessionState.ACTIVE, SessionState.CLOSED):
+                return 0
+            n = min(held, common_prefix(s.tokens, ids[:-1]))
+            if n <= 0:
+                return 0
+            self._release_l1(s)  # the pages hold the same tokens' K/V
+            self.truncate(s, n)
+            s.state = SessionState.ACTIVE
+            s.last_active = time.time()
+            self.counters.hits["l1"] += 1
+            self.counters.restored_tokens["l1"] += n
+            s.restore_source = "l1"
+            self.counters.decisions["l1"] += 1
+            self._record_latency("l1", time.perf_counter() - t0)
+            return n
+
+    def drop_l1(self, s: Session, bufs: Any) -> None:
+        """Free the L1 copy `bufs` of a session whose request runs from a batch's pages
+        (`paged_l1`); nothing when the session holds other buffers by now. Its commit must
+        then be `commit_pages`."""
+        with self._lock:
+            if s.bufs is bufs and s.state is SessionState.ACTIVE:
+                s._prefill = None
+                self._release_l1(s)
 
     def _restored(self, s: Session, source: str, t0: float) -> KvtierCache:
         s.restore_source = source

@@ -84,6 +84,70 @@ class LifecycleMixin:
             s.state = SessionState.IDLE
             s.last_active = time.time()
 
+    def commit_pages(
+        self, s: Session, ids: Ids, start: int, chunks: Sequence[torch.Tensor]
+    ) -> None:
+        """Commit a turn whose K/V lives in a batch's page pool, not in L1 (`paged_l1`): store
+        every chunk from `start` on in L2 (and L3, as the write policy does for any chunk),
+        the partial tail too, then leave the session hibernated: nothing of it is in L1.
+
+        `chunks[j]` holds tokens `[start + j*C, ...)` of `ids` in the chunk layout on the
+        device (full chunks, the last may be partial); `start` is a multiple of the chunk
+        size. A stored prefix that stops before `start` (a chunk that found no L2 slot) or a
+        chunk that finds none now ends the session there: it keeps only what is stored."""
+        C = self.chunk_tokens
+        with self._lock:
+            if s.state is not SessionState.ACTIVE:
+                raise SessionError("commit_pages() must follow a restore of the same session")
+            if start % C:
+                raise ValueError(f"start {start} is not a multiple of the chunk size {C}")
+            s._prefill = None
+            self._release_l1(s)  # a restore from L2/L3 went through L1: the pages hold it now
+            s.tokens = ids
+            s.tail_key = None
+            self._write_chunks_from(s, start, chunks)
+            s.state = SessionState.HIBERNATED
+            s.last_active = time.time()
+            self._submit_record(self.l3.save_session, self._record(s))
+            self._to_l4(s)
+
+    def _write_chunks_from(self, s: Session, start: int, chunks: Sequence[torch.Tensor]) -> None:
+        """`commit_pages`' writes: the full chunks of `s.tokens` from `start` on, then its tail."""
+        C = self.chunk_tokens
+        del s.chunk_keys[min(s.flushed, start // C) :]
+        s.flushed = len(s.chunk_keys)
+        if s.flushed * C < start:  # a chunk before `start` is stored nowhere: cut there
+            self._cut(s, s.flushed * C)
+            return
+        n_full = len(s.tokens) // C
+        parent = s.chunk_keys[-1] if s.chunk_keys else ZERO_KEY
+        d = self.directory
+        if len(chunks) != -(-(len(s.tokens) - start) // C):
+            raise ValueError(f"{len(chunks)} chunks do not cover tokens [{start}, {len(s.tokens)})")
+        for i in range(s.flushed, n_full):
+            key = self.key_for(parent, s.tokens[i * C : (i + 1) * C], s)
+            e = d.ensure(key, parent, C)
+            e.seen += 1
+            if not d.stored(e) and not self._write_down(
+                s, i * C, e, tenant=s.tenant, chunk=chunks[(i * C - start) // C]
+            ):
+                self._cut(s, i * C)
+                return
+            s.chunk_keys.append(key)
+            s.flushed += 1
+            parent = key
+        t = len(s.tokens) - n_full * C
+        if t == 0:
+            return
+        key = chunk_key(parent, s.tokens[-t:], s.ns)
+        e = d.ensure(key, parent, t)
+        if not d.stored(e) and not self._write_down(
+            s, n_full * C, e, tenant=s.tenant, chunk=chunks[-1]
+        ):
+            self._cut(s, n_full * C)  # the tail is recomputed on resume
+            return
+        s.tail_key = key
+
     def abort_session(self, s: Session) -> None:
         with self._lock:
             s._prefill = None
@@ -152,14 +216,21 @@ class LifecycleMixin:
         s.lengths[:] = [n] * len(s.lengths)
         s.tail_key = None
 
-    def _write_down(self, s: Session, pos: int, e: Chunk, *, tenant: str) -> bool:
+    def _write_down(
+        self, s: Session, pos: int, e: Chunk, *, tenant: str, chunk: torch.Tensor | None = None
+    ) -> bool:
         """L1 -> L2 now (one D2H copy), then L2 -> L3 queued (shed if the queue is full).
-        False if L2 has no slot that is not in flight (the chunk is not stored)."""
-        assert s.bufs is not None
+        `chunk`: the chunk's K/V already in the chunk layout on the device (a batch's pages,
+        `commit_pages`), instead of the session's L1. False if L2 has no slot that is not in
+        flight (the chunk is not stored)."""
         slot = self.directory.alloc()
         if slot is None:
             return False
-        self.engine.offload(s.bufs.layers, pos, e.tokens, slot, block=s.bufs.block)
+        if chunk is not None:
+            self.engine.offload_chunk(chunk, slot)
+        else:
+            assert s.bufs is not None
+            self.engine.offload(s.bufs.layers, pos, e.tokens, slot, block=s.bufs.block)
         e.l2_slot = slot
         e.tenant = tenant
         self.directory.policy.touch(e.key)

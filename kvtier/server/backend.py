@@ -16,6 +16,7 @@ from typing import Any, Protocol
 
 import torch
 
+from kvtier.cache.session import as_ids
 from kvtier.snapshot import CacheSnapshot
 from kvtier.types import RestoreSource
 
@@ -45,6 +46,19 @@ class Backend(Protocol):
     ) -> Restored: ...
     def commit(self, session_id: str, tenant: str, ids: torch.Tensor | Sequence[int]) -> None: ...
     def abort(self, session_id: str, tenant: str) -> None: ...
+    # paged L1 (the batch's pages hold the session's K/V; see TieredBackend)
+    def resume_pages(
+        self, session_id: str, tenant: str, ids: Sequence[int], held: int
+    ) -> Restored | None: ...
+    def drop_l1(self, session_id: str, tenant: str, bufs: Any) -> None: ...
+    def commit_pages(
+        self,
+        session_id: str,
+        tenant: str,
+        ids: Sequence[int],
+        start: int,
+        chunks: Sequence[torch.Tensor],
+    ) -> None: ...
     # tenant None: the sessions of that id of every tenant (admin); else only that tenant's
     def hibernate(self, session_id: str, tenant: str | None = None) -> bool: ...
     def prefetch(self, session_id: str, tenant: str | None = None) -> bool: ...
@@ -74,6 +88,24 @@ class RecomputeBackend:
         return None
 
     def abort(self, session_id: str, tenant: str) -> None:
+        return None
+
+    def resume_pages(
+        self, session_id: str, tenant: str, ids: Sequence[int], held: int
+    ) -> Restored | None:
+        return None  # it vouches for nothing: every turn recomputes
+
+    def drop_l1(self, session_id: str, tenant: str, bufs: Any) -> None:
+        return None
+
+    def commit_pages(
+        self,
+        session_id: str,
+        tenant: str,
+        ids: Sequence[int],
+        start: int,
+        chunks: Sequence[torch.Tensor],
+    ) -> None:
         return None
 
     def hibernate(self, session_id: str, tenant: str | None = None) -> bool:
@@ -159,6 +191,31 @@ class TieredBackend:
 
     def abort(self, session_id: str, tenant: str) -> None:
         self.cache.session(session_id, tenant=tenant).abort()
+
+    def resume_pages(
+        self, session_id: str, tenant: str, ids: Sequence[int], held: int
+    ) -> Restored | None:
+        """A turn that starts from K/V a batch's page pool holds for its first `held` tokens
+        (`TieredCache.resume_pages`); None when the cache does not vouch for any of them."""
+        s = self.cache.session(session_id, tenant=tenant)
+        n = self.cache.resume_pages(s, as_ids(ids), held)
+        return Restored(None, n, RestoreSource.L1.value) if n else None
+
+    def drop_l1(self, session_id: str, tenant: str, bufs: Any) -> None:
+        """Free a running turn's L1 copy of its session (`TieredCache.drop_l1`)."""
+        self.cache.drop_l1(self.cache.session(session_id, tenant=tenant), bufs)
+
+    def commit_pages(
+        self,
+        session_id: str,
+        tenant: str,
+        ids: Sequence[int],
+        start: int,
+        chunks: Sequence[torch.Tensor],
+    ) -> None:
+        """Commit a turn from chunks of its pages (`TieredCache.commit_pages`)."""
+        s = self.cache.session(session_id, tenant=tenant)
+        self.cache.commit_pages(s, as_ids(ids), start, chunks)
 
     def _each(self, session_id: str, tenant: str | None, op: str) -> bool:
         found = self._find(session_id, tenant)

@@ -45,6 +45,7 @@ from typing import Any
 
 import torch
 
+from kvtier.cache.restore import common_prefix
 from kvtier.errors import KvtierError, L1BudgetExceeded
 from kvtier.geometry import KVGeometry
 from kvtier.paged import BatchRunner, PagedSequence, PagePool
@@ -87,6 +88,7 @@ class _Parked:
 
     table: PagedSequence  # `length`: the tokens whose K/V the pages hold
     tokens: array[int]  # those tokens' ids
+    claimed: bool = False  # paged L1: a restored turn of the session starts from them
 
 
 def pool_bytes(served: ServedModel, config: Any, per_token: int) -> int:
@@ -177,6 +179,17 @@ class BatchScheduler(Stepping):
         # turn of that session, restored from L1, starts from them instead of a copy of its
         # prefix (docs/architecture.md, "Parked pages")
         self.park_pages = bool(getattr(config, "park_pages", False)) and self._keep_kv
+        # Paged L1 (`paged_l1`): the pool is the sessions' L1. A finished turn stores its new
+        # chunks in L2 straight from its pages and parks them; the cache keeps no L1 copy.
+        # The next turn starts from the parked pages, or restores from L2/L3 when they went.
+        self.paged_l1 = (
+            bool(getattr(config, "paged_l1", False))
+            and self._keep_kv
+            and str(getattr(config, "codec", "native")) == "native"
+            and type(self.pool) is PagePool  # one device: not a pool sharded across devices
+        )
+        self.park_pages = self.park_pages or self.paged_l1
+        self.chunk_tokens = int(getattr(config, "chunk_tokens", 256))
         self._parked: OrderedDict[tuple[str, str], _Parked] = OrderedDict()
         self._state_pool: PagePool | None = self.pool  # the pool the two above belong to
         self.parked_turns = 0  # turns admitted from their session's parked pages
@@ -240,7 +253,10 @@ class BatchScheduler(Stepping):
         job = s.job
         s.trace.restore = time.perf_counter()
         try:
-            s.restored = self._restore_when_room(job, s.trace)
+            s.restored = self._resume_held(s)
+            if s.restored is None:
+                s.restored = self._restore_when_room(job, s.trace)
+                s.holds_l1 = True
         except BaseException as exc:  # nothing restored, nothing to abort
             self._report(s, exc)
             with self._cond:
@@ -289,12 +305,47 @@ class BatchScheduler(Stepping):
                 self._holding += 1
             return restored
 
-    def _release_l1(self) -> None:
-        """A restored turn was committed or aborted: its session may be evicted again."""
+    def _resume_held(self, s: _Seq) -> Restored | None:
+        """Paged L1: start from the session's parked pages, claimed so that nothing frees
+        them before the turn is admitted, when the cache vouches for their tokens."""
+        if not self.paged_l1:
+            return None
+        job = s.job
         with self._cond:
-            self._holding -= 1
+            p = self._parked.get((job.tenant, job.session_id))
+            if p is None or p.claimed or self._state_pool is not self.pool:
+                return None
+            p.claimed = True
+        held = common_prefix(p.tokens, job.prompt_ids)
+        try:
+            restored = self.backend.resume_pages(job.session_id, job.tenant, job.prompt_ids, held)
+        except Exception:  # the restore below meets the same error and reports it
+            restored = None
+        if restored is None:
+            with self._cond:
+                p.claimed = False
+            return None
+        s.held = p
+        return restored
+
+    def _release_l1(self, s: _Seq) -> None:
+        """A restored turn was committed or aborted, or (paged L1) its prefix went from L1 into
+        its pages: its session's L1 may be evicted, or is free, again."""
+        with self._cond:
+            if s.holds_l1:
+                s.holds_l1 = False
+                self._holding -= 1
             self._released += 1
             self._cond.notify_all()
+
+    def _drop_l1(self, s: _Seq, bufs: Any) -> None:
+        """Paged L1, after a turn's restored prefix was copied into its pages: the cache frees
+        the session's L1 copy (`bufs`, unless a later turn holds newer ones by then)."""
+        try:
+            self.backend.drop_l1(s.job.session_id, s.job.tenant, bufs)
+        except Exception:
+            log.exception("freeing the L1 of session %s failed", s.job.session_id[:64])
+        self._release_l1(s)
 
     # ---- the scheduler thread -----------------------------------------------------------------
 
@@ -401,6 +452,10 @@ class BatchScheduler(Stepping):
                 self._fail(s, self._too_long(len(s.tokens)))
                 continue
             own = self._own_pages(s)
+            if s.held is not None and own is None:  # a device failover rebuilt the pool
+                self.waiting.popleft()
+                self._fail(s, KvtierError("the session's K/V pages were lost; send it again"))
+                continue
             want, shared = self._pages_wanted(s, own)  # shared: held already, no free page
             if want > pool.num_free - need:  # the decoders' new pages come first
                 if not self._unpark(want - (pool.num_free - need), keep=own):
@@ -436,9 +491,8 @@ class BatchScheduler(Stepping):
         if own is not None:
             assert stale is own
             seq, stale = own.table, None
-            # written from `cached` on: those pages' keys no longer name their contents
-            self._index().drop(seq.pages[s.cached // self.pool.page_size :])
-            seq.length = s.cached
+            self._trim(seq, s.cached)
+            s.held = None
             self.parked_turns += 1
             self._count("parked_turns")
         else:
@@ -453,8 +507,17 @@ class BatchScheduler(Stepping):
         try:
             if s.cached > seq.length:
                 assert s.restored is not None
-                copy_in(self.pool, s.restored.kv, seq, seq.length, s.cached)
+                if s.spilled is not None:  # preempted (paged L1): its K/V comes back
+                    self.pool.scatter(seq.pages, seq.length, s.spilled[:, :, seq.length :])
+                else:
+                    copy_in(self.pool, s.restored.kv, seq, seq.length, s.cached)
+                    if self.paged_l1:  # the pages hold it now: L1 lets it go
+                        owner = getattr(s.restored.kv, "owner", None)
+                        bufs = getattr(owner, "bufs", None)
+                        if bufs is not None:
+                            self._commits.submit(self._drop_l1, s, bufs)
                 s.trace.copied_in()
+            s.spilled = None
         except BaseException as exc:
             self._free_table(seq)
             self._fail(s, exc)
@@ -504,6 +567,10 @@ class BatchScheduler(Stepping):
         """`s`'s session's parked pages when they hold exactly its restored prefix: restored
         from L1 (what the last turn committed, whose pages these are), the same ids, and no
         page it will write held by another table."""
+        if s.held is not None:  # paged L1: claimed at restore, nothing freed them since
+            return (
+                s.held if self._parking().get((s.job.tenant, s.job.session_id)) is s.held else None
+            )
         if not self._parked:
             return None
         p = self._parking().get((s.job.tenant, s.job.session_id))
@@ -519,23 +586,54 @@ class BatchScheduler(Stepping):
 
     def _pages_wanted(self, s: _Seq, own: _Parked | None) -> tuple[int, list[int]]:
         """Free pages `s`'s admission takes, and the pages it shares (see `_admit`)."""
-        if own is not None:  # its pages from `cached` on are its own: no copy-on-write
-            return max(0, self.pool.pages_for(len(s.tokens)) - len(own.table.pages)), []
+        if own is not None:  # pages past `cached` go; a shared page at `cached` is copied
+            self._trim(own.table, s.cached)
+            return self.pool.pages_needed(own.table, len(s.tokens) - s.cached), []
         shared = self._shareable(s)
         return self.pool.pages_for(len(s.tokens)) - len(shared), shared
 
+    def _trim(self, table: PagedSequence, n: int) -> None:
+        """Keep a parked table's first `n` tokens for a new turn: the pages past them go, and
+        the prefix index forgets the keys of those from `n` on (they are written again)."""
+        size = self.pool.page_size
+        keep = self.pool.pages_for(n)
+        if keep < len(table.pages):
+            self._free_table(PagedSequence(pages=table.pages[keep:]))
+            del table.pages[keep:]
+        self._index().drop(table.pages[n // size :])
+        table.length = min(table.length, n)
+
     def _unpark(self, pages: int, keep: _Parked | None = None) -> bool:
-        """Free parked tables, least recently parked first (not `keep`), until `pages` more
-        pages are free; whether they are."""
+        """Free parked tables, least recently parked first (not `keep`, nor a table a restored
+        turn has claimed), until `pages` more pages are free; whether they are."""
         parked = self._parking()
         goal = self.pool.num_free + pages
         for key in list(parked):
             if self.pool.num_free >= goal:
                 break
-            if parked[key] is keep:
-                continue
-            self._free_table(parked.pop(key).table)
+            with self._cond:
+                if parked[key] is keep or parked[key].claimed:
+                    continue
+                table = parked.pop(key).table
+            self._free_table(table)
+        for s in reversed(self.waiting):  # claimed tables: their turns wait beside the pool
+            if self.pool.num_free >= goal:
+                break
+            if s.held is not None and s.held is not keep:
+                self._spill(s)
         return self.pool.num_free >= goal
+
+    def _spill(self, s: _Seq) -> None:
+        """A waiting turn gives up its claimed parked table: the K/V of its cached prefix waits
+        beside the pool (as a preempted turn's does) and goes back in when it is admitted."""
+        p: _Parked = s.held
+        s.held = None
+        key = (s.job.tenant, s.job.session_id)
+        if self._parking().get(key) is not p:
+            return
+        s.spilled = self.pool.gather(p.table.pages, 0, s.cached)
+        del self._parked[key]
+        self._free_table(p.table)
 
     def _free_table(self, table: PagedSequence) -> None:
         """Give a table's pages back; the prefix index forgets those no other table holds."""
@@ -583,15 +681,18 @@ class BatchScheduler(Stepping):
         """Move a running sequence's K/V into its session's Cache, free its pages, requeue it."""
         self.running.remove(s)
         try:
-            assert s.restored is not None
-            new = self._copy_out(s)
-            if new is not None:
-                append_kv(s.restored.kv, new)
+            assert s.restored is not None and s.paged is not None
+            if self.paged_l1:  # no Cache to take it: it waits beside the pool
+                s.spilled = self.pool.gather(s.paged.pages, 0, s.paged.length)
+            else:
+                new = self._copy_out(s)
+                if new is not None:
+                    append_kv(s.restored.kv, new)
         except BaseException as exc:
             self._fail(s, exc)
             return
         assert s.paged is not None
-        if not self.pool.quantized:  # from an int8 pool nothing went to the Cache
+        if not self.pool.quantized or s.spilled is not None:  # an int8 pool's: not in a Cache
             s.cached = s.paged.length
         self.preemptions += 1
         self._release(s)
@@ -625,7 +726,10 @@ class BatchScheduler(Stepping):
                 self._post(s, Delta(rest))
         fed = s.fed
         try:
-            new = self._copy_out(s) if (self._keep_kv and s.paged is not None) else None
+            if self.paged_l1:
+                new: Any = self._chunks_out(s)
+            else:
+                new = self._copy_out(s) if (self._keep_kv and s.paged is not None) else None
         except BaseException as exc:
             self._fail(s, exc)
             return
@@ -634,14 +738,34 @@ class BatchScheduler(Stepping):
         self._deliver()  # its deltas reach the client before Finished
         self._commits.submit(self._commit, s, reason, fed, new)
 
-    def _commit(self, s: _Seq, reason: str, fed: int, new: torch.Tensor | None) -> None:
+    def _chunks_out(self, s: _Seq) -> tuple[int, list[torch.Tensor]] | None:
+        """Paged L1: the chunks a finished turn's commit stores, from the one its restored
+        prefix ends in to its last fed token, each gathered from the pages in the chunk layout
+        (`[layer, k|v, token, head, dim]`): (first token, chunks). None from an int8 pool."""
+        if s.paged is None or self.pool.quantized:
+            return None
+        assert s.restored is not None
+        C = self.chunk_tokens
+        start = s.restored.covered // C * C
+        end = s.paged.length
+        pages = s.paged.pages
+        return start, [self.pool.gather(pages, a, min(a + C, end)) for a in range(start, end, C)]
+
+    def _commit(self, s: _Seq, reason: str, fed: int, new: Any) -> None:
         job, backend = s.job, self.backend
         assert s.restored is not None
         try:
-            if new is not None:
-                append_kv(s.restored.kv, new)
-            # Commit what the KV now covers, also after a disconnect: a returning client finds it.
-            backend.commit(job.session_id, job.tenant, s.tokens[:fed])
+            if self.paged_l1:
+                if new is None:  # nothing to store (an int8 pool): the stored prefix stays
+                    backend.abort(job.session_id, job.tenant)
+                else:
+                    start, chunks = new
+                    backend.commit_pages(job.session_id, job.tenant, s.tokens[:fed], start, chunks)
+            else:
+                if new is not None:
+                    append_kv(s.restored.kv, new)
+                # Commit what the KV now covers, also after a disconnect: a returning client finds it.
+                backend.commit(job.session_id, job.tenant, s.tokens[:fed])
             if job.ephemeral:
                 backend.forget(job.session_id, job.tenant)
             elif reason == "cancelled":
@@ -653,7 +777,7 @@ class BatchScheduler(Stepping):
         if not job.internal:
             self._count("completion_tokens", len(s.reply.ids))
             self._count("prompt_tokens", total)
-        self._release_l1()
+        self._release_l1(s)
         s.stream.put(
             Finished(reason, total, len(s.reply.ids), s.restored.covered, s.restored.source)
         )
@@ -675,7 +799,7 @@ class BatchScheduler(Stepping):
         except BaseException:
             log.exception("abort failed for session %s", job.session_id[:64])
         if s.restored is not None:
-            self._release_l1()
+            self._release_l1(s)
         self._report(s, exc)
 
     def _report(self, s: _Seq, exc: BaseException) -> None:

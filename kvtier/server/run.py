@@ -158,6 +158,13 @@ def options(f: Callable[..., Any]) -> Callable[..., Any]:
             "instead of a copy (default off).",
         ),
         click.option(
+            "--paged-l1/--no-paged-l1",
+            default=None,
+            help="Make the batch's page pool the sessions' L1: a finished turn's new chunks "
+            "go from its pages to L2, no L1 copy is kept, and the next turn starts from its "
+            "parked pages (implies --park-pages; native codec, one device; default off).",
+        ),
+        click.option(
             "--batch-kv-bytes",
             help="KV page pool of the batch, e.g. 4GiB (default: room for max-concurrency "
             "full contexts, at most half the free GPU memory or 1 GiB on the CPU).",

@@ -145,6 +145,11 @@ class TransferEngine:
         (`DeviceMover.offload_range`)."""
         return self._device.offload_range(layers, start, ntokens, slots, block=block)
 
+    def offload_chunk(self, chunk: torch.Tensor, slot: int) -> Handle:
+        """Copy a chunk already in the chunk layout on the device into L2 `slot`
+        (`DeviceMover.offload_chunk`: pages gathered by a batch, native codec)."""
+        return self._device.offload_chunk(chunk, slot)
+
     def restore(
         self,
         slot: int,

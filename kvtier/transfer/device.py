@@ -254,6 +254,46 @@ class DeviceMover:
                 moved += self.codec.encode(staged[c], out=out, scratch=stage.scratch).numel()
         return moved
 
+    def offload_chunk(self, chunk: torch.Tensor, slot: int) -> Handle:
+        """Copy one chunk that is already in the chunk layout (`[layer, k|v, token, head, dim]`,
+        contiguous, on this device: a batch's pages gathered by `PagePool.gather`) into L2
+        `slot`. Native codec only: the slot takes the bytes as they are."""
+        if not self.codec.lossless or self.codec.payload_bytes(1) != self.geometry.chunk_bytes(1):
+            raise ConfigError("offload_chunk copies raw K/V: it needs the native codec")
+        length = int(chunk.shape[2])
+        if tuple(chunk.shape) != self.geometry.chunk_shape(length) or length > self.chunk_tokens:
+            raise ValueError(
+                f"chunk is {tuple(chunk.shape)}, need a chunk_shape of <= "
+                f"{self.chunk_tokens} tokens"
+            )
+        if self._closed:
+            raise ConfigError("the transfer engine is closed")
+        self._settle_io(slot)  # an L3 write still reading the slot finishes first
+        dst = self._slot_chunk(slot, length)
+        with self._issue[_DOWN]:
+            if not self.cuda:
+                t0 = time.perf_counter()
+                dst.copy_(chunk)
+                handle = Handle(direction=_DOWN)
+                self._accounts.account(
+                    _DOWN, dst.numel() * dst.element_size(), time.perf_counter() - t0, 1
+                )
+            else:
+                _, copy = self._streams[_DOWN]
+                copy.wait_stream(torch.cuda.current_stream(self.device))  # chunk is written
+                begin = torch.cuda.Event(enable_timing=True)
+                end = _done_event()
+                begin.record(copy)
+                with torch.cuda.stream(copy):
+                    self._after(slot, _UP, copy)  # a restore still reading the slot
+                    dst.copy_(chunk, non_blocking=True)
+                end.record(copy)
+                chunk.record_stream(copy)
+                handle = Handle(end, keep=(chunk,), direction=_DOWN, device=self.device)
+                self._accounts.timing(_DOWN, begin, end, dst.numel() * dst.element_size(), 1)
+            self._slot_copy[slot] = handle
+        return handle
+
     def restore(
         self,
         slot: int,

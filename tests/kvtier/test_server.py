@@ -101,13 +101,15 @@ def test_session_id_from_user_field_and_second_turn_restores(
     assert usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens
 
 
-def test_park_pages_serves_the_same_replies(
-    server: Server, client: openai.OpenAI, tmp_path_factory: pytest.TempPathFactory
+@pytest.mark.parametrize("flag", ["--park-pages", "--paged-l1"])
+def test_parked_pages_serve_the_same_replies(
+    server: Server, client: openai.OpenAI, tmp_path_factory: pytest.TempPathFactory, flag: str
 ) -> None:
-    """A server with --park-pages answers a three-turn conversation exactly as the module's
-    server without it, and its returning turns start from their parked pages."""
+    """A server with --park-pages (or --paged-l1, the pool as the sessions' L1) answers a
+    three-turn conversation exactly as the module's server without it, and its returning
+    turns start from their parked pages."""
     park = Server(
-        tmp_path_factory.mktemp("park") / "l3", "--max-concurrency", "4", *SMALL, "--park-pages"
+        tmp_path_factory.mktemp("park") / "l3", "--max-concurrency", "4", *SMALL, flag
     ).start()
     try:
         parked = openai.OpenAI(base_url=park.url + "/v1", api_key="unused", max_retries=0)
