@@ -21,7 +21,10 @@ Configurations:
                round over every session's whole context (it keeps no KV between calls); skipped
                with a note where the installed transformers lacks it; `fit` only by default
   kvtier-seq   (c) kvtier TieredCache, one session per forward (the engine without batching)
-  kvtier       (d) kvtier's BatchScheduler (the server's) over the paged pool, codec native
+  kvtier       (d) kvtier's BatchScheduler (the server's) over the paged pool, codec native,
+               the pool as the sessions' L1 (`paged_l1`, the server's default): a quarter of
+               the L1 budget stays the cache's L1, for restores from L2/L3 on their way into
+               the pool, and the rest goes to the pool, where finished turns park their pages
   kvtier-int8  (e) the same with the int8 codec
   kvtier-eager (d) without CUDA graphs: every step eager (what graphs add, in the same run)
   kvtier-sync  (d) without overlapped steps: each step's tokens read back before the next
@@ -36,11 +39,11 @@ Configurations:
   kvtier-gc10k (d) with young collections every 10,000 net allocations instead of 700 (the
                serving makes no reference cycles on an H200, `--gc-garbage`, so a collection
                only walks live objects: fewer of them, the same garbage freed)
-  kvtier-park  (d) with `park_pages`: a finished turn's pages stay in the pool as its
-               session's, and its next turn (restored from L1) starts from them
-  kvtier-paged (d) with `paged_l1`: the page pool is the sessions' L1. A quarter of the L1
-               budget stays the cache's L1, for restores from L2/L3 until their admission;
-               the rest goes to the pool, where finished turns park their pages
+  kvtier-park  (d) as kvtier-copy, with `park_pages`: a finished turn's pages stay in the
+               pool as its session's, and its next turn (restored from L1) starts from them
+  kvtier-copy  (d) without `paged_l1`: sessions live in the cache's L1 buffers (the whole L1
+               budget) between turns; each turn copies its prefix into pages and its new K/V
+               back out
   kvtier-pN    (d) with N prompt tokens in a step that also decodes (`decoding_prompt_tokens`;
                the default is the server's, 128)
 
@@ -223,7 +226,12 @@ def run_scenario(args, model, dev: str, scen: str, n: int, fleet_ceiling, fit_st
             elif name.startswith("kvtier"):
                 codec = "int8" if name.endswith("int8") else "native"
                 # paged L1: the cache's L1 only carries restores from L2/L3 into the pages
-                l1 = l1_bytes // 4 if name == "kvtier-paged" else l1_bytes
+                paged = codec == "native" and name not in (
+                    "kvtier-seq",
+                    "kvtier-copy",
+                    "kvtier-park",
+                )
+                l1 = l1_bytes // 4 if paged else l1_bytes
                 backend = serve.tiered_backend(model, root, codec, l1, l2_bytes, args.write_policy)
                 if name == "kvtier-seq":
                     m = serve.run_sequential(model, fleet, bank, dev, warmup, limit, backend)
@@ -239,8 +247,8 @@ def run_scenario(args, model, dev: str, scen: str, n: int, fleet_ceiling, fit_st
                         cfg.admissions_per_step = 1
                     if name == "kvtier-park":  # finished turns' pages parked in the pool
                         cfg.park_pages = True
-                    if name == "kvtier-paged":  # the pool is L1: it takes the L1 budget's rest
-                        cfg.paged_l1 = True
+                    cfg.paged_l1 = paged
+                    if paged:  # the pool is L1: it takes the rest of the L1 budget
                         cfg.batch_kv_bytes += l1_bytes - l1
                     if re.fullmatch(r"kvtier-p\d+", name):  # prompt tokens of a decoding step
                         cfg.decoding_prompt_tokens = int(name[len("kvtier-p") :])

@@ -99,6 +99,12 @@ def table(title: str, rows: list[dict[str, Any]]) -> str:
             phases = ", ".join(f"{k} {v}" for k, v in r["extra_ttft_phases_p50_ms"].items())
             src = ", ".join(f"{k} {v}" for k, v in r.get("extra_restore_sources", {}).items())
             lines.append(f"{'':>14}  server TTFT P50 by phase (ms): {phases}; restored from {src}")
+        if r.get("extra_ttft_phases_slowest_ms"):
+            phases = ", ".join(f"{k} {v}" for k, v in r["extra_ttft_phases_slowest_ms"].items())
+            src = ", ".join(f"{k} {v}" for k, v in r.get("extra_slowest_sources", {}).items())
+            lines.append(
+                f"{'':>14}  the slowest 5% of turns, mean by phase (ms): {phases}; from {src}"
+            )
     return "\n".join(lines)
 
 

@@ -71,6 +71,8 @@ def install_admin_routes(app: FastAPI, state: State) -> None:
                 ) from None
             try:
                 found |= bool(await asyncio.to_thread(fn, session_id, name))
+                if op in ("hibernate", "forget"):
+                    engine.drop_pages(session_id, name)  # paged L1: its pages are its L1
             finally:
                 engine.release(session_id, lock, name)
         if not found:

@@ -183,7 +183,7 @@ class BatchScheduler(Stepping):
         # chunks in L2 straight from its pages and parks them; the cache keeps no L1 copy.
         # The next turn starts from the parked pages, or restores from L2/L3 when they went.
         self.paged_l1 = (
-            bool(getattr(config, "paged_l1", False))
+            bool(getattr(config, "paged_l1", True))
             and self._keep_kv
             and str(getattr(config, "codec", "native")) == "native"
             and type(self.pool) is PagePool  # one device: not a pool sharded across devices
@@ -193,6 +193,7 @@ class BatchScheduler(Stepping):
         self._parked: OrderedDict[tuple[str, str], _Parked] = OrderedDict()
         self._state_pool: PagePool | None = self.pool  # the pool the two above belong to
         self.parked_turns = 0  # turns admitted from their session's parked pages
+        self._dropping: list[tuple[str, str]] = []  # parked tables to free (`drop_parked`)
         self.shared_pages = 0  # pages taken from a running sequence at admission, in all
         self._events = EventPost()  # this iteration's events, handed over together
         # overlapped steps (kvtier.server.lookahead): the step in flight, its tokens not taken
@@ -236,6 +237,13 @@ class BatchScheduler(Stepping):
             self._restoring += 1
         self._restores.submit(self._restore, s)
         return done
+
+    def drop_parked(self, session_id: str, tenant: str) -> None:
+        """Free the session's parked pages (if any, and not claimed by a turn on its way in)
+        on the scheduler's thread, at its next iteration."""
+        with self._cond:
+            self._dropping.append((tenant, session_id))
+            self._cond.notify_all()
 
     def close(self) -> None:
         """Stop once every submitted job has finished; then stop the restore and commit pools."""
@@ -311,9 +319,12 @@ class BatchScheduler(Stepping):
         if not self.paged_l1:
             return None
         job = s.job
+        key = (job.tenant, job.session_id)
         with self._cond:
-            p = self._parked.get((job.tenant, job.session_id))
+            p = self._parked.get(key)
             if p is None or p.claimed or self._state_pool is not self.pool:
+                return None
+            if key in self._dropping:  # to be freed (an admin's hibernate): not L1 any more
                 return None
             p.claimed = True
         held = common_prefix(p.tokens, job.prompt_ids)
@@ -356,6 +367,7 @@ class BatchScheduler(Stepping):
             with self._cond:
                 while not (
                     self._arrived
+                    or self._dropping
                     or self.waiting
                     or self.running
                     or self._pending
@@ -365,6 +377,12 @@ class BatchScheduler(Stepping):
                     self._cond.wait()
                 self.waiting.extend(self._arrived)
                 self._arrived.clear()
+                dropping, self._dropping = self._dropping, []
+                for key in dropping:
+                    p = self._parking().get(key)
+                    if p is not None and not p.claimed:
+                        del self._parked[key]
+                        self._free_table(p.table)
                 if self._closed and not (self.waiting or self.running or self._pending):
                     if self._restoring == 0:
                         return

@@ -302,6 +302,12 @@ class Engine:
             self.batching = False
         return self._batch
 
+    def drop_pages(self, session_id: str, tenant: str) -> None:
+        """The session's parked K/V pages, if the batch holds any, are freed (an admin's
+        hibernate or forget: with paged L1 they are the session's L1)."""
+        if self._batch is not None:
+            self._batch.drop_parked(session_id, tenant)
+
     async def drain(self) -> None:
         """Stop admitting, wait for running jobs, then hibernate every session (cache close)."""
         self.draining = True

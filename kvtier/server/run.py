@@ -160,9 +160,10 @@ def options(f: Callable[..., Any]) -> Callable[..., Any]:
         click.option(
             "--paged-l1/--no-paged-l1",
             default=None,
-            help="Make the batch's page pool the sessions' L1: a finished turn's new chunks "
-            "go from its pages to L2, no L1 copy is kept, and the next turn starts from its "
-            "parked pages (implies --park-pages; native codec, one device; default off).",
+            help="The batch's page pool is the sessions' L1 (default on): a finished turn's "
+            "new chunks go from its pages to L2, no L1 copy is kept, and the next turn starts "
+            "from its parked pages (implies --park-pages; native codec, one device). Off: "
+            "sessions live in L1 buffers between turns and are copied into pages per turn.",
         ),
         click.option(
             "--batch-kv-bytes",

@@ -53,6 +53,7 @@ def _parked_fleet(
     served = _build(kind)
     firsts = _conversations(n)
     jobs = [_job(f"{name}{i}", p, 8) for i, p in enumerate(firsts)]
+    over.setdefault("paged_l1", False)  # parked pages beside L1 buffers (paged L1 has its file)
     sched, backend, replies = _first_turns(served, tmp_path, jobs, park_pages=True, **over)
     return ref, served, firsts, sched, backend, replies
 
@@ -104,7 +105,7 @@ def test_parked_pages_make_room_least_recent_first(tmp_path: Path) -> None:
     # room for about two sessions' parked pages and a running turn, not three
     per_page = 16 * served.model.config.num_hidden_layers * 2 * 2 * 16 * 4
     sched, backend, replies = _first_turns(
-        served, tmp_path, jobs[:2], park_pages=True, batch_kv_bytes=26 * per_page
+        served, tmp_path, jobs[:2], park_pages=True, batch_kv_bytes=26 * per_page, paged_l1=False
     )
     loop = asyncio.new_event_loop()
     try:
@@ -195,7 +196,7 @@ def test_ephemeral_turns_park_nothing(tmp_path: Path) -> None:
         _job("e0", firsts[0], 8, ephemeral=True),
         _job("e1", firsts[1], 8),
     ]
-    sched, backend, _ = _first_turns(served, tmp_path, jobs, park_pages=True)
+    sched, backend, _ = _first_turns(served, tmp_path, jobs, park_pages=True, paged_l1=False)
     loop = asyncio.new_event_loop()
     try:
         assert list(sched._parked) == [("t", "e1")]
@@ -207,7 +208,7 @@ def test_ephemeral_turns_park_nothing(tmp_path: Path) -> None:
 def test_parking_off_frees_every_page(tmp_path: Path) -> None:
     served = _build("llama")
     jobs = [_job(f"o{i}", p, 8) for i, p in enumerate(_conversations(2))]
-    sched, backend, _ = _first_turns(served, tmp_path, jobs)
+    sched, backend, _ = _first_turns(served, tmp_path, jobs, paged_l1=False)
     loop = asyncio.new_event_loop()
     try:
         assert not sched._parked and sched.pool.num_free == sched.pool.num_pages

@@ -39,6 +39,7 @@ def _first_turns(
 ) -> tuple[BatchScheduler, TieredBackend, list[str]]:
     """Run each session's first turn through the scheduler thread (the backend commits it),
     then stop the thread: the caller drives the next turns by hand."""
+    over.setdefault("paged_l1", False)  # turns leave the pool when they end (no parking)
     config = _config(tmp_path, **over)
     backend = TieredBackend(served.model, config, served.name)
     sched = BatchScheduler(served, backend, config)

@@ -101,15 +101,18 @@ def test_session_id_from_user_field_and_second_turn_restores(
     assert usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens
 
 
-@pytest.mark.parametrize("flag", ["--park-pages", "--paged-l1"])
-def test_parked_pages_serve_the_same_replies(
-    server: Server, client: openai.OpenAI, tmp_path_factory: pytest.TempPathFactory, flag: str
+@pytest.mark.parametrize("flags", [("--no-paged-l1",), ("--no-paged-l1", "--park-pages")])
+def test_sessions_in_l1_buffers_serve_the_same_replies(
+    server: Server,
+    client: openai.OpenAI,
+    tmp_path_factory: pytest.TempPathFactory,
+    flags: tuple[str, ...],
 ) -> None:
-    """A server with --park-pages (or --paged-l1, the pool as the sessions' L1) answers a
-    three-turn conversation exactly as the module's server without it, and its returning
-    turns start from their parked pages."""
+    """A server whose sessions live in L1 buffers between turns (--no-paged-l1), with parked
+    pages or without, answers a three-turn conversation exactly as the module's server (the
+    pool as the sessions' L1), and every returning turn of both starts from parked pages."""
     park = Server(
-        tmp_path_factory.mktemp("park") / "l3", "--max-concurrency", "4", *SMALL, flag
+        tmp_path_factory.mktemp("park") / "l3", "--max-concurrency", "4", *SMALL, *flags
     ).start()
     try:
         parked = openai.OpenAI(base_url=park.url + "/v1", api_key="unused", max_retries=0)
@@ -130,9 +133,10 @@ def test_parked_pages_serve_the_same_replies(
                 messages.append({"role": "assistant", "content": said[-1]})
             replies.append(said)
         assert replies[0] == replies[1]
-        text = httpx.get(park.url + "/metrics", timeout=10).text
-        found = re.search(r"^kvtier_server_parked_turns_total ([0-9.]+)$", text, re.M)
-        assert found and float(found.group(1)) >= 2, text[-2000:]
+        for url, parks in ((server.url, True), (park.url, "--park-pages" in flags)):
+            text = httpx.get(url + "/metrics", timeout=10).text
+            found = re.search(r"^kvtier_server_parked_turns_total ([0-9.]+)$", text, re.M)
+            assert found and (float(found.group(1)) >= 2) == parks, text[-2000:]
     finally:
         assert park.stop() == 0, park.output()
 
@@ -270,6 +274,28 @@ def test_admin_sessions_hibernate_prefetch_delete(server: Server, client: openai
     assert "admin-1" not in ids
     r = httpx.post(server.url + "/v1/sessions/admin-1/hibernate")
     assert r.status_code == 404 and r.json()["error"]["code"] == "session_not_found"
+
+
+def test_admin_hibernate_frees_the_parked_pages(client: openai.OpenAI, server: Server) -> None:
+    """With the pool as the sessions' L1, a returning turn starts from its parked pages (L1);
+    after an admin's hibernate they are gone and the next turn restores from L2."""
+    messages = [{"role": "system", "content": SYSTEM}]
+    sources = []
+    for text in ("one", "two", "three"):
+        messages.append({"role": "user", "content": text})
+        raw = client.chat.completions.with_raw_response.create(
+            model="default",
+            messages=messages,  # type: ignore[arg-type]
+            temperature=0,
+            max_tokens=6,
+            extra_headers={"X-Session-ID": "hib-pages", "X-Tenant": "hib"},
+        )
+        sources.append(raw.headers["x-kvtier-restore-source"])
+        messages.append({"role": "assistant", "content": raw.parse().choices[0].message.content})
+        if text == "two":
+            r = httpx.post(server.url + "/v1/sessions/hib-pages/hibernate?tenant=hib")
+            assert r.status_code == 200, r.text
+    assert sources == ["recompute", "l1", "l2"]
 
 
 def test_disconnect_mid_stream_frees_l1_keeps_committed(server: Server) -> None:
