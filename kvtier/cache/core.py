@@ -281,7 +281,7 @@ class TieredCache(LifecycleMixin):
 
     # -- the host API that `Session` calls (session.SessionHost) --------------------------------
 
-    def restore_session(self, s: Session, ids: Ids) -> KvtierCache:
+    def restore_session(self, s: Session, ids: Ids, *, prefix_only: bool = False) -> KvtierCache:
         if not ids:
             raise SessionError("restore needs at least one input token")
         t0 = time.perf_counter()
@@ -298,7 +298,8 @@ class TieredCache(LifecycleMixin):
             s.state = SessionState.ACTIVE
             s.last_active = time.time()
             try:
-                plan = _restore.plan(self, s, ids[:-1])  # leave the last token to compute
+                # leave the last token to compute
+                plan = _restore.plan(self, s, ids[:-1], prefix_only)
             except BaseException:
                 s.state = SessionState.IDLE if s.resident else SessionState.HIBERNATED
                 raise
@@ -336,6 +337,7 @@ class TieredCache(LifecycleMixin):
                 return 0
             self._release_l1(s)  # the pages hold the same tokens' K/V
             self.truncate(s, n)
+            s.in_pages = False
             s.state = SessionState.ACTIVE
             s.last_active = time.time()
             self.counters.hits["l1"] += 1

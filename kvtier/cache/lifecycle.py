@@ -89,7 +89,8 @@ class LifecycleMixin:
     ) -> None:
         """Commit a turn whose K/V lives in a batch's page pool, not in L1 (`paged_l1`): store
         every chunk from `start` on in L2 (and L3, as the write policy does for any chunk),
-        the partial tail too, then leave the session hibernated: nothing of it is in L1.
+        the partial tail too. The session is then idle with nothing in L1: its K/V is in the
+        batch's pages (`in_pages`) until the batch says they went (`pages_dropped`).
 
         `chunks[j]` holds tokens `[start + j*C, ...)` of `ids` in the chunk layout on the
         device (full chunks, the last may be partial); `start` is a multiple of the chunk
@@ -106,10 +107,19 @@ class LifecycleMixin:
             s.tokens = ids
             s.tail_key = None
             self._write_chunks_from(s, start, chunks)
-            s.state = SessionState.HIBERNATED
+            s.state = SessionState.IDLE
+            s.in_pages = True
             s.last_active = time.time()
             self._submit_record(self.l3.save_session, self._record(s))
-            self._to_l4(s)
+
+    def pages_dropped(self, s: Session) -> None:
+        """A batch freed the pages of an idle `in_pages` session (`commit_pages`): it is
+        hibernated now, in L2/L3 alone."""
+        with self._lock:
+            if s.in_pages and s.state is SessionState.IDLE:
+                s.in_pages = False
+                s.state = SessionState.HIBERNATED
+                self._to_l4(s)
 
     def _write_chunks_from(self, s: Session, start: int, chunks: Sequence[torch.Tensor]) -> None:
         """`commit_pages`' writes: the full chunks of `s.tokens` from `start` on, then its tail."""
@@ -264,6 +274,7 @@ class LifecycleMixin:
                 self._write_completed_chunks(s, evicting=True)
                 self._write_tail(s)
                 self._release_l1(s)
+            s.in_pages = False  # stored already (`commit_pages`); the batch frees the pages
             s.state = SessionState.HIBERNATED
             if not wait:  # an admission eviction: keep the SQLite commit off the request's path
                 self._submit_record(self.l3.save_session, self._record(s))
@@ -440,6 +451,8 @@ class LifecycleMixin:
                     self.abort_session(s)
                 if s.resident:
                     self.hibernate_session(s, wait=False)
+                elif s.in_pages:  # stored already: only its L3 writes and record below
+                    s.in_pages, s.state = False, SessionState.HIBERNATED
             self.engine.flush()
             self._reap()
             for s in list(self._sessions.values()):

@@ -36,7 +36,9 @@ class SessionHost(Protocol):
     chunk_tokens: int
     geometry: KVGeometry
 
-    def restore_session(self, s: Session, ids: Ids) -> KvtierCache: ...
+    def restore_session(
+        self, s: Session, ids: Ids, *, prefix_only: bool = False
+    ) -> KvtierCache: ...
     def commit_session(self, s: Session, ids: Ids) -> None: ...
     def abort_session(self, s: Session) -> None: ...
     def hibernate_session(self, s: Session, *, wait: bool = True) -> None: ...
@@ -94,6 +96,9 @@ class Session:
         self.tail_key: bytes | None = None  # partial chunk written at hibernation
         self.flushed = 0  # leading full chunks already handed to the write policy
         self.bufs: SessionBuffers | None = None
+        # idle with its K/V in a batch's page pool (paged L1), stored in L2/L3 as well; the
+        # batch tells the cache when those pages go (`TieredCache.pages_dropped`)
+        self.in_pages = False
         self.lengths: list[int] = []
         self.restore_source = RestoreSource.RECOMPUTE.value
         self._prefill: _PrefillTimer | None = None
@@ -115,12 +120,16 @@ class Session:
 
     # -- public API -----------------------------------------------------------------------------
 
-    def restore(self, input_ids: torch.Tensor | Sequence[int]) -> KvtierCache:
+    def restore(
+        self, input_ids: torch.Tensor | Sequence[int], *, prefix_only: bool = False
+    ) -> KvtierCache:
         """A transformers Cache holding the longest cached prefix of `input_ids`.
 
         At least the last input token is left to compute, so the model produces its logits.
+        `prefix_only`: L1 room for that prefix alone, not for the tokens still to compute (a
+        caller that copies the prefix elsewhere and computes there: a batch's page pool).
         """
-        return self._cache.restore_session(self, as_ids(input_ids))
+        return self._cache.restore_session(self, as_ids(input_ids), prefix_only=prefix_only)
 
     def commit(self, token_ids: torch.Tensor | Sequence[int]) -> None:
         """Record which token ids the session's KV now covers (prompt + generated)."""
@@ -162,7 +171,8 @@ class Session:
 
     def _info(self, counts: tuple[int, int]) -> SessionInfo:
         c = self._cache
-        l1 = (len(self.tokens) + c.chunk_tokens - 1) // c.chunk_tokens if self.resident else 0
+        in_l1 = self.resident or self.in_pages
+        l1 = (len(self.tokens) + c.chunk_tokens - 1) // c.chunk_tokens if in_l1 else 0
         return SessionInfo(
             session_id=self.session_id,
             tenant=self.tenant,

@@ -41,8 +41,13 @@ class PrefillEstimate:
 
 class Backend(Protocol):
     # ids: `[1, T]`, `[T]` or a list (the cache keeps them as a list: no tensor needed)
+    # prefix_only: L1 room for the restored prefix alone (the batch computes the rest in pages)
     def restore(
-        self, session_id: str, tenant: str, ids: torch.Tensor | Sequence[int]
+        self,
+        session_id: str,
+        tenant: str,
+        ids: torch.Tensor | Sequence[int],
+        prefix_only: bool = False,
     ) -> Restored: ...
     def commit(self, session_id: str, tenant: str, ids: torch.Tensor | Sequence[int]) -> None: ...
     def abort(self, session_id: str, tenant: str) -> None: ...
@@ -51,6 +56,7 @@ class Backend(Protocol):
         self, session_id: str, tenant: str, ids: Sequence[int], held: int
     ) -> Restored | None: ...
     def drop_l1(self, session_id: str, tenant: str, bufs: Any) -> None: ...
+    def pages_dropped(self, session_id: str, tenant: str) -> None: ...
     def commit_pages(
         self,
         session_id: str,
@@ -79,7 +85,13 @@ class RecomputeBackend:
     def __init__(self, model: Any) -> None:
         self._config = model.config
 
-    def restore(self, session_id: str, tenant: str, ids: torch.Tensor | Sequence[int]) -> Restored:
+    def restore(
+        self,
+        session_id: str,
+        tenant: str,
+        ids: torch.Tensor | Sequence[int],
+        prefix_only: bool = False,
+    ) -> Restored:
         from transformers import DynamicCache
 
         return Restored(DynamicCache(config=self._config), 0, RestoreSource.RECOMPUTE.value)
@@ -96,6 +108,9 @@ class RecomputeBackend:
         return None  # it vouches for nothing: every turn recomputes
 
     def drop_l1(self, session_id: str, tenant: str, bufs: Any) -> None:
+        return None
+
+    def pages_dropped(self, session_id: str, tenant: str) -> None:
         return None
 
     def commit_pages(
@@ -181,9 +196,15 @@ class TieredBackend:
     def tenants_of(self, session_id: str) -> list[str]:
         return sorted({s.tenant for s in self._find(session_id)})
 
-    def restore(self, session_id: str, tenant: str, ids: torch.Tensor | Sequence[int]) -> Restored:
+    def restore(
+        self,
+        session_id: str,
+        tenant: str,
+        ids: torch.Tensor | Sequence[int],
+        prefix_only: bool = False,
+    ) -> Restored:
         s = self.cache.session(session_id, tenant=tenant)
-        kv = s.restore(ids)
+        kv = s.restore(ids, prefix_only=prefix_only)
         return Restored(kv, int(kv.get_seq_length()), str(s.restore_source))
 
     def commit(self, session_id: str, tenant: str, ids: torch.Tensor | Sequence[int]) -> None:
@@ -204,6 +225,10 @@ class TieredBackend:
     def drop_l1(self, session_id: str, tenant: str, bufs: Any) -> None:
         """Free a running turn's L1 copy of its session (`TieredCache.drop_l1`)."""
         self.cache.drop_l1(self.cache.session(session_id, tenant=tenant), bufs)
+
+    def pages_dropped(self, session_id: str, tenant: str) -> None:
+        """The batch freed the session's parked pages (`TieredCache.pages_dropped`)."""
+        self.cache.pages_dropped(self.cache.session(session_id, tenant=tenant))
 
     def commit_pages(
         self,

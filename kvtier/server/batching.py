@@ -294,7 +294,9 @@ class BatchScheduler(Stepping):
             try:
                 # the prompt as a list: made on the device, its copy would queue behind the
                 # steps in flight on the default stream, and the cache reads it back as a list
-                restored = self.backend.restore(job.session_id, job.tenant, job.prompt_ids)
+                restored = self.backend.restore(
+                    job.session_id, job.tenant, job.prompt_ids, prefix_only=self.paged_l1
+                )
             except L1BudgetExceeded:
                 with self._cond:
                     if self._holding == 0 or self._closed:
@@ -338,6 +340,12 @@ class BatchScheduler(Stepping):
             return None
         s.held = p
         return restored
+
+    def _pages_dropped(self, key: tuple[str, str]) -> None:
+        try:
+            self.backend.pages_dropped(key[1], key[0])
+        except Exception:
+            log.exception("marking session %s hibernated failed", key[1][:64])
 
     def _release_l1(self, s: _Seq) -> None:
         """A restored turn was committed or aborted, or (paged L1) its prefix went from L1 into
@@ -529,13 +537,12 @@ class BatchScheduler(Stepping):
                     self.pool.scatter(seq.pages, seq.length, s.spilled[:, :, seq.length :])
                 else:
                     copy_in(self.pool, s.restored.kv, seq, seq.length, s.cached)
-                    if self.paged_l1:  # the pages hold it now: L1 lets it go
-                        owner = getattr(s.restored.kv, "owner", None)
-                        bufs = getattr(owner, "bufs", None)
-                        if bufs is not None:
-                            self._commits.submit(self._drop_l1, s, bufs)
                 s.trace.copied_in()
             s.spilled = None
+            if self.paged_l1 and s.holds_l1:  # the pages hold its prefix now: L1 lets it go
+                bufs = getattr(getattr(s.restored.kv, "owner", None), "bufs", None)
+                if bufs is not None:
+                    self._commits.submit(self._drop_l1, s, bufs)
         except BaseException as exc:
             self._free_table(seq)
             self._fail(s, exc)
@@ -557,6 +564,9 @@ class BatchScheduler(Stepping):
         failover has rebuilt it, they start empty (the old pages went with the old pool)."""
         if self._state_pool is not self.pool:
             self._prefixes = PrefixPages(self.pool)
+            if self.paged_l1:
+                for key in self._parked:
+                    self._commits.submit(self._pages_dropped, key)
             self._parked.clear()
             self._state_pool = self.pool
 
@@ -634,6 +644,8 @@ class BatchScheduler(Stepping):
                     continue
                 table = parked.pop(key).table
             self._free_table(table)
+            if self.paged_l1:  # the session is in L2/L3 alone now
+                self._commits.submit(self._pages_dropped, key)
         for s in reversed(self.waiting):  # claimed tables: their turns wait beside the pool
             if self.pool.num_free >= goal:
                 break
@@ -734,6 +746,10 @@ class BatchScheduler(Stepping):
             self.running.remove(s)
         elif s in self.waiting:
             self.waiting.remove(s)
+        if s.held is not None:  # never admitted: its claimed table may be freed again
+            with self._cond:
+                s.held.claimed = False
+            s.held = None
 
     def _finish(self, s: _Seq, reason: str, flush: bool = False) -> None:
         """End the turn: copy its new K/V out of the pages, free them, commit off this thread."""
@@ -778,7 +794,11 @@ class BatchScheduler(Stepping):
                     backend.abort(job.session_id, job.tenant)
                 else:
                     start, chunks = new
-                    backend.commit_pages(job.session_id, job.tenant, s.tokens[:fed], start, chunks)
+                    upto = fed
+                    if job.ephemeral:  # forgotten next: its full chunks alone, as before
+                        upto = max(start, fed // self.chunk_tokens * self.chunk_tokens)
+                        chunks = chunks[: (upto - start) // self.chunk_tokens]
+                    backend.commit_pages(job.session_id, job.tenant, s.tokens[:upto], start, chunks)
             else:
                 if new is not None:
                     append_kv(s.restored.kv, new)

@@ -93,7 +93,8 @@ class ServerConfig:
     admissions_per_step: int = 0
     # with batching: a finished turn's KV pages stay in the pool for its session's next turn
     # (restored from L1, it starts from them, no copy of its prefix) while nothing else needs
-    # them. Off until measured on a GPU (docs/architecture.md, "Parked pages")
+    # them. On whenever paged_l1 is; this turns it on alone, beside L1 buffers
+    # (docs/architecture.md, "Parked pages")
     park_pages: bool = False
     # with batching: the page pool is the sessions' L1 (implies park_pages). A finished turn's
     # new chunks go from its pages to L2, the cache keeps no L1 copy of the session, and a

@@ -155,7 +155,7 @@ def options(f: Callable[..., Any]) -> Callable[..., Any]:
             default=None,
             help="Keep a finished turn's KV pages in the batch's pool as its session's while "
             "no other turn needs the room; its next turn, restored from L1, starts from them "
-            "instead of a copy (default off).",
+            "instead of a copy (default off; on whenever --paged-l1 is, the default).",
         ),
         click.option(
             "--paged-l1/--no-paged-l1",

@@ -702,11 +702,13 @@ def test_batching_settings_from_flags_environment_and_toml(tmp_path: Path) -> No
 
 def test_restores_wait_for_l1_room_held_by_running_turns(tmp_path: Path) -> None:
     """L1 holds two sessions; five turns arrive at once. A restore that finds L1 full of running
-    turns waits for one of them to commit (its session becomes evictable) instead of failing."""
+    turns waits for one of them to commit (its session becomes evictable) instead of failing.
+    (L1 buffers: with paged L1 a running turn holds no L1, and a restore holds it only for its
+    loaded prefix until the turn is admitted.)"""
     ref = _build("llama")
     served = _build("llama")
     per_token = 2 * 2 * 2 * 16 * 4  # layers * k|v * kv heads * dim * fp32
-    config = _config(tmp_path, l1_bytes=2 * 64 * per_token + 1024, queue_timeout=60)
+    config = _config(tmp_path, l1_bytes=2 * 64 * per_token + 1024, queue_timeout=60, paged_l1=False)
     backend = TieredBackend(served.model, config, served.name)
     sched = BatchScheduler(served, backend, config)
     waits: list[float] = []  # each turn's wait for L1 room, as its trace has it

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from test_batching import _build, _greedy_alone, _job
-from test_batching_park import _accounted, _parked_fleet, _run_alone
+from test_batching_park import _accounted, _parked_fleet, _run_alone, _run_recording_starts
 from test_batching_share import (
     _close,
     _conversations,
@@ -27,16 +27,22 @@ from test_batching_share import (
     _restored,
 )
 
+from kvtier.errors import KvtierError
 from kvtier.server.backend import TieredBackend
 from kvtier.server.batching import PAGE_SIZE, BatchScheduler
 from kvtier.types import SessionState
 
 
 def _no_l1(backend: TieredBackend) -> None:
-    """The cache holds no session in L1, and every session is stored (hibernated)."""
+    """The cache holds no session in L1: each is idle in its pages, or hibernated."""
     cache = backend.cache
     assert cache.l1.used_bytes == 0
-    assert all(not s.resident and s.state is SessionState.HIBERNATED for s in cache.sessions())
+    for s in cache.sessions():
+        assert not s.resident
+        assert (s.state, s.in_pages) in (
+            (SessionState.IDLE, True),
+            (SessionState.HIBERNATED, False),
+        )
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
@@ -57,16 +63,7 @@ def test_turns_start_from_their_pages_and_the_cache_keeps_no_l1_copy(
         assert all(s.restored is not None and s.restored.source == "l1" for s in turns)
         assert all(s.restored is not None and s.restored.kv is None for s in turns)  # no copy
         assert backend.cache.l1.used_bytes == 0
-        starts: dict[str, list[int]] = {}
-
-        def hook(step: int) -> None:
-            if step == 0:
-                sched.waiting.extend(turns)
-            for s in turns:
-                if s.paged is not None and s.job.session_id not in starts:
-                    starts[s.job.session_id] = list(s.paged.pages)
-
-        _drive(sched, hook)
+        starts = _run_recording_starts(sched, turns)
         assert sched.parked_turns == 3
         for s in turns:  # each began on its own parked pages, as far as its prefix reaches
             sid = s.job.session_id
@@ -89,13 +86,19 @@ def test_once_its_pages_went_a_turn_restores_from_l2_and_after_a_restart_from_l3
     )
     loop = asyncio.new_event_loop()
     try:
+        sessions = [backend.cache.session(f"r{i}", "t") for i in range(2)]
+        assert all(s.state is SessionState.IDLE and s.in_pages for s in sessions)
         assert sched._unpark(sched.pool.num_pages - sched.pool.num_free)  # every page goes
         assert not sched._parked
+        sched._commits.submit(lambda: None).result()  # the cache hears of it off this thread
+        assert all(s.state is SessionState.HIBERNATED and not s.in_pages for s in sessions)
         second = _next_prompts([firsts[0]], [replies[0]], 51)[0]
         turn = _restored(sched, loop, _job("r0", second, 12))
         assert turn.restored is not None and turn.restored.source == "l2"
         assert turn.cached == len(firsts[0]) + len(replies[0].encode()) - 1  # every fed token
-        assert backend.cache.l1.used_bytes > 0  # restored through L1 ...
+        l1 = backend.cache.l1  # restored through L1, with room for the loaded prefix alone ...
+        assert l1.used_bytes == l1.bytes_for(l1.round_up(turn.cached))
+        assert l1.round_up(turn.cached) < l1.round_up(len(second) + 1)  # (not the whole prompt)
         in_l1: list[int] = []
 
         def hook(step: int) -> None:
@@ -214,5 +217,33 @@ def test_pages_through_l2_and_back_are_bit_identical(device: str, tmp_path: Path
         again = sched._parked[("t", "b0")].table
         after = sched.pool.gather(again.pages, 0, turn.cached)
         assert after.dtype == before.dtype and torch.equal(after, before)
+    finally:
+        _close(sched, backend, loop)
+
+
+def test_a_turn_that_fails_before_admission_lets_its_claimed_pages_go(tmp_path: Path) -> None:
+    """A turn that claimed its session's parked pages and then fails while it waits (here: a
+    client gone) gives the claim back: the pages can make room again, and the session's next
+    turn starts from them."""
+    ref, served, firsts, sched, backend, replies = _parked_fleet(
+        "llama", tmp_path, "f", 1, paged_l1=True
+    )
+    loop = asyncio.new_event_loop()
+    try:
+        second = _next_prompts(firsts, replies, 56)[0]
+        turn = _restored(sched, loop, _job("f0", second, 6))
+        parked = sched._parked[("t", "f0")]
+        assert parked.claimed and turn.held is parked
+        assert not sched._unpark(1)  # claimed: nothing to free
+        sched.waiting.append(turn)
+        sched._fail(turn, KvtierError("the client went away"))
+        assert turn.done.result(60) is None  # failed and aborted
+        assert not parked.claimed and turn.held is None
+        again = _restored(sched, loop, _job("f0", second, 6))
+        assert again.restored is not None and again.restored.source == "l1"
+        _run_alone(sched, again)
+        assert sched.parked_turns == 1
+        assert _reply(served, again) == _greedy_alone(ref, second, 6)
+        _no_l1(backend)
     finally:
         _close(sched, backend, loop)

@@ -58,6 +58,22 @@ def _parked_fleet(
     return ref, served, firsts, sched, backend, replies
 
 
+def _run_recording_starts(sched: BatchScheduler, turns: list[_Seq]) -> dict[str, list[int]]:
+    """Queue `turns` together and step until they are done; each session's page table as its
+    turn was admitted."""
+    starts: dict[str, list[int]] = {}
+
+    def hook(step: int) -> None:
+        if step == 0:
+            sched.waiting.extend(turns)
+        for s in turns:
+            if s.paged is not None and s.job.session_id not in starts:
+                starts[s.job.session_id] = list(s.paged.pages)
+
+    _drive(sched, hook)
+    return starts
+
+
 def _run_alone(sched: BatchScheduler, turn: _Seq) -> None:
     """Queue `turn` and step until it is done."""
     _drive(sched, lambda step: sched.waiting.append(turn) if step == 0 else None)
@@ -74,16 +90,7 @@ def test_a_returning_turn_starts_from_its_parked_pages(kind: str, tmp_path: Path
         nexts = _next_prompts(firsts, replies, 40)
         turns = [_restored(sched, loop, _job(f"p{i}", p, 16)) for i, p in enumerate(nexts)]
         assert all(s.restored is not None and s.restored.source == "l1" for s in turns)
-        starts: dict[str, list[int]] = {}
-
-        def hook(step: int) -> None:
-            if step == 0:
-                sched.waiting.extend(turns)
-            for s in turns:
-                if s.paged is not None and s.job.session_id not in starts:
-                    starts[s.job.session_id] = list(s.paged.pages)
-
-        _drive(sched, hook)
+        starts = _run_recording_starts(sched, turns)
         assert sched.parked_turns == 3
         for sid, pages in tables.items():  # each began on its own parked pages
             assert starts[sid][: len(pages)] == pages

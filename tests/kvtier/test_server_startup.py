@@ -176,6 +176,8 @@ def test_a_blocked_cache_call_never_stalls_the_event_loop(live: _InProcess) -> N
 
     restoring, snapping = threading.Event(), threading.Event()
     backend.restore = _slow(backend.restore, 1.5, restoring)
+    # with paged L1 the session's next turn starts from its pages: that call is slowed too
+    backend.resume_pages = _slow(backend.resume_pages, 1.5, restoring)
     backend.snapshot = _slow(backend.snapshot, 1.5, snapping)
     slow = threading.Thread(
         target=lambda: httpx.post(
