@@ -539,7 +539,8 @@ class BatchScheduler(Stepping):
                     copy_in(self.pool, s.restored.kv, seq, seq.length, s.cached)
                 s.trace.copied_in()
             s.spilled = None
-            if self.paged_l1 and s.holds_l1:  # the pages hold its prefix now: L1 lets it go
+            if self.paged_l1 and s.holds_l1 and s.restored is not None:
+                # the pages hold its prefix now: L1 lets it go
                 bufs = getattr(getattr(s.restored.kv, "owner", None), "bufs", None)
                 if bufs is not None:
                     self._commits.submit(self._drop_l1, s, bufs)
