@@ -80,6 +80,9 @@ SWITCH_INTERVAL_S = 0.0005
 # turns: in the 256-session fleet on an H200, 4 threads served 2,266 tok/s and 8 served
 # 2,577-2,679 (docs/benchmarks.md, "The restore threads' waits").
 HELPER_THREADS_CUDA = 8
+# The pool's page gauges (/metrics) are refreshed every this many iterations: a parked page
+# set can hold thousands of pages, and a scrape every few seconds needs no fresher figure.
+POOL_GAUGE_EVERY = 64
 
 
 @dataclasses.dataclass(eq=False)
@@ -194,6 +197,7 @@ class BatchScheduler(Stepping):
         self._state_pool: PagePool | None = self.pool  # the pool the two above belong to
         self.parked_turns = 0  # turns admitted from their session's parked pages
         self._dropping: list[tuple[str, str]] = []  # parked tables to free (`drop_parked`)
+        self._iterations = 0  # scheduler iterations, for the pool's gauges
         self.shared_pages = 0  # pages taken from a running sequence at admission, in all
         self._events = EventPost()  # this iteration's events, handed over together
         # overlapped steps (kvtier.server.lookahead): the step in flight, its tokens not taken
@@ -424,6 +428,16 @@ class BatchScheduler(Stepping):
         else:
             self._drain()
         self._deliver()
+        self._iterations += 1
+        idle = not (self.running or self.waiting)  # and when it goes idle, for an exact figure
+        if self.metrics is not None and (idle or self._iterations % POOL_GAUGE_EVERY == 1):
+            self._pool_gauges()
+
+    def _pool_gauges(self) -> None:
+        """The pool's pages by state for /metrics (a page parked tables share counts once)."""
+        pool = self.pool
+        parked = len({p for t in self._parked.values() for p in t.table.pages})
+        self.metrics.pages(parked, pool.num_free, pool.num_pages, pool.page_bytes)
 
     def _post(self, s: _Seq, event: Any) -> None:
         self._events.post(s.stream, event)

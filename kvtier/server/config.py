@@ -100,7 +100,7 @@ class ServerConfig:
     # new chunks go from its pages to L2, the cache keeps no L1 copy of the session, and a
     # returning turn starts from its parked pages or restores from L2/L3 (docs/architecture.md,
     # "Paged L1"). Native codec, one device (else off). On an H200 the 256-session fleet served
-    # 3,480 tok/s with it against 2,685 without (docs/benchmarks.md, "Paged L1")
+    # 3,480-3,765 tok/s with it against 2,685-3,371 without (docs/benchmarks.md, "Paged L1")
     paged_l1: bool = True
     batch_kv_bytes: int = 0  # the batch's KV page pool; 0 = room for max_concurrency contexts
     max_body_bytes: int = 4 * 2**20

@@ -111,6 +111,21 @@ class ServerMetrics:
             registry=registry,
         )
 
+        self.kv_pages = Gauge(
+            "kvtier_server_kv_pages",
+            "Pages of the batch's KV pool (batching scheduler), by state: parked (finished "
+            "turns' pages kept for their sessions' next turns: with paged L1 the sessions' L1), "
+            "running (every other page in use) and free.",
+            ["state"],
+            registry=registry,
+        )
+        self._kv_pages = {s: self.kv_pages.labels(state=s) for s in ("parked", "running", "free")}
+        self.kv_page_bytes = Gauge(
+            "kvtier_server_kv_page_bytes",
+            "Bytes of one page of the batch's KV pool (every layer's K and V).",
+            registry=registry,
+        )
+
         self.gc_pause_seconds = Histogram(
             "kvtier_server_gc_pause_seconds",
             "Python's cyclic garbage collections while serving, by generation: each holds every "
@@ -165,6 +180,13 @@ class ServerMetrics:
     def load(self, running: int, waiting: int) -> None:
         self.running.set(running)
         self.queued.set(waiting)
+
+    def pages(self, parked: int, free: int, total: int, page_bytes: int) -> None:
+        """The batch's page pool: `parked` pages (of parked tables), `free`, of `total`."""
+        self._kv_pages["parked"].set(parked)
+        self._kv_pages["running"].set(total - parked - free)
+        self._kv_pages["free"].set(free)
+        self.kv_page_bytes.set(page_bytes)
 
     def step(self, batch_size: int, seconds: float) -> None:
         self.batch_size.observe(batch_size)

@@ -293,9 +293,22 @@ def test_admin_hibernate_frees_the_parked_pages(client: openai.OpenAI, server: S
         sources.append(raw.headers["x-kvtier-restore-source"])
         messages.append({"role": "assistant", "content": raw.parse().choices[0].message.content})
         if text == "two":
+            parked = _parked_pages(server.url)
             r = httpx.post(server.url + "/v1/sessions/hib-pages/hibernate?tenant=hib")
             assert r.status_code == 200, r.text
+            deadline = time.monotonic() + 10  # the scheduler frees them between its steps
+            while _parked_pages(server.url) >= parked and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert 0 <= _parked_pages(server.url) < parked
     assert sources == ["recompute", "l1", "l2"]
+
+
+def _parked_pages(url: str) -> float:
+    """`kvtier_server_kv_pages{state="parked"}` of a server's /metrics."""
+    text = httpx.get(url + "/metrics", timeout=10).text
+    found = re.search(r'^kvtier_server_kv_pages\{state="parked"\} ([0-9.e+]+)$', text, re.M)
+    assert found, text[-2000:]
+    return float(found.group(1))
 
 
 def test_disconnect_mid_stream_frees_l1_keeps_committed(server: Server) -> None:
