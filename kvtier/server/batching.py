@@ -430,14 +430,18 @@ class BatchScheduler(Stepping):
         self._deliver()
         self._iterations += 1
         idle = not (self.running or self.waiting)  # and when it goes idle, for an exact figure
-        if self.metrics is not None and (idle or self._iterations % POOL_GAUGE_EVERY == 1):
+        if idle or self._iterations % POOL_GAUGE_EVERY == 1:
             self._pool_gauges()
 
     def _pool_gauges(self) -> None:
-        """The pool's pages by state for /metrics (a page parked tables share counts once)."""
+        """The pool's pages by state for /metrics (a page parked tables share counts once),
+        where the metrics take them (a bench's step log may not)."""
+        pages = getattr(self.metrics, "pages", None)
+        if pages is None:
+            return
         pool = self.pool
         parked = len({p for t in self._parked.values() for p in t.table.pages})
-        self.metrics.pages(parked, pool.num_free, pool.num_pages, pool.page_bytes)
+        pages(parked, pool.num_free, pool.num_pages, pool.page_bytes)
 
     def _post(self, s: _Seq, event: Any) -> None:
         self._events.post(s.stream, event)
