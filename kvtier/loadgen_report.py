@@ -149,6 +149,9 @@ def ttft_summary(deltas: dict[str, dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+POOL_STATES = ("parked", "running", "free")
+
+
 def tiers_now(text: str) -> dict[str, Any]:
     """The cache's tiers, sessions and restore decisions from one /metrics text."""
     samples = parse_metrics(text)
@@ -164,9 +167,17 @@ def tiers_now(text: str) -> dict[str, Any]:
         l4 = {k: int(sum(v for _, v in samples.get(f"kvtier_l4_{k}_total", []))) for k in L4_COUNTS}
         l4 |= {"up": samples["kvtier_l4_up"][0][1] > 0, "bytes_read": int(moved.get("read", 0))}
         hits = {**hits, "l4": hits.get("l4", l4["hits"])}
+    # the batch's page pool by state, in bytes (kvtier serve with batching): with paged L1 its
+    # parked pages are the sessions' L1, which the L1 tier's bytes no longer count
+    pages, page_bytes = (
+        by("kvtier_server_kv_pages", "state"),
+        samples.get("kvtier_server_kv_page_bytes"),
+    )
+    pool = {k: int(v * page_bytes[0][1]) for k, v in pages.items()} if page_bytes else None
     return {
         "hits_by_tier": {t: int(hits[t]) for t in sorted(hits)},
         "l4": l4,
+        "pool": pool,
         "tiers": {
             tier: {
                 "used_bytes": int(used[tier]),
@@ -412,6 +423,14 @@ def _tier_lines(t: dict[str, Any] | None) -> list[str]:
         lines.append(
             f"  {tier:<3} {size(v['used_bytes'])}{of}, {plural(v['chunks'], 'chunk')}, "
             f"{plural(v['hits'], 'hit')}"
+        )
+    pool = t.get("pool")
+    if pool:
+        # parked: finished turns' K/V, kept for their sessions (with paged L1, their L1)
+        names = {"parked": "parked (sessions' L1)"}
+        lines.append(
+            "  batch page pool: "
+            + ", ".join(f"{names.get(k, k)} {size(pool[k])}" for k in POOL_STATES if k in pool)
         )
     l4 = t.get("l4")
     if l4:

@@ -172,3 +172,22 @@ def test_plot_writes_a_png(tmp_path: Path) -> None:
     png = tmp_path / "r.png"
     plot(issue_result(), png)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_batch_page_pool_is_reported_by_state() -> None:
+    """With paged L1 the sessions' L1 is the batch's parked pages: the report shows the pool
+    (from the server's own gauges) beside the tiers."""
+    registry = CollectorRegistry()
+    ServerMetrics(registry).pages(parked=10, free=4086 - 6, total=4096, page_bytes=8192)
+    text = (SCRAPES / "serve-2.txt").read_text() + generate_latest(registry).decode()
+    tiers = tiers_now(text)
+    assert tiers["pool"] == {"parked": 81920, "running": 6 * 8192, "free": 4080 * 8192}
+    result = issue_result()
+    result["tiers"] = tiers
+    lines = format_report(result).splitlines()
+    pool = next(line for line in lines if line.startswith("  batch page pool: "))
+    assert (
+        pool == "  batch page pool: parked (sessions' L1) 80.0 KiB, running 48.0 KiB, free 31.9 MiB"
+    )
+    assert max(len(line) for line in lines) <= 100
+    assert tiers_now((SCRAPES / "serve-2.txt").read_text())["pool"] is None  # no batch pool
