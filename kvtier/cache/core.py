@@ -342,10 +342,13 @@ class TieredCache(LifecycleMixin):
             s.last_active = time.time()
             self.counters.hits["l1"] += 1
             self.counters.restored_tokens["l1"] += n
-            s.restore_source = "l1"
-            self.counters.decisions["l1"] += 1
-            self._record_latency("l1", time.perf_counter() - t0)
+            self._count_restore(s, "l1", t0)
             return n
+
+    def _count_restore(self, s: Session, source: str, t0: float) -> None:
+        s.restore_source = source
+        self.counters.decisions[source] += 1
+        self._record_latency(source, time.perf_counter() - t0)
 
     def drop_l1(self, s: Session, bufs: Any) -> None:
         """Free the L1 copy `bufs` of a session whose request runs from a batch's pages
@@ -357,9 +360,7 @@ class TieredCache(LifecycleMixin):
                 self._release_l1(s)
 
     def _restored(self, s: Session, source: str, t0: float) -> KvtierCache:
-        s.restore_source = source
-        self.counters.decisions[source] += 1
-        self._record_latency(source, time.perf_counter() - t0)
+        self._count_restore(s, source, t0)
         return KvtierCache(s)  # type: ignore[arg-type]  # resident: bufs is set
 
     def prefetch_session(self, s: Session) -> None:

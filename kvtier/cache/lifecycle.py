@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -102,11 +102,24 @@ class LifecycleMixin:
                 raise SessionError("commit_pages() must follow a restore of the same session")
             if start % C:
                 raise ValueError(f"start {start} is not a multiple of the chunk size {C}")
+            if len(chunks) != -(-(len(ids) - start) // C):
+                raise ValueError(f"{len(chunks)} chunks do not cover tokens [{start}, {len(ids)})")
             s._prefill = None
             self._release_l1(s)  # a restore from L2/L3 went through L1: the pages hold it now
             s.tokens = ids
             s.tail_key = None
-            self._write_chunks_from(s, start, chunks)
+            # the chunks before `start` must be stored already: the pages' copy starts there
+            del s.chunk_keys[min(s.flushed, start // C) :]
+            s.flushed = len(s.chunk_keys)
+            if s.flushed * C < start:
+                self._cut(s, s.flushed * C)
+            else:
+
+                def at(pos: int) -> torch.Tensor:
+                    return chunks[(pos - start) // C]
+
+                self._write_completed_chunks(s, chunk_at=at)
+                self._write_tail(s, chunk_at=at)
             s.state = SessionState.IDLE
             s.in_pages = True
             s.last_active = time.time()
@@ -120,43 +133,6 @@ class LifecycleMixin:
                 s.in_pages = False
                 s.state = SessionState.HIBERNATED
                 self._to_l4(s)
-
-    def _write_chunks_from(self, s: Session, start: int, chunks: Sequence[torch.Tensor]) -> None:
-        """`commit_pages`' writes: the full chunks of `s.tokens` from `start` on, then its tail."""
-        C = self.chunk_tokens
-        del s.chunk_keys[min(s.flushed, start // C) :]
-        s.flushed = len(s.chunk_keys)
-        if s.flushed * C < start:  # a chunk before `start` is stored nowhere: cut there
-            self._cut(s, s.flushed * C)
-            return
-        n_full = len(s.tokens) // C
-        parent = s.chunk_keys[-1] if s.chunk_keys else ZERO_KEY
-        d = self.directory
-        if len(chunks) != -(-(len(s.tokens) - start) // C):
-            raise ValueError(f"{len(chunks)} chunks do not cover tokens [{start}, {len(s.tokens)})")
-        for i in range(s.flushed, n_full):
-            key = self.key_for(parent, s.tokens[i * C : (i + 1) * C], s)
-            e = d.ensure(key, parent, C)
-            e.seen += 1
-            if not d.stored(e) and not self._write_down(
-                s, i * C, e, tenant=s.tenant, chunk=chunks[(i * C - start) // C]
-            ):
-                self._cut(s, i * C)
-                return
-            s.chunk_keys.append(key)
-            s.flushed += 1
-            parent = key
-        t = len(s.tokens) - n_full * C
-        if t == 0:
-            return
-        key = chunk_key(parent, s.tokens[-t:], s.ns)
-        e = d.ensure(key, parent, t)
-        if not d.stored(e) and not self._write_down(
-            s, n_full * C, e, tenant=s.tenant, chunk=chunks[-1]
-        ):
-            self._cut(s, n_full * C)  # the tail is recomputed on resume
-            return
-        s.tail_key = key
 
     def abort_session(self, s: Session) -> None:
         with self._lock:
@@ -174,11 +150,19 @@ class LifecycleMixin:
             layers = len(s.lengths)
             self.cost.observe_prefill(timer.tokens, secs * layers / max(1, layers - 1))
 
-    def _write_completed_chunks(self, s: Session, *, evicting: bool = False) -> None:
+    def _write_completed_chunks(
+        self,
+        s: Session,
+        *,
+        evicting: bool = False,
+        chunk_at: Callable[[int], torch.Tensor] | None = None,
+    ) -> None:
         """Key every newly completed full chunk and apply the write policy to it.
 
         When evicting, a chunk that finds no L2 slot (every slot in flight) ends the session's
-        stored prefix there: the session keeps only what is stored somewhere."""
+        stored prefix there: the session keeps only what is stored somewhere. `chunk_at(pos)`:
+        the K/V of the chunk at token `pos` from a batch's pages (`commit_pages`), where L1
+        holds none: every new chunk is then stored, as when evicting, from `s.flushed` on."""
         C = self.chunk_tokens
         n_full = len(s.tokens) // C
         parent = s.chunk_keys[-1] if s.chunk_keys else ZERO_KEY
@@ -189,22 +173,24 @@ class LifecycleMixin:
         policy = self.config.write_policy
         # Evicting, every chunk is checked again: L3 may have dropped one (size cap) after L2
         # let its copy go, and L1 holds the last copy now.
+        must = evicting or chunk_at is not None  # L1 will not hold the chunk after this
         for i in range(0 if evicting else s.flushed, n_full):
             e = d.ensure(s.chunk_keys[i], s.chunk_keys[i - 1] if i else ZERO_KEY, C)
             e.seen += i >= s.flushed
             if d.stored(e):
                 continue  # already stored once (prefix shared with another session)
             if not (
-                evicting
+                must
                 or policy == "write_through"
                 or (
                     policy == "write_through_selective" and e.seen >= self.config.selective_min_hits
                 )
             ):
                 continue
-            if not self._write_down(s, i * C, e, tenant=s.tenant) and evicting:
+            chunk = None if chunk_at is None else chunk_at(i * C)
+            if not self._write_down(s, i * C, e, tenant=s.tenant, chunk=chunk) and must:
                 log.warning(
-                    "L2 has no free slot for chunk %s while evicting; session %r keeps %d tokens",
+                    "L2 has no free slot for chunk %s leaving L1; session %r keeps %d tokens",
                     e.key.hex(),
                     s.session_id[:64],
                     i * C,
@@ -247,7 +233,9 @@ class LifecycleMixin:
         self.directory.queue_write(e)
         return True
 
-    def _write_tail(self, s: Session) -> None:
+    def _write_tail(
+        self, s: Session, chunk_at: Callable[[int], torch.Tensor] | None = None
+    ) -> None:
         C = self.chunk_tokens
         t = len(s.tokens) % C
         if t == 0:
@@ -256,8 +244,10 @@ class LifecycleMixin:
         parent = s.chunk_keys[-1] if s.chunk_keys else ZERO_KEY
         key = chunk_key(parent, s.tokens[-t:], s.ns)
         e = self.directory.ensure(key, parent, t)
+        pos = len(s.tokens) - t
+        chunk = None if chunk_at is None else chunk_at(pos)
         if not self.directory.stored(e) and not self._write_down(
-            s, len(s.tokens) - t, e, tenant=s.tenant
+            s, pos, e, tenant=s.tenant, chunk=chunk
         ):
             self._cut(s, len(s.tokens) - t)  # the tail is recomputed on resume
             return

@@ -50,7 +50,7 @@ from kvtier.errors import KvtierError, L1BudgetExceeded
 from kvtier.geometry import KVGeometry
 from kvtier.paged import BatchRunner, PagedSequence, PagePool
 from kvtier.paged.attention import VARLEN_PAGE, varlen_block_table_supported
-from kvtier.server.backend import Backend, RecomputeBackend, Restored
+from kvtier.server.backend import Backend, PagedBackend, RecomputeBackend, Restored
 from kvtier.server.engine import ContextExceeded, Delta, Failed, Finished, Job, Started, Stream
 from kvtier.server.eventpost import EventPost
 from kvtier.server.failover import make_pool
@@ -185,12 +185,15 @@ class BatchScheduler(Stepping):
         # Paged L1 (`paged_l1`): the pool is the sessions' L1. A finished turn stores its new
         # chunks in L2 straight from its pages and parks them; the cache keeps no L1 copy.
         # The next turn starts from the parked pages, or restores from L2/L3 when they went.
-        self.paged_l1 = (
+        self._paged: PagedBackend | None = None  # the backend, when the pool is its L1
+        if (
             bool(getattr(config, "paged_l1", True))
-            and self._keep_kv
+            and isinstance(backend, PagedBackend)
             and str(getattr(config, "codec", "native")) == "native"
             and type(self.pool) is PagePool  # one device: not a pool sharded across devices
-        )
+        ):
+            self._paged = backend
+        self.paged_l1 = self._paged is not None
         self.park_pages = self.park_pages or self.paged_l1
         self.chunk_tokens = int(getattr(config, "chunk_tokens", 256))
         self._parked: OrderedDict[tuple[str, str], _Parked] = OrderedDict()
@@ -319,6 +322,11 @@ class BatchScheduler(Stepping):
                 self._holding += 1
             return restored
 
+    def _pages(self) -> PagedBackend:
+        """The backend, on a path that runs only with paged L1."""
+        assert self._paged is not None
+        return self._paged
+
     def _resume_held(self, s: _Seq) -> Restored | None:
         """Paged L1: start from the session's parked pages, claimed so that nothing frees
         them before the turn is admitted, when the cache vouches for their tokens."""
@@ -335,7 +343,7 @@ class BatchScheduler(Stepping):
             p.claimed = True
         held = common_prefix(p.tokens, job.prompt_ids)
         try:
-            restored = self.backend.resume_pages(job.session_id, job.tenant, job.prompt_ids, held)
+            restored = self._pages().resume_pages(job.session_id, job.tenant, job.prompt_ids, held)
         except Exception:  # the restore below meets the same error and reports it
             restored = None
         if restored is None:
@@ -347,7 +355,7 @@ class BatchScheduler(Stepping):
 
     def _pages_dropped(self, key: tuple[str, str]) -> None:
         try:
-            self.backend.pages_dropped(key[1], key[0])
+            self._pages().pages_dropped(key[1], key[0])
         except Exception:
             log.exception("marking session %s hibernated failed", key[1][:64])
 
@@ -365,7 +373,7 @@ class BatchScheduler(Stepping):
         """Paged L1, after a turn's restored prefix was copied into its pages: the cache frees
         the session's L1 copy (`bufs`, unless a later turn holds newer ones by then)."""
         try:
-            self.backend.drop_l1(s.job.session_id, s.job.tenant, bufs)
+            self._pages().drop_l1(s.job.session_id, s.job.tenant, bufs)
         except Exception:
             log.exception("freeing the L1 of session %s failed", s.job.session_id[:64])
         self._release_l1(s)
@@ -817,7 +825,9 @@ class BatchScheduler(Stepping):
                     if job.ephemeral:  # forgotten next: its full chunks alone, as before
                         upto = max(start, fed // self.chunk_tokens * self.chunk_tokens)
                         chunks = chunks[: (upto - start) // self.chunk_tokens]
-                    backend.commit_pages(job.session_id, job.tenant, s.tokens[:upto], start, chunks)
+                    self._pages().commit_pages(
+                        job.session_id, job.tenant, s.tokens[:upto], start, chunks
+                    )
             else:
                 if new is not None:
                     append_kv(s.restored.kv, new)
