@@ -205,6 +205,9 @@ class Model:
     has_cache: bool = True
     notes: tuple[str, ...] = field(default=())
     l4: L4View | None = None  # the shared tier (Redis); None when the endpoint has none
+    # the batch's page pool in bytes by state (parked, running, free), from `kvtier serve`'s
+    # own gauges; empty elsewhere. With paged L1 its parked pages are the sessions' L1
+    pool: tuple[tuple[str, float], ...] = ()
 
 
 def build(
@@ -252,7 +255,17 @@ def build(
         scrapes=len(history),
         has_cache=cur.has("kvtier_tier_used_bytes"),
         l4=l4_view(cur, prev, minute),
+        pool=_pool(cur),
     )
+
+
+def _pool(cur: Scrape) -> tuple[tuple[str, float], ...]:
+    """The batch's page pool in bytes by state, when the endpoint exports it."""
+    page = cur.get("kvtier_server_kv_page_bytes")
+    if page is None:
+        return ()
+    states = ("parked", "running", "free")
+    return tuple((s, (cur.get("kvtier_server_kv_pages", state=s) or 0.0) * page) for s in states)
 
 
 def _device_rows(cur: Scrape) -> tuple[Counter, ...]:

@@ -188,6 +188,13 @@ def tiers_panel(model: Model, width: int) -> Panel:
     parts: list[RenderableType] = [table]
     if not model.tiers:
         parts = [Text("no cache metrics at this endpoint (host signals only)", style="dim")]
+    if model.pool:  # kvtier serve's batch: with paged L1 its parked pages are the sessions' L1
+        line = Text("batch pages ", style="bold", no_wrap=True, overflow="ellipsis")
+        for i, (state, nbytes) in enumerate(model.pool):
+            line.append(("  " if i else "") + f"{state} {fmt.size(nbytes)}")
+            if state == "parked":
+                line.append(" (sessions' L1)", style="dim")
+        parts.append(line)
     if model.l4 is not None:  # hidden without an L4
         parts.append(l4_line(model.l4, inner))
     if model.counters:
