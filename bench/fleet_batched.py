@@ -7,6 +7,7 @@ import asyncio
 import threading
 import time
 from array import array
+from collections import Counter
 from types import SimpleNamespace
 from typing import Any
 
@@ -265,19 +266,13 @@ def run_batched(
                 n: round(_median([p[1 + i] for p in inside]) * 1000, 1) for i, n in enumerate(names)
             },
         }
-        sources: dict[str, int] = {}
-        for p in inside:
-            sources[p[0]] = sources.get(p[0], 0) + 1
-        m.extra["restore_sources"] = sources
+        m.extra["restore_sources"] = dict(Counter(p[0] for p in inside))
         # the slowest twentieth of the turns (by server TTFT): what their time went to
         slow = sorted(inside, key=lambda p: p[-1])[-max(1, len(inside) // 20) :]
         m.extra["ttft_phases_slowest_ms"] = {
             n: round(sum(p[1 + i] for p in slow) / len(slow) * 1000, 1) for i, n in enumerate(names)
         }
-        slow_sources: dict[str, int] = {}
-        for p in slow:
-            slow_sources[p[0]] = slow_sources.get(p[0], 0) + 1
-        m.extra["slowest_sources"] = slow_sources
+        m.extra["slowest_sources"] = dict(Counter(p[0] for p in slow))
     return m
 
 

@@ -46,7 +46,7 @@ Configurations:
                budget) between turns; each turn copies its prefix into pages and its new K/V
                back out
   kvtier-pN    (d) with N prompt tokens in a step that also decodes (`decoding_prompt_tokens`;
-               the default is the server's, 128)
+               the default is the server's, 192)
 
 Each session's initial context (a shared `--system`-token system prompt, then its own tokens)
 is prefilled once per scenario, batched; its K/V is kept on the host (the "bank") and copied
