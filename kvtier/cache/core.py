@@ -24,7 +24,7 @@ import os
 import threading
 import time
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -37,7 +37,7 @@ from kvtier.cache.directory import Chunk, ChunkDirectory
 from kvtier.cache.keys import SHARED_TENANT, TENANT_MAX_BYTES, chunk_key, namespace
 from kvtier.cache.l4 import SharedTier
 from kvtier.cache.lifecycle import LifecycleMixin
-from kvtier.cache.restore import common_prefix
+from kvtier.cache.restore import StagedPrefix, common_prefix
 from kvtier.cache.session import Ids, Session
 from kvtier.cache.stats import Counters, SnapshotInputs, build_snapshot
 from kvtier.codecs import make_codec
@@ -52,6 +52,7 @@ from kvtier.tiers.l1 import L1Pool
 from kvtier.tiers.l2 import HostArena
 from kvtier.tiers.l3 import L3Store, SessionRecord
 from kvtier.transfer import TransferEngine
+from kvtier.transfer.staging import Handle
 from kvtier.types import SessionState
 from kvtier.weights import weights_digest
 
@@ -282,6 +283,22 @@ class TieredCache(LifecycleMixin):
     # -- the host API that `Session` calls (session.SessionHost) --------------------------------
 
     def restore_session(self, s: Session, ids: Ids, *, prefix_only: bool = False) -> KvtierCache:
+        cache = self._restore(s, ids, prefix_only=prefix_only, stage=False)
+        assert isinstance(cache, KvtierCache)
+        return cache
+
+    def restore_staged(self, s: Session, ids: Ids) -> KvtierCache | StagedPrefix | None:
+        """Restore for a batch whose page pool is the sessions' L1 (`paged_l1`): the longest
+        usable prefix of `ids` (never the last token) stays in its L2 slots, pinned, as
+        `s.staged` (`kvtier.cache.restore.StagedPrefix`), and no L1 is taken. The batch copies
+        it into its pages with `load_staged` and then calls `release_staged`. None: no prefix
+        (compute it all); a `KvtierCache`: the session was resident in L1, as `restore`."""
+        out = self._restore(s, ids, prefix_only=True, stage=True)
+        return s.staged if out is None else out
+
+    def _restore(
+        self, s: Session, ids: Ids, *, prefix_only: bool, stage: bool
+    ) -> KvtierCache | None:
         if not ids:
             raise SessionError("restore needs at least one input token")
         t0 = time.perf_counter()
@@ -299,7 +316,7 @@ class TieredCache(LifecycleMixin):
             s.last_active = time.time()
             try:
                 # leave the last token to compute
-                plan = _restore.plan(self, s, ids[:-1], prefix_only)
+                plan = _restore.plan(self, s, ids[:-1], prefix_only, staged=stage)
             except BaseException:
                 s.state = SessionState.IDLE if s.resident else SessionState.HIBERNATED
                 raise
@@ -314,12 +331,33 @@ class TieredCache(LifecycleMixin):
                 self._idle.notify_all()
                 plan.usable = 0
                 _restore.publish(self, s, plan)
-                s.state = SessionState.IDLE
+                s.state = SessionState.IDLE if s.resident else SessionState.HIBERNATED
             raise
         with self._lock:
             self._restoring -= 1
             self._idle.notify_all()
-            return self._restored(s, _restore.publish(self, s, plan), t0)
+            source = _restore.publish(self, s, plan, stage=stage)
+            if stage:
+                self._count_restore(s, source, t0)
+                return None
+            return self._restored(s, source, t0)
+
+    def load_staged(
+        self, s: Session, staged: StagedPrefix, write: Callable[[int, torch.Tensor], None]
+    ) -> Handle:
+        """Copy a staged prefix (`restore_staged`) from its L2 slots for `write`
+        (`TransferEngine.restore_chunks`: one copy per chunk over PCIe, on a side stream on a
+        GPU); order the reads after the returned handle, then `release_staged`."""
+        if s.staged is not staged:
+            raise SessionError("that staged prefix is not the session's (released already?)")
+        return self.engine.restore_chunks(staged.slots, staged.tokens, write)
+
+    def release_staged(self, s: Session, staged: StagedPrefix | None = None) -> None:
+        """Unpin the session's staged prefix (`staged`, when given: only if it is still that
+        one): its chunks may leave L2 again. Call once the copies of `load_staged` are done."""
+        with self._lock:
+            if staged is None or s.staged is staged:
+                self._unstage(s)
 
     def resume_pages(self, s: Session, ids: Ids, held: int) -> int:
         """Start a turn whose first `held` tokens' K/V a batch's page pool holds (`paged_l1`:

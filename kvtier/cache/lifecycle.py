@@ -106,6 +106,7 @@ class LifecycleMixin:
                 raise ValueError(f"{len(chunks)} chunks do not cover tokens [{start}, {len(ids)})")
             s._prefill = None
             self._release_l1(s)  # a restore from L2/L3 went through L1: the pages hold it now
+            self._unstage(s)
             s.tokens = ids
             s.tail_key = None
             # the chunks before `start` must be stored already: the pages' copy starts there
@@ -137,11 +138,21 @@ class LifecycleMixin:
     def abort_session(self, s: Session) -> None:
         with self._lock:
             s._prefill = None
+            self._unstage(s)
             if s.resident:
                 s.lengths[:] = [len(s.tokens)] * len(s.lengths)
                 s.state = SessionState.IDLE
             elif s.state is SessionState.ACTIVE:
                 s.state = SessionState.HIBERNATED
+
+    def _unstage(self, s: Session) -> None:
+        """Unpin a staged restore's prefix (`TieredCache.restore_staged`), if any is left
+        (under the lock). A slot is reused only after its last device copy is done
+        (`TransferEngine.forget`), so a copy still in flight is safe."""
+        if s.staged is not None:
+            for e in s.staged.chunks:
+                e.pins -= 1
+            s.staged = None
 
     def _resolve_prefill(self, s: Session) -> None:
         timer, s._prefill = s._prefill, None

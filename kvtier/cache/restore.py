@@ -8,6 +8,12 @@
 3. publish (under the lock): settle the reads (a chunk that failed to read is forgotten, its
    slot freed), unpin, and set the session's tokens and keys.
 
+A *staged* restore (`TieredCache.restore_staged`, for a batch whose page pool is the sessions'
+L1) stops short of L1: it takes no L1 room and copies nothing in phase 2, and phase 3 keeps the
+usable prefix's chunks pinned as a `StagedPrefix`. The batch copies them from their L2 slots
+straight into its pages when it admits the turn (`TieredCache.load_staged`, one copy per chunk
+over PCIe) and then lets them go (`TieredCache.release_staged`).
+
 A session is ACTIVE from phase 1 to its commit, so no one evicts or restores it meanwhile.
 """
 
@@ -42,6 +48,20 @@ class RestorePlan:
     l3_bytes: int = 0
     t_l3: float = 0.0
     t_l2: float = 0.0
+
+
+@dataclass(eq=False)
+class StagedPrefix:
+    """A restored prefix left in L2 for the caller to copy where it computes: the first
+    `tokens` tokens, in the L2 slots of `chunks` (full chunks, the last may be partial), each
+    pinned (its slot neither freed nor reused) until the cache releases it."""
+
+    chunks: list[Chunk]
+    tokens: int
+
+    @property
+    def slots(self) -> list[int]:
+        return [e.l2_slot for e in self.chunks]  # type: ignore[misc]  # pinned: in L2
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -94,11 +114,12 @@ def start_read(cache: TieredCache, e: Chunk) -> Future[Any] | None:
 
 
 def plan(
-    cache: TieredCache, s: Session, want: Ids, prefix_only: bool = False
+    cache: TieredCache, s: Session, want: Ids, prefix_only: bool = False, staged: bool = False
 ) -> RestorePlan | None:
     """Phase 1 (under the lock). None: served from L1, nothing to load. L1 gets room for the
     whole of `want` and the token after it, where the forward will write them; `prefix_only`:
-    for the loaded prefix alone (a batch copies it into its pages and computes the rest there)."""
+    for the loaded prefix alone (the caller copies it elsewhere and computes the rest there);
+    `staged`: none (the prefix stays in L2, see `StagedPrefix`)."""
     C = cache.chunk_tokens
     n = cache.counters
     s.in_pages = False  # a batch's pages of it, if any, are not what this turn starts from
@@ -151,7 +172,8 @@ def plan(
         e.pins += 1
     try:
         loaded = sum(e.tokens for _, e in segments)
-        cache.alloc_l1(s, max(1, loaded) if prefix_only else max(len(want) + 1, loaded))
+        if not staged:
+            cache.alloc_l1(s, max(1, loaded) if prefix_only else max(len(want) + 1, loaded))
         s.tokens, s.chunk_keys, s.flushed, s.tail_key = (), [], 0, None
         p.l4 = cache.l4.pending() if cache.l4 is not None else None
         for i, (src, e) in enumerate(segments):
@@ -185,8 +207,8 @@ def unpin(p: RestorePlan) -> None:
 
 
 def load(cache: TieredCache, s: Session, p: RestorePlan) -> None:
-    """Phase 2 (outside the lock): wait for the reads, throttle, copy L2 -> L1."""
-    assert s.bufs is not None
+    """Phase 2 (outside the lock): wait for the reads, throttle, copy L2 -> L1 (a staged
+    restore, with no L1 buffers: no copy)."""
     t0 = time.perf_counter()
     usable = len(p.segments)
     for i, fut in p.reads.items():  # in segment order
@@ -204,7 +226,7 @@ def load(cache: TieredCache, s: Session, p: RestorePlan) -> None:
         time.sleep(max(0.0, p.l3_bytes / rate - p.t_l3))
         p.t_l3 = time.perf_counter() - t0
     p.usable = usable
-    if not usable:
+    if not usable or s.bufs is None:
         return
     chunks = [e for _, e in p.segments[:usable]]
     slots = [e.l2_slot for e in chunks]  # pinned and read: stable without the lock
@@ -217,14 +239,18 @@ def load(cache: TieredCache, s: Session, p: RestorePlan) -> None:
     p.t_l2 = time.perf_counter() - t1
 
 
-def publish(cache: TieredCache, s: Session, p: RestorePlan) -> str:
+def publish(cache: TieredCache, s: Session, p: RestorePlan, stage: bool = False) -> str:
     """Phase 3 (under the lock): settle the reads, unpin, set the session; returns the
-    deepest tier the prefix came from."""
+    deepest tier the prefix came from. `stage`: the usable chunks stay pinned, as the
+    session's `staged` prefix."""
     for i, fut in p.reads.items():
         settle_read(cache, p.segments[i][1], fut)
         if i in p.l4_reads and fut.exception() is not None:
             cache.counters.misses["l4"] += 1  # evicted, expired, damaged or unreachable
     usable = p.segments[: p.usable]
+    if stage and usable:
+        p.segments = p.segments[p.usable :]  # unpinned below; the usable ones stay pinned
+        s.staged = StagedPrefix([e for _, e in usable], sum(e.tokens for _, e in usable))
     unpin(p)
     C = cache.chunk_tokens
     n = cache.counters
@@ -254,7 +280,7 @@ def publish(cache: TieredCache, s: Session, p: RestorePlan) -> str:
         )
         if l4_bytes and cache.l4 is not None:
             cache.l4.observe(p.l4, l4_bytes, p.t_l2 * l4_bytes / l2_bytes)
-        if p.l3_bytes + l4_bytes < l2_bytes:
+        if p.l3_bytes + l4_bytes < l2_bytes and p.t_l2 > 0:  # staged: not copied yet
             l2_only = l2_bytes - p.l3_bytes - l4_bytes
             cache.cost.observe_load("l2", l2_only, p.t_l2 * l2_only / l2_bytes)
     return deepest

@@ -16,6 +16,7 @@ from kvtier.types import RestoreSource, SessionState
 
 if TYPE_CHECKING:  # pragma: no cover
     from kvtier.cache.config import CacheConfig
+    from kvtier.cache.restore import StagedPrefix
     from kvtier.geometry import KVGeometry
     from kvtier.integrations.hf import KvtierCache
 
@@ -99,6 +100,9 @@ class Session:
         # idle with its K/V in a batch's page pool (paged L1), stored in L2/L3 as well; the
         # batch tells the cache when those pages go (`TieredCache.pages_dropped`)
         self.in_pages = False
+        # a staged restore's prefix, pinned in L2 until the batch copied it into its pages
+        # (`TieredCache.restore_staged`)
+        self.staged: StagedPrefix | None = None
         self.lengths: list[int] = []
         self.restore_source = RestoreSource.RECOMPUTE.value
         self._prefill: _PrefillTimer | None = None

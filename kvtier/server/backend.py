@@ -9,13 +9,14 @@ them); calls for different sessions may run on different threads.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from kvtier.cache.restore import StagedPrefix
 from kvtier.cache.session import as_ids
 from kvtier.snapshot import CacheSnapshot
 from kvtier.types import RestoreSource
@@ -73,6 +74,15 @@ class PagedBackend(Backend, Protocol):
     def resume_pages(
         self, session_id: str, tenant: str, ids: Sequence[int], held: int
     ) -> Restored | None: ...
+    def restore_staged(self, session_id: str, tenant: str, ids: Sequence[int]) -> Restored: ...
+    def load_staged(
+        self,
+        session_id: str,
+        tenant: str,
+        staged: Any,
+        write: Callable[[int, torch.Tensor], None],
+    ) -> Any: ...
+    def release_staged(self, session_id: str, tenant: str, staged: Any) -> None: ...
     def drop_l1(self, session_id: str, tenant: str, bufs: Any) -> None: ...
     def pages_dropped(self, session_id: str, tenant: str) -> None: ...
     def commit_pages(
@@ -206,6 +216,33 @@ class TieredBackend:
         s = self.cache.session(session_id, tenant=tenant)
         n = self.cache.resume_pages(s, as_ids(ids), held)
         return Restored(None, n, RestoreSource.L1.value) if n else None
+
+    def restore_staged(self, session_id: str, tenant: str, ids: Sequence[int]) -> Restored:
+        """A restore whose prefix stays in L2 for the batch to copy into its pages
+        (`TieredCache.restore_staged`): `kv` is the `StagedPrefix`, or a Cache when the session
+        was in L1, or None with nothing restored."""
+        s = self.cache.session(session_id, tenant=tenant)
+        kv = self.cache.restore_staged(s, as_ids(ids))
+        if isinstance(kv, StagedPrefix):
+            covered = kv.tokens
+        else:
+            covered = 0 if kv is None else int(kv.get_seq_length())
+        return Restored(kv, covered, str(s.restore_source))
+
+    def load_staged(
+        self,
+        session_id: str,
+        tenant: str,
+        staged: Any,
+        write: Callable[[int, torch.Tensor], None],
+    ) -> Any:
+        """Copy a staged prefix out of L2 for `write` (`TieredCache.load_staged`); the Handle."""
+        s = self.cache.session(session_id, tenant=tenant)
+        return self.cache.load_staged(s, staged, write)
+
+    def release_staged(self, session_id: str, tenant: str, staged: Any) -> None:
+        """Its copies are done: the staged prefix leaves L2's pins (`release_staged`)."""
+        self.cache.release_staged(self.cache.session(session_id, tenant=tenant), staged)
 
     def drop_l1(self, session_id: str, tenant: str, bufs: Any) -> None:
         """Free a running turn's L1 copy of its session (`TieredCache.drop_l1`)."""

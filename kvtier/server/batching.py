@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from kvtier.cache.restore import common_prefix
+from kvtier.cache.restore import StagedPrefix, common_prefix
 from kvtier.errors import KvtierError, L1BudgetExceeded
 from kvtier.geometry import KVGeometry
 from kvtier.paged import BatchRunner, PagedSequence, PagePool
@@ -56,7 +56,7 @@ from kvtier.server.eventpost import EventPost
 from kvtier.server.failover import make_pool
 from kvtier.server.lookahead import TokenReadback
 from kvtier.server.model import ServedModel
-from kvtier.server.pagecopy import append_kv, copy_in, copy_out
+from kvtier.server.pagecopy import append_kv, copy_in, copy_out, staged_writer
 from kvtier.server.pageshare import PrefixPages, page_keys
 from kvtier.server.sampling import ReplyText, make_generator
 from kvtier.server.stepping import Stepping, _Pending, _Seq
@@ -83,6 +83,12 @@ HELPER_THREADS_CUDA = 8
 # The pool's page gauges (/metrics) are refreshed every this many iterations: a parked page
 # set can hold thousands of pages, and a scrape every few seconds needs no fresher figure.
 POOL_GAUGE_EVERY = 64
+
+
+def _in_l1(restored: Restored) -> bool:
+    """Whether a restore holds its session in the cache's L1 until released: not a staged
+    prefix (paged L1: it waits in L2), nor nothing at all."""
+    return restored.kv is not None and not isinstance(restored.kv, StagedPrefix)
 
 
 @dataclasses.dataclass(eq=False)
@@ -271,7 +277,7 @@ class BatchScheduler(Stepping):
             s.restored = self._resume_held(s)
             if s.restored is None:
                 s.restored = self._restore_when_room(job, s.trace)
-                s.holds_l1 = True
+                s.holds_l1 = _in_l1(s.restored)
         except BaseException as exc:  # nothing restored, nothing to abort
             self._report(s, exc)
             with self._cond:
@@ -301,9 +307,12 @@ class BatchScheduler(Stepping):
             try:
                 # the prompt as a list: made on the device, its copy would queue behind the
                 # steps in flight on the default stream, and the cache reads it back as a list
-                restored = self.backend.restore(
-                    job.session_id, job.tenant, job.prompt_ids, prefix_only=self.paged_l1
-                )
+                if self.paged_l1:  # the prefix stays in L2 until the pages take it
+                    restored = self._pages().restore_staged(
+                        job.session_id, job.tenant, job.prompt_ids
+                    )
+                else:
+                    restored = self.backend.restore(job.session_id, job.tenant, job.prompt_ids)
             except L1BudgetExceeded:
                 with self._cond:
                     if self._holding == 0 or self._closed:
@@ -318,8 +327,9 @@ class BatchScheduler(Stepping):
                 if not moved or self._closed:
                     raise
                 continue
-            with self._cond:
-                self._holding += 1
+            if _in_l1(restored):
+                with self._cond:
+                    self._holding += 1
             return restored
 
     def _pages(self) -> PagedBackend:
@@ -368,6 +378,24 @@ class BatchScheduler(Stepping):
                 self._holding -= 1
             self._released += 1
             self._cond.notify_all()
+
+    def _load_staged(self, s: _Seq, seq: PagedSequence) -> None:
+        """Paged L1: copy a turn's staged prefix from its L2 slots into its new pages (past
+        those it shares), on the cache's copy streams; the step that reads them waits for the
+        copies on the GPU, not here. The chunks' L2 pins go off this thread."""
+        assert s.restored is not None
+        staged, job = s.restored.kv, s.job
+        write = staged_writer(self.pool, seq, seq.length)
+        handle = self._pages().load_staged(job.session_id, job.tenant, staged, write)
+        handle.wait_stream()
+        s.restored.kv = None
+        self._commits.submit(self._unstage, s, staged)
+
+    def _unstage(self, s: _Seq, staged: StagedPrefix) -> None:
+        try:
+            self._pages().release_staged(s.job.session_id, s.job.tenant, staged)
+        except Exception:
+            log.exception("releasing the staged prefix of session %s failed", s.job.session_id)
 
     def _drop_l1(self, s: _Seq, bufs: Any) -> None:
         """Paged L1, after a turn's restored prefix was copied into its pages: the cache frees
@@ -561,6 +589,8 @@ class BatchScheduler(Stepping):
                 assert s.restored is not None
                 if s.spilled is not None:  # preempted (paged L1): its K/V comes back
                     self.pool.scatter(seq.pages, seq.length, s.spilled[:, :, seq.length :])
+                elif isinstance(s.restored.kv, StagedPrefix):  # paged L1: L2 -> pages
+                    self._load_staged(s, seq)
                 else:
                     copy_in(self.pool, s.restored.kv, seq, seq.length, s.cached)
                 s.trace.copied_in()

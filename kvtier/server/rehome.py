@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from kvtier.cache.restore import StagedPrefix
+
 log = logging.getLogger("kvtier.server")
 
 # The wait for restores handing their sequence over (see _settle), at most.
@@ -86,7 +88,10 @@ def _reload(sched: Any, cache: Any) -> None:
     from kvtier.server.backend import Restored
 
     for s in _settle(sched):
-        if s.restored is None:
+        if s.restored is None or isinstance(s.restored.kv, StagedPrefix):
+            continue  # a staged prefix is in L2: the new pool's pages take it at admission
+        if s.restored.kv is None:  # nothing restored, or parked pages of the old pool
+            s.held, s.cached = None, 0
             continue
         owner = getattr(s.restored.kv, "owner", None)
         if owner is not None and getattr(owner, "bufs", None) is not None:

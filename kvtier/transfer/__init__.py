@@ -18,7 +18,7 @@ waits for the device copy still using its slot.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -173,6 +173,13 @@ class TransferEngine:
     ) -> Handle:
         """Copy consecutive chunks back into the L1 layers (`DeviceMover.restore_range`)."""
         return self._device.restore_range(slots, ntokens, layers, start, block=block)
+
+    def restore_chunks(
+        self, slots: Sequence[int], ntokens: int, write: Callable[[int, torch.Tensor], None]
+    ) -> Handle:
+        """Copy consecutive chunks out of L2 for `write` to land where it wants, a batch's page
+        pool (`DeviceMover.restore_chunks`)."""
+        return self._device.restore_chunks(slots, ntokens, write)
 
     # ---- L2 <-> L3 ---------------------------------------------------------------------------
 

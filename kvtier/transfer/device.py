@@ -323,13 +323,53 @@ class DeviceMover:
         `block` as for `offload_range`.
         """
         block = self._check_range(layers, start, ntokens, slots, block)
+        n = self.chunk_tokens
+
+        def put(index: int, count: int, length: int, staged: Any, stage: Any) -> None:
+            views, fused = self._l1_views(layers, block, start + index * n, count, length)
+            _copy_all(
+                views,
+                _planes(staged, fused) if stage is None else stage.planes(count, length, fused),
+            )
+
+        return self._restore(slots, ntokens, put, (layers, block))
+
+    def restore_chunks(
+        self, slots: Sequence[int], ntokens: int, write: Callable[[int, torch.Tensor], None]
+    ) -> Handle:
+        """Copy consecutive chunks (every one full but the last) out of their L2 slots for
+        `write`, which gets (first token, `[count, layer, k|v, token, head, dim]` on the device)
+        and copies them where they go (a batch's page pool) on the current stream, on a CUDA
+        device a side stream ordered after the caller's. The tensor is a staging buffer, reused
+        after `write` returns. Where `restore_range` lands chunks in L1 buffers, this lands them
+        anywhere, with the same one copy per chunk over PCIe. The caller orders its readers
+        after the returned handle (`Handle.wait_stream`)."""
+        if self._closed:
+            raise ConfigError("the transfer engine is closed")
+        n = self.chunk_tokens
+        if ntokens <= 0 or not slots or -(-ntokens // n) != len(slots):
+            raise ConfigError(
+                f"{ntokens} tokens need {-(-ntokens // n)} slots of {n} tokens, got {len(slots)}"
+            )
+
+        def put(index: int, count: int, length: int, staged: Any, stage: Any) -> None:
+            write(index * n, staged)
+
+        return self._restore(slots, ntokens, put, None)
+
+    def _restore(
+        self, slots: Sequence[int], ntokens: int, put: Callable[..., None], l1: Any
+    ) -> Handle:
+        """The restore loop of `restore_range` and `restore_chunks`: `put(first chunk, chunks,
+        tokens per chunk, staged chunks, stage or None)` lands each group. `l1`: the L1
+        (layers, block) written, which the copies' stream must keep alive."""
         with self._issue[_UP]:
             if self.cuda:
-                return self._restore_cuda(slots, ntokens, layers, block, start)
+                return self._restore_cuda(slots, ntokens, put, l1)
             t0 = time.perf_counter()
             handle = Handle(direction=_UP)
             try:
-                moved = self._restore_cpu(slots, ntokens, layers, block, start)
+                moved = self._restore_cpu(slots, ntokens, put)
             finally:
                 for slot in slots:
                     self._slot_copy[slot] = handle
@@ -337,20 +377,14 @@ class DeviceMover:
             return handle
 
     def _restore_cuda(
-        self,
-        slots: Sequence[int],
-        ntokens: int,
-        layers: Layers,
-        block: torch.Tensor | None,
-        start: int,
+        self, slots: Sequence[int], ntokens: int, put: Callable[..., None], l1: Any
     ) -> Handle:
         scatter, copy = self._streams[_UP]
-        scatter.wait_stream(torch.cuda.current_stream(self.device))  # L1 is free to overwrite
+        scatter.wait_stream(torch.cuda.current_stream(self.device))  # free to overwrite
         begin = torch.cuda.Event(enable_timing=True)
         end = _done_event()
         begin.record(copy)
         moved = 0
-        n = self.chunk_tokens
         try:
             for index, count, length in self._groups(ntokens, len(slots), self.group_chunks):
                 stage = self._next_stage(_UP)
@@ -367,43 +401,33 @@ class DeviceMover:
                     stage.ready.record(copy)
                 scatter.wait_event(stage.ready)
                 with torch.cuda.stream(scatter):
+                    staged = stage.staged(count, length)
                     if not self.codec.lossless:
-                        staged = stage.staged(count, length)
                         for c in range(count):
                             payload = stage.payload(c, length, size)
                             self.codec.decode(payload, length, out=staged[c], scratch=stage.scratch)
-                    views, fused = self._l1_views(layers, block, start + index * n, count, length)
-                    _copy_all(views, stage.planes(count, length, fused))
+                    put(index, count, length, staged, stage)
                     stage.free.record(scatter)
         finally:
             scatter.wait_stream(copy)  # `end` covers every copy issued, even after an error
             end.record(scatter)
-            _record_use(layers, block, scatter)
-            handle = Handle(end, keep=(layers,), direction=_UP, device=self.device)
+            if l1 is not None:
+                _record_use(l1[0], l1[1], scatter)
+            handle = Handle(end, keep=l1, direction=_UP, device=self.device)
             for slot in slots:
                 self._slot_copy[slot] = handle
         self._accounts.timing(_UP, begin, end, moved, len(slots))
         return handle
 
-    def _restore_cpu(
-        self,
-        slots: Sequence[int],
-        ntokens: int,
-        layers: Layers,
-        block: torch.Tensor | None,
-        start: int,
-    ) -> int:
-        n = self.chunk_tokens
+    def _restore_cpu(self, slots: Sequence[int], ntokens: int, put: Callable[..., None]) -> int:
         moved = 0
         native = self.codec.lossless
         group = 1 if native else self.group_chunks
         for index, count, length in self._groups(ntokens, len(slots), group):
             size = self.codec.payload_bytes(length)
-            views, fused = self._l1_views(layers, block, start + index * n, count, length)
-            if native:  # scatter straight from the slot
+            if native:  # straight from the slot
                 self._settle_io(slots[index], strict=True)
-                chunk = self._slot_chunk(slots[index], length).unsqueeze(0)
-                _copy_all(views, _planes(chunk, fused))
+                put(index, count, length, self._slot_chunk(slots[index], length).unsqueeze(0), None)
                 moved += size
                 continue
             stage = self._stages[_UP][0]
@@ -414,7 +438,7 @@ class DeviceMover:
                 payload = self.arena.view(slot)[:size]
                 self.codec.decode(payload, length, out=staged[c], scratch=stage.scratch)
                 moved += size
-            _copy_all(views, stage.planes(count, length, fused))
+            put(index, count, length, staged, stage)
         return moved
 
     # ---- groups, views -----------------------------------------------------------------------

@@ -27,6 +27,7 @@ from test_batching_share import (
     _restored,
 )
 
+from kvtier.cache.restore import StagedPrefix
 from kvtier.errors import KvtierError
 from kvtier.server.backend import TieredBackend
 from kvtier.server.batching import PAGE_SIZE, BatchScheduler
@@ -96,20 +97,25 @@ def test_once_its_pages_went_a_turn_restores_from_l2_and_after_a_restart_from_l3
         turn = _restored(sched, loop, _job("r0", second, 12))
         assert turn.restored is not None and turn.restored.source == "l2"
         assert turn.cached == len(firsts[0]) + len(replies[0].encode()) - 1  # every fed token
-        l1 = backend.cache.l1  # restored through L1, with room for the loaded prefix alone ...
-        assert l1.used_bytes == l1.bytes_for(l1.round_up(turn.cached))
-        assert l1.round_up(turn.cached) < l1.round_up(len(second) + 1)  # (not the whole prompt)
-        in_l1: list[int] = []
+        # staged: the prefix waits in its pinned L2 slots, and L1 is never touched ...
+        staged = turn.restored.kv
+        assert isinstance(staged, StagedPrefix) and staged.tokens == turn.cached
+        assert sessions[0].staged is staged and all(e.pins == 1 for e in staged.chunks)
+        assert backend.cache.l1.used_bytes == 0 and not turn.holds_l1
+        unpinned: list[bool] = []
 
         def hook(step: int) -> None:
             if step == 0:
                 sched.waiting.append(turn)
-            elif turn.paged is not None and not in_l1:  # ... which goes once it is copied in
+            elif turn.paged is not None and not unpinned:  # ... until its pages take it
                 sched._commits.submit(lambda: None).result()
-                in_l1.append(backend.cache.l1.used_bytes)
+                unpinned.append(
+                    sessions[0].staged is None and not any(e.pins for e in staged.chunks)
+                )
 
         _drive(sched, hook)
-        assert in_l1 == [0] and not turn.holds_l1
+        assert unpinned == [True] and turn.restored.kv is None
+        assert backend.cache.l1.used_bytes == 0
         second_reply = _reply(served, turn)
         assert second_reply == _greedy_alone(ref, second, 12)
         _no_l1(backend)
