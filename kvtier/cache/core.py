@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from kvtier.cache import pages as _pages
 from kvtier.cache import restore as _restore
 from kvtier.cache.config import CacheConfig
 from kvtier.cache.costmodel import CostModel
@@ -44,7 +45,9 @@ from kvtier.codecs import make_codec
 from kvtier.errors import BudgetError, ConfigError, L1BudgetExceeded, SessionError
 from kvtier.geometry import KVGeometry, model_fingerprint, normalize_dtype
 from kvtier.integrations.hf import KvtierCache
+from kvtier.integrations.paged_cache import PagedCache
 from kvtier.kvbin import ChunkHeader
+from kvtier.paged.pool import PagePool
 from kvtier.policy import make_policy
 from kvtier.sealing import load_master_key
 from kvtier.snapshot import RESTORE_BUCKETS, CacheSnapshot
@@ -287,6 +290,25 @@ class TieredCache(LifecycleMixin):
         assert isinstance(cache, KvtierCache)
         return cache
 
+    def restore_into(self, s: Session, ids: Ids, pool: PagePool) -> PagedCache:
+        """`Session.restore(ids, pool=pool)` (kvtier.cache.pages)."""
+        return _pages.restore(self, s, ids, pool)
+
+    def reserve_pages(self, view: PagedCache, tokens: int) -> None:
+        """Room for `tokens` tokens in a session's pages (`PagedCache`'s owner; see
+        `kvtier.cache.pages.reserve`)."""
+        _pages.reserve(self, view, tokens)
+
+    def _check_restorable(self, s: Session) -> None:
+        self._check_open()
+        if s.state is SessionState.ACTIVE:
+            raise SessionError(
+                f"session {s.session_id[:64]!r} already has a request running; "
+                "requests of one session must be served in order"
+            )
+        if s.state is SessionState.CLOSED:
+            raise SessionError("session is closed; open it again with cache.session()")
+
     def restore_staged(self, s: Session, ids: Ids) -> KvtierCache | StagedPrefix | None:
         """Restore for a batch whose page pool is the sessions' L1 (`paged_l1`): the longest
         usable prefix of `ids` (never the last token) stays in its L2 slots, pinned, as
@@ -303,14 +325,7 @@ class TieredCache(LifecycleMixin):
             raise SessionError("restore needs at least one input token")
         t0 = time.perf_counter()
         with self._lock:
-            self._check_open()
-            if s.state is SessionState.ACTIVE:
-                raise SessionError(
-                    f"session {s.session_id[:64]!r} already has a request running; "
-                    "requests of one session must be served in order"
-                )
-            if s.state is SessionState.CLOSED:
-                raise SessionError("session is closed; open it again with cache.session()")
+            self._check_restorable(s)
             self._reap()
             s.state = SessionState.ACTIVE
             s.last_active = time.time()

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kvtier.cache import pages as _pages
 from kvtier.cache import relocate as _relocate
 from kvtier.cache.directory import Chunk, ChunkDirectory
 from kvtier.cache.keys import SHARED_TENANT, ZERO_KEY, chunk_key
@@ -71,6 +72,9 @@ class LifecycleMixin:
     # -- commit and the write policies ----------------------------------------------------------
 
     def commit_session(self, s: Session, ids: Ids) -> None:
+        if s.pages is not None:  # restored into a caller's page pool
+            _pages.commit(self, s, ids)  # type: ignore[arg-type]
+            return
         with self._lock:
             if s.state is not SessionState.ACTIVE or s.bufs is None:
                 raise SessionError("commit() must follow restore() on the same session")
@@ -139,6 +143,8 @@ class LifecycleMixin:
         with self._lock:
             s._prefill = None
             self._unstage(s)
+            if s.state is SessionState.ACTIVE:
+                _pages.drop(s)  # what the pages held past the stored prefix is not committed
             if s.resident:
                 s.lengths[:] = [len(s.tokens)] * len(s.lengths)
                 s.state = SessionState.IDLE
@@ -275,6 +281,7 @@ class LifecycleMixin:
                 self._write_completed_chunks(s, evicting=True)
                 self._write_tail(s)
                 self._release_l1(s)
+            _pages.drop(s)
             s.in_pages = False  # stored already (`commit_pages`); the batch frees the pages
             s.state = SessionState.HIBERNATED
             if not wait:  # an admission eviction: keep the SQLite commit off the request's path
@@ -319,6 +326,7 @@ class LifecycleMixin:
             if s.state is SessionState.ACTIVE:
                 raise SessionError("cannot close a session while a request is running on it")
             self._release_l1(s)
+            _pages.drop(s)
             s.state = SessionState.CLOSED
             self._sessions.pop((s.tenant, s.session_id), None)
             # through the record thread, so it lands after any save queued before it
@@ -453,6 +461,7 @@ class LifecycleMixin:
                 if s.resident:
                     self.hibernate_session(s, wait=False)
                 elif s.in_pages:  # stored already: only its L3 writes and record below
+                    _pages.drop(s)
                     s.in_pages, s.state = False, SessionState.HIBERNATED
             self.engine.flush()
             self._reap()

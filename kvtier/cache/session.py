@@ -5,7 +5,7 @@ from __future__ import annotations
 import operator
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, overload
 
 import torch
 
@@ -19,6 +19,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from kvtier.cache.restore import StagedPrefix
     from kvtier.geometry import KVGeometry
     from kvtier.integrations.hf import KvtierCache
+    from kvtier.integrations.paged_cache import PagedCache
+    from kvtier.paged.pool import PagePool
 
 
 Ids = tuple[int, ...]
@@ -40,6 +42,7 @@ class SessionHost(Protocol):
     def restore_session(
         self, s: Session, ids: Ids, *, prefix_only: bool = False
     ) -> KvtierCache: ...
+    def restore_into(self, s: Session, ids: Ids, pool: PagePool) -> PagedCache: ...
     def commit_session(self, s: Session, ids: Ids) -> None: ...
     def abort_session(self, s: Session) -> None: ...
     def hibernate_session(self, s: Session, *, wait: bool = True) -> None: ...
@@ -103,6 +106,10 @@ class Session:
         # a staged restore's prefix, pinned in L2 until the batch copied it into its pages
         # (`TieredCache.restore_staged`)
         self.staged: StagedPrefix | None = None
+        # its K/V in pages of a caller's pool (`restore(ids, pool=)`, kvtier.cache.pages), and
+        # the first token of the chunk its next commit stores from
+        self.pages: PagedCache | None = None
+        self.pages_start = 0
         self.lengths: list[int] = []
         self.restore_source = RestoreSource.RECOMPUTE.value
         self._prefill: _PrefillTimer | None = None
@@ -124,15 +131,31 @@ class Session:
 
     # -- public API -----------------------------------------------------------------------------
 
+    @overload
     def restore(
         self, input_ids: torch.Tensor | Sequence[int], *, prefix_only: bool = False
-    ) -> KvtierCache:
+    ) -> KvtierCache: ...
+    @overload
+    def restore(
+        self, input_ids: torch.Tensor | Sequence[int], *, prefix_only: bool = False, pool: PagePool
+    ) -> PagedCache: ...
+    def restore(
+        self,
+        input_ids: torch.Tensor | Sequence[int],
+        *,
+        prefix_only: bool = False,
+        pool: PagePool | None = None,
+    ) -> KvtierCache | PagedCache:
         """A transformers Cache holding the longest cached prefix of `input_ids`.
 
         At least the last input token is left to compute, so the model produces its logits.
         `prefix_only`: L1 room for that prefix alone, not for the tokens still to compute (a
         caller that copies the prefix elsewhere and computes there: a batch's page pool).
+        `pool`: the session's K/V lives in pages of this `kvtier.paged.PagePool` instead of
+        L1 buffers, and the Cache is a view over them (`PagedCache`; kvtier.cache.pages).
         """
+        if pool is not None:
+            return self._cache.restore_into(self, as_ids(input_ids), pool)
         return self._cache.restore_session(self, as_ids(input_ids), prefix_only=prefix_only)
 
     def commit(self, token_ids: torch.Tensor | Sequence[int]) -> None:

@@ -291,7 +291,7 @@ class PagePool:
         per_chunk = CHUNK_TOKENS // self.page_size
         return list(table[chunk * per_chunk : (chunk + 1) * per_chunk])
 
-    def _slots(
+    def slots(
         self,
         table: Sequence[int],
         start: int,
@@ -336,7 +336,7 @@ class PagePool:
         caller synchronizes before reading `out`. Bit-exact: `scatter` restores the same bytes
         (in an int8 pool: the dequantized values, in the model's dtype).
         """
-        slots = self._slots(table, start, end)
+        slots = self.slots(table, start, end)
         data = self._flat().index_select(2, slots)
         if self.quantized:
             data = dequantize_kv(data, self._flat_scales().index_select(2, slots), self.dtype)
@@ -353,7 +353,7 @@ class PagePool:
         """One layer's K and V of tokens `[start, end)`, each contiguous `[tokens, head, dim]`
         in the model's dtype (dequantized from an int8 pool)."""
         k, v, ks, vs = self.storage(layer)
-        slots = self._slots(table, start, end, k.device)  # a sharded pool: the layer's device
+        slots = self.slots(table, start, end, k.device)  # a sharded pool: the layer's device
         s = self.num_pages * self.page_size
         out = []
         for cache, scales in ((k, ks), (v, vs)):
@@ -381,7 +381,7 @@ class PagePool:
         The reverse of `gather`; the pages must be allocated (see `reserve`) and not shared.
         """
         end = start + src.shape[2]
-        slots = self._slots(table, start, end)
+        slots = self.slots(table, start, end)
         self._check_unshared(table, start, end)
         expected = (*self.kv.shape[:2], end - start, *self.kv.shape[4:])
         if tuple(src.shape) != expected:
@@ -393,6 +393,21 @@ class PagePool:
             self._flat_scales().index_copy_(2, slots, scale)
             return
         self._flat().index_copy_(2, slots, data)
+
+    def write_chunks(
+        self, table: Sequence[int], first: int, chunks: torch.Tensor, start: int = 0
+    ) -> None:
+        """Write `chunks` (`[count, layer, k|v, token, head, dim]`, consecutive, the first at
+        token `first`) into a sequence's pages, from token `start` on (the tokens before it
+        are left as they are: full pages the table shares). What a restore from L2 lands in
+        pages with (`TieredCache.load_staged`)."""
+        per = chunks.shape[3]
+        for c in range(chunks.shape[0]):
+            a = first + c * per
+            if a + per <= start:
+                continue
+            skip = max(0, start - a)
+            self.scatter(table, a + skip, chunks[c, :, :, skip:])
 
 
 def to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:

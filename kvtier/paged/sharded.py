@@ -146,7 +146,7 @@ class ShardedPagePool(PagePool):
             out = torch.empty(shape, dtype=self.dtype, device=self.device)
         elif tuple(out.shape) != shape or out.dtype != self.dtype:
             raise ValueError(f"out is {tuple(out.shape)} {out.dtype}, need {shape}")
-        slots = self._slots(table, start, end, "cpu")
+        slots = self.slots(table, start, end, "cpu")
         for shard in self.shards:
             with _on(shard):
                 on = slots.to(shard.device, non_blocking=True)
@@ -168,7 +168,7 @@ class ShardedPagePool(PagePool):
         expected = (*self.kv.shape[:2], end - start, *self.kv.shape[4:])
         if tuple(src.shape) != expected:
             raise ValueError(f"src is {tuple(src.shape)}, need {expected}")
-        host_slots = self._slots(table, start, end, "cpu")
+        host_slots = self.slots(table, start, end, "cpu")
         for shard in self.shards:
             with _on(shard):
                 slots = host_slots.to(shard.device, non_blocking=True)

@@ -56,7 +56,7 @@ from kvtier.server.eventpost import EventPost
 from kvtier.server.failover import make_pool
 from kvtier.server.lookahead import TokenReadback
 from kvtier.server.model import ServedModel
-from kvtier.server.pagecopy import append_kv, copy_in, copy_out, staged_writer
+from kvtier.server.pagecopy import append_kv, copy_in, copy_out
 from kvtier.server.pageshare import PrefixPages, page_keys
 from kvtier.server.sampling import ReplyText, make_generator
 from kvtier.server.stepping import Stepping, _Pending, _Seq
@@ -385,7 +385,11 @@ class BatchScheduler(Stepping):
         copies on the GPU, not here. The chunks' L2 pins go off this thread."""
         assert s.restored is not None
         staged, job = s.restored.kv, s.job
-        write = staged_writer(self.pool, seq, seq.length)
+        pool, pages, start = self.pool, seq.pages, seq.length
+
+        def write(first: int, chunks: torch.Tensor) -> None:
+            pool.write_chunks(pages, first, chunks, start)
+
         handle = self._pages().load_staged(job.session_id, job.tenant, staged, write)
         handle.wait_stream()
         s.restored.kv = None

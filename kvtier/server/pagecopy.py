@@ -1,7 +1,7 @@
 """K/V between a session's transformers Cache and the batch's page pool.
 
 A restored prefix goes into the pages when its turn is admitted (`copy_in`; with paged L1
-from its L2 slots, `staged_writer`); the K/V a turn
+straight from its L2 slots, `PagePool.write_chunks`); the K/V a turn
 computed (its prompt suffix and the fed reply tokens) comes back out when it ends or is
 preempted (`copy_out`), and is appended to the session's Cache (`append_kv`), which the tiered
 cache then commits.
@@ -9,7 +9,7 @@ cache then commits.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -41,25 +41,6 @@ def copy_in(pool: PagePool, kv: Any, seq: PagedSequence, start: int, n: int) -> 
         k = layer.keys[0, :, start:n].transpose(0, 1).to(dev)
         v = layer.values[0, :, start:n].transpose(0, 1).to(dev)
         pool.write_layer(i, k, v, slots[dev])
-
-
-def staged_writer(
-    pool: PagePool, seq: PagedSequence, start: int
-) -> Callable[[int, torch.Tensor], None]:
-    """A `write` for `TieredCache.load_staged`: chunks `[count, layer, k|v, token, H, D]`
-    whose first token is `first` go into `seq`'s pages, from token `start` on (the pages
-    before it are full pages `seq` shares, never written)."""
-
-    def write(first: int, chunks: torch.Tensor) -> None:
-        per = chunks.shape[3]
-        for c in range(chunks.shape[0]):
-            a = first + c * per
-            if a + per <= start:
-                continue
-            skip = max(0, start - a)
-            pool.scatter(seq.pages, a + skip, chunks[c, :, :, skip:])
-
-    return write
 
 
 def _l1_block(kv: Any) -> torch.Tensor | None:

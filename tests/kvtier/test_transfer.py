@@ -570,3 +570,36 @@ def test_writer_process_needs_a_shared_arena(tmp_path: Path) -> None:
     arena = HostArena(c.payload_bytes(CHUNK), 4 * 4096, pin=None)
     with l3.L3Store(tmp_path / "l3") as store, pytest.raises(ConfigError, match="shared=True"):
         TransferEngine(G, CHUNK, "cpu", arena, store, c, writer_process=True)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("codec", ["native", "int8"])
+@pytest.mark.parametrize("batch", [1, 4])
+def test_restore_chunks_hands_over_what_restore_range_lands_in_l1(
+    device: str, codec: str, batch: int
+) -> None:
+    """`restore_chunks` gives its `write` the chunks (decoded, for a quantizing codec) in the
+    chunk layout, each at its first token: what `restore_range` writes into L1 buffers."""
+    eng = _engine(device, codec, group_chunks=batch)
+    src = _layers(64, device)
+    ntokens = 3 * CHUNK + 5
+    slots = _slots(eng.arena, 4)
+    eng.offload_range(src, 0, ntokens, slots).wait()
+    in_l1 = _empty_like(src)
+    eng.restore_range(slots, ntokens, in_l1, 0).wait()
+    got = torch.zeros_like(_stack(src))[:, :, :ntokens]  # [layer, k|v, token, head, dim]
+    firsts: list[int] = []
+
+    def write(first: int, chunks: torch.Tensor) -> None:
+        assert chunks.device.type == torch.device(device).type
+        firsts.append(first)
+        for c in range(chunks.shape[0]):
+            a = first + c * chunks.shape[3]
+            got[:, :, a : a + chunks.shape[3]] = chunks[c]
+
+    eng.restore_chunks(slots, ntokens, write).wait()
+    assert torch.equal(got, _stack(in_l1)[:, :, :ntokens])
+    assert firsts == sorted(firsts) and firsts[0] == 0
+    with pytest.raises(ConfigError, match="slots"):
+        eng.restore_chunks(slots[:2], ntokens, write)
+    eng.close()
