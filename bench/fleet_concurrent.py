@@ -22,10 +22,10 @@ Configurations:
                with a note where the installed transformers lacks it; `fit` only by default
   kvtier-seq   (c) kvtier TieredCache, one session per forward (the engine without batching)
   kvtier       (d) kvtier's BatchScheduler (the server's) over the paged pool, codec native,
-               the pool as the sessions' L1 (`paged_l1`, the server's default): a quarter of
-               the L1 budget (at least two contexts) stays the cache's L1, for restores from
-               L2/L3 on their way into the pool, and the rest goes to the pool, where finished
-               turns park their pages
+               the pool as the sessions' L1 (`paged_l1`, the server's default): restores land
+               in the pool straight from L2, so the cache's L1 keeps two contexts (its
+               staging buffers and a margin) and the rest of the L1 budget goes to the pool,
+               where finished turns park their pages
   kvtier-int8  (e) the same with the int8 codec
   kvtier-eager (d) without CUDA graphs: every step eager (what graphs add, in the same run)
   kvtier-sync  (d) without overlapped steps: each step's tokens read back before the next
@@ -226,14 +226,14 @@ def run_scenario(args, model, dev: str, scen: str, n: int, fleet_ceiling, fit_st
                     m = serve.run_generate(model, fleet, dev, limit)
             elif name.startswith("kvtier"):
                 codec = "int8" if name.endswith("int8") else "native"
-                # paged L1: the cache's L1 only carries restores from L2/L3 into the pages (a
-                # quarter of the budget, and room for two whole contexts at least)
+                # paged L1: restores go from L2 straight into the pages, so the cache's L1
+                # holds the transfer engine's staging buffers and little else: two contexts
                 paged = codec == "native" and name not in (
                     "kvtier-seq",
                     "kvtier-copy",
                     "kvtier-park",
                 )
-                l1 = max(l1_bytes // 4, 2 * max_ctx * per_token) if paged else l1_bytes
+                l1 = min(l1_bytes, 2 * max_ctx * per_token) if paged else l1_bytes
                 backend = serve.tiered_backend(model, root, codec, l1, l2_bytes, args.write_policy)
                 if name == "kvtier-seq":
                     m = serve.run_sequential(model, fleet, bank, dev, warmup, limit, backend)
