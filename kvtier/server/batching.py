@@ -381,8 +381,10 @@ class BatchScheduler(Stepping):
 
     def _load_staged(self, s: _Seq, seq: PagedSequence) -> None:
         """Paged L1: copy a turn's staged prefix from its L2 slots into its new pages (past
-        those it shares), on the cache's copy streams; the step that reads them waits for the
-        copies on the GPU, not here. The chunks' L2 pins go off this thread."""
+        those it shares), on the cache's copy streams, without waiting: the turn runs in no
+        step until they are done (`loading`; over PCIe a 3,000-token prefix of a 7B model takes
+        a few ms, which a step waiting on the GPU would add to every sequence's token). The
+        chunks' L2 pins go off this thread."""
         assert s.restored is not None
         staged, job = s.restored.kv, s.job
         pool, pages, start = self.pool, seq.pages, seq.length
@@ -391,9 +393,19 @@ class BatchScheduler(Stepping):
             pool.write_chunks(pages, first, chunks, start)
 
         handle = self._pages().load_staged(job.session_id, job.tenant, staged, write)
-        handle.wait_stream()
+        if not handle.done():
+            s.loading = handle
         s.restored.kv = None
         self._commits.submit(self._unstage, s, staged)
+
+    def _loaded(self, s: _Seq) -> None:
+        """A turn's staged prefix is in its pages (or must be taken as if it were): the
+        compute stream is ordered after its copies (free once they are done) before anything
+        reads or frees the pages, and they may be shared from now on."""
+        handle, s.loading = s.loading, None
+        handle.wait_stream()
+        if self._sharing() and s.paged is not None and not s.gone:
+            self._index().register(self._page_keys(s), s.paged)
 
     def _unstage(self, s: _Seq, staged: StagedPrefix) -> None:
         try:
@@ -467,11 +479,20 @@ class BatchScheduler(Stepping):
             self._step(items)
         else:
             self._drain()
+            self._await_loading()
         self._deliver()
         self._iterations += 1
         idle = not (self.running or self.waiting)  # and when it goes idle, for an exact figure
         if idle or self._iterations % POOL_GAUGE_EVERY == 1:
             self._pool_gauges()
+
+    def _await_loading(self) -> None:
+        """Nothing to step but turns whose prefix is still being copied in: sleep until the
+        first one's copies are done (rather than spin through empty iterations)."""
+        for s in self.running:
+            if s.loading is not None:
+                s.loading.wait()
+                return
 
     def _pool_gauges(self) -> None:
         """The pool's pages by state for /metrics (a page parked tables share counts once),
@@ -491,6 +512,9 @@ class BatchScheduler(Stepping):
 
     def _schedule(self) -> list[tuple[_Seq, Sequence[int]]]:
         pool = self.pool
+        for s in self.running:
+            if s.loading is not None and s.loading.done():  # its prefix is in its pages
+                self._loaded(s)
         # Decoding sequences first, one token each; free pages for the ones whose page is full.
         need = 0
         while self.running:
@@ -519,7 +543,7 @@ class BatchScheduler(Stepping):
             budget = min(budget, self.decoding_prompt_tokens)
         for s in self.running:
             left = len(s.tokens) - s.fed
-            if left > 1 and budget > 0:
+            if left > 1 and budget > 0 and s.loading is None:
                 n = min(left, self.prefill_step, budget)
                 items.append((s, s.tokens[s.fed : s.fed + n]))
                 budget -= n
@@ -551,13 +575,15 @@ class BatchScheduler(Stepping):
             if not self._admit(s, shared, own):
                 continue
             admitted += 1
+            if s.loading is not None:  # its first chunk waits for its prefix's copies
+                continue
             n = min(len(s.tokens) - s.fed, self.prefill_step, budget)
             items.append((s, s.tokens[s.fed : s.fed + n]))
             budget -= n
         return items
 
     def _decoding(self) -> list[_Seq]:
-        return [s for s in self.running if len(s.tokens) - s.fed == 1]
+        return [s for s in self.running if len(s.tokens) - s.fed == 1 and s.loading is None]
 
     def _too_long(self, tokens: int) -> ContextExceeded:
         cap = self.pool.num_pages * self.pool.page_size
@@ -614,7 +640,7 @@ class BatchScheduler(Stepping):
         if shared:
             self.shared_pages += len(shared)
             self._count("shared_kv_pages", len(shared))
-        if self._sharing():
+        if self._sharing() and s.loading is None:  # else once it is loaded
             self._index().register(self._page_keys(s), seq)
         return True
 
@@ -759,6 +785,8 @@ class BatchScheduler(Stepping):
 
     def _release(self, s: _Seq) -> None:
         """`s` leaves the pool: drop its reference to each page (a shared page stays)."""
+        if s.loading is not None:
+            self._loaded(s)
         if s.paged is not None:
             self._free_table(s.paged)
             s.paged = None
@@ -771,6 +799,8 @@ class BatchScheduler(Stepping):
     def _preempt(self, s: _Seq) -> None:
         """Move a running sequence's K/V into its session's Cache, free its pages, requeue it."""
         self.running.remove(s)
+        if s.loading is not None:  # the gather below reads its prefix
+            self._loaded(s)
         try:
             assert s.restored is not None and s.paged is not None
             if self.paged_l1:  # no Cache to take it: it waits beside the pool
@@ -803,6 +833,8 @@ class BatchScheduler(Stepping):
 
     def _leave(self, s: _Seq) -> None:
         s.gone = True
+        if s.loading is not None:  # its pages are read (a commit) or freed next
+            self._loaded(s)
         if s in self.running:
             self.running.remove(s)
         elif s in self.waiting:

@@ -62,6 +62,9 @@ class _Seq:
     held: Any = None
     holds_l1: bool = False  # restored into L1, and L1 not yet released (see `_release_l1`)
     spilled: torch.Tensor | None = None
+    # paged L1: the copies of its staged prefix into its pages (a transfer Handle) while they
+    # run; it joins no step until they are done
+    loading: Any = None
 
     @property
     def fed(self) -> int:
