@@ -402,9 +402,16 @@ class PagePool:
         are left as they are: full pages the table shares). What a restore from L2 lands in
         pages with (`TieredCache.load_staged`)."""
         per = chunks.shape[3]
+        size = self.page_size
         for c in range(chunks.shape[0]):
             a = first + c * per
             if a + per <= start:
+                continue
+            if per == size and a >= start and not self.quantized and a % size == 0:
+                # a chunk is one page (256-token pages): one copy, no slot index to upload
+                page = table[a // size]
+                self._check_unshared(table, a, a + per)
+                self.kv[:, :, page].copy_(chunks[c])
                 continue
             skip = max(0, start - a)
             self.scatter(table, a + skip, chunks[c, :, :, skip:])

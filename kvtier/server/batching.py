@@ -166,6 +166,8 @@ class BatchScheduler(Stepping):
         default = HELPER_THREADS_CUDA if served.device.type == "cuda" else 2
         helpers = int(getattr(config, "helper_threads", 0) or default)  # a bench sweeps it
         self._restores = concurrent.futures.ThreadPoolExecutor(helpers, "kvtier-restore")
+        # paged L1: issues the copies of staged prefixes into their pages (`_load_staged`)
+        self._loader = concurrent.futures.ThreadPoolExecutor(1, "kvtier-load")
         self._commits = concurrent.futures.ThreadPoolExecutor(helpers, "kvtier-commit")
         self._cond = threading.Condition()
         self._arrived: list[_Seq] = []
@@ -265,6 +267,7 @@ class BatchScheduler(Stepping):
             self._cond.notify_all()
         self._thread.join()
         self._restores.shutdown(wait=True)
+        self._loader.shutdown(wait=True)
         self._commits.shutdown(wait=True)
         sys.setswitchinterval(self._switch_interval)
 
@@ -381,37 +384,54 @@ class BatchScheduler(Stepping):
 
     def _load_staged(self, s: _Seq, seq: PagedSequence) -> None:
         """Paged L1: copy a turn's staged prefix from its L2 slots into its new pages (past
-        those it shares), on the cache's copy streams, without waiting: the turn runs in no
-        step until they are done (`loading`; over PCIe a 3,000-token prefix of a 7B model takes
-        a few ms, which a step waiting on the GPU would add to every sequence's token). The
-        chunks' L2 pins go off this thread."""
+        those it shares). The loader thread issues the copies, on the cache's copy streams, and
+        nothing waits for them: the turn runs in no step until they are done (`loading`). Over
+        PCIe a 3,000-token prefix of a 7B model takes a few ms, which a step waiting on the GPU
+        would add to every sequence's token, and issuing its dozen copies here would delay the
+        next step's launch."""
         assert s.restored is not None
-        staged, job = s.restored.kv, s.job
-        pool, pages, start = self.pool, seq.pages, seq.length
+        staged, s.restored.kv = s.restored.kv, None
+        # the table as it is now: `_admit` sets its length to the prefix's end next
+        pages, start = list(seq.pages), seq.length
+        s.loading = self._loader.submit(self._issue_load, s, staged, self.pool, pages, start)
+
+    def _issue_load(
+        self, s: _Seq, staged: StagedPrefix, pool: PagePool, pages: list[int], start: int
+    ) -> Any:
+        """On the loader thread: issue a staged prefix's copies into `pages` from token
+        `start` on (`_load_staged`), then unpin it (a slot is reused only once its copies are
+        done). Returns their Handle."""
+        job, backend = s.job, self._pages()
 
         def write(first: int, chunks: torch.Tensor) -> None:
             pool.write_chunks(pages, first, chunks, start)
 
-        handle = self._pages().load_staged(job.session_id, job.tenant, staged, write)
-        if not handle.done():
-            s.loading = handle
-        s.restored.kv = None
-        self._commits.submit(self._unstage, s, staged)
+        try:
+            return backend.load_staged(job.session_id, job.tenant, staged, write)
+        finally:
+            backend.release_staged(job.session_id, job.tenant, staged)
 
-    def _loaded(self, s: _Seq) -> None:
-        """A turn's staged prefix is in its pages (or must be taken as if it were): the
-        compute stream is ordered after its copies (free once they are done) before anything
-        reads or frees the pages, and they may be shared from now on."""
-        handle, s.loading = s.loading, None
+    def _load_done(self, s: _Seq) -> bool:
+        """Whether a loading turn's copies are done (or failed to be issued)."""
+        fut = s.loading
+        if not fut.done():
+            return False
+        return fut.exception() is not None or fut.result().done()
+
+    def _loaded(self, s: _Seq) -> BaseException | None:
+        """A turn's staged prefix is in its pages, or must be taken as if it were (the turn
+        leaves): waits for the copies to be issued, orders the compute stream after them (free
+        once they are done) before anything reads or frees the pages, and lets them be shared.
+        Returns the error when they could not be issued: the pages hold no prefix."""
+        fut, s.loading = s.loading, None
+        try:
+            handle = fut.result()
+        except BaseException as exc:
+            return exc
         handle.wait_stream()
         if self._sharing() and s.paged is not None and not s.gone:
             self._index().register(self._page_keys(s), s.paged)
-
-    def _unstage(self, s: _Seq, staged: StagedPrefix) -> None:
-        try:
-            self._pages().release_staged(s.job.session_id, s.job.tenant, staged)
-        except Exception:
-            log.exception("releasing the staged prefix of session %s failed", s.job.session_id)
+        return None
 
     def _drop_l1(self, s: _Seq, bufs: Any) -> None:
         """Paged L1, after a turn's restored prefix was copied into its pages: the cache frees
@@ -491,7 +511,10 @@ class BatchScheduler(Stepping):
         first one's copies are done (rather than spin through empty iterations)."""
         for s in self.running:
             if s.loading is not None:
-                s.loading.wait()
+                try:
+                    s.loading.result().wait()
+                except BaseException:  # the next iteration fails the turn
+                    pass
                 return
 
     def _pool_gauges(self) -> None:
@@ -512,9 +535,10 @@ class BatchScheduler(Stepping):
 
     def _schedule(self) -> list[tuple[_Seq, Sequence[int]]]:
         pool = self.pool
-        for s in self.running:
-            if s.loading is not None and s.loading.done():  # its prefix is in its pages
-                self._loaded(s)
+        for s in [s for s in self.running if s.loading is not None and self._load_done(s)]:
+            failed = self._loaded(s)  # its prefix is in its pages
+            if failed is not None:
+                self._fail(s, failed)
         # Decoding sequences first, one token each; free pages for the ones whose page is full.
         need = 0
         while self.running:
@@ -799,8 +823,10 @@ class BatchScheduler(Stepping):
     def _preempt(self, s: _Seq) -> None:
         """Move a running sequence's K/V into its session's Cache, free its pages, requeue it."""
         self.running.remove(s)
-        if s.loading is not None:  # the gather below reads its prefix
-            self._loaded(s)
+        failed = self._loaded(s) if s.loading is not None else None  # the gather reads it
+        if failed is not None:
+            self._fail(s, failed)
+            return
         try:
             assert s.restored is not None and s.paged is not None
             if self.paged_l1:  # no Cache to take it: it waits beside the pool

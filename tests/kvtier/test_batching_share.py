@@ -46,6 +46,7 @@ def _first_turns(
     results = _run(sched, *(_one(sched, job) for job in jobs))
     sched.close()
     sched._commits = concurrent.futures.ThreadPoolExecutor(1)  # finished turns commit here
+    sched._loader = concurrent.futures.ThreadPoolExecutor(1)  # staged prefixes load here
     return sched, backend, [r.text for r in results]
 
 
@@ -79,6 +80,8 @@ def _drive(sched: BatchScheduler, hook: Callable[[int], None]) -> None:
         items = sched._schedule()
         if items:
             sched._step(items)
+        else:
+            sched._await_loading()  # as the scheduler's thread does
         sched._deliver()
     raise AssertionError("the turns did not finish")
 
@@ -100,6 +103,7 @@ def _conversations(n: int) -> list[list[int]]:
 
 def _close(sched: BatchScheduler, backend: TieredBackend, loop: asyncio.AbstractEventLoop) -> None:
     sched._commits.shutdown(wait=True)
+    sched._loader.shutdown(wait=True)
     backend.close()
     loop.close()
 

@@ -214,3 +214,26 @@ def test_scatter_refuses_shared_pages_and_bad_shapes() -> None:
         pool.scatter(seq.pages, 0, data[:, :1])
     with pytest.raises(ValueError, match="outside"):
         pool.gather(seq.pages, 20, 40)
+
+
+@pytest.mark.parametrize("page_size", [16, CHUNK_TOKENS])
+def test_write_chunks_lands_chunks_from_a_token_on(page_size: int) -> None:
+    """`write_chunks` (what a restore from L2 lands with): consecutive chunks, the last
+    partial, go to their tokens' pages; tokens before `start` (pages the table shares) are not
+    written. With 256-token pages a chunk is one page (one copy); otherwise a scatter."""
+    pages_per_seq = 3 * CHUNK_TOKENS // page_size
+    pool = _pool(2 * pages_per_seq, page_size=page_size)
+    g = torch.Generator().manual_seed(3)
+    pool.kv.copy_(torch.randn(pool.kv.shape, generator=g))
+    free = pool.alloc(pool.num_free)
+    assert free is not None
+    src, dst = free[:pages_per_seq], free[pages_per_seq:][::-1]  # out of order
+    n = 2 * CHUNK_TOKENS + 40
+    want = pool.gather(src, 0, n)
+    before = pool.gather(dst, 0, n)
+    chunks = [want[:, :, a : a + CHUNK_TOKENS] for a in range(0, n, CHUNK_TOKENS)]
+    pool.write_chunks(dst, 0, torch.stack(chunks[:2]), start=page_size)  # a group of two
+    pool.write_chunks(dst, 2 * CHUNK_TOKENS, chunks[2].unsqueeze(0), start=page_size)
+    got = pool.gather(dst, 0, n)
+    assert torch.equal(got[:, :, page_size:], want[:, :, page_size:])
+    assert torch.equal(got[:, :, :page_size], before[:, :, :page_size])  # left as it was
