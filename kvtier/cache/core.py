@@ -541,11 +541,14 @@ class TieredCache(LifecycleMixin):
     # -- stats ------------------------------------------------------------------------------------
 
     def truncate(self, s: Session, n: int) -> None:
+        """Keep the first `n` of the session's tokens. Its stored partial tail stays its own
+        when nothing is cut (a turn that then fails still restores it)."""
+        if n < len(s.tokens):
+            s.tail_key = None
         s.tokens = s.tokens[:n]
         s.lengths[:] = [n] * len(s.lengths)
         del s.chunk_keys[n // self.chunk_tokens :]
         s.flushed = min(s.flushed, len(s.chunk_keys))
-        s.tail_key = None
 
     def _record_latency(self, src: str, seconds: float) -> None:
         counts = self.counters.latency[src]

@@ -82,6 +82,8 @@ class LifecycleMixin:
             kv_len = min(s.lengths) if s.lengths else 0
             if len(ids) < kv_len:
                 kv_len = len(ids)
+            if kv_len != len(s.tokens) or ids[:kv_len] != s.tokens:
+                s.tail_key = None  # the stored tail is not this one (hibernation stores it)
             s.tokens = ids[:kv_len]
             s.lengths[:] = [kv_len] * len(s.lengths)
             self._write_completed_chunks(s)

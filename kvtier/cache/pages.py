@@ -22,6 +22,7 @@ different threads may share one pool.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import TYPE_CHECKING
 
@@ -44,13 +45,18 @@ def check_pool(cache: TieredCache, pool: PagePool) -> None:
         raise ConfigError(
             "an int8 page pool holds approximate K/V; restore into a pool with kv_dtype='native'"
         )
-    if pool.geometry != cache.geometry:
+    # the shape must be the model's; the dtype is the pool's (`dtype`, checked next), whatever
+    # the config says (a model moved to bfloat16 keeps a float32 config)
+    if dataclasses.replace(pool.geometry, dtype=cache.geometry.dtype) != cache.geometry:
         raise ConfigError(
             f"the pool's geometry ({pool.geometry}) is not the model's ({cache.geometry}); "
             "build the pool with KVGeometry.from_config(model.config)"
         )
     if pool.dtype != cache.geometry.torch_dtype():
-        raise ConfigError(f"the pool holds {pool.dtype}, the model computes {cache.geometry.dtype}")
+        raise ConfigError(
+            f"the pool holds {pool.dtype}, the model computes {cache.geometry.dtype}; build the "
+            "pool with dtype=<the model's parameter dtype>"
+        )
     if not cache.codec.lossless:
         raise ConfigError(
             f"codec {cache.config.codec!r} stores approximate K/V; a session in a page pool "

@@ -27,7 +27,8 @@ from kvtier.types import SessionState
 def _pool(model, pages: int = 512, **kw) -> PagePool:
     g = KVGeometry.from_config(model.config)
     page_bytes = g.bytes_per_token * 4
-    return PagePool(g, pages * page_bytes, page_size=4, dtype=torch.float32, **kw)
+    kw.setdefault("dtype", torch.float32)
+    return PagePool(g, pages * page_bytes, page_size=4, **kw)
 
 
 def _turn(model, cache: TieredCache, pool: PagePool, sid: str, ids: torch.Tensor):
@@ -96,11 +97,14 @@ def test_a_full_pool_takes_the_least_recently_active_sessions_pages(tmp_path: Pa
 
 
 def test_an_aborted_turn_gives_its_pages_back_and_keeps_the_stored_prefix(tmp_path: Path) -> None:
+    """Its partial last chunk included: the turn started from the pages, and its stored tail
+    is still the session's after the abort."""
     model = MODELS["llama"]()
     pool = _pool(model)
     cache = TieredCache(config(tmp_path), model)
-    ids = torch.tensor([[1, *TURNS[0]]], dtype=torch.long)
+    ids = torch.tensor([[1, *TURNS[2]]], dtype=torch.long)
     ids, _, _ = _turn(model, cache, pool, "a", ids)
+    assert (ids.shape[1] - 1) % 16  # the K/V ends inside a chunk
     s = cache.session("a", tenant="t")
     pkv = s.restore(torch.cat([ids, torch.tensor([TURNS[1]])], dim=1), pool=pool)
     model(torch.tensor([TURNS[1]]), **{cache_kwarg(model): pkv})  # a half-done turn ...
@@ -140,6 +144,8 @@ def test_bad_pools_and_codecs_are_refused_with_what_to_do(tmp_path: Path) -> Non
     other = KVGeometry.from_config(MODELS["qwen2"]().config)
     with pytest.raises(ConfigError, match="from_config"):
         s.restore(ids, pool=PagePool(other, 1 << 20, page_size=4, dtype=torch.float32))
+    with pytest.raises(ConfigError, match="dtype="):
+        s.restore(ids, pool=_pool(model, dtype=torch.bfloat16))
     with pytest.raises(ConfigError, match="PagePool"):
         s.restore(ids, pool=object())  # type: ignore[call-overload]
     assert s.state is not SessionState.ACTIVE
