@@ -49,12 +49,62 @@ class _Plane:
             )
 
 
-class KvtierLayer(CacheLayerMixin):
-    """One attention layer's KV, stored in the owner's L1 buffers."""
+class ListedLayer(CacheLayerMixin):
+    """A layer whose length is `_lengths()[layer_idx]`, a list its holder keeps for every
+    layer: what kvtier's two Cache layers (L1 buffers, pages) share. `_resized` runs after a
+    crop or reset."""
 
     is_compileable = False
     is_croppable = True
     is_sliding = False
+    layer_idx: int
+
+    def _lengths(self) -> list[int]:
+        raise NotImplementedError
+
+    def _resized(self) -> None:
+        return None
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        return None  # the storage exists before the first forward
+
+    def _span(self, key_states: torch.Tensor) -> tuple[int, int]:
+        """The tokens `[start, end)` a forward's new K/V takes in this layer."""
+        if key_states.shape[0] != 1:
+            raise ValueError(
+                f"a kvtier session holds one sequence; got batch size {key_states.shape[0]}. "
+                "Run one session per call, or batch sessions with kvtier.paged.BatchRunner."
+            )
+        start = self._lengths()[self.layer_idx]
+        return start, start + key_states.shape[-2]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.get_seq_length() + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self._lengths()[self.layer_idx]
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def crop(self, tokens_to_remove: int) -> None:
+        n = self.get_seq_length()
+        keep = n + tokens_to_remove if tokens_to_remove < 0 else min(n, tokens_to_remove)
+        self._lengths()[self.layer_idx] = max(0, keep)
+        self._resized()
+
+    def reset(self) -> None:
+        self.crop(0)
+
+    def offload(self) -> None:  # tiering is kvtier's job, not transformers' offloading
+        return None
+
+    def prefetch(self) -> None:
+        return None
+
+
+class KvtierLayer(ListedLayer):
+    """One attention layer's KV, stored in the owner's L1 buffers."""
 
     def __init__(self, owner: L1Owner, layer_idx: int) -> None:
         super().__init__()
@@ -82,20 +132,17 @@ class KvtierLayer(CacheLayerMixin):
         if not self.owner.bufs.released:
             self.device = self.owner.bufs.layers[self.layer_idx][0].device
 
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        return None  # buffers exist before the first forward
+    def _lengths(self) -> list[int]:
+        return self.owner.lengths
+
+    def _resized(self) -> None:
+        self._refresh_views()
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if key_states.shape[0] != 1:
-            raise ValueError(
-                f"kvtier sessions hold one sequence; got batch size {key_states.shape[0]}. "
-                "Run one session per call."
-            )
+        start, end = self._span(key_states)
         owner, i = self.owner, self.layer_idx
-        start = owner.lengths[i]
-        end = start + key_states.shape[-2]
         owner.on_forward(i, key_states.shape[-2])
         if end > owner.bufs.capacity:
             owner.ensure_capacity(end)
@@ -104,31 +151,6 @@ class KvtierLayer(CacheLayerMixin):
         v[:, :, start:end].copy_(value_states)
         owner.lengths[i] = end
         return k[:, :, :end], v[:, :, :end]
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.get_seq_length() + query_length, 0
-
-    def get_seq_length(self) -> int:
-        return self.owner.lengths[self.layer_idx]
-
-    def get_max_length(self) -> int:
-        return -1
-
-    def crop(self, tokens_to_remove: int) -> None:
-        n = self.get_seq_length()
-        keep = n + tokens_to_remove if tokens_to_remove < 0 else min(n, tokens_to_remove)
-        self.owner.lengths[self.layer_idx] = max(0, keep)
-        self._refresh_views()
-
-    def reset(self) -> None:
-        self.owner.lengths[self.layer_idx] = 0
-        self._refresh_views()
-
-    def offload(self) -> None:  # tiering is kvtier's job, not transformers' offloading
-        return None
-
-    def prefetch(self) -> None:
-        return None
 
 
 class KvtierCache(Cache):

@@ -15,8 +15,9 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache
 
+from kvtier.integrations.hf import ListedLayer
 from kvtier.paged.pool import PagedSequence, PagePool
 
 
@@ -41,12 +42,9 @@ class _Gathered:
             raise AttributeError("a paged layer's K/V live in the pool's pages; use update()")
 
 
-class PagedLayer(CacheLayerMixin):
+class PagedLayer(ListedLayer):
     """One attention layer's K/V, in the pages of the owning `PagedCache`'s table."""
 
-    is_compileable = False
-    is_croppable = True
-    is_sliding = False
     keys = _Gathered(0)  # type: ignore[assignment]
     values = _Gathered(1)  # type: ignore[assignment]
 
@@ -57,9 +55,6 @@ class PagedLayer(CacheLayerMixin):
         self.is_initialized = True
         self.device = cache.pool.storage(layer_idx)[0].device
 
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        return None  # the pool exists before the first forward
-
     def gathered(self) -> tuple[torch.Tensor, torch.Tensor]:
         """This layer's K and V, `[1, kv_heads, tokens, head_dim]` each, in the model's dtype."""
         c = self.cache
@@ -69,46 +64,22 @@ class PagedLayer(CacheLayerMixin):
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if key_states.shape[0] != 1:
-            raise ValueError(
-                f"a kvtier session holds one sequence; got batch size {key_states.shape[0]}. "
-                "Run one session per call, or batch sessions with kvtier.paged.BatchRunner."
-            )
+        start, end = self._span(key_states)
         c, i = self.cache, self.layer_idx
-        start = c.lengths[i]
-        end = start + key_states.shape[-2]
         if end > len(c.table.pages) * c.pool.page_size:
             c.owner.reserve_pages(c, end)
         slots = c.pool.slots(c.table.pages, start, end, self.device)
         # [1, H, n, D] -> [n, H, D], the pool's token-major layout
         c.pool.write_layer(i, key_states[0].transpose(0, 1), value_states[0].transpose(0, 1), slots)
         c.lengths[i] = end
-        c.table.length = min(c.lengths)
+        self._resized()
         return self.gathered()
 
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.get_seq_length() + query_length, 0
+    def _lengths(self) -> list[int]:
+        return self.cache.lengths
 
-    def get_seq_length(self) -> int:
-        return self.cache.lengths[self.layer_idx]
-
-    def get_max_length(self) -> int:
-        return -1
-
-    def crop(self, tokens_to_remove: int) -> None:
-        n = self.get_seq_length()
-        keep = n + tokens_to_remove if tokens_to_remove < 0 else min(n, tokens_to_remove)
-        self.cache.lengths[self.layer_idx] = max(0, keep)
+    def _resized(self) -> None:
         self.cache.table.length = min(self.cache.lengths)
-
-    def reset(self) -> None:
-        self.crop(0)
-
-    def offload(self) -> None:  # tiering is kvtier's job, not transformers' offloading
-        return None
-
-    def prefetch(self) -> None:
-        return None
 
 
 class PagedCache(Cache):
