@@ -285,8 +285,8 @@ class TieredCache(LifecycleMixin):
 
     # -- the host API that `Session` calls (session.SessionHost) --------------------------------
 
-    def restore_session(self, s: Session, ids: Ids, *, prefix_only: bool = False) -> KvtierCache:
-        cache = self._restore(s, ids, prefix_only=prefix_only, stage=False)
+    def restore_session(self, s: Session, ids: Ids) -> KvtierCache:
+        cache = self._restore(s, ids, stage=False)
         assert isinstance(cache, KvtierCache)
         return cache
 
@@ -315,12 +315,10 @@ class TieredCache(LifecycleMixin):
         `s.staged` (`kvtier.cache.restore.StagedPrefix`), and no L1 is taken. The batch copies
         it into its pages with `load_staged` and then calls `release_staged`. None: no prefix
         (compute it all); a `KvtierCache`: the session was resident in L1, as `restore`."""
-        out = self._restore(s, ids, prefix_only=True, stage=True)
+        out = self._restore(s, ids, stage=True)
         return s.staged if out is None else out
 
-    def _restore(
-        self, s: Session, ids: Ids, *, prefix_only: bool, stage: bool
-    ) -> KvtierCache | None:
+    def _restore(self, s: Session, ids: Ids, *, stage: bool) -> KvtierCache | None:
         if not ids:
             raise SessionError("restore needs at least one input token")
         t0 = time.perf_counter()
@@ -331,7 +329,7 @@ class TieredCache(LifecycleMixin):
             s.last_active = time.time()
             try:
                 # leave the last token to compute
-                plan = _restore.plan(self, s, ids[:-1], prefix_only, staged=stage)
+                plan = _restore.plan(self, s, ids[:-1], staged=stage)
             except BaseException:
                 s.state = SessionState.IDLE if s.resident else SessionState.HIBERNATED
                 raise

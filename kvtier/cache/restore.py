@@ -113,13 +113,10 @@ def start_read(cache: TieredCache, e: Chunk) -> Future[Any] | None:
     return cache.directory.start_read(e, cache.fingerprint)
 
 
-def plan(
-    cache: TieredCache, s: Session, want: Ids, prefix_only: bool = False, staged: bool = False
-) -> RestorePlan | None:
+def plan(cache: TieredCache, s: Session, want: Ids, staged: bool = False) -> RestorePlan | None:
     """Phase 1 (under the lock). None: served from L1, nothing to load. L1 gets room for the
-    whole of `want` and the token after it, where the forward will write them; `prefix_only`:
-    for the loaded prefix alone (the caller copies it elsewhere and computes the rest there);
-    `staged`: none (the prefix stays in L2, see `StagedPrefix`)."""
+    whole of `want` and the token after it, where the forward will write them; `staged`: none
+    (the prefix stays in L2, see `StagedPrefix`)."""
     C = cache.chunk_tokens
     n = cache.counters
     s.in_pages = False  # a batch's pages of it, if any, are not what this turn starts from
@@ -173,7 +170,7 @@ def plan(
     try:
         loaded = sum(e.tokens for _, e in segments)
         if not staged:
-            cache.alloc_l1(s, max(1, loaded) if prefix_only else max(len(want) + 1, loaded))
+            cache.alloc_l1(s, max(len(want) + 1, loaded))
         s.tokens, s.chunk_keys, s.flushed, s.tail_key = (), [], 0, None
         p.l4 = cache.l4.pending() if cache.l4 is not None else None
         for i, (src, e) in enumerate(segments):

@@ -39,9 +39,7 @@ class SessionHost(Protocol):
     chunk_tokens: int
     geometry: KVGeometry
 
-    def restore_session(
-        self, s: Session, ids: Ids, *, prefix_only: bool = False
-    ) -> KvtierCache: ...
+    def restore_session(self, s: Session, ids: Ids) -> KvtierCache: ...
     def restore_into(self, s: Session, ids: Ids, pool: PagePool) -> PagedCache: ...
     def commit_session(self, s: Session, ids: Ids) -> None: ...
     def abort_session(self, s: Session) -> None: ...
@@ -132,31 +130,24 @@ class Session:
     # -- public API -----------------------------------------------------------------------------
 
     @overload
-    def restore(
-        self, input_ids: torch.Tensor | Sequence[int], *, prefix_only: bool = False
-    ) -> KvtierCache: ...
+    def restore(self, input_ids: torch.Tensor | Sequence[int]) -> KvtierCache: ...
     @overload
-    def restore(
-        self, input_ids: torch.Tensor | Sequence[int], *, prefix_only: bool = False, pool: PagePool
-    ) -> PagedCache: ...
+    def restore(self, input_ids: torch.Tensor | Sequence[int], *, pool: PagePool) -> PagedCache: ...
     def restore(
         self,
         input_ids: torch.Tensor | Sequence[int],
         *,
-        prefix_only: bool = False,
         pool: PagePool | None = None,
     ) -> KvtierCache | PagedCache:
         """A transformers Cache holding the longest cached prefix of `input_ids`.
 
         At least the last input token is left to compute, so the model produces its logits.
-        `prefix_only`: L1 room for that prefix alone, not for the tokens still to compute (a
-        caller that copies the prefix elsewhere and computes there: a batch's page pool).
         `pool`: the session's K/V lives in pages of this `kvtier.paged.PagePool` instead of
         L1 buffers, and the Cache is a view over them (`PagedCache`; kvtier.cache.pages).
         """
         if pool is not None:
             return self._cache.restore_into(self, as_ids(input_ids), pool)
-        return self._cache.restore_session(self, as_ids(input_ids), prefix_only=prefix_only)
+        return self._cache.restore_session(self, as_ids(input_ids))
 
     def commit(self, token_ids: torch.Tensor | Sequence[int]) -> None:
         """Record which token ids the session's KV now covers (prompt + generated)."""

@@ -42,13 +42,8 @@ class PrefillEstimate:
 
 class Backend(Protocol):
     # ids: `[1, T]`, `[T]` or a list (the cache keeps them as a list: no tensor needed)
-    # prefix_only: L1 room for the restored prefix alone (the batch computes the rest in pages)
     def restore(
-        self,
-        session_id: str,
-        tenant: str,
-        ids: torch.Tensor | Sequence[int],
-        prefix_only: bool = False,
+        self, session_id: str, tenant: str, ids: torch.Tensor | Sequence[int]
     ) -> Restored: ...
     def commit(self, session_id: str, tenant: str, ids: torch.Tensor | Sequence[int]) -> None: ...
     def abort(self, session_id: str, tenant: str) -> None: ...
@@ -101,13 +96,7 @@ class RecomputeBackend:
     def __init__(self, model: Any) -> None:
         self._config = model.config
 
-    def restore(
-        self,
-        session_id: str,
-        tenant: str,
-        ids: torch.Tensor | Sequence[int],
-        prefix_only: bool = False,
-    ) -> Restored:
+    def restore(self, session_id: str, tenant: str, ids: torch.Tensor | Sequence[int]) -> Restored:
         from transformers import DynamicCache
 
         return Restored(DynamicCache(config=self._config), 0, RestoreSource.RECOMPUTE.value)
@@ -191,15 +180,9 @@ class TieredBackend:
     def tenants_of(self, session_id: str) -> list[str]:
         return sorted({s.tenant for s in self._find(session_id)})
 
-    def restore(
-        self,
-        session_id: str,
-        tenant: str,
-        ids: torch.Tensor | Sequence[int],
-        prefix_only: bool = False,
-    ) -> Restored:
+    def restore(self, session_id: str, tenant: str, ids: torch.Tensor | Sequence[int]) -> Restored:
         s = self.cache.session(session_id, tenant=tenant)
-        kv = s.restore(ids, prefix_only=prefix_only)
+        kv = s.restore(ids)
         return Restored(kv, int(kv.get_seq_length()), str(s.restore_source))
 
     def commit(self, session_id: str, tenant: str, ids: torch.Tensor | Sequence[int]) -> None:
