@@ -13,8 +13,9 @@ hands back a transformers Cache over the first `covered` prompt tokens) and only
    prefilling, oldest first;
 4. admits waiting sequences while budget, batch slots (`max_concurrency`), pages for their
    whole known token list and, while the step decodes, `admissions_per_step` (when set)
-   remain: it copies the restored prefix's K/V into the new pages (device to device) and
-   schedules their first prompt chunk.
+   remain: it copies the restored prefix's K/V into the new pages (device to device; with
+   paged L1 a loader thread copies it from its L2 slots, and the turn joins the steps once
+   those copies are done) and schedules their first prompt chunk.
    Full pages of that prefix that a running sequence of the same tenant already holds (same
    tokens from position 0) are shared instead of copied (`kvtier.server.pageshare`);
 5. runs the batch as one flattened forward (`kvtier.paged.BatchRunner`) and samples one token
@@ -23,10 +24,13 @@ hands back a transformers Cache over the first `covered` prompt tokens) and only
    (`kvtier.server.lookahead`: the GPU does not wait on this thread). The step itself, its
    sampling and the tokens' way to the requests are in `kvtier.server.stepping`.
 
-A finished turn's new K/V (the prompt suffix and the generated tokens that were fed) is copied
-out of the pages, the pages are freed, and a second small pool appends it to the session's Cache
-with `Cache.update()` and commits, exactly as the per-request worker does (abort on error,
-hibernate on cancel, forget when ephemeral). Restores and commits never stall the batch.
+A finished turn's new K/V (the prompt suffix and the generated tokens that were fed) is
+gathered from its pages by chunk, a second small pool stores it (`commit_pages`), and the pages
+stay parked as the session's L1 (paged L1, the default; docs/architecture.md, "Paged L1"). With
+`--no-paged-l1` it is copied out, the pages are freed, and that pool appends it to the
+session's Cache with `Cache.update()` and commits, exactly as the per-request worker does.
+Either way: abort on error, hibernate on cancel, forget when ephemeral. Restores and commits
+never stall the batch.
 """
 
 from __future__ import annotations
@@ -859,8 +863,10 @@ class BatchScheduler(Stepping):
 
     def _leave(self, s: _Seq) -> None:
         s.gone = True
-        if s.loading is not None:  # its pages are read (a commit) or freed next
-            self._loaded(s)
+        # its pages are read (a commit) or freed next; if its prefix never reached them, they
+        # go now, so that nothing of them is committed
+        if s.loading is not None and self._loaded(s) is not None:
+            self._release(s)
         if s in self.running:
             self.running.remove(s)
         elif s in self.waiting:
