@@ -256,6 +256,8 @@ def publish(cache: TieredCache, s: Session, p: RestorePlan, stage: bool = False)
     for src, e in usable:
         if e.tokens == C:
             s.chunk_keys.append(e.key)
+        else:  # its stored partial tail, still its own (a turn that fails restores it again)
+            s.tail_key = e.key
         pos += e.tokens
         n.hits[src] += 1
         n.restored_tokens[src] += e.tokens

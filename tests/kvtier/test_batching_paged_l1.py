@@ -254,3 +254,36 @@ def test_a_turn_that_fails_before_admission_lets_its_claimed_pages_go(tmp_path: 
         _no_l1(backend)
     finally:
         _close(sched, backend, loop)
+
+
+def test_a_staged_prefix_that_never_reaches_its_pages_fails_its_turn_and_loses_nothing(
+    tmp_path: Path,
+) -> None:
+    """The loader cannot copy a turn's staged prefix (here: it was let go before the turn
+    was admitted, so the cache refuses it): the turn fails with that error, nothing of its
+    pages is committed, and the session's next turn restores the same stored prefix."""
+    ref, served, firsts, sched, backend, replies = _parked_fleet(
+        "llama", tmp_path, "x", 1, paged_l1=True
+    )
+    loop = asyncio.new_event_loop()
+    try:
+        assert sched._unpark(sched.pool.num_pages - sched.pool.num_free)
+        sched._commits.submit(lambda: None).result()  # the session is in L2/L3 alone now
+        second = _next_prompts(firsts, replies, 57)[0]
+        turn = _restored(sched, loop, _job("x0", second, 6))
+        staged = turn.restored.kv if turn.restored is not None else None
+        assert isinstance(staged, StagedPrefix)
+        backend.release_staged("x0", "t", staged)  # its pins go: the cache refuses to load it
+        _run_alone(sched, turn)
+        assert turn.done.result(60) is None and turn.paged is None
+        assert sched.pool.num_free == sched.pool.num_pages  # its pages went back
+        session = backend.cache.session("x0", "t")
+        assert session.state is SessionState.HIBERNATED and session.staged is None
+        assert not any(e.pins for e in backend.cache.directory.entries.values())
+        again = _restored(sched, loop, _job("x0", second, 6))
+        assert again.restored is not None and again.restored.source == "l2"
+        assert again.cached == turn.cached  # the stored prefix is whole
+        _run_alone(sched, again)
+        assert _reply(served, again) == _greedy_alone(ref, second, 6)
+    finally:
+        _close(sched, backend, loop)
