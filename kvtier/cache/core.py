@@ -401,15 +401,6 @@ class TieredCache(LifecycleMixin):
         self.counters.decisions[source] += 1
         self._record_latency(source, time.perf_counter() - t0)
 
-    def drop_l1(self, s: Session, bufs: Any) -> None:
-        """Free the L1 copy `bufs` of a session whose request runs from a batch's pages
-        (`paged_l1`); nothing when the session holds other buffers by now. Its commit must
-        then be `commit_pages`."""
-        with self._lock:
-            if s.bufs is bufs and s.state is SessionState.ACTIVE:
-                s._prefill = None
-                self._release_l1(s)
-
     def _restored(self, s: Session, source: str, t0: float) -> KvtierCache:
         self._count_restore(s, source, t0)
         return KvtierCache(s)  # type: ignore[arg-type]  # resident: bufs is set

@@ -111,7 +111,7 @@ class LifecycleMixin:
             if len(chunks) != -(-(len(ids) - start) // C):
                 raise ValueError(f"{len(chunks)} chunks do not cover tokens [{start}, {len(ids)})")
             s._prefill = None
-            self._release_l1(s)  # a restore from L2/L3 went through L1: the pages hold it now
+            self._release_l1(s)  # any L1 copy of it (a session that was in L1): the pages hold it
             self._unstage(s)
             s.tokens = ids
             s.tail_key = None

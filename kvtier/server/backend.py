@@ -78,7 +78,6 @@ class PagedBackend(Backend, Protocol):
         write: Callable[[int, torch.Tensor], None],
     ) -> Any: ...
     def release_staged(self, session_id: str, tenant: str, staged: Any) -> None: ...
-    def drop_l1(self, session_id: str, tenant: str, bufs: Any) -> None: ...
     def pages_dropped(self, session_id: str, tenant: str) -> None: ...
     def commit_pages(
         self,
@@ -226,10 +225,6 @@ class TieredBackend:
     def release_staged(self, session_id: str, tenant: str, staged: Any) -> None:
         """Its copies are done: the staged prefix leaves L2's pins (`release_staged`)."""
         self.cache.release_staged(self.cache.session(session_id, tenant=tenant), staged)
-
-    def drop_l1(self, session_id: str, tenant: str, bufs: Any) -> None:
-        """Free a running turn's L1 copy of its session (`TieredCache.drop_l1`)."""
-        self.cache.drop_l1(self.cache.session(session_id, tenant=tenant), bufs)
 
     def pages_dropped(self, session_id: str, tenant: str) -> None:
         """The batch freed the session's parked pages (`TieredCache.pages_dropped`)."""

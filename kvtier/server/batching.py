@@ -437,15 +437,6 @@ class BatchScheduler(Stepping):
             self._index().register(self._page_keys(s), s.paged)
         return None
 
-    def _drop_l1(self, s: _Seq, bufs: Any) -> None:
-        """Paged L1, after a turn's restored prefix was copied into its pages: the cache frees
-        the session's L1 copy (`bufs`, unless a later turn holds newer ones by then)."""
-        try:
-            self._pages().drop_l1(s.job.session_id, s.job.tenant, bufs)
-        except Exception:
-            log.exception("freeing the L1 of session %s failed", s.job.session_id[:64])
-        self._release_l1(s)
-
     # ---- the scheduler thread -----------------------------------------------------------------
 
     def _main(self, isolate: bool) -> None:
@@ -653,11 +644,6 @@ class BatchScheduler(Stepping):
                     copy_in(self.pool, s.restored.kv, seq, seq.length, s.cached)
                 s.trace.copied_in()
             s.spilled = None
-            if self.paged_l1 and s.holds_l1 and s.restored is not None:
-                # the pages hold its prefix now: L1 lets it go
-                bufs = getattr(getattr(s.restored.kv, "owner", None), "bufs", None)
-                if bufs is not None:
-                    self._commits.submit(self._drop_l1, s, bufs)
         except BaseException as exc:
             self._free_table(seq)
             self._fail(s, exc)
