@@ -215,9 +215,16 @@ def run_batched(
     if getattr(sched_config, "stacks", False):
         sampler = StackSampler(garbage=bool(getattr(sched_config, "gc_garbage", False)))
 
+    stored: list[tuple[dict[str, int], Any]] = []  # the cache's writes at the open, the close
+
+    def writes() -> tuple[dict[str, int], Any]:
+        return backend.cache.counters.copy().stored, backend.cache.l3.stats()
+
     async def poll() -> None:
         while win.after is None:
             win.poll()
+            if win.opened and len(stored) == (0 if win.after is None else 1):
+                stored.append(writes())
             if sampler is not None and win.opened and not sampler.started:
                 sampler.start()  # the scheduler thread's stacks, inside the window only
             await asyncio.sleep(0.05)
@@ -257,6 +264,8 @@ def run_batched(
     m.extra["graph_steps"] = sched.runner.graph_steps
     m.extra["eager_steps"] = sched.runner.eager_steps
     m.extra["server_ttft_p50"] = _median([s for _, s in log.ttfts])
+    if len(stored) == 2:
+        m.extra["stored"] = stored_in_window(*stored[0], *stored[1], backend, m.window)
     inside = [p for t, p in phases if win.inside(t)]
     if inside:
         names = ("queued", "restore", "of which L1 room", "waiting", "copy-in", "steps", "total")
@@ -353,3 +362,20 @@ def _median(values: list[float]) -> float:
         return float("nan")
     v = sorted(values)
     return v[len(v) // 2]
+
+
+def stored_in_window(c0, l3_0, c1, l3_1, backend, window: float) -> dict[str, float]:
+    """What the window's commits stored: chunks offloaded to L2 (and queued for L3) per
+    second, the partial tail chunks' share of them, and what the L3 writers put on disk (MB/s,
+    and their busy seconds per second of window)."""
+    per_token = backend.cache.geometry.bytes_per_token
+    d = {k: c1[k] - c0[k] for k in c0}
+    return {
+        "chunks_per_s": d["chunks"] / window,
+        "tails_per_s": d["tails"] / window,
+        "tail_token_share": d["tail_tokens"] / max(d["tokens"], 1),
+        "l2_mb_per_s": d["tokens"] * per_token / window / 1e6,
+        "tail_l2_mb_per_s": d["tail_tokens"] * per_token / window / 1e6,
+        "l3_mb_per_s": (l3_1.bytes_written - l3_0.bytes_written) / window / 1e6,
+        "l3_write_busy": (l3_1.write_seconds - l3_0.write_seconds) / window,
+    }

@@ -47,6 +47,10 @@ Configurations:
                back out
   kvtier-pN    (d) with N prompt tokens in a step that also decodes (`decoding_prompt_tokens`;
                the default is the server's, 192)
+  kvtier-bN    (d) with N batch slots (`max_concurrency`) over the same L1 budget: the pool's
+               pages, not a slot count, bound the batch (in `hibernate` the budget is for
+               `--l1-sessions` contexts of the largest size a session reaches, and sessions
+               share the system prompt's pages, so more running turns fit in it)
 
 Each session's initial context (a shared `--system`-token system prompt, then its own tokens)
 is prefilled once per scenario, batched; its K/V is kept on the host (the "bank") and copied
@@ -205,6 +209,8 @@ def run_scenario(args, model, dev: str, scen: str, n: int, fleet_ceiling, fit_st
             continue
         if name == "kvtier-seq" and scen == "hibernate" and not args.seq_hibernate:
             continue
+        if re.fullmatch(r"kvtier-b\d+", name) and n <= batch:  # slots for every session already
+            continue
         reuse = fleet_ceiling is not None and fleet_ceiling.extra.get("batch") == batch
         if name == "ceiling" and scen == "hibernate" and reuse:
             ceiling = fleet_ceiling
@@ -254,6 +260,8 @@ def run_scenario(args, model, dev: str, scen: str, n: int, fleet_ceiling, fit_st
                         cfg.batch_kv_bytes += l1_bytes - l1
                     if re.fullmatch(r"kvtier-p\d+", name):  # prompt tokens of a decoding step
                         cfg.decoding_prompt_tokens = int(name[len("kvtier-p") :])
+                    if re.fullmatch(r"kvtier-b\d+", name):  # batch slots, the same K/V bytes
+                        cfg.max_concurrency = int(name[len("kvtier-b") :])
                     thresholds = gc.get_threshold()
                     if name == "kvtier-nogc":
                         gc.disable()

@@ -95,6 +95,15 @@ def table(title: str, rows: list[dict[str, Any]]) -> str:
                     for name, g in (("tail", tail["tail"]), ("body", tail["body"]))
                 )
             )
+        w = r.get("extra_stored")
+        if w:
+            lines.append(
+                f"{'':>14}  stored: {w['chunks_per_s']:.0f} chunks/s to L2 ({w['l2_mb_per_s']:,.0f} "
+                f"MB/s), of which {w['tails_per_s']:.0f} partial tails/s "
+                f"({w['tail_l2_mb_per_s']:,.0f} MB/s, {w['tail_token_share']:.0%} of the tokens); "
+                f"L3 wrote {w['l3_mb_per_s']:,.0f} MB/s, its writers busy "
+                f"{w['l3_write_busy']:.2f} s per s"
+            )
         if r.get("extra_ttft_phases_p50_ms"):
             phases = ", ".join(f"{k} {v}" for k, v in r["extra_ttft_phases_p50_ms"].items())
             src = ", ".join(f"{k} {v}" for k, v in r.get("extra_restore_sources", {}).items())

@@ -250,6 +250,8 @@ class LifecycleMixin:
         e.tenant = tenant
         self.directory.policy.touch(e.key)
         self.directory.queue_write(e)
+        self.counters.stored["chunks"] += 1
+        self.counters.stored["tokens"] += e.tokens
         return True
 
     def _write_tail(
@@ -265,11 +267,12 @@ class LifecycleMixin:
         e = self.directory.ensure(key, parent, t)
         pos = len(s.tokens) - t
         chunk = None if chunk_at is None else chunk_at(pos)
-        if not self.directory.stored(e) and not self._write_down(
-            s, pos, e, tenant=s.tenant, chunk=chunk
-        ):
-            self._cut(s, len(s.tokens) - t)  # the tail is recomputed on resume
-            return
+        if not self.directory.stored(e):
+            if not self._write_down(s, pos, e, tenant=s.tenant, chunk=chunk):
+                self._cut(s, len(s.tokens) - t)  # the tail is recomputed on resume
+                return
+            self.counters.stored["tails"] += 1
+            self.counters.stored["tail_tokens"] += t
         s.tail_key = key
 
     # -- hibernate / close ------------------------------------------------------------------------

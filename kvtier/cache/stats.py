@@ -43,6 +43,11 @@ class Counters:
     latency_count: dict[str, int] = field(
         default_factory=lambda: {s.value: 0 for s in RestoreSource}
     )
+    # chunks stored (offloaded to L2, queued for L3) and their tokens; "tails": partial tail
+    # chunks among them (a hibernation's, or every commit of a turn from a batch's pages)
+    stored: dict[str, int] = field(
+        default_factory=lambda: {"chunks": 0, "tokens": 0, "tails": 0, "tail_tokens": 0}
+    )
     checksum_failures: int = 0
     oom_retries: int = 0
     l3_full: int = 0

@@ -65,6 +65,8 @@ class _Seq:
     # paged L1: the copies of its staged prefix into its pages (a transfer Handle) while they
     # run; it joins no step until they are done
     loading: Any = None
+    # steps in a row whose prompt budget ran out before its turn (`BatchScheduler._prompt_order`)
+    passed_over: int = 0
 
     @property
     def fed(self) -> int:

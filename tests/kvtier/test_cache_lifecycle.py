@@ -90,6 +90,17 @@ def test_write_back_loses_nothing_on_eviction(tmp_path: Path, model) -> None:
     cache.close()
 
 
+def test_stored_counters_split_out_partial_tails(tmp_path: Path, model) -> None:
+    cache = TieredCache(cfg(tmp_path, write_policy="write_back"), model)
+    ids = ids_of(3 * CHUNK + 5)
+    turn(model, cache, "a", ids).hibernate()  # 3 full chunks and a 5-token tail
+    stored = cache.counters.copy().stored
+    assert stored == {"chunks": 4, "tokens": 3 * CHUNK + 5, "tails": 1, "tail_tokens": 5}
+    cache.session("a", tenant="t").hibernate()  # stored already: nothing written again
+    assert cache.counters.copy().stored == stored
+    cache.close()
+
+
 def test_l1_budget_evicts_idle_sessions_lru(tmp_path: Path, model) -> None:
     # 512 bytes/token; 8 MiB would hold 16384 tokens -> budget for about 3 sessions of 2000
     cache = TieredCache(cfg(tmp_path, l1_bytes=3 * 2048 * 512, l2_bytes=32 << 20), model)

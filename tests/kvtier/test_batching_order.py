@@ -1,0 +1,74 @@
+"""Which prompt gets a step's budget: the shortest left, so a returning turn's first token does
+not wait out a new conversation's long prefill; and a long prompt passed over too often goes
+first, so a stream of short ones cannot starve it.
+
+Tiny transformers model (CPU, float32, random weights), the scheduler driven by hand (as in
+test_batching_share.py): every reply must still equal the session's greedy reply alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from test_batching import _build, _greedy_alone, _job, _prompts
+from test_batching_share import _close, _drive, _first_turns, _next_prompts, _reply, _restored
+
+from kvtier.server.batching import PASSED_OVER_STEPS
+
+BUDGET = 16  # prompt tokens in a step that decodes (`decoding_prompt_tokens`)
+
+
+def test_a_returning_turn_goes_before_a_long_prefill(tmp_path: Path) -> None:
+    ref, served = _build("llama"), _build("llama")
+    firsts = _prompts(40, [130, 140])  # d decodes throughout; r returns mid-prefill of n
+    sched, backend, replies = _first_turns(
+        served, tmp_path, [_job("d", firsts[0], 8), _job("r", firsts[1], 8)]
+    )
+    loop = asyncio.new_event_loop()
+    try:
+        d_next, r_next = _next_prompts(firsts, replies, 41)
+        long_prompt = _prompts(42, [400])[0]  # 25 steps of BUDGET tokens
+        d = _restored(sched, loop, _job("d", d_next, 48))
+        n = _restored(sched, loop, _job("n", long_prompt, 4), check=False)
+        r = _restored(sched, loop, _job("r", r_next, 4))
+        seen: dict[str, int] = {}
+        worst = {"passed_over": 0}
+
+        def hook(step: int) -> None:
+            if step == 0:
+                sched.waiting.extend([d, n])
+            if step == 4:  # n prefills, d decodes: the budget is BUDGET tokens a step
+                sched.waiting.append(r)
+            if r.first and "r" not in seen:
+                seen["r"] = step
+                seen["n_fed"] = n.fed
+            worst["passed_over"] = max(worst["passed_over"], n.passed_over)
+
+        _drive(sched, hook)
+        # r's uncached prompt (its first reply and 12 new tokens) fits in two steps' budget;
+        # oldest first it would have waited until n's 400 tokens were in (25 steps)
+        assert r.cached >= len(firsts[1])
+        assert seen["r"] - 4 <= 4, f"r's first token came {seen['r'] - 4} steps after it queued"
+        assert seen["n_fed"] < len(long_prompt), "n was still prefilling when r answered"
+        assert worst["passed_over"] <= PASSED_OVER_STEPS
+        for p, s, k in ((d_next, d, 48), (long_prompt, n, 4), (r_next, r, 4)):
+            assert _reply(served, s) == _greedy_alone(ref, p, k)
+        assert sched.pool.num_free == sched.pool.num_pages
+    finally:
+        _close(sched, backend, loop)
+
+
+def test_a_prompt_passed_over_too_often_goes_first(tmp_path: Path) -> None:
+    served = _build("llama")
+    sched, backend, _ = _first_turns(served, tmp_path, [])
+    loop = asyncio.new_event_loop()
+    try:
+        long = _restored(sched, loop, _job("long", _prompts(43, [300])[0], 4), check=False)
+        short = _restored(sched, loop, _job("short", _prompts(44, [20])[0], 4), check=False)
+        order = sorted([long, short], key=sched._prompt_order)
+        assert order == [short, long]
+        long.passed_over = PASSED_OVER_STEPS
+        assert sorted([long, short], key=sched._prompt_order) == [long, short]
+    finally:
+        _close(sched, backend, loop)
