@@ -50,7 +50,9 @@ Configurations:
   kvtier-bN    (d) with N batch slots (`max_concurrency`) over the same L1 budget: the pool's
                pages, not a slot count, bound the batch (in `hibernate` the budget is for
                `--l1-sessions` contexts of the largest size a session reaches, and sessions
-               share the system prompt's pages, so more running turns fit in it)
+               share the system prompt's pages, so more running turns fit in it); skipped
+               where every session has a slot already (`fit`). The two combine:
+               `kvtier-b128-p256`
 
 Each session's initial context (a shared `--system`-token system prompt, then its own tokens)
 is prefilled once per scenario, batched; its K/V is kept on the host (the "bank") and copied
@@ -209,7 +211,7 @@ def run_scenario(args, model, dev: str, scen: str, n: int, fleet_ceiling, fit_st
             continue
         if name == "kvtier-seq" and scen == "hibernate" and not args.seq_hibernate:
             continue
-        if re.fullmatch(r"kvtier-b\d+", name) and n <= batch:  # slots for every session already
+        if re.search(r"-b\d+", name) and n <= batch:  # slots for every session already
             continue
         reuse = fleet_ceiling is not None and fleet_ceiling.extra.get("batch") == batch
         if name == "ceiling" and scen == "hibernate" and reuse:
@@ -258,10 +260,11 @@ def run_scenario(args, model, dev: str, scen: str, n: int, fleet_ceiling, fit_st
                     cfg.paged_l1 = paged
                     if paged:  # the pool is L1: it takes the rest of the L1 budget
                         cfg.batch_kv_bytes += l1_bytes - l1
-                    if re.fullmatch(r"kvtier-p\d+", name):  # prompt tokens of a decoding step
-                        cfg.decoding_prompt_tokens = int(name[len("kvtier-p") :])
-                    if re.fullmatch(r"kvtier-b\d+", name):  # batch slots, the same K/V bytes
-                        cfg.max_concurrency = int(name[len("kvtier-b") :])
+                    for part in name.split("-")[1:]:
+                        if re.fullmatch(r"p\d+", part):  # prompt tokens of a decoding step
+                            cfg.decoding_prompt_tokens = int(part[1:])
+                        if re.fullmatch(r"b\d+", part):  # batch slots, the same K/V bytes
+                            cfg.max_concurrency = int(part[1:])
                     thresholds = gc.get_threshold()
                     if name == "kvtier-nogc":
                         gc.disable()
