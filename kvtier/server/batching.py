@@ -8,8 +8,9 @@ hands back a transformers Cache over the first `covered` prompt tokens) and only
 2. takes one token from every *running* sequence that decodes (a page more where its last page
    is full; when the pool has no free page, the latest admitted sequence is preempted: its K/V is
    appended to its session's Cache and its pages freed, and it waits at the head of the queue);
-3. admits waiting sequences while batch slots (`max_concurrency`), pages for their whole known
-   token list and, while the step decodes, `admissions_per_step` (when set) remain: it copies the restored prefix's K/V
+3. admits waiting sequences while budget (what the prompts that finish in one chunk leave of
+   it), batch slots (`max_concurrency`), pages for their whole known token list and, while the
+   step decodes, `admissions_per_step` (when set) remain: it copies the restored prefix's K/V
    into the new pages (device to device; with paged L1 a loader thread copies it from its L2
    slots, and the turn joins the steps once those copies are done).
    Full pages of that prefix that a running sequence of the same tenant already holds (same
@@ -563,12 +564,15 @@ class BatchScheduler(Stepping):
             # fleet bench on an H200: 3,140 tok/s against 2,924 with 64 sessions).
             budget = min(budget, self.decoding_prompt_tokens)
         prefilling = [s for s in self.running if s.loading is None and len(s.tokens) - s.fed > 1]
-        # Admission needs a slot and pages, not budget: an admitted turn's prefix starts on its
-        # way into its pages at once, and the budget below goes by prompt length, not by age.
+        # A long prompt (a new conversation) does not hold back admissions: room is what the
+        # budget leaves after the prompts that finish in one chunk, which go first anyway.
+        room = budget - sum(
+            min(n, self.prefill_step) for s in prefilling if (n := len(s.tokens) - s.fed) <= budget
+        )
         admitted = 0
         # the cap protects decoding sequences from a long step; with none, admit freely
         cap = self.admissions_per_step if decoding else 0
-        while self.waiting and len(self.running) < self.max_batch:
+        while self.waiting and room > 0 and len(self.running) < self.max_batch:
             if cap and admitted >= cap:
                 break
             s = self.waiting[0]
@@ -596,6 +600,7 @@ class BatchScheduler(Stepping):
             if s.loading is not None:  # its first chunk waits for its prefix's copies
                 continue
             prefilling.append(s)
+            room -= min(len(s.tokens) - s.fed, self.prefill_step)
         prefilling.sort(key=self._prompt_order)
         for s in prefilling:
             if budget <= 0:
