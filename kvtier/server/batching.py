@@ -88,7 +88,8 @@ HELPER_THREADS_CUDA = 8
 # The pool's page gauges (/metrics) are refreshed every this many iterations: a parked page
 # set can hold thousands of pages, and a scrape every few seconds needs no fresher figure.
 POOL_GAUGE_EVERY = 64
-# a prompt that got no chunk in this many steps in a row goes ahead of shorter ones
+# a prompt that got no chunk in this many steps in a row goes ahead of shorter ones (with half
+# the budget) until its prompt is in
 PASSED_OVER_STEPS = 8
 
 
@@ -602,22 +603,27 @@ class BatchScheduler(Stepping):
             prefilling.append(s)
             room -= min(len(s.tokens) - s.fed, self.prefill_step)
         prefilling.sort(key=self._prompt_order)
+        half = max(budget // 2, 1)
         for s in prefilling:
             if budget <= 0:
                 s.passed_over += 1
                 continue
             n = min(len(s.tokens) - s.fed, self.prefill_step, budget)
+            if s.passed_over >= PASSED_OVER_STEPS and len(prefilling) > 1:
+                n = min(n, half)  # promoted for good; the other half stays with shorter ones
+            else:
+                s.passed_over = 0
             items.append((s, s.tokens[s.fed : s.fed + n]))
             budget -= n
-            s.passed_over = 0
         return items
 
     def _prompt_order(self, s: _Seq) -> tuple[bool, int]:
         """Which prompt gets the step's budget first: the shortest left (a returning turn's
         50-200 tokens before a new conversation's thousands, whose own first token is far off
         anyway), so a turn's first token does not queue behind another turn's long prefill.
-        A prompt passed over for `PASSED_OVER_STEPS` steps in a row goes first, so a stream of
-        short ones cannot starve a long one."""
+        A prompt passed over for `PASSED_OVER_STEPS` steps in a row goes first from then on,
+        with at most half of each step's budget while others wait, so a stream of short ones
+        cannot starve a long one, nor a long one hold them all back."""
         return (s.passed_over < PASSED_OVER_STEPS, len(s.tokens) - s.fed)
 
     def _decoding(self) -> list[_Seq]:

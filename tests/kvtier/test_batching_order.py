@@ -72,3 +72,38 @@ def test_a_prompt_passed_over_too_often_goes_first(tmp_path: Path) -> None:
         assert sorted([long, short], key=sched._prompt_order) == [long, short]
     finally:
         _close(sched, backend, loop)
+
+
+def test_a_long_prompt_under_a_stream_of_short_ones_gets_half_the_budget(tmp_path: Path) -> None:
+    ref, served = _build("llama"), _build("llama")
+    sched, backend, _ = _first_turns(served, tmp_path, [])
+    loop = asyncio.new_event_loop()
+    try:
+        # d decodes throughout, so every step has BUDGET prompt tokens; two 12-token prompts
+        # arrive every step from step 2 on (more than the budget), and n's 160 tokens wait
+        d = _restored(sched, loop, _job("d", _prompts(50, [20])[0], 48), check=False)
+        long_prompt = _prompts(51, [160])[0]
+        n = _restored(sched, loop, _job("n", long_prompt, 2), check=False)
+        shorts = [
+            _restored(sched, loop, _job(f"s{i}", p, 1), check=False)
+            for i, p in enumerate(_prompts(52, [12] * 60))
+        ]
+        seen: dict[str, int] = {}
+
+        def hook(step: int) -> None:
+            if step == 0:
+                sched.waiting.extend([d, n])
+            if 2 <= step < 32:
+                sched.waiting.extend(shorts[2 * (step - 2) : 2 * (step - 1)])
+            if n.first and "n" not in seen:
+                seen["n"] = step
+
+        _drive(sched, hook)
+        # passed over 8 steps, then half of each step's budget: 160 tokens in about 8 + 20 steps
+        # (a chunk every 9th step, as when the promotion lasted one chunk, would take 90)
+        assert seen["n"] <= 2 + PASSED_OVER_STEPS + 160 // (BUDGET // 2) + 4, seen
+        assert _reply(served, n) == _greedy_alone(ref, long_prompt, 2)
+        assert _reply(served, shorts[-1]) == _greedy_alone(ref, shorts[-1].job.prompt_ids, 1)
+        assert sched.pool.num_free == sched.pool.num_pages
+    finally:
+        _close(sched, backend, loop)
