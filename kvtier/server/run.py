@@ -106,7 +106,13 @@ def options(f: Callable[..., Any]) -> Callable[..., Any]:
             help="Let PyTorch's attention use cuDNN (default off: it builds a plan for every new "
             "sequence length, and a served session meets one at almost every call).",
         ),
-        click.option("--max-concurrency", type=int, help="Sessions generating at once."),
+        click.option(
+            "--max-concurrency",
+            type=int,
+            help="Sessions generating at once: the batch's slots. With paged L1 the pool's pages "
+            "bound the batch too, so this may exceed the full contexts --batch-kv-bytes holds "
+            "(see docs/configuration.md).",
+        ),
         click.option("--max-queue", type=int, help="Requests that may wait for a slot."),
         click.option("--queue-timeout", type=float, help="Seconds a request waits before 429."),
         click.option("--max-tokens-limit", type=int, help="Largest max_tokens accepted."),
