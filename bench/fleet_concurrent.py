@@ -203,7 +203,8 @@ def run_scenario(args, model, dev: str, scen: str, n: int, fleet_ceiling, fit_st
         # what the sessions could ask for at most: every turn served at once, no queueing
         offered = n * args.decode_tokens / (sum(think) / 2)
         print(f"[{scen}] offered at most {offered:,.0f} tok/s (turns taking no time)", flush=True)
-    names = [c for c in args.configs.split(",") if c]
+    chosen = args.hibernate_configs if scen == "hibernate" and args.hibernate_configs else None
+    names = [c for c in (chosen or args.configs).split(",") if c]
     measures: list[serve.Measure] = []
     ceiling = None
     for name in names:
@@ -387,6 +388,12 @@ def main(argv: list[str] | None = None) -> None:
         help="seconds per step for the hibernate think time without a ceiling run",
     )
     ap.add_argument("--configs", default=CONFIGS)
+    ap.add_argument(
+        "--hibernate-configs",
+        default=None,
+        help="the hibernate scenario's configurations (default: --configs), e.g. "
+        "ceiling,kvtier,kvtier-b128-p256 while fit runs all five",
+    )
     ap.add_argument(
         "--generate-hibernate",
         action="store_true",

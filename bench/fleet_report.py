@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -123,12 +124,12 @@ def _check(label: str, ok: bool | None, figure: str) -> dict[str, Any]:
 
 
 def targets(scenario: str, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The batched-serving targets for every kvtier batched row of a scenario."""
+    """The batched-serving targets for the kvtier batched rows of a scenario: the default,
+    int8, and the default with other slots or prompt tokens (`kvtier-b128-p256`)."""
     by = {r["config"]: r for r in rows}
     out = []
-    for name in ("kvtier", "kvtier-int8"):
-        r = by.get(name)
-        if r is None:
+    for name, r in by.items():
+        if name not in ("kvtier", "kvtier-int8") and not re.fullmatch(r"kvtier(-[bp]\d+)+", name):
             continue
         rate = r["tok_s"]
         if scenario == "fit":

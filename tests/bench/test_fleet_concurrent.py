@@ -32,6 +32,7 @@ def test_concurrent_fleet_cpu_smoke(tmp_path: Path) -> None:
         "--l1-sessions", "2",
         "--think-hibernate", "0.05,0.1",
         "--seq-hibernate",
+        "--hibernate-configs", "ceiling,kvtier-seq,kvtier,kvtier-int8,kvtier-b4-p8",
         "--time-limit", "3",
         "--warmup", "0.5",
         "--out", str(out),
@@ -67,10 +68,15 @@ def test_concurrent_fleet_cpu_smoke(tmp_path: Path) -> None:
         assert admits > 0, tail  # the scheduler admitted turns inside the window
         for group in ("tail", "body"):  # the scheduler thread's launch and wait, per interval
             assert tail[group]["launch_ms"] > 0 and tail[group]["wait_ms"] >= 0, tail
+        stored = fit[name]["extra_stored"]  # what the window's commits stored
+        assert stored["chunks_per_s"] >= stored["tails_per_s"] > 0, stored
+        assert 0 < stored["tail_token_share"] <= 1, stored
     hib = {r["config"]: r for r in data["results"]["hibernate"]}
-    assert {"ceiling", "kvtier-seq", "kvtier", "kvtier-int8"} <= set(hib)
-    for name in ("kvtier", "kvtier-int8"):
+    assert {"ceiling", "kvtier-seq", "kvtier", "kvtier-int8", "kvtier-b4-p8"} <= set(hib)
+    assert "kvtier-b4-p8" not in fit  # a hibernate-only configuration
+    for name in ("kvtier", "kvtier-int8", "kvtier-b4-p8"):
         assert not hib[name]["note"].startswith("failed"), hib[name]
         assert hib[name]["tokens"] > 0, hib[name]
+    assert any(c["target"].startswith("kvtier-b4-p8:") for c in data["targets"]["hibernate"])
     states = {c["state"] for scen in data["targets"].values() for c in scen}
     assert states <= {"met", "missed", "n/a"} and states
