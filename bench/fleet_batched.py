@@ -223,8 +223,10 @@ def run_batched(
     async def poll() -> None:
         while win.after is None:
             win.poll()
-            if win.opened and len(stored) == (0 if win.after is None else 1):
-                stored.append(writes())
+            if win.opened and not stored:
+                stored.append(writes())  # at the window's open
+            if win.after is not None and len(stored) == 1:
+                stored.append(writes())  # and at its close
             if sampler is not None and win.opened and not sampler.started:
                 sampler.start()  # the scheduler thread's stacks, inside the window only
             await asyncio.sleep(0.05)

@@ -77,7 +77,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import re
 import shutil
 import sys
 import tempfile
@@ -212,7 +211,7 @@ def run_scenario(args, model, dev: str, scen: str, n: int, fleet_ceiling, fit_st
             continue
         if name == "kvtier-seq" and scen == "hibernate" and not args.seq_hibernate:
             continue
-        if re.search(r"-b\d+", name) and n <= batch:  # slots for every session already
+        if "b" in report.variant(name) and n <= batch:  # slots for every session already
             continue
         reuse = fleet_ceiling is not None and fleet_ceiling.extra.get("batch") == batch
         if name == "ceiling" and scen == "hibernate" and reuse:
@@ -261,11 +260,11 @@ def run_scenario(args, model, dev: str, scen: str, n: int, fleet_ceiling, fit_st
                     cfg.paged_l1 = paged
                     if paged:  # the pool is L1: it takes the rest of the L1 budget
                         cfg.batch_kv_bytes += l1_bytes - l1
-                    for part in name.split("-")[1:]:
-                        if re.fullmatch(r"p\d+", part):  # prompt tokens of a decoding step
-                            cfg.decoding_prompt_tokens = int(part[1:])
-                        if re.fullmatch(r"b\d+", part):  # batch slots, the same K/V bytes
-                            cfg.max_concurrency = int(part[1:])
+                    settings = report.variant(name)
+                    if "p" in settings:  # prompt tokens of a decoding step
+                        cfg.decoding_prompt_tokens = settings["p"]
+                    if "b" in settings:  # batch slots, the same K/V bytes
+                        cfg.max_concurrency = settings["b"]
                     thresholds = gc.get_threshold()
                     if name == "kvtier-nogc":
                         gc.disable()

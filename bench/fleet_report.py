@@ -123,13 +123,20 @@ def _check(label: str, ok: bool | None, figure: str) -> dict[str, Any]:
     return {"target": label, "figure": figure, "state": state}
 
 
+def variant(name: str) -> dict[str, int]:
+    """The settings a `kvtier-bN-pM` configuration name changes: {"b": N batch slots, "p": M
+    prompt tokens of a decoding step}, either or both; {} for any other name."""
+    m = re.fullmatch(r"kvtier((?:-[bp]\d+)+)", name)
+    return {part[0]: int(part[1:]) for part in m.group(1).split("-")[1:]} if m else {}
+
+
 def targets(scenario: str, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The batched-serving targets for the kvtier batched rows of a scenario: the default,
     int8, and the default with other slots or prompt tokens (`kvtier-b128-p256`)."""
     by = {r["config"]: r for r in rows}
     out = []
     for name, r in by.items():
-        if name not in ("kvtier", "kvtier-int8") and not re.fullmatch(r"kvtier(-[bp]\d+)+", name):
+        if name not in ("kvtier", "kvtier-int8") and not variant(name):
             continue
         rate = r["tok_s"]
         if scenario == "fit":

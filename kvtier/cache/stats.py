@@ -25,7 +25,8 @@ from kvtier.types import RestoreSource, SessionState
 
 @dataclass
 class Counters:
-    """Totals since the cache started; read only through `build_snapshot`."""
+    """Totals since the cache started; read through `build_snapshot`, or `copy()` (a bench
+    that counts what a window stored)."""
 
     hits: dict[str, int] = field(default_factory=lambda: {"l1": 0, "l2": 0, "l3": 0, "l4": 0})
     misses: dict[str, int] = field(default_factory=lambda: {"l1": 0, "l2": 0, "l3": 0, "l4": 0})

@@ -73,6 +73,11 @@ class _Seq:
         """Tokens whose K/V exists (in pages while running, in the Cache while waiting)."""
         return self.paged.length if self.paged is not None else self.cached
 
+    @property
+    def unfed(self) -> int:
+        """Tokens still to feed: 1 while it decodes, more while its prompt prefills."""
+        return len(self.tokens) - self.fed
+
 
 @dataclass(eq=False)
 class _Pending:
