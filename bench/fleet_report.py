@@ -124,10 +124,19 @@ def _check(label: str, ok: bool | None, figure: str) -> dict[str, Any]:
 
 
 def variant(name: str) -> dict[str, int]:
-    """The settings a `kvtier-bN-pM` configuration name changes: {"b": N batch slots, "p": M
-    prompt tokens of a decoding step}, either or both; {} for any other name."""
-    m = re.fullmatch(r"kvtier((?:-[bp]\d+)+)", name)
-    return {part[0]: int(part[1:]) for part in m.group(1).split("-")[1:]} if m else {}
+    """The settings a `kvtier-bN-pM-nofill` configuration name changes: {"b": N batch slots,
+    "p": M prompt tokens of a decoding step, "fill": 0 (the prompt budget not filled up to the
+    step's CUDA graph)}, any of them; {} for any other name."""
+    m = re.fullmatch(r"kvtier((?:-(?:[bp]\d+|nofill))+)", name)
+    if not m:
+        return {}
+    out = {}
+    for part in m.group(1).split("-")[1:]:
+        if part == "nofill":
+            out["fill"] = 0
+        else:
+            out[part[0]] = int(part[1:])
+    return out
 
 
 def targets(scenario: str, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -1,0 +1,30 @@
+"""bench/fleet_report.py: the configuration names that change the scheduler's settings."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+
+from fleet_report import variant
+
+
+@pytest.mark.parametrize(
+    ("name", "settings"),
+    [
+        ("kvtier-b128", {"b": 128}),
+        ("kvtier-p256", {"p": 256}),
+        ("kvtier-b128-p256", {"b": 128, "p": 256}),
+        ("kvtier-b128-p256-nofill", {"b": 128, "p": 256, "fill": 0}),
+        ("kvtier-nofill", {"fill": 0}),
+        ("kvtier", {}),
+        ("kvtier-int8", {}),
+        ("kvtier-b", {}),  # no number: not a variant (the bench reports it unknown)
+        ("ceiling", {}),
+    ],
+)
+def test_variant_names(name: str, settings: dict[str, int]) -> None:
+    assert variant(name) == settings
