@@ -53,8 +53,8 @@ Configurations:
                share the system prompt's pages, so more running turns fit in it); skipped
                where every session has a slot already (`fit`). The two combine:
                `kvtier-b128-p256`
-  kvtier-...-nofill  with a decoding step's prompt budget not raised to fill the CUDA graph
-               bucket the step replays (the scheduler's `_filled`; what filling adds)
+  kvtier-...-shortest  with the prompts a decoding step takes whole shortest first, not
+               oldest first (the scheduler's `_prompt_order`; the order before)
 
 Each session's initial context (a shared `--system`-token system prompt, then its own tokens)
 is prefilled once per scenario, batched; its K/V is kept on the host (the "bank") and copied
@@ -267,8 +267,8 @@ def run_scenario(args, model, dev: str, scen: str, n: int, fleet_ceiling, fit_st
                         cfg.decoding_prompt_tokens = settings["p"]
                     if "b" in settings:  # batch slots, the same K/V bytes
                         cfg.max_concurrency = settings["b"]
-                    if "fill" in settings:  # the prompt budget not filled to the graph
-                        cfg.fill_graph_buckets = False
+                    if "shortest" in settings:  # short prompts shortest first
+                        cfg.prompt_order = "shortest"
                     thresholds = gc.get_threshold()
                     if name == "kvtier-nogc":
                         gc.disable()

@@ -124,16 +124,16 @@ def _check(label: str, ok: bool | None, figure: str) -> dict[str, Any]:
 
 
 def variant(name: str) -> dict[str, int]:
-    """The settings a `kvtier-bN-pM-nofill` configuration name changes: {"b": N batch slots,
-    "p": M prompt tokens of a decoding step, "fill": 0 (the prompt budget not filled up to the
-    step's CUDA graph)}, any of them; {} for any other name."""
-    m = re.fullmatch(r"kvtier((?:-(?:[bp]\d+|nofill))+)", name)
+    """The settings a `kvtier-bN-pM-shortest` configuration name changes: {"b": N batch
+    slots, "p": M prompt tokens of a decoding step, "shortest": 1 (short prompts shortest
+    first, not oldest first)}, any of them; {} for any other name."""
+    m = re.fullmatch(r"kvtier((?:-(?:[bp]\d+|shortest))+)", name)
     if not m:
         return {}
     out = {}
     for part in m.group(1).split("-")[1:]:
-        if part == "nofill":
-            out["fill"] = 0
+        if part == "shortest":
+            out["shortest"] = 1
         else:
             out[part[0]] = int(part[1:])
     return out

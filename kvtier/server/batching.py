@@ -16,9 +16,9 @@ hands back a transformers Cache over the first `covered` prompt tokens) and only
    Full pages of that prefix that a running sequence of the same tenant already holds (same
    tokens from position 0) are shared instead of copied (`kvtier.server.pageshare`);
 4. fills the rest of the token budget (`batch_tokens`, or `decoding_prompt_tokens` when the
-   step decodes, raised to the token count of the CUDA graph the step replays) with prompt chunks (at most `prefill_step` tokens each) of the sequences still
-   prefilling, the shortest prompt left first (`_prompt_order`), so a returning turn's first
-   token does not wait behind a new conversation's long prefill;
+   step decodes) with prompt chunks (at most `prefill_step` tokens each) of the sequences still
+   prefilling, those the budget takes whole first, oldest first (`_prompt_order`), so a
+   returning turn's first token does not wait behind a new conversation's long prefill;
 5. runs the batch as one flattened forward (`kvtier.paged.BatchRunner`) and samples one token
    for every sequence whose tokens are all fed. When they are all greedy, the tokens stay on
    the device for the next step, which is launched before the host reads them
@@ -153,9 +153,10 @@ class BatchScheduler(Stepping):
         self.decoding_prompt_tokens = int(
             getattr(config, "decoding_prompt_tokens", DEFAULT_DECODING_PROMPT_TOKENS)
         )
-        # a decoding step's prompt budget filled up to its CUDA graph's bucket (`_filled`; a
-        # bench turns it off to compare)
-        self.fill_graph_buckets = bool(getattr(config, "fill_graph_buckets", True))
+        # prompts one decoding step's budget takes whole, which go first, oldest first
+        # (`_prompt_order`); `shortest_first`: the shortest of them first (a bench compares)
+        self._short_prompt = self.decoding_prompt_tokens or self.batch_tokens
+        self.shortest_first = str(getattr(config, "prompt_order", "arrival")) == "shortest"
         # turns admitted in one step (0: no limit but the budget, slots and pages)
         self.admissions_per_step = int(getattr(config, "admissions_per_step", 0))
         self.pool: PagePool = make_pool(  # sharded by layer on a model placed across devices
@@ -566,7 +567,7 @@ class BatchScheduler(Stepping):
             # 930, i.e. prompt tokens cost half as much in small pieces. 192 rather than 128:
             # turns then wait less for their prompt's turn and the batch runs fuller (the
             # fleet bench on an H200: 3,140 tok/s against 2,924 with 64 sessions).
-            budget = min(budget, self._filled(len(items), self.decoding_prompt_tokens))
+            budget = min(budget, self.decoding_prompt_tokens)
         prefilling = [s for s in self.running if s.loading is None and s.unfed > 1]
         # A long prompt (a new conversation) does not hold back admissions: room is what the
         # budget leaves after the prompts that finish in one chunk, which go first anyway.
@@ -620,23 +621,20 @@ class BatchScheduler(Stepping):
             budget -= n
         return items
 
-    def _filled(self, decoders: int, prompt: int) -> int:
-        """The prompt budget of a step with `decoders` decoding sequences: `prompt`, raised to
-        fill the CUDA graph the step replays. Its padding tokens up to the bucket run through
-        every layer as prompt tokens would, so a few more tokens of prompt cost little; and the
-        mixed steps then replay one bucket, not two, so they take about the same time each."""
-        graphs = self.runner.graphs if self.fill_graph_buckets else None
-        size = graphs.bucket(decoders + prompt) if graphs is not None else None
-        return prompt if size is None else size - decoders
-
-    def _prompt_order(self, s: _Seq) -> tuple[bool, int]:
-        """Which prompt gets the step's budget first: the shortest left (a returning turn's
-        50-200 tokens before a new conversation's thousands, whose own first token is far off
-        anyway), so a turn's first token does not queue behind another turn's long prefill.
+    def _prompt_order(self, s: _Seq) -> tuple[bool, bool, float]:
+        """Which prompt gets the step's budget first. Short prompts (what one decoding step's
+        budget takes whole: a returning turn's 50-200 tokens) go before long ones (a new
+        conversation's thousands, whose own first token is far off anyway), so a turn's first
+        token does not queue behind another turn's long prefill. Short ones go oldest first:
+        shortest first among them too let a stream of 50-token turns pass a 200-token one
+        again and again, and that made the slowest first tokens (docs/benchmarks.md). Long ones
+        go shortest left first.
         A prompt passed over for `PASSED_OVER_STEPS` steps in a row goes first from then on,
         with at most half of each step's budget while others wait, so a stream of short ones
         cannot starve a long one, nor a long one hold them all back."""
-        return (s.passed_over < PASSED_OVER_STEPS, s.unfed)
+        long = s.unfed > self._short_prompt
+        order = float(s.unfed) if long or self.shortest_first else s.admitted
+        return (s.passed_over < PASSED_OVER_STEPS, long, order)
 
     def _decoding(self) -> list[_Seq]:
         return [s for s in self.running if s.unfed == 1 and s.loading is None]

@@ -18,8 +18,8 @@ from fleet_report import variant
         ("kvtier-b128", {"b": 128}),
         ("kvtier-p256", {"p": 256}),
         ("kvtier-b128-p256", {"b": 128, "p": 256}),
-        ("kvtier-b128-p256-nofill", {"b": 128, "p": 256, "fill": 0}),
-        ("kvtier-nofill", {"fill": 0}),
+        ("kvtier-b128-p256-shortest", {"b": 128, "p": 256, "shortest": 1}),
+        ("kvtier-shortest", {"shortest": 1}),
         ("kvtier", {}),
         ("kvtier-int8", {}),
         ("kvtier-b", {}),  # no number: not a variant (the bench reports it unknown)

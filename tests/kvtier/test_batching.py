@@ -819,28 +819,3 @@ def test_overlapped_steps_on_cuda_graphs_equal_synchronous_steps(tmp_path: Path)
         fed[overlap] = sum(feeds)
     assert texts[True] == texts[False]
     assert fed[True] > 0 and fed[False] == 0
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_decoding_prompt_budget_fills_the_graph_bucket(tmp_path: Path) -> None:
-    """On CUDA, a decoding step's prompt budget is raised to the token count of the graph the
-    step replays (8 slots, 96 tokens: buckets 1, 2, 4, 8, 16, 24, ...), and left alone with
-    `fill_graph_buckets` off or where no graph fits."""
-    served = _build("llama")
-    served.model.to("cuda")
-    if served.allowed is not None:
-        served.allowed = served.allowed.to("cuda")
-    for fill in (True, False):
-        root = tmp_path / f"fill-{fill}"
-        backend = TieredBackend(served.model, _config(root), served.name)
-        sched = BatchScheduler(served, backend, _config(root, fill_graph_buckets=fill))
-        try:
-            assert sched.runner.capture_graphs()
-            assert 24 in sched.runner.graphs.buckets  # type: ignore[union-attr]
-            assert sched._filled(3, 16) == (21 if fill else 16)  # 19 tokens replay 24
-            assert sched._filled(8, 16) == 16  # 24 exactly
-            assert sched._filled(8, 90) == 90  # 98: above every bucket, the step runs eager
-        finally:
-            sched.close()
-            backend.close()

@@ -1,6 +1,7 @@
-"""Which prompt gets a step's budget: the shortest left, so a returning turn's first token does
-not wait out a new conversation's long prefill; and a long prompt passed over too often goes
-first, so a stream of short ones cannot starve it.
+"""Which prompt gets a step's budget: those one step's budget takes whole first, oldest first,
+so a returning turn's first token does not wait out a new conversation's long prefill nor a
+stream of shorter turns; and a long prompt passed over too often goes first, so a stream of
+short ones cannot starve it.
 
 Tiny transformers model (CPU, float32, random weights), the scheduler driven by hand (as in
 test_batching_share.py): every reply must still equal the session's greedy reply alone.
@@ -70,6 +71,13 @@ def test_a_prompt_passed_over_too_often_goes_first(tmp_path: Path) -> None:
         assert order == [short, long]
         long.passed_over = PASSED_OVER_STEPS
         assert sorted([long, short], key=sched._prompt_order) == [long, short]
+        # short ones (at most BUDGET tokens left) oldest first, whatever their length
+        older = _restored(sched, loop, _job("older", _prompts(45, [15])[0], 4), check=False)
+        newer = _restored(sched, loop, _job("newer", _prompts(46, [3])[0], 4), check=False)
+        older.admitted, newer.admitted = 1.0, 2.0
+        assert sorted([newer, older], key=sched._prompt_order) == [older, newer]
+        sched.shortest_first = True  # the order before: the shortest first
+        assert sorted([older, newer], key=sched._prompt_order) == [newer, older]
     finally:
         _close(sched, backend, loop)
 
@@ -107,3 +115,51 @@ def test_a_long_prompt_under_a_stream_of_short_ones_gets_half_the_budget(tmp_pat
         assert sched.pool.num_free == sched.pool.num_pages
     finally:
         _close(sched, backend, loop)
+
+
+def _stream_of_short_turns(tmp_path: Path, shortest_first: bool) -> int:
+    """Steps from queueing to the first token of a 15-token prompt queued while six 3-token
+    prompts arrive every step (the whole budget) and one session decodes throughout."""
+    ref, served = _build("llama"), _build("llama")
+    sched, backend, _ = _first_turns(served, tmp_path, [])
+    sched.shortest_first = shortest_first
+    loop = asyncio.new_event_loop()
+    try:
+        d = _restored(sched, loop, _job("d", _prompts(60, [20])[0], 40), check=False)
+        middle = _prompts(61, [15])[0]
+        m = _restored(sched, loop, _job("m", middle, 2), check=False)
+        shorts = [
+            _restored(sched, loop, _job(f"s{i}", p, 1), check=False)
+            for i, p in enumerate(_prompts(62, [3] * 96))
+        ]
+        seen: dict[str, int] = {}
+
+        def hook(step: int) -> None:
+            if step == 0:
+                sched.waiting.append(d)
+            if 1 <= step <= 16:
+                for s in shorts[6 * (step - 1) : 6 * step]:
+                    s.admitted = float(step)
+                    sched.waiting.append(s)
+            if step == 2:
+                m.admitted = 2.0
+                sched.waiting.append(m)
+            if m.first and "m" not in seen:
+                seen["m"] = step - 2
+
+        _drive(sched, hook)
+        assert _reply(served, m) == _greedy_alone(ref, middle, 2)
+        assert sched.pool.num_free == sched.pool.num_pages
+        return seen["m"]
+    finally:
+        _close(sched, backend, loop)
+
+
+def test_a_returning_turn_is_not_passed_by_shorter_ones(tmp_path: Path) -> None:
+    # Admission leaves room in the budget for the prompts admitted before (m's 15 of 16), so
+    # what changes is who is cut when a later short one is admitted into the last token of
+    # room: oldest first, the newcomer; shortest first, m, whose first token then waits a step.
+    oldest = _stream_of_short_turns(tmp_path / "oldest", shortest_first=False)
+    shortest = _stream_of_short_turns(tmp_path / "shortest", shortest_first=True)
+    assert oldest <= 4, oldest
+    assert shortest > oldest, (oldest, shortest)
