@@ -194,8 +194,9 @@ def targets_text(checks: list[dict[str, Any]]) -> str:
 
 
 def plot(results: dict[str, list[dict[str, Any]]], path: Path) -> str:
-    """Per scenario: aggregate tok/s per configuration (ceiling and target marked) and TTFT
-    P50/P99. Returns what it did (matplotlib may be missing)."""
+    """Per scenario: aggregate tok/s per configuration (ceiling and target marked), TTFT
+    P50/P99, and the tails as P99 / P50 of the TTFT and of the step (the hibernate scenario's
+    targets marked). Returns what it did (matplotlib may be missing)."""
     try:
         import matplotlib
 
@@ -204,7 +205,7 @@ def plot(results: dict[str, list[dict[str, Any]]], path: Path) -> str:
     except ImportError:
         return "plot skipped: matplotlib is not installed"
     scen = [s for s in results if results[s]]
-    fig, axes = plt.subplots(len(scen), 2, figsize=(12, 4 * len(scen)), squeeze=False)
+    fig, axes = plt.subplots(len(scen), 3, figsize=(18, 4 * len(scen)), squeeze=False)
     target = {"fit": 3000, "hibernate": 2500}
     for row, s in enumerate(scen):
         rows = results[s]
@@ -231,6 +232,19 @@ def plot(results: dict[str, list[dict[str, Any]]], path: Path) -> str:
         ax.set_ylabel("TTFT of returning turns (ms, log)")
         ax.set_title(f"{s}: TTFT")
         ax.legend()
+        ax = axes[row][2]
+        ttft = [_ratio(r["ttft_p99"], r["ttft_p50"]) for r in rows]
+        step = [_ratio(r["step_p99"], r["step_p50"]) for r in rows]
+        ax.bar([i - 0.2 for i in x], ttft, 0.4, label="TTFT P99 / P50", color="C1")
+        ax.bar([i + 0.2 for i in x], step, 0.4, label="step P99 / P50", color="C2")
+        if s == "hibernate":
+            ax.axhline(2.0, color="C1", ls=":", label="TTFT target 2x")
+            ax.axhline(1.25, color="C2", ls=":", label="step target 1.25x")
+        ax.set_xticks(list(x), names, rotation=20)
+        ax.set_ylabel("P99 / P50")
+        ax.set_ylim(0, 1.5 * max([2.0, *ttft, *step]))  # room for the legend above the bars
+        ax.set_title(f"{s}: tails")
+        ax.legend(ncol=2, fontsize=8, loc="upper right")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     return f"plot: {path}"
@@ -238,6 +252,11 @@ def plot(results: dict[str, list[dict[str, Any]]], path: Path) -> str:
 
 def _num(x: float) -> float:
     return 0.0 if math.isnan(x) else x
+
+
+def _ratio(p99: float, p50: float) -> float:
+    """P99 / P50, 0 where either is missing (a configuration with no returning turn)."""
+    return 0.0 if math.isnan(p99) or math.isnan(p50) or p50 <= 0 else p99 / p50
 
 
 def write_json(path: Path, payload: dict[str, Any]) -> None:
