@@ -153,8 +153,8 @@ class BatchScheduler(Stepping):
         self.decoding_prompt_tokens = int(
             getattr(config, "decoding_prompt_tokens", DEFAULT_DECODING_PROMPT_TOKENS)
         )
-        # prompts one decoding step's budget takes whole, which go first, oldest first
-        # (`_prompt_order`); `shortest_first`: the shortest of them first (a bench compares)
+        # prompts one decoding step's budget takes whole, which go first: oldest first, or
+        # the shortest first with `prompt_order` "shortest" (`_prompt_order`)
         self._short_prompt = self.decoding_prompt_tokens or self.batch_tokens
         self.shortest_first = str(getattr(config, "prompt_order", "arrival")) == "shortest"
         # turns admitted in one step (0: no limit but the budget, slots and pages)
@@ -625,10 +625,11 @@ class BatchScheduler(Stepping):
         """Which prompt gets the step's budget first. Short prompts (what one decoding step's
         budget takes whole: a returning turn's 50-200 tokens) go before long ones (a new
         conversation's thousands, whose own first token is far off anyway), so a turn's first
-        token does not queue behind another turn's long prefill. Short ones go oldest first:
-        shortest first among them too let a stream of 50-token turns pass a 200-token one
-        again and again, and that made the slowest first tokens (docs/benchmarks.md). Long ones
-        go shortest left first.
+        token does not queue behind another turn's long prefill. Short ones go oldest first
+        (`prompt_order` "arrival"): shortest first among them too cut an admitted prompt
+        whenever a shorter newcomer took the budget first, and that made the slowest first
+        tokens on an H200 (docs/benchmarks.md). Shortest first ("shortest") gives a lower mean
+        where turns queue for slots (the CPU demo). Long ones go shortest left first.
         A prompt passed over for `PASSED_OVER_STEPS` steps in a row goes first from then on,
         with at most half of each step's budget while others wait, so a stream of short ones
         cannot starve a long one, nor a long one hold them all back."""

@@ -88,6 +88,11 @@ class ServerConfig:
     # (0: up to batch_tokens, as a step without decoders). 192 on the H200 fleet bench: 7 %
     # more tok/s than 128 with 64 sessions, 4 % more with 256 (docs/benchmarks.md)
     decoding_prompt_tokens: int = 192
+    # with batching: the order in which prompts that one decoding step's budget takes whole
+    # get it: "arrival" (oldest first: the slowest first tokens are shortest when no turn
+    # waits for a slot) or "shortest" (fewest tokens left first: a lower mean when turns queue
+    # for slots). Longer prompts go after them either way (docs/configuration.md)
+    prompt_order: str = "arrival"
     # turns admitted into the batch in one step (0: as many as the budget, slots and pages
     # allow); each one is host work (pages, the copy of its restored prefix) before a launch
     admissions_per_step: int = 0
@@ -135,6 +140,11 @@ class ServerConfig:
             raise ConfigError(
                 f"decoding_prompt_tokens: must not be negative, got {self.decoding_prompt_tokens}"
                 " (0 means up to batch_tokens)"
+            )
+        if self.prompt_order not in ("arrival", "shortest"):
+            raise ConfigError(
+                f"prompt_order: {self.prompt_order!r} is unknown; use 'arrival' (oldest first) "
+                "or 'shortest' (fewest prompt tokens left first)"
             )
         if self.admissions_per_step < 0:
             raise ConfigError(

@@ -150,6 +150,14 @@ def options(f: Callable[..., Any]) -> Callable[..., Any]:
             "takes up to --batch-tokens.",
         ),
         click.option(
+            "--prompt-order",
+            type=click.Choice(["arrival", "shortest"]),
+            help="With batching: which of the prompts that one decoding step's budget takes "
+            "whole goes first (longer prompts always go after them). arrival (default): oldest "
+            "first, the shortest TTFT tail when no turn waits for a slot; shortest: fewest "
+            "tokens left first, a lower mean when turns queue for --max-concurrency slots.",
+        ),
+        click.option(
             "--admissions-per-step",
             type=int,
             help="Turns admitted into the batch in one step (default 0: as many as the token "

@@ -12,10 +12,13 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import pytest
 from test_batching import _build, _greedy_alone, _job, _prompts
 from test_batching_share import _close, _drive, _first_turns, _next_prompts, _reply, _restored
 
+from kvtier.errors import ConfigError
 from kvtier.server.batching import PASSED_OVER_STEPS
+from kvtier.server.config import ServerConfig
 
 BUDGET = 16  # prompt tokens in a step that decodes (`decoding_prompt_tokens`)
 
@@ -76,7 +79,7 @@ def test_a_prompt_passed_over_too_often_goes_first(tmp_path: Path) -> None:
         newer = _restored(sched, loop, _job("newer", _prompts(46, [3])[0], 4), check=False)
         older.admitted, newer.admitted = 1.0, 2.0
         assert sorted([newer, older], key=sched._prompt_order) == [older, newer]
-        sched.shortest_first = True  # the order before: the shortest first
+        sched.shortest_first = True  # `prompt_order` "shortest"
         assert sorted([older, newer], key=sched._prompt_order) == [newer, older]
     finally:
         _close(sched, backend, loop)
@@ -121,8 +124,9 @@ def _stream_of_short_turns(tmp_path: Path, shortest_first: bool) -> int:
     """Steps from queueing to the first token of a 15-token prompt queued while six 3-token
     prompts arrive every step (the whole budget) and one session decodes throughout."""
     ref, served = _build("llama"), _build("llama")
-    sched, backend, _ = _first_turns(served, tmp_path, [])
-    sched.shortest_first = shortest_first
+    order = "shortest" if shortest_first else "arrival"
+    sched, backend, _ = _first_turns(served, tmp_path, [], prompt_order=order)
+    assert sched.shortest_first == shortest_first
     loop = asyncio.new_event_loop()
     try:
         d = _restored(sched, loop, _job("d", _prompts(60, [20])[0], 40), check=False)
@@ -163,3 +167,9 @@ def test_a_returning_turn_is_not_passed_by_shorter_ones(tmp_path: Path) -> None:
     shortest = _stream_of_short_turns(tmp_path / "shortest", shortest_first=True)
     assert oldest <= 4, oldest
     assert shortest > oldest, (oldest, shortest)
+
+
+def test_an_unknown_prompt_order_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="prompt_order: 'fifo' is unknown"):
+        ServerConfig.load(flags={"prompt_order": "fifo"}, env={})
+    assert ServerConfig.load(flags={}, env={}).prompt_order == "arrival"
