@@ -17,8 +17,9 @@ hands back a transformers Cache over the first `covered` prompt tokens) and only
    tokens from position 0) are shared instead of copied (`kvtier.server.pageshare`);
 4. fills the rest of the token budget (`batch_tokens`, or `decoding_prompt_tokens` when the
    step decodes) with prompt chunks (at most `prefill_step` tokens each) of the sequences still
-   prefilling, those the budget takes whole first, oldest first (`_prompt_order`), so a
-   returning turn's first token does not wait behind a new conversation's long prefill;
+   prefilling, those the budget takes whole first, oldest first (or shortest first:
+   `prompt_order`; see `_prompt_order`), so a returning turn's first token does not wait
+   behind a new conversation's long prefill;
 5. runs the batch as one flattened forward (`kvtier.paged.BatchRunner`) and samples one token
    for every sequence whose tokens are all fed. When they are all greedy, the tokens stay on
    the device for the next step, which is launched before the host reads them
