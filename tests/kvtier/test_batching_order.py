@@ -17,7 +17,7 @@ from test_batching import _build, _greedy_alone, _job, _prompts
 from test_batching_share import _close, _drive, _first_turns, _next_prompts, _reply, _restored
 
 from kvtier.errors import ConfigError
-from kvtier.server.batching import PASSED_OVER_STEPS
+from kvtier.server.batching import PASSED_OVER_STEPS, BatchScheduler, _Seq
 from kvtier.server.config import ServerConfig
 
 BUDGET = 16  # prompt tokens in a step that decodes (`decoding_prompt_tokens`)
@@ -85,6 +85,25 @@ def test_a_prompt_passed_over_too_often_goes_first(tmp_path: Path) -> None:
         _close(sched, backend, loop)
 
 
+def _decoder_prompt_shorts(
+    sched: BatchScheduler,
+    loop: asyncio.AbstractEventLoop,
+    seed: int,
+    length: int,
+    shorts: list[int],
+) -> tuple[_Seq, list[int], _Seq, list[_Seq]]:
+    """New sessions to queue by hand: "d" (20 prompt tokens, 48 to decode), a `length`-token
+    prompt and its turn (2 tokens), and one-token turns of the `shorts` lengths."""
+    d = _restored(sched, loop, _job("d", _prompts(seed, [20])[0], 48), check=False)
+    prompt = _prompts(seed + 1, [length])[0]
+    turn = _restored(sched, loop, _job("p", prompt, 2), check=False)
+    rest = [
+        _restored(sched, loop, _job(f"s{i}", p, 1), check=False)
+        for i, p in enumerate(_prompts(seed + 2, shorts))
+    ]
+    return d, prompt, turn, rest
+
+
 def test_a_long_prompt_under_a_stream_of_short_ones_gets_half_the_budget(tmp_path: Path) -> None:
     ref, served = _build("llama"), _build("llama")
     sched, backend, _ = _first_turns(served, tmp_path, [])
@@ -92,13 +111,7 @@ def test_a_long_prompt_under_a_stream_of_short_ones_gets_half_the_budget(tmp_pat
     try:
         # d decodes throughout, so every step has BUDGET prompt tokens; two 12-token prompts
         # arrive every step from step 2 on (more than the budget), and n's 160 tokens wait
-        d = _restored(sched, loop, _job("d", _prompts(50, [20])[0], 48), check=False)
-        long_prompt = _prompts(51, [160])[0]
-        n = _restored(sched, loop, _job("n", long_prompt, 2), check=False)
-        shorts = [
-            _restored(sched, loop, _job(f"s{i}", p, 1), check=False)
-            for i, p in enumerate(_prompts(52, [12] * 60))
-        ]
+        d, long_prompt, n, shorts = _decoder_prompt_shorts(sched, loop, 50, 160, [12] * 60)
         seen: dict[str, int] = {}
 
         def hook(step: int) -> None:
@@ -129,13 +142,7 @@ def _stream_of_short_turns(tmp_path: Path, shortest_first: bool) -> int:
     assert sched.shortest_first == shortest_first
     loop = asyncio.new_event_loop()
     try:
-        d = _restored(sched, loop, _job("d", _prompts(60, [20])[0], 40), check=False)
-        middle = _prompts(61, [15])[0]
-        m = _restored(sched, loop, _job("m", middle, 2), check=False)
-        shorts = [
-            _restored(sched, loop, _job(f"s{i}", p, 1), check=False)
-            for i, p in enumerate(_prompts(62, [3] * 96))
-        ]
+        d, middle, m, shorts = _decoder_prompt_shorts(sched, loop, 60, 15, [3] * 96)
         seen: dict[str, int] = {}
 
         def hook(step: int) -> None:
