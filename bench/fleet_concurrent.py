@@ -288,12 +288,14 @@ def run_scenario(args, model, dev: str, scen: str, n: int, fleet_ceiling, fit_st
             traceback.print_exc()
             m = serve.Measure(name, note=f"failed: {type(exc).__name__}: {str(exc)[:120]}")
         finally:
+            t2 = time.perf_counter()
             if backend is not None:
                 try:
                     backend.close()
                 except Exception as exc:
                     print(f"{name}: closing the cache failed: {exc!r}", flush=True)
             shutil.rmtree(root, ignore_errors=True)
+            closed = time.perf_counter() - t2
         if dev.startswith("cuda"):
             m.peak_allocated = torch.cuda.max_memory_allocated()
             m.peak_reserved = torch.cuda.max_memory_reserved()
@@ -301,7 +303,7 @@ def run_scenario(args, model, dev: str, scen: str, n: int, fleet_ceiling, fit_st
         print(
             f"[{scen}] {m.name}: {m.tokens} tokens in a {m.window:.1f}s window, "
             f"{m.turns} returning turns, {m.ooms} OOM, {m.failed} failed "
-            f"({time.perf_counter() - t1:.0f}s) {m.note}",
+            f"({time.perf_counter() - t1:.0f}s{spent(m, closed)}) {m.note}",
             flush=True,
         )
         if "stacks" in m.extra:
@@ -342,6 +344,16 @@ def hibernate_think(args, n: int, batch: int, ceiling, fit_step=None) -> tuple[f
     turn = args.decode_tokens * step
     mean = max(n / batch - 1, 0.0) * turn
     return (0.75 * mean, 1.25 * mean)
+
+
+def spent(m: serve.Measure, closed: float) -> str:
+    """Where a configuration's time went besides its warm-up and window, for those that
+    seed a cache: committing the bank, capturing CUDA graphs, closing the cache and deleting
+    its L3 (its writers drain first)."""
+    if "seed_s" not in m.extra:
+        return ""
+    graphs = m.extra.get("graph_capture_s", 0.0)
+    return f": seeding {m.extra['seed_s']:.0f}s, graphs {graphs:.0f}s, closing {closed:.0f}s"
 
 
 def pair(text: str) -> tuple[float, float]:

@@ -365,7 +365,9 @@ def run_sequential(
     m = Measure("kvtier-seq")
     kw = cache_kwarg(model)
     cache = backend.cache
+    t0 = time.perf_counter()
     seed(cache, fleet, bank, device)
+    m.extra["seed_s"] = round(time.perf_counter() - t0, 1)
     n = len(fleet.contexts)
     ctx = [list(c) for c in fleet.contexts]
     conv = [0] * n

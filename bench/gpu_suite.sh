@@ -12,7 +12,10 @@
 # Other fleet settings: FLEET_SYNC=stream, FLEET_CUDNN=1 (cuDNN attention on), FLEET_SESSIONS=N.
 #   STEPS=concurrent bash bench/gpu_suite.sh   # the batched-serving benchmark alone (about 6 minutes)
 # Its settings: CONC_SECONDS (per configuration, default 20), CONC_CONFIGS, CONC_ARGS (any other
-# options of bench/fleet_concurrent.py).
+# options of bench/fleet_concurrent.py), e.g. CONC_ARGS="--hibernate-configs kvtier,kvtier-b96-p256"
+# (96 slots and 256 prompt tokens a step: the one configuration that met every 256-session
+# target in one run, docs/benchmarks.md). Each configuration's line says how long it spent
+# seeding its cache, capturing CUDA graphs and closing the cache, besides its window.
 #
 # bench/restart.py also needs the server's packages (fastapi, uvicorn, pydantic, ...); it is
 # skipped with a message when they cannot be imported.
