@@ -41,6 +41,7 @@ def test_concurrent_fleet_cpu_smoke(tmp_path: Path) -> None:
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "targets:" in proc.stdout
+    assert "seeding" in proc.stdout  # where each configuration's time went besides its window
     data = json.loads((out / "fleet_concurrent.json").read_text())
     assert (out / "fleet_concurrent.png").stat().st_size > 0
     assert set(data["results"]) == {"fit", "hibernate"}
