@@ -34,6 +34,10 @@ def default_l3_root() -> Path:
     return Path(platformdirs.user_data_dir("kvtier", appauthor=False)) / "l3"
 
 
+# `prompt_order`: oldest first, or the fewest prompt tokens left first (docs/configuration.md)
+PROMPT_ORDERS = ("arrival", "shortest")
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     """Everything `kvtier serve` can be told. Sizes are bytes; times are seconds."""
@@ -92,7 +96,7 @@ class ServerConfig:
     # get it: "arrival" (oldest first: the slowest first tokens are shortest when no turn
     # waits for a slot) or "shortest" (fewest tokens left first: a lower mean when turns queue
     # for slots). Longer prompts go after them either way (docs/configuration.md)
-    prompt_order: str = "arrival"
+    prompt_order: str = "arrival"  # one of PROMPT_ORDERS
     # turns admitted into the batch in one step (0: as many as the budget, slots and pages
     # allow); each one is host work (pages, the copy of its restored prefix) before a launch
     admissions_per_step: int = 0
@@ -141,7 +145,7 @@ class ServerConfig:
                 f"decoding_prompt_tokens: must not be negative, got {self.decoding_prompt_tokens}"
                 " (0 means up to batch_tokens)"
             )
-        if self.prompt_order not in ("arrival", "shortest"):
+        if self.prompt_order not in PROMPT_ORDERS:
             raise ConfigError(
                 f"prompt_order: {self.prompt_order!r} is unknown; use 'arrival' (oldest first) "
                 "or 'shortest' (fewest prompt tokens left first)"

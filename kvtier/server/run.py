@@ -14,7 +14,7 @@ from typing import Any
 
 import click
 
-from kvtier.server.config import ServerConfig
+from kvtier.server.config import PROMPT_ORDERS, ServerConfig
 
 
 def options(f: Callable[..., Any]) -> Callable[..., Any]:
@@ -151,7 +151,7 @@ def options(f: Callable[..., Any]) -> Callable[..., Any]:
         ),
         click.option(
             "--prompt-order",
-            type=click.Choice(["arrival", "shortest"]),
+            type=click.Choice(PROMPT_ORDERS),
             help="With batching: which of the prompts that one decoding step's budget takes "
             "whole goes first (longer prompts always go after them). arrival (default): oldest "
             "first, the shortest TTFT tail when no turn waits for a slot; shortest: fewest "
