@@ -69,7 +69,7 @@ def test_cuda_batched_greedy_equals_each_session_alone(name: str) -> None:
 
 
 def test_page_slots_reach_the_device_without_waiting_for_its_work() -> None:
-    """`PagePool._slots` (a copy-in's and copy-out's indices) goes through pinned memory: from
+    """`PagePool.slots` (a copy-in's and copy-out's indices) goes through pinned memory: from
     pageable memory the driver may wait for the stream, i.e. for the steps in flight, which
     stalled the scheduler thread. With the GPU busy for about half a second, the slots must
     arrive correct while the host returns long before the busy work ends."""
@@ -78,15 +78,15 @@ def test_page_slots_reach_the_device_without_waiting_for_its_work() -> None:
     geo = KVGeometry(2, 4, 64, 64, "bfloat16", "gqa")
     pool = PagePool(geo, 64 * 16 * geo.bytes_per_token, page_size=16, device="cuda")
     table = [5, 2, 9]
-    pool._slots(table, 3, 40)  # the host allocator's first pinned block is made here
+    pool.slots(table, 3, 40)  # the host allocator's first pinned block is made here
     torch.cuda.synchronize()
     torch.cuda._sleep(1_000_000_000)  # about 0.5 s of GPU time at ~2 GHz
     t0 = time.perf_counter()
-    slots = pool._slots(table, 3, 40)
+    slots = pool.slots(table, 3, 40)
     returned = time.perf_counter() - t0
     busy_end = torch.cuda.Event()
     busy_end.record()
     assert not busy_end.query(), "the GPU finished its busy work before the check"
-    assert returned < 0.1, f"_slots waited {returned:.3f} s for the device"
+    assert returned < 0.1, f"slots waited {returned:.3f} s for the device"
     want = [p * 16 + o for p in table for o in range(16)][3:40]
     assert slots.tolist() == want
