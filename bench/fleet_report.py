@@ -227,8 +227,12 @@ def plot(results: dict[str, list[dict[str, Any]]], path: Path) -> str:
         ax.bar([i - 0.2 for i in x], p50, 0.4, label="P50")
         ax.bar([i + 0.2 for i in x], p99, 0.4, label="P99")
         ax.set_xticks(list(x), names, rotation=20)
-        if any(v > 0 for v in p50 + p99):
+        shown = [v for v in p50 + p99 if v > 0]
+        if shown:
             ax.set_yscale("log")
+            # a decade below the shortest bar (with one configuration, matplotlib's own limits
+            # start just under its P50, which then shows as a sliver) and room for the legend
+            ax.set_ylim(min(shown) / 10, max(shown) * 5)
         ax.set_ylabel("TTFT of returning turns (ms, log)")
         ax.set_title(f"{s}: TTFT")
         ax.legend()

@@ -1,9 +1,9 @@
 """One batched step of the paged runner, by kind, against transformers' own batched step.
 
 `PYTHONPATH=. python3 bench/paged_step.py [--batch 64] [--context 3000] [--chunk 512]
-[--prefills 2] [--profile]` builds the Qwen2-7B shape with random bf16 weights (CUDA), fills
-`--batch` paged sequences with `--context` tokens of random K/V (the values do not change the
-timing), and times:
+[--prefills 2] [--profile] [--breakdown] [--compile]` builds the Qwen2-7B shape with random bf16
+weights (CUDA), fills `--batch` paged sequences with `--context` tokens of random K/V (the
+values do not change the timing), and times:
 
 - a decode-only step: eager, and replayed from a CUDA graph;
 - a mixed step: the decode rows of `--batch - --prefills` sequences plus `--prefills` prompt
@@ -14,6 +14,18 @@ against the ceilings measured in the same run: transformers' batched decode step
 `DynamicCache` (every context resident, SDPA), and that decode step plus the prompt chunks
 prefilled alone (their `DynamicCache` forward). `--profile` prints the top operators of one mixed
 step (torch.profiler).
+
+`--breakdown` splits the GPU time of one decode-only step and one mixed step by kernel kind
+(torch.profiler, eager: the same kernels a graph replays) and sets each kind against its floor
+in the same run: the weight matmuls against reading every linear layer's weights once, the
+paged attention against reading every sequence's K/V once, both at the device-to-device copy
+speed measured here. The graph's replay alone (timed with CUDA events) beyond the kernels' sum
+is the gaps between them; the graph step beyond the replay is its host work (the step's inputs).
+The decode step is also broken down through the one-row kernel alone (the eager decode-only
+path), against the graphs' kernel, which has the prompt rows' code compiled in. It prints the
+step a throughput needs at this batch, so the distance to a target reads off the table.
+`--compile` first compiles every layer's RMSNorms and MLP with torch.compile (an experiment:
+what fusing their small kernels saves; the server does not do it).
 """
 
 from __future__ import annotations
@@ -21,6 +33,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 from models import build
@@ -28,6 +41,21 @@ from models import build
 from kvtier.geometry import KVGeometry
 from kvtier.integrations.hf import cache_kwarg
 from kvtier.paged import BatchRunner, PagedSequence, PagePool, SeqInput
+
+#: substrings of the kernel names of dense matmuls (cuBLAS / CUTLASS on Hopper and before)
+MATMUL_MARKS = ("gemm", "cutlass", "xmma", "nvjet", "matmul", "cublas")
+#: the paged attention's kernels (kvtier/paged/triton_decode.py)
+ATTENTION_MARKS = ("_partial_kernel", "_reduce_kernel")
+
+
+def kernel_kind(name: str) -> str:
+    """`matmul`, `attention` or `other`, by a CUDA kernel's name."""
+    low = name.lower()
+    if any(mark in low for mark in ATTENTION_MARKS):
+        return "attention"
+    if any(mark in low for mark in MATMUL_MARKS):
+        return "matmul"
+    return "other"
 
 
 def timed(fn, reps: int) -> float:
@@ -51,12 +79,25 @@ def main() -> None:
     ap.add_argument("--prefills", type=int, default=2)
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument(
+        "--breakdown", action="store_true", help="GPU time by kernel kind against its floor"
+    )
+    ap.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile each layer's RMSNorms and MLP first (fusing their small kernels)",
+    )
+    ap.add_argument(
+        "--target", type=float, default=6000.0, help="tok/s whose step time --breakdown prints"
+    )
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("paged_step.py measures CUDA steps: no CUDA device here")
     dev = "cuda"
     model = build("qwen2-7b", dev, torch.bfloat16)
     geo = KVGeometry.from_config(model.config, dtype="bfloat16")
+    if args.compile:
+        compile_small(model)
     max_ctx = args.context + args.chunk + 64
     budget = (args.batch + args.prefills + 2) * max_ctx * geo.bytes_per_token
     pool = PagePool(geo, budget, page_size=16, device=dev, dtype=torch.bfloat16)
@@ -144,6 +185,38 @@ def main() -> None:
         f" its prefill of {args.prefills} x {args.chunk} tokens after {args.context} "
         f"{ceil_prefill * 1e3:.2f} ms; ratio = ceiling / figure)"
     )
+    if args.breakdown:
+        linear = sum(
+            m.weight.numel() * m.weight.element_size()
+            for m in model.modules()
+            if isinstance(m, torch.nn.Linear)
+        )
+        kv_decode = args.batch * args.context * geo.bytes_per_token
+        kv_mixed = kv_decode + args.prefills * args.chunk * geo.bytes_per_token
+        graph_ms = {"decode-only": rows[1][1] * 1e3, "mixed": rows[2][1] * 1e3}
+        assert graphs is not None
+        decode_step()  # the graphs' buffers hold a decode-only step: replay it alone
+        replay = {"decode-only": cuda_ms(lambda: graphs.replay(args.batch), args.reps)}
+        mixed_step()
+        replay["mixed"] = cuda_ms(lambda: graphs.replay(mixed_tokens), args.reps)
+        runner.graphs, runner.backend = None, "rows"  # eager, the graphs' attention path
+        replay_na = (float("nan"), float("nan"))  # no graph records the decode-only kernel
+        print()
+        for key, label, step, kv in (
+            ("decode-only", "decode-only", decode_step, kv_decode),
+            ("mixed", mixed, mixed_step, kv_mixed),
+        ):
+            breakdown(label, step, linear, kv, replay[key], graph_ms[key])
+        # the same decode step through the decode-only kernel (no row blocks compiled in), as
+        # eager decode-only steps run it: what the graphs' one kernel for every step costs
+        runner.backend = "triton"
+        breakdown("decode-only, decode kernel", decode_step, linear, kv_decode, *replay_na)
+        runner.graphs, runner.backend = graphs, "auto"
+        need = args.batch / args.target * 1e3
+        print(
+            f"{args.target:,.0f} tok/s at batch {args.batch} needs a decode-only step of "
+            f"{need:.2f} ms (the graph step above: {graph_ms['decode-only']:.2f} ms)"
+        )
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
 
@@ -155,6 +228,84 @@ def main() -> None:
         table = prof.key_averages().table
         print(table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60))
         print(table(sort_by="cpu_time_total", row_limit=12, max_name_column_width=60))
+
+
+def compile_small(model: torch.nn.Module) -> None:
+    """torch.compile every decoder layer's two RMSNorms and MLP, and the final norm: their
+    elementwise kernels fuse (the attention and its page writes stay as they are)."""
+    import torch._dynamo
+
+    torch._dynamo.config.cache_size_limit = 64  # one graph per step size (graph bucket)
+    inner = model.model  # type: ignore[attr-defined]
+    for layer in inner.layers:
+        for name in ("input_layernorm", "post_attention_layernorm", "mlp"):
+            getattr(layer, name).compile(dynamic=False)
+    inner.norm.compile(dynamic=False)
+
+
+def cuda_ms(fn: Callable[[], object], reps: int) -> float:
+    """Median GPU milliseconds of `fn()` between two CUDA events (no host work around it)."""
+    fn()
+    out = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        out.append(start.elapsed_time(end))
+    return statistics.median(out)
+
+
+def breakdown(
+    label: str,
+    step: Callable[[], None],
+    weight_bytes: int,
+    kv_bytes: int,
+    replay_ms: float,
+    graph_ms: float,
+) -> None:
+    """Print one step's kernel time by kind against the copy-speed floor of what it reads."""
+    from paged_attention import memcpy_seconds
+    from torch.profiler import ProfilerActivity, profile
+
+    read_s_per_byte = memcpy_seconds(1 << 31, 10) / (1 << 31)
+    reps = 3
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            step()
+        torch.cuda.synchronize()
+    by_kind = {"matmul": 0.0, "attention": 0.0, "other": 0.0}
+    other: dict[str, float] = {}
+    launches = 0
+    for evt in prof.events():
+        if evt.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        launches += 1
+        ms = evt.time_range.elapsed_us() / 1e3 / reps
+        kind = kernel_kind(evt.name)
+        by_kind[kind] += ms
+        if kind == "other":
+            other[evt.name] = other.get(evt.name, 0.0) + ms
+    floors = {"matmul": weight_bytes, "attention": kv_bytes}
+    print(f"{label}: GPU time by kernel kind (eager; a graph replays the same kernels)")
+    print(f"  {'kind':<34} {'ms':>8} {'floor ms':>9} {'ratio':>6}")
+    for kind, ms in by_kind.items():
+        if kind in floors:
+            floor = floors[kind] * read_s_per_byte * 1e3
+            what = "weights" if kind == "matmul" else "K/V"
+            name = f"{kind} (reads {floors[kind] / 1e9:.1f} GB of {what})"
+            print(f"  {name:<34} {ms:8.2f} {floor:9.2f} {floor / ms:6.2f}")
+        else:
+            print(f"  {kind:<34} {ms:8.2f} {'':>9} {'':>6}")
+    kernels = sum(by_kind.values())
+    print(f"  {f'all kernels ({launches / reps:.0f})':<34} {kernels:8.2f}")
+    print(f"  {'graph replay alone (CUDA events)':<34} {replay_ms:8.2f}")
+    print(f"  {'graph step (with its host work)':<34} {graph_ms:8.2f}")
+    top = sorted(other.items(), key=lambda kv: -kv[1])[:6]
+    print("  largest other kernels: " + "; ".join(f"{n[:60]} {ms:.2f} ms" for n, ms in top))
 
 
 if __name__ == "__main__":
