@@ -24,7 +24,7 @@ cd "$(dirname "$0")/.."
 OUT="${1:-${OUT:-gpu-out}}"
 mkdir -p "$OUT"
 export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-STEPS="${STEPS:-tests weights paged transfer l3 ttft decode attention collectors interference fleet concurrent restart}"
+STEPS="${STEPS:-tests weights paged breakdown transfer l3 ttft decode attention collectors interference fleet concurrent restart}"
 quiet() { grep -v -E "FutureWarning|forward_call|return func|past_key_values"; }
 
 for step in $STEPS; do
@@ -33,7 +33,11 @@ for step in $STEPS; do
     tests)
       timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kvtier/test_l2.py \
         tests/kvtier/test_transfer.py tests/kvtier/test_soak.py tests/kvtier/test_cache_gpu.py \
-        tests/ops/test_collectors_host.py 2>&1 | tail -30 >"$OUT/gpu_tests.txt" ;;
+        tests/ops/test_collectors_host.py 2>&1 | tail -30 >"$OUT/gpu_tests.txt"
+      # the batched serving's GPU tests (about 50 s on an H200)
+      timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kvtier/test_batching.py \
+        tests/kvtier/test_batching_paged_l1.py tests/kvtier/test_cache_pages.py \
+        tests/kvtier/test_paged_graphs.py 2>&1 | tail -30 >"$OUT/gpu_tests_batching.txt" ;;
     transfer)
       mkdir -p "$OUT/transfer"
       timeout 150 python3 bench/transfer.py --out "$OUT/transfer" --groups "${XFER_GROUPS:-8}" >"$OUT/transfer.txt" 2>&1 ;;
@@ -67,6 +71,9 @@ for step in $STEPS; do
       timeout 120 python3 -m pytest -q -p no:cacheprovider tests/kvtier/test_paged_triton.py \
         tests/kvtier/test_paged_gpu.py 2>&1 | tail -15 >"$OUT/paged_tests.txt"
       timeout 200 python3 bench/paged_attention.py --sweep >"$OUT/paged_attention.txt" 2>&1 ;;
+    breakdown)
+      # one batched step's GPU time by kernel kind against the floors (about 40 s)
+      timeout 200 python3 bench/paged_step.py --chunk 64 --breakdown 2>&1 | quiet >"$OUT/paged_step.txt" ;;
     concurrent)
       mkdir -p "$OUT/concurrent"
       # two scenarios (64 sessions; 256 with L1 for 64), 5 + 3 configurations of CONC_SECONDS each
