@@ -186,6 +186,8 @@ def main() -> None:
         f"{ceil_prefill * 1e3:.2f} ms; ratio = ceiling / figure)"
     )
     if args.breakdown:
+        from paged_attention import cuda_time  # CUDA-event timing: the replay alone
+
         linear = sum(
             m.weight.numel() * m.weight.element_size()
             for m in model.modules()
@@ -196,9 +198,9 @@ def main() -> None:
         graph_ms = {"decode-only": rows[1][1] * 1e3, "mixed": rows[2][1] * 1e3}
         assert graphs is not None
         decode_step()  # the graphs' buffers hold a decode-only step: replay it alone
-        replay = {"decode-only": cuda_ms(lambda: graphs.replay(args.batch), args.reps)}
+        replay = {"decode-only": cuda_time(lambda: graphs.replay(args.batch), args.reps) * 1e3}
         mixed_step()
-        replay["mixed"] = cuda_ms(lambda: graphs.replay(mixed_tokens), args.reps)
+        replay["mixed"] = cuda_time(lambda: graphs.replay(mixed_tokens), args.reps) * 1e3
         runner.graphs, runner.backend = None, "rows"  # eager, the graphs' attention path
         replay_na = (float("nan"), float("nan"))  # no graph records the decode-only kernel
         print()
@@ -241,20 +243,6 @@ def compile_small(model: torch.nn.Module) -> None:
         for name in ("input_layernorm", "post_attention_layernorm", "mlp"):
             getattr(layer, name).compile(dynamic=False)
     inner.norm.compile(dynamic=False)
-
-
-def cuda_ms(fn: Callable[[], object], reps: int) -> float:
-    """Median GPU milliseconds of `fn()` between two CUDA events (no host work around it)."""
-    fn()
-    out = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        out.append(start.elapsed_time(end))
-    return statistics.median(out)
 
 
 def breakdown(

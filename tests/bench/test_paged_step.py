@@ -9,7 +9,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
-from paged_step import kernel_kind  # noqa: E402
+from paged_step import kernel_kind
 
 
 @pytest.mark.parametrize(
