@@ -119,6 +119,7 @@ def _poison(served: Any, sched: BatchScheduler, device: int) -> None:
         for i in placed.placement.layers_on(device):
             for p in placed.layers[i].parameters():
                 p.fill_(float("nan"))
+    assert isinstance(sched.pool, ShardedPagePool), "layers across devices shard the pool"
     sched.pool.poison(device)
 
 
