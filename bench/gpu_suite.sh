@@ -4,7 +4,8 @@
 # zlib's CRC-32 without the crc32c package). Each step has its own time limit so that one slow
 # step cannot starve the rest; results go to OUT (default ./gpu-out), one file per step.
 #
-#   bash bench/gpu_suite.sh [OUT]          # about 9 minutes on an H200
+#   bash bench/gpu_suite.sh [OUT]          # every step: at most about 50 minutes (the sum of
+#                                          # the steps' time limits); STEPS= runs a group
 #   STEPS="tests transfer" bash bench/gpu_suite.sh
 #   FLEET_CONFIGS=recompute,kvtier,kvtier FLEET_SECONDS=30 FLEET_PROFILE=1 STEPS=fleet \
 #     bash bench/gpu_suite.sh    # the fleet only, with one profiled turn per configuration
