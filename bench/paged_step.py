@@ -153,7 +153,8 @@ def main() -> None:
     rows.append(("decode-only step, eager (rows)", timed(decode_step, args.reps), ceil_decode))
     mixed_tokens = n_dec + args.prefills * args.chunk
     runner.capture_graphs([args.batch, mixed_tokens])
-    rows.append(("decode-only step, CUDA graph", timed(decode_step, args.reps), ceil_decode))
+    decode_graph = timed(decode_step, args.reps)
+    rows.append(("decode-only step, CUDA graph", decode_graph, ceil_decode))
     for s in seqs[n_dec:]:
         assert pool.reserve(s, args.chunk)
 
@@ -166,7 +167,8 @@ def main() -> None:
 
     mixed = f"mixed step ({n_dec} decode + {args.prefills} x {args.chunk})"
     ceil_mixed = ceil_decode + ceil_prefill
-    rows.append((f"{mixed}, CUDA graph", timed(mixed_step, args.reps), ceil_mixed))
+    mixed_graph = timed(mixed_step, args.reps)
+    rows.append((f"{mixed}, CUDA graph", mixed_graph, ceil_mixed))
     graphs, runner.graphs = runner.graphs, None
     for backend in ("rows", "split", "reference"):
         runner.backend = backend
@@ -186,7 +188,7 @@ def main() -> None:
         f"{ceil_prefill * 1e3:.2f} ms; ratio = ceiling / figure)"
     )
     if args.breakdown:
-        from paged_attention import cuda_time  # CUDA-event timing: the replay alone
+        from paged_attention import cuda_time, memcpy_seconds
 
         linear = sum(
             m.weight.numel() * m.weight.element_size()
@@ -195,29 +197,28 @@ def main() -> None:
         )
         kv_decode = args.batch * args.context * geo.bytes_per_token
         kv_mixed = kv_decode + args.prefills * args.chunk * geo.bytes_per_token
-        graph_ms = {"decode-only": rows[1][1] * 1e3, "mixed": rows[2][1] * 1e3}
+        read_ms = memcpy_seconds(1 << 31, 10) / (1 << 31) * 1e3  # per byte, read at copy speed
         assert graphs is not None
         decode_step()  # the graphs' buffers hold a decode-only step: replay it alone
-        replay = {"decode-only": cuda_time(lambda: graphs.replay(args.batch), args.reps) * 1e3}
+        decode_replay = cuda_time(lambda: graphs.replay(args.batch), args.reps) * 1e3
         mixed_step()
-        replay["mixed"] = cuda_time(lambda: graphs.replay(mixed_tokens), args.reps) * 1e3
+        mixed_replay = cuda_time(lambda: graphs.replay(mixed_tokens), args.reps) * 1e3
         runner.graphs, runner.backend = None, "rows"  # eager, the graphs' attention path
-        replay_na = (float("nan"), float("nan"))  # no graph records the decode-only kernel
         print()
-        for key, label, step, kv in (
-            ("decode-only", "decode-only", decode_step, kv_decode),
-            ("mixed", mixed, mixed_step, kv_mixed),
-        ):
-            breakdown(label, step, linear, kv, replay[key], graph_ms[key])
+        decode_graph_ms, mixed_graph_ms = decode_graph * 1e3, mixed_graph * 1e3
+        breakdown(
+            "decode-only", decode_step, linear, kv_decode, read_ms, (decode_replay, decode_graph_ms)
+        )
+        breakdown(mixed, mixed_step, linear, kv_mixed, read_ms, (mixed_replay, mixed_graph_ms))
         # the same decode step through the decode-only kernel (no row blocks compiled in), as
         # eager decode-only steps run it: what the graphs' one kernel for every step costs
         runner.backend = "triton"
-        breakdown("decode-only, decode kernel", decode_step, linear, kv_decode, *replay_na)
+        breakdown("decode-only, decode kernel", decode_step, linear, kv_decode, read_ms)
         runner.graphs, runner.backend = graphs, "auto"
         need = args.batch / args.target * 1e3
         print(
             f"{args.target:,.0f} tok/s at batch {args.batch} needs a decode-only step of "
-            f"{need:.2f} ms (the graph step above: {graph_ms['decode-only']:.2f} ms)"
+            f"{need:.2f} ms (the graph step above: {decode_graph_ms:.2f} ms)"
         )
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
@@ -250,14 +251,14 @@ def breakdown(
     step: Callable[[], None],
     weight_bytes: int,
     kv_bytes: int,
-    replay_ms: float,
-    graph_ms: float,
+    read_ms: float,
+    graph: tuple[float, float] | None = None,
 ) -> None:
-    """Print one step's kernel time by kind against the copy-speed floor of what it reads."""
-    from paged_attention import memcpy_seconds
+    """Print one step's kernel time by kind against the floor of what it reads (`read_ms` a
+    byte at copy speed), and with `graph` (its replay alone, the step with its host work; ms)
+    what the graph adds to the kernels."""
     from torch.profiler import ProfilerActivity, profile
 
-    read_s_per_byte = memcpy_seconds(1 << 31, 10) / (1 << 31)
     reps = 3
     step()
     torch.cuda.synchronize()
@@ -282,7 +283,7 @@ def breakdown(
     print(f"  {'kind':<34} {'ms':>8} {'floor ms':>9} {'ratio':>6}")
     for kind, ms in by_kind.items():
         if kind in floors:
-            floor = floors[kind] * read_s_per_byte * 1e3
+            floor = floors[kind] * read_ms
             what = "weights" if kind == "matmul" else "K/V"
             name = f"{kind} (reads {floors[kind] / 1e9:.1f} GB of {what})"
             print(f"  {name:<34} {ms:8.2f} {floor:9.2f} {floor / ms:6.2f}")
@@ -290,8 +291,9 @@ def breakdown(
             print(f"  {kind:<34} {ms:8.2f} {'':>9} {'':>6}")
     kernels = sum(by_kind.values())
     print(f"  {f'all kernels ({launches / reps:.0f})':<34} {kernels:8.2f}")
-    print(f"  {'graph replay alone (CUDA events)':<34} {replay_ms:8.2f}")
-    print(f"  {'graph step (with its host work)':<34} {graph_ms:8.2f}")
+    if graph is not None:
+        print(f"  {'graph replay alone (CUDA events)':<34} {graph[0]:8.2f}")
+        print(f"  {'graph step (with its host work)':<34} {graph[1]:8.2f}")
     top = sorted(other.items(), key=lambda kv: -kv[1])[:6]
     print("  largest other kernels: " + "; ".join(f"{n[:60]} {ms:.2f} ms" for n, ms in top))
 
