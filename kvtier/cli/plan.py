@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -49,6 +50,42 @@ def read_model_config(path: Path) -> dict[str, object]:
 @click.option("--ssd", default="1TiB", show_default=True, help="SSD space for L3")
 @click.option("--dtype", default=None, help="KV dtype (default: the config's)")
 @click.option("--chunk-tokens", type=int, default=256, show_default=True)
+@click.option(
+    "--gpu-memory-utilization",
+    type=float,
+    default=None,
+    help="Also print the server's GPU memory plan, for a device of --gpu-mem at this fraction "
+    "(weights and activations estimated from the config; the server measures them at start)",
+)
+@click.option(
+    "--max-concurrency",
+    type=int,
+    default=64,
+    show_default=True,
+    help="with --gpu-memory-utilization: the batch's slots",
+)
+@click.option(
+    "--batch-tokens",
+    type=int,
+    default=1024,
+    show_default=True,
+    help="with --gpu-memory-utilization: new tokens in one batched step",
+)
+@click.option(
+    "--prefill-step",
+    type=int,
+    default=512,
+    show_default=True,
+    help="with --gpu-memory-utilization: prompt tokens per forward through the cache",
+)
+@click.option(
+    "--max-model-len",
+    "context_tokens",
+    type=int,
+    default=None,
+    help="with --gpu-memory-utilization: a session's longest context (default: the config's "
+    "max_position_embeddings)",
+)
 def command(
     model_config: Path,
     sessions: int,
@@ -58,6 +95,11 @@ def command(
     ssd: str,
     dtype: str | None,
     chunk_tokens: int,
+    gpu_memory_utilization: float | None,
+    max_concurrency: int,
+    batch_tokens: int,
+    prefill_step: int,
+    context_tokens: int | None,
 ) -> None:
     """Print bytes per token, sessions per tier and the sizes to configure.
 
@@ -106,3 +148,50 @@ def command(
         click.echo(
             f"warning: L2+L3 hold {_fmt(sizes['L2'] + sizes['L3'])} < {_fmt(need)}: sessions beyond that are recomputed"
         )
+    if gpu_memory_utilization is not None:
+        shape = _Shape(max_concurrency, batch_tokens, prefill_step, chunk_tokens)
+        _print_gpu_plan(config, g, sizes["L1"], gpu_memory_utilization, shape, context_tokens)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Shape:
+    max_concurrency: int
+    batch_tokens: int
+    prefill_step: int
+    chunk_tokens: int
+
+
+def _print_gpu_plan(
+    config: dict[str, object],
+    g: KVGeometry,
+    total: int,
+    utilization: float,
+    shape: _Shape,
+    context_tokens: int | None,
+) -> None:
+    """The server's GPU memory plan for a device of `total` bytes, from the config alone."""
+    from kvtier.server.memplan import offline_plan
+
+    if min(shape.max_concurrency, shape.batch_tokens, shape.prefill_step) <= 0:
+        raise click.UsageError(
+            "--max-concurrency, --batch-tokens and --prefill-step must be positive"
+        )
+    try:
+        plan = offline_plan(
+            config, g, total, utilization, shape.max_concurrency, shape.batch_tokens,
+            shape.prefill_step, shape.chunk_tokens, context_tokens,
+        )  # fmt: skip
+    except ConfigError as exc:
+        raise click.ClickException(str(exc)) from exc
+    context = context_tokens or int(str(config.get("max_position_embeddings") or 4096))
+    per_session = g.bytes_per_token * context
+    click.echo(f"GPU memory plan (--gpu-mem as the device, {utilization:.2f} of it):")
+    click.echo(f"  {'part':12} {'bytes':>12}")
+    for part, nbytes in plan.parts().items():
+        click.echo(f"  {part:12} {_fmt(nbytes):>12}")
+    click.echo(f"  {'budget':12} {_fmt(plan.budget_bytes):>12}")
+    click.echo(
+        f"the page pool holds {plural(plan.pool // max(1, g.bytes_per_token), 'token')}: "
+        f"{plan.pool // max(1, per_session)} full-context sessions, "
+        f"{plan.pool // max(1, g.bytes_per_token * 3000)} of 3,000 tokens"
+    )

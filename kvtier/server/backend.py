@@ -18,6 +18,7 @@ import torch
 
 from kvtier.cache.restore import StagedPrefix
 from kvtier.cache.session import as_ids
+from kvtier.server.config import DEFAULT_L1_BYTES
 from kvtier.snapshot import CacheSnapshot
 from kvtier.types import RestoreSource
 
@@ -152,7 +153,8 @@ class TieredBackend:
             CacheConfig(
                 l3_root=config.l3_root,
                 l3_cold_root=config.l3_cold_root,
-                l1_bytes=config.l1_bytes,
+                # 0: the GPU memory plan's (kvtier.server.memplan), or the default without one
+                l1_bytes=config.l1_bytes or DEFAULT_L1_BYTES,
                 l2_bytes=config.l2_bytes,
                 l3_max_bytes=config.l3_max_bytes or None,
                 l4_url=config.l4_url or None,

@@ -36,6 +36,13 @@ def default_l3_root() -> Path:
 
 # `prompt_order`: oldest first, or the fewest prompt tokens left first (docs/configuration.md)
 PROMPT_ORDERS = ("arrival", "shortest")
+# The batch's slots by device type when `max_concurrency` is 0: on a GPU the fleet bench's 64
+# sessions decode in one step (the page pool bounds the batch besides); on 2 CPU cores, 8.
+DEFAULT_MAX_CONCURRENCY = {"cuda": 64, "cpu": 8}
+# The cache's L1 with its copy staging where no GPU memory plan sizes it
+DEFAULT_L1_BYTES = 256 * 2**20
+# `load_format`: vLLM's names (docs/configuration.md)
+LOAD_FORMATS = ("auto", "dummy")
 
 
 @dataclass(frozen=True)
@@ -48,8 +55,19 @@ class ServerConfig:
     l3_cold_root: Path | None = None  # cold chunks (kvtier l3 migrate); None: as recorded
     model: Path | None = None  # a local Hugging Face directory; None = the built-in random model
     model_id: str | None = None  # identity in the cache fingerprint; None = the directory name
+    # "auto": the weights in the model directory; "dummy": random weights built from its
+    # config.json alone, directly in their dtype on the device (a model at full scale with no
+    # download; the built-in byte tokenizer when the directory holds none)
+    load_format: str = "auto"
     served_model_name: str = "default"
+    # a session's longest context in tokens (prompt and reply); 0: the model's
+    # max_position_embeddings. The GPU memory plan needs one such session to fit the page pool
+    max_model_len: int = 0
     device: str | None = None  # "cpu", "cuda", "cuda:1"; None = cuda when available
+    # The one GPU memory budget of the process, as a fraction of the device's memory: the
+    # weights, the activations' peak, the CUDA graphs, the copy staging, the cache's L1, copies
+    # in flight and the page pool all live inside it (kvtier.server.memplan; `kvtier plan`)
+    gpu_memory_utilization: float = 0.9
     # decoder layers across devices: "auto" (every visible GPU), "0,1"; "" = all on `device`
     devices: str = ""
     # degraded mode (a device lost): turns longer than sinks + window run over the first
@@ -62,7 +80,9 @@ class ServerConfig:
     degraded_kv: str = "native"
     seed: int = 0  # seed of the built-in model's random weights
     cache: str = "tiered"  # "tiered" (L1/L2/L3) or "none" (recompute every prefix; a baseline)
-    l1_bytes: int = 256 * 2**20
+    # the cache's GPU buffers (L1) with the copy staging; 0: the GPU memory plan sizes it
+    # (DEFAULT_L1_BYTES on the CPU and for a model placed across devices)
+    l1_bytes: int = 0
     l2_bytes: int = 1 * 2**30
     l3_max_bytes: int = 0  # L3's size cap (unreferenced chunks go first); 0 = no cap
     # L4, the shared tier: redis://host:port/db; None (or "") = none. Hosts sharing one Redis
@@ -78,7 +98,8 @@ class ServerConfig:
     cudnn_attention: bool = False  # PyTorch's cuDNN SDPA; off: it plans every new length anew
     # sessions generating at once (with batching: the most in one forward). L1 must hold this
     # many sessions' KV at once: raise l1_bytes with it
-    max_concurrency: int = 8
+    # (0: DEFAULT_MAX_CONCURRENCY of the device: 64 on a GPU, 8 on the CPU)
+    max_concurrency: int = 0
     max_queue: int = 256  # requests waiting for a slot; beyond it: 429 at once
     queue_timeout: float = 30.0  # longest wait for a slot before 429 + Retry-After
     max_tokens_limit: int = 4096  # largest max_tokens a request may ask for
@@ -129,10 +150,23 @@ class ServerConfig:
             raise ConfigError(
                 f"l3_writer: {self.l3_writer!r} is unknown; use auto, process or threads"
             )
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigError(
+                f"gpu_memory_utilization: {self.gpu_memory_utilization} is not a fraction of the "
+                "GPU's memory; use a value in (0, 1], for example 0.9"
+            )
+        if self.load_format not in LOAD_FORMATS:
+            raise ConfigError(
+                f"load_format: {self.load_format!r} is unknown; use 'auto' (the weights in "
+                "--model) or 'dummy' (random weights from its config.json alone)"
+            )
         if self.cache not in ("tiered", "none"):
             raise ConfigError(f"cache: {self.cache!r} is unknown; use 'tiered' or 'none'")
+        if self.max_concurrency < 0 or self.l1_bytes < 0 or self.max_model_len < 0:
+            raise ConfigError(
+                "max_concurrency, l1_bytes and max_model_len must not be negative (0: automatic)"
+            )
         for name in (
-            "max_concurrency",
             "chunk_tokens",
             "max_tokens_limit",
             "prefill_step",
@@ -200,6 +234,16 @@ class ServerConfig:
                     raise ConfigError(f"unknown setting {key!r}")
                 values[key] = value
         return cls(**{k: _coerce(k, v) for k, v in values.items()})
+
+    def for_device(self, device_type: str) -> ServerConfig:
+        """These settings with the automatic ones (0) resolved for a `device_type` device: the
+        batch's slots, and L1 where no memory plan sizes it (the CPU)."""
+        changes: dict[str, Any] = {}
+        if self.max_concurrency == 0:
+            changes["max_concurrency"] = DEFAULT_MAX_CONCURRENCY.get(device_type, 8)
+        if self.l1_bytes == 0 and device_type != "cuda":
+            changes["l1_bytes"] = DEFAULT_L1_BYTES
+        return dataclasses.replace(self, **changes) if changes else self
 
     def as_dict(self) -> dict[str, Any]:
         return {

@@ -73,7 +73,31 @@ def options(f: Callable[..., Any]) -> Callable[..., Any]:
             type=click.Choice(["tiered", "none"]),
             help="'none' recomputes every prompt (a baseline).",
         ),
-        click.option("--l1-bytes", help="GPU (L1) budget, e.g. 8GiB."),
+        click.option(
+            "--gpu-memory-utilization",
+            type=float,
+            help="The process's one GPU memory budget, as a fraction of the device's memory "
+            "(default 0.9): weights, activations, CUDA graphs, copy staging, L1, copies in "
+            "flight and the page pool all live inside it; the pool gets what is left "
+            "(`kvtier plan` prints the plan).",
+        ),
+        click.option(
+            "--max-model-len",
+            type=int,
+            help="A session's longest context in tokens (default: the model's "
+            "max_position_embeddings); one such session must fit the GPU memory plan's pool.",
+        ),
+        click.option(
+            "--load-format",
+            type=click.Choice(["auto", "dummy"]),
+            help="auto (default): the weights in --model; dummy: random weights from its "
+            "config.json alone, built in their dtype on the device (no download).",
+        ),
+        click.option(
+            "--l1-bytes",
+            help="The cache's GPU buffers (L1) and copy staging, e.g. 8GiB (default: what the "
+            "memory plan gives; an override is checked against the budget).",
+        ),
         click.option("--l2-bytes", help="Pinned host RAM (L2) budget, e.g. 32GiB."),
         click.option(
             "--l3-max-bytes",

@@ -1,0 +1,379 @@
+"""The GPU memory plan: one budget for everything the server puts on a device.
+
+`gpu_memory_utilization` (vLLM's name and meaning) is a fraction of the device's memory. Inside
+that budget live, in the order they are planned:
+
+- **weights**: measured once they are resident (`torch.cuda.memory_allocated`);
+- **activations**: the peak of one forward at the largest step, measured by a profiling
+  forward (vLLM's profile run), or estimated from the config offline (`kvtier plan`);
+- **graphs**: the CUDA graphs of the batched step, every bucket captured into one shared
+  memory pool: the largest bucket's intermediates plus each bucket's logits (estimated here,
+  then measured after the capture and recorded);
+- **staging**: the transfer engine's staging buffers (part of `l1_bytes`);
+- **l1**: the cache's own GPU buffers (the rest of `l1_bytes`);
+- **inflight**: copies in flight (a commit's or an eviction's device buffers waiting for L2 or
+  L3), bounded by the cache;
+- **pool**: the batch's KV page pool, which gets what is left;
+- **headroom**: what the allocator needs besides (rounding, fragmentation), kept free.
+
+A budget too small for the weights plus one full-context session is refused at start with the
+figures and what fits. `l1_bytes` and `batch_kv_bytes` stay as overrides, checked against the
+budget. The plan is pure arithmetic (`plan_memory`) plus two measurements
+(`profile_activations`, `DeviceMemoryPlan.measured`); the server builds it once the weights are
+resident (kvtier.server.app), and the same arithmetic prints offline as `kvtier plan --gpu`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from kvtier.errors import ConfigError
+from kvtier.humanize import size as _fmt
+
+log = logging.getLogger("kvtier.server")
+
+PARTS = ("weights", "activations", "graphs", "staging", "l1", "inflight", "pool", "headroom")
+# Kept free besides the parts: the caching allocator rounds blocks (2 MiB for large ones) and
+# keeps freed blocks of one size apart from another's. At most this many bytes, and at most
+# HEADROOM_SHARE of the budget on a small device.
+HEADROOM_BYTES = 512 << 20
+HEADROOM_SHARE = 0.02
+# The staging engine's bound of one group's buffer and its groups (kvtier.transfer.device):
+# four buffers per engine on a GPU, two per direction.
+_GROUP_BYTES = 128 << 20
+_MAX_GROUP = 4
+_STAGES = 4
+# Copies in flight the cache may hold on the device besides the staging buffers, as a
+# multiple of them (the cache bounds its own; this is the share the plan sets aside).
+INFLIGHT_STAGINGS = 1
+# Tokens of the L1 room the server's warm-up needs (a stored prompt, a suffix and a chunk of
+# slack): the cache's L1 with paged L1 holds nothing else between turns.
+WARM_UP_L1_TOKENS = 1024 + 32 + 256
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceMemoryPlan:
+    """Bytes of each part of one device's budget; `headroom` is what the parts leave free."""
+
+    device: str
+    total_bytes: int  # the device's memory (or the cap it runs under)
+    utilization: float
+    weights: int
+    activations: int
+    graphs: int
+    staging: int
+    l1: int
+    inflight: int
+    pool: int
+    # measured after the fact (graph capture, staging built): part -> bytes
+    measured: dict[str, int] = dataclasses.field(default_factory=dict)
+
+    @property
+    def budget_bytes(self) -> int:
+        return int(self.total_bytes * self.utilization)
+
+    @property
+    def headroom(self) -> int:
+        return self.budget_bytes - sum(getattr(self, p) for p in PARTS[:-1])
+
+    @property
+    def l1_bytes(self) -> int:
+        """The cache's `l1_bytes`: its L1 buffers and the staging buffers they come out of."""
+        return self.l1 + self.staging
+
+    def parts(self) -> dict[str, int]:
+        """Each part's planned bytes, in plan order; they sum to `budget_bytes`."""
+        return {p: int(getattr(self, p)) for p in PARTS}
+
+    def used_bytes(self) -> int:
+        """The process's device bytes now: what torch's allocator holds on the device."""
+        dev = torch.device(self.device)
+        if dev.type != "cuda":
+            return 0
+        return int(torch.cuda.memory_reserved(dev))
+
+    def with_measured(self, **parts: int) -> DeviceMemoryPlan:
+        """The plan with measured figures recorded beside the planned ones."""
+        return dataclasses.replace(self, measured={**self.measured, **parts})
+
+    def describe(self) -> str:
+        """One line: the budget, each part's bytes (a measured figure beside it) and headroom."""
+        shown = []
+        for p in PARTS:
+            text = f"{p} {_fmt(getattr(self, p))}"
+            if p in self.measured:
+                text += f" (measured {_fmt(self.measured[p])})"
+            shown.append(text)
+        return (
+            f"GPU memory plan on {self.device}: budget {_fmt(self.budget_bytes)} "
+            f"({self.utilization:.2f} of {_fmt(self.total_bytes)}): " + ", ".join(shown)
+        )
+
+
+def staging_estimate(chunk_bytes: int, lossless: bool = True) -> int:
+    """The transfer engine's staging buffers for chunks of `chunk_bytes` (native codec: four
+    group buffers; a quantizing codec adds its rows and scratch, about as much again)."""
+    group = max(1, min(_MAX_GROUP, _GROUP_BYTES // max(1, chunk_bytes)))
+    return _STAGES * group * chunk_bytes * (1 if lossless else 2)
+
+
+def activation_estimate(
+    hidden: int, intermediate: int, vocab: int, tokens: int, logits_rows: int, element: int
+) -> int:
+    """Offline guess of one forward's peak over its weights: a few hidden-sized and MLP-sized
+    tensors per token alive at once, and the kept rows' logits in float32."""
+    per_token = (6 * hidden + 3 * intermediate) * element
+    return tokens * per_token + logits_rows * vocab * 4
+
+
+def graph_estimate(activations: int, bucket_rows: Iterable[int], vocab: int, element: int) -> int:
+    """One shared pool for every bucket: the largest bucket's intermediates (`activations`, the
+    buckets captured largest first reuse them) plus each bucket's logits, which stay alive as
+    the graph's output."""
+    return activations + sum(rows * vocab * element for rows in bucket_rows)
+
+
+def plan_memory(
+    *,
+    device: str,
+    total_bytes: int,
+    utilization: float,
+    weights: int,
+    activations: int,
+    graphs: int,
+    staging: int,
+    per_token: int,
+    context_tokens: int,
+    l1_bytes: int = 0,
+    inflight: int | None = None,
+    pool_bytes: int = 0,
+) -> DeviceMemoryPlan:
+    """The plan of one device, or a ConfigError saying what fits.
+
+    `per_token` is the KV bytes of one token; one full-context session (`context_tokens` of
+    them) is the smallest page pool worth serving.
+    `l1_bytes` (the cache's L1 with its staging) and `pool_bytes` are overrides; 0 means the
+    plan sizes them (L1: the staging plus the warm-up's room; the pool: what is left).
+    """
+    if not 0.0 < utilization <= 1.0:
+        raise ConfigError(f"gpu_memory_utilization: {utilization} is not in (0, 1]")
+    budget = int(total_bytes * utilization)
+    headroom = min(HEADROOM_BYTES, int(budget * HEADROOM_SHARE))
+    inflight = INFLIGHT_STAGINGS * staging if inflight is None else inflight
+    session_bytes = per_token * context_tokens
+    l1_total = l1_bytes or staging + per_token * min(context_tokens, WARM_UP_L1_TOKENS)
+    if l1_total <= staging:
+        raise ConfigError(
+            f"l1_bytes ({_fmt(l1_total)}) must exceed the transfer engine's staging buffers "
+            f"({_fmt(staging)}); raise l1_bytes or leave it out (the plan sizes it)"
+        )
+    fixed = weights + activations + graphs + l1_total + inflight + headroom
+    left = budget - fixed
+    pool = pool_bytes or left
+    parts = (
+        f"weights {_fmt(weights)}, activations {_fmt(activations)}, CUDA graphs {_fmt(graphs)}, "
+        f"L1 with staging {_fmt(l1_total)}, copies in flight {_fmt(inflight)}, headroom "
+        f"{_fmt(headroom)}"
+    )
+    if pool_bytes and pool_bytes > left:
+        raise ConfigError(
+            f"batch_kv_bytes ({_fmt(pool_bytes)}) does not fit the GPU memory budget: "
+            f"{_fmt(budget)} ({utilization:.2f} of {_fmt(total_bytes)}) less {parts} leaves "
+            f"{_fmt(max(0, left))}. Lower batch_kv_bytes to at most that, leave it out (the pool "
+            "gets what is left), or raise --gpu-memory-utilization"
+        )
+    if pool < session_bytes:
+        need = fixed + session_bytes
+        fits = (
+            f"raise --gpu-memory-utilization to at least {need / total_bytes:.2f}"
+            if need <= total_bytes
+            else f"this device ({_fmt(total_bytes)}) is too small for it (it needs "
+            f"{_fmt(need)}); use a larger GPU or a smaller model"
+        )
+        tokens = max(0, pool) // max(1, per_token) // 256 * 256
+        if tokens >= 256:
+            fits += f", or serve shorter contexts: --max-model-len {tokens} fits"
+        raise ConfigError(
+            f"the GPU memory budget of {_fmt(budget)} ({utilization:.2f} of "
+            f"{_fmt(total_bytes)}) holds {parts} and leaves {_fmt(max(0, pool))} for the page "
+            f"pool, less than one full-context session ({_fmt(session_bytes)}); {fits}"
+        )
+    return DeviceMemoryPlan(
+        device=device,
+        total_bytes=int(total_bytes),
+        utilization=float(utilization),
+        weights=int(weights),
+        activations=int(activations),
+        graphs=int(graphs),
+        staging=int(staging),
+        l1=int(l1_total - staging),
+        inflight=int(inflight),
+        pool=int(pool),
+    )
+
+
+def profile_activations(model: Any, tokens: int, logits_rows: int, device: torch.device) -> int:
+    """The peak bytes one forward of `tokens` tokens adds over what is resident (vLLM's profile
+    run): a plain forward without a cache, keeping `logits_rows` rows of logits. CUDA only."""
+    vocab = int(model.get_input_embeddings().num_embeddings)
+    ids = (torch.arange(tokens, device=device) % vocab).unsqueeze(0)
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    with torch.inference_mode():
+        out = model(input_ids=ids, use_cache=False, logits_to_keep=max(1, logits_rows))
+        out.logits.float()  # the sampler's upcast of the kept rows
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - base
+    del out, ids
+    return int(peak)
+
+
+def build_plan(served: Any, config: Any) -> DeviceMemoryPlan | None:
+    """The plan of the served model's device, built once its weights are resident, and the
+    budget enforced: torch's allocator refuses to hold more than it on this device (an
+    allocation past it raises out-of-memory in kvtier, not in another process on the GPU).
+
+    None on the CPU, and for a model placed across devices (each device's share is planned by
+    its failover, kvtier.server.failover)."""
+    from kvtier.geometry import KVGeometry
+    from kvtier.paged.graphs import default_buckets
+
+    device = served.device
+    if device.type != "cuda" or served.devices is not None:
+        return None
+    model = served.model
+    dtype = next(model.parameters()).dtype
+    element = torch.empty((), dtype=dtype).element_size()
+    geometry = KVGeometry.from_config(model.config)
+    per_token = geometry.num_layers * 2 * geometry.num_kv_heads * geometry.head_dim * element
+    max_batch = int(config.max_concurrency)
+    batch_tokens = max(int(config.batch_tokens), max_batch)
+    vocab = int(model.get_input_embeddings().num_embeddings)
+    torch.cuda.synchronize(device)
+    weights = int(torch.cuda.memory_allocated(device))
+    # the largest step: the batch's (its kept rows' logits), or a session's prefill forward
+    # through the cache (every prompt token's logits)
+    batch = profile_activations(model, batch_tokens, max_batch, device)
+    step = int(config.prefill_step)
+    activations = max(batch, profile_activations(model, step, step, device))
+    graphs = 0
+    if config.batching and config.cuda_graphs:
+        rows = [min(b, max_batch) for b in default_buckets(max_batch, batch_tokens)]
+        graphs = graph_estimate(batch, rows, vocab, element)
+    chunk = geometry.chunk_bytes(int(config.chunk_tokens))
+    staging = staging_estimate(chunk, lossless=str(config.codec) == "native")
+    total = int(torch.cuda.get_device_properties(device).total_memory)
+    plan = plan_memory(
+        device=str(device),
+        total_bytes=total,
+        utilization=float(config.gpu_memory_utilization),
+        weights=weights,
+        activations=activations,
+        graphs=graphs,
+        staging=staging,
+        per_token=per_token,
+        context_tokens=int(served.context_tokens),
+        l1_bytes=int(config.l1_bytes),
+        pool_bytes=int(config.batch_kv_bytes),
+    )
+    torch.cuda.empty_cache()  # the profile's blocks go back: the pool is sized to need them
+    torch.cuda.set_per_process_memory_fraction(plan.utilization, device)
+    return plan
+
+
+def planned_config(config: Any, plan: DeviceMemoryPlan | None) -> Any:
+    """The settings the server runs with: the plan's L1 and page pool where none were given."""
+    if plan is None:
+        return config
+    return dataclasses.replace(config, l1_bytes=plan.l1_bytes, batch_kv_bytes=plan.pool)
+
+
+def take_peak(device: torch.device) -> int:
+    """The most bytes torch's allocator held on `device` since the last call (then reset)."""
+    torch.cuda.synchronize(device)
+    peak = int(torch.cuda.max_memory_reserved(device))
+    torch.cuda.reset_peak_memory_stats(device)
+    return peak
+
+
+def backend_device_bytes(backend: Any) -> dict[str, int]:
+    """The cache's device parts as built (staging buffers, L1 claimed), to record beside the
+    plan's figures; empty for a backend without a cache."""
+    cache = getattr(backend, "cache", None)
+    if cache is None:
+        return {}
+    staging = int(cache.engine.staging_bytes)
+    return {"staging": staging, "l1": int(cache.l1.reserved_bytes())}
+
+
+def startup_peaks(engine: Any) -> str:
+    """The start-up phases' peaks, in words, against the budget."""
+    plan = engine.plan
+    return ", ".join(
+        f"{phase} {_fmt(peak)} ({peak / plan.budget_bytes:.0%})"
+        for phase, peak in engine.peaks.items()
+    )
+
+
+def weights_estimate(config: dict[str, Any], element: int) -> int:
+    """The weights' bytes of a model config (a config.json's dict): its parameters counted on
+    the meta device (no memory), at `element` bytes each."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    fields = {k: v for k, v in config.items() if k != "model_type"}
+    try:
+        cfg = AutoConfig.for_model(str(config.get("model_type", "llama")), **fields)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(cfg)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(
+            f"cannot build the model of this config to count its weights: {exc}"
+        ) from exc
+    return sum(p.numel() for p in model.parameters()) * element
+
+
+def _int(config: dict[str, Any], name: str, default: int) -> int:
+    value = config.get(name)
+    return int(value) if isinstance(value, (int, float)) else default
+
+
+def offline_plan(
+    config: dict[str, Any],
+    geometry: Any,
+    total_bytes: int,
+    utilization: float,
+    max_concurrency: int,
+    batch_tokens: int,
+    prefill_step: int,
+    chunk_tokens: int,
+    context_tokens: int | None = None,
+) -> DeviceMemoryPlan:
+    """The plan `build_plan` would make on a device of `total_bytes`, from the config alone:
+    the weights counted, the activations and graphs estimated (`kvtier plan`)."""
+    from kvtier.paged.graphs import default_buckets
+
+    element = geometry.element_size
+    hidden = _int(config, "hidden_size", 4096)
+    intermediate = _int(config, "intermediate_size", 4 * hidden)
+    vocab = _int(config, "vocab_size", 32000)
+    batch_tokens = max(batch_tokens, max_concurrency)
+    batch = activation_estimate(hidden, intermediate, vocab, batch_tokens, max_concurrency, element)
+    step = activation_estimate(hidden, intermediate, vocab, prefill_step, prefill_step, element)
+    rows = [min(b, max_concurrency) for b in default_buckets(max_concurrency, batch_tokens)]
+    return plan_memory(
+        device="cuda",
+        total_bytes=total_bytes,
+        utilization=utilization,
+        weights=weights_estimate(config, element),
+        activations=max(batch, step),
+        graphs=graph_estimate(batch, rows, vocab, element),
+        staging=staging_estimate(geometry.chunk_bytes(chunk_tokens)),
+        per_token=geometry.bytes_per_token,
+        context_tokens=context_tokens or _int(config, "max_position_embeddings", 4096),
+    )
