@@ -173,6 +173,16 @@ GPU_ALLOC_FRAGMENTED = Threshold(
     for_s=900,
     floor=1e9,
 )
+GPU_BUDGET = Threshold(
+    "KvtierGpuBudgetExceeded",
+    "warning",
+    value=1.0,
+    meaning=(
+        "bytes the serving process holds on its GPU (torch's reserved memory) as a share of its "
+        "GPU memory plan's budget (--gpu-memory-utilization), above"
+    ),
+    for_s=60,
+)
 L4_DOWN = Threshold(
     "KvtierL4Down",
     "critical",
@@ -209,6 +219,7 @@ ALL: tuple[Threshold, ...] = (
     OOM_KILL,
     GPU_ALLOC_RETRIES,
     GPU_ALLOC_FRAGMENTED,
+    GPU_BUDGET,
     L4_DOWN,
     L4_ERRORS,
 )

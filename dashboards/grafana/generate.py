@@ -333,6 +333,19 @@ ROWS: list[tuple[str, list[tuple[str, str, str, list[tuple[str, str]]]]]] = [
                 ],
             ),
             (
+                "GPU memory plan",
+                "bytes",
+                "kvtier serve's one GPU memory budget (--gpu-memory-utilization): its parts "
+                "stacked, in plan order, with the budget and the bytes the process holds as lines "
+                "(alert KvtierGpuBudgetExceeded when they pass the budget). Pick one instance: "
+                "stacks of several add up. Empty without a plan (the CPU, a model across devices).",
+                [
+                    (f"kvtier_gpu_memory_bytes{{{SEL}}}", "{{part}} {{instance}}"),
+                    (f"kvtier_gpu_memory_budget_bytes{{{SEL}}}", "budget {{instance}}"),
+                    (f"kvtier_gpu_memory_process_bytes{{{SEL}}}", "used {{instance}}"),
+                ],
+            ),
+            (
                 "GPU free framebuffer",
                 "percentunit",
                 "",
@@ -441,6 +454,29 @@ ROWS: list[tuple[str, list[tuple[str, str, str, list[tuple[str, str]]]]]] = [
 ]
 
 
+# Panels whose series stack (title -> legends matched by this regex stay unstacked lines).
+STACKED: dict[str, str] = {"GPU memory plan": "^(budget|used) .*"}
+
+
+def _field_config(title: str, unit: str) -> dict:
+    if title not in STACKED:
+        return {"defaults": {"unit": unit}, "overrides": []}
+    line = [
+        {"id": "custom.stacking", "value": {"mode": "none", "group": "A"}},
+        {"id": "custom.fillOpacity", "value": 0},
+        {"id": "custom.lineWidth", "value": 2},
+    ]
+    return {
+        "defaults": {
+            "unit": unit,
+            "custom": {"stacking": {"mode": "normal", "group": "A"}, "fillOpacity": 40},
+        },
+        "overrides": [
+            {"matcher": {"id": "byRegexp", "options": STACKED[title]}, "properties": line}
+        ],
+    }
+
+
 def _panel(pid: int, x: int, y: int, title: str, unit: str, desc: str, targets: list) -> dict:
     return {
         "id": pid,
@@ -449,7 +485,7 @@ def _panel(pid: int, x: int, y: int, title: str, unit: str, desc: str, targets: 
         "description": desc,
         "datasource": DS,
         "gridPos": {"h": 8, "w": 8, "x": x, "y": y},
-        "fieldConfig": {"defaults": {"unit": unit}, "overrides": []},
+        "fieldConfig": _field_config(title, unit),
         "options": {"legend": {"displayMode": "list", "placement": "bottom"}},
         "targets": [
             {"datasource": DS, "expr": expr, "legendFormat": legend, "refId": chr(ord("A") + i)}

@@ -1,4 +1,5 @@
-"""The server's own Prometheus metrics (requests, tokens, TTFT by restore source, queue depth).
+"""The server's own Prometheus metrics (requests, tokens, TTFT by restore source, queue depth,
+the GPU memory plan).
 
 They are registered in the registry the caller passes in, so `ops` can serve them next to the
 cache and host metrics on one `/metrics` without kvtier importing ops.
@@ -20,6 +21,7 @@ GC_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25
 
 class ServerMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
+        self._registry = registry
         self.requests = Counter(
             "kvtier_server_requests_total", "Completion requests answered.", registry=registry
         )
@@ -139,6 +141,12 @@ class ServerMetrics:
         # start a collection in the scraping thread, and the callback runs in that thread.
         self._gc_pause = {g: self.gc_pause_seconds.labels(generation=str(g)) for g in range(3)}
         self._gc_start = 0.0
+        # The GPU memory plan's families, registered by the first `gpu_memory_plan` call: a
+        # server without a plan (the CPU, a model across devices) has none, not a 0 budget.
+        self.gpu_memory: Gauge | None = None
+        self.gpu_memory_budget: Gauge | None = None
+        self.gpu_memory_used: Gauge | None = None
+        self._gpu_parts: set[str] = set()
 
     def watch_gc(self, on: bool = True) -> None:
         """Time every garbage collection of the process (`gc.callbacks`) from now on, or stop."""
@@ -152,6 +160,40 @@ class ServerMetrics:
             self._gc_start = time.perf_counter()
         elif self._gc_start and (child := self._gc_pause.get(info["generation"])) is not None:
             child.observe(time.perf_counter() - self._gc_start)
+
+    def gpu_memory_plan(self, plan: Any) -> None:
+        """Export the GPU memory plan (kvtier.server.memplan.DeviceMemoryPlan): each part's
+        bytes (`plan.parts()`), the budget they fill (`plan.budget_bytes`), and the bytes the
+        process holds on the device, read at every scrape (`plan.used_bytes()`). Called again
+        with a newer plan (the measured figures recorded), it replaces the figures."""
+        if self.gpu_memory is None:
+            self.gpu_memory = Gauge(
+                "kvtier_gpu_memory_bytes",
+                "Bytes of the GPU memory plan by part: weights, activations, graphs, staging, "
+                "l1, inflight, pool and headroom; they sum to the budget.",
+                ["part"],
+                registry=self._registry,
+            )
+            self.gpu_memory_budget = Gauge(
+                "kvtier_gpu_memory_budget_bytes",
+                "The process's one GPU memory budget (--gpu-memory-utilization of the device).",
+                registry=self._registry,
+            )
+            self.gpu_memory_used = Gauge(
+                "kvtier_gpu_memory_process_bytes",
+                "Bytes the process holds on the device now (the CUDA caching allocator's "
+                "reserved bytes), against the budget.",
+                registry=self._registry,
+            )
+        assert self.gpu_memory_budget is not None and self.gpu_memory_used is not None
+        parts = {str(p): int(n) for p, n in plan.parts().items()}
+        for stale in self._gpu_parts - parts.keys():  # a part the newer plan no longer has
+            self.gpu_memory.remove(stale)
+        for part, nbytes in parts.items():
+            self.gpu_memory.labels(part=part).set(nbytes)
+        self._gpu_parts = set(parts)
+        self.gpu_memory_budget.set(int(plan.budget_bytes))
+        self.gpu_memory_used.set_function(plan.used_bytes)
 
     def devices(self, ok: int, lost: int, state: str, failover_s: float | None = None) -> None:
         self.device_count.labels(state="ok").set(ok)

@@ -140,6 +140,22 @@ def families(snap: CacheSnapshot) -> Iterator[Metric]:
         ("kvtier_shed_writes", snap.shed_writes, "Write-through copies dropped by a full queue."),
         ("kvtier_io_errors", snap.io_errors, "I/O errors returned by the L3 device."),
         ("kvtier_oom_retries", snap.oom_retries, "GPU allocations retried after an OOM."),
+        (
+            "kvtier_backpressure_waits",
+            snap.backpressure_waits,
+            "Times a commit or an eviction waited for copies to finish (L2 room, copies in "
+            "flight on the device).",
+        ),
+        (
+            "kvtier_backpressure_wait_seconds",
+            snap.backpressure_wait_seconds,
+            "Seconds commits and evictions waited for copies to finish.",
+        ),
+        (
+            "kvtier_backpressure_drops",
+            snap.backpressure_drops,
+            "Stored prefixes cut where waiting made no room (their tokens are recomputed).",
+        ),
     ):
         yield CounterMetricFamily(name, doc, value=value)
 

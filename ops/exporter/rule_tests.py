@@ -378,6 +378,36 @@ CASES: tuple[Case, ...] = (
         },
         "20m",
     ),
+    # -- GPU budget: 61 GB held against a 60 GB plan for 10 minutes; 59 GB held stays quiet,
+    # and so does one minute over (the rule's `for`: pending at 1m, under again at 2m).
+    Case(
+        th.GPU_BUDGET.alert,
+        "firing: 61 GB held, budget 60 GB",
+        {
+            _s("kvtier_gpu_memory_process_bytes"): "61000000000x20",
+            _s("kvtier_gpu_memory_budget_bytes"): "60000000000x20",
+        },
+        "10m",
+        fires={},
+    ),
+    Case(
+        th.GPU_BUDGET.alert,
+        "quiet: 59 GB held, budget 60 GB",
+        {
+            _s("kvtier_gpu_memory_process_bytes"): "59000000000x20",
+            _s("kvtier_gpu_memory_budget_bytes"): "60000000000x20",
+        },
+        "10m",
+    ),
+    Case(
+        th.GPU_BUDGET.alert,
+        "quiet: over the budget for one minute only",
+        {
+            _s("kvtier_gpu_memory_process_bytes"): "59000000000 61000000000 59000000000x18",
+            _s("kvtier_gpu_memory_budget_bytes"): "60000000000x20",
+        },
+        "1m",
+    ),
     # -- L4 down: the breaker open and Redis unreachable for 10 minutes (one alert, not two);
     # probing between, the breaker half open while Redis stays down; a 2-minute blip is quiet.
     Case(

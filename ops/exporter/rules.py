@@ -15,7 +15,7 @@ from ops import thresholds as th
 RUNBOOK = "docs/runbook.md"
 
 # Alert expressions. `{value}`, `{rate}`, `{window}`, `{horizon}`, `{floor}` come from the
-# alert's Threshold.
+# alert's Threshold (descriptions may also say `{for_}`, its `for` duration).
 EXPRESSIONS: dict[str, str] = {
     th.MEMORY_PSI_FULL.alert: "rate(kvtier_pressure_memory_stalled_seconds_total[{window}]) > {value}",
     th.MEMORY_AVAILABLE.alert: (
@@ -70,6 +70,10 @@ EXPRESSIONS: dict[str, str] = {
         "and\n"
         "kvtier_torch_inactive_split_bytes > {floor}"
     ),
+    th.GPU_BUDGET.alert: (
+        "kvtier_gpu_memory_process_bytes\n"
+        "/ (kvtier_gpu_memory_budget_bytes > 0) > {value}"
+    ),
     # `or` matches label sets without the metric name: one alert when both hold. The breaker
     # goes half open (1) between probes while Redis stays down; `up` keeps the alert held then.
     th.L4_DOWN.alert: "kvtier_l4_breaker_state >= {value}\nor\nkvtier_l4_up == 0",
@@ -99,6 +103,9 @@ SUMMARIES: dict[str, str] = {
     ),
     th.GPU_ALLOC_FRAGMENTED.alert: (
         "The CUDA caching allocator on GPU {{ $labels.gpu }} is fragmented."
+    ),
+    th.GPU_BUDGET.alert: (
+        "kvtier on {{ $labels.instance }} holds more GPU memory than its plan's budget."
     ),
     th.L4_DOWN.alert: "The shared L4 tier (Redis) of {{ $labels.instance }} is down.",
     th.L4_ERRORS.alert: "L4 (Redis) operations of {{ $labels.instance }} are failing.",
@@ -172,6 +179,13 @@ DESCRIPTIONS: dict[str, str] = {
         "More than {value} of the memory the allocator reserved on GPU {{{{ $labels.gpu }}}}"
         " (and more than {floor} bytes) is free but stranded in split blocks: a large"
         " allocation cannot use it, so cudaMalloc can fail while memory looks free."
+    ),
+    th.GPU_BUDGET.alert: (
+        "For {for_} the serving process has held more than {value}x the budget of its GPU"
+        " memory plan (--gpu-memory-utilization) on its GPU: memory outside the plan (a"
+        " transient peak the plan did not count, a leak, or another allocation in the"
+        " process). The memory the plan left to others on the GPU is no longer free, and the"
+        " process's next allocation may fail with CUDA OOM."
     ),
     th.L4_DOWN.alert: (
         "The L4 circuit breaker is open (state {value}) or Redis is unreachable. Serving goes on"
@@ -247,6 +261,7 @@ def _fill(template: str, t: th.Threshold) -> str:
         window=duration(t.window_s),
         horizon=number(t.horizon_s),
         floor=number(t.floor),
+        for_=duration(t.for_s),
     )
 
 

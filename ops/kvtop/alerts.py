@@ -215,3 +215,11 @@ def _devices(history: History, cur: Scrape) -> Iterator[Firing]:
                 f"GPU {d.get('gpu', '?')} {fmt.size(split)} ({_pct(split / reserved)}) of "
                 f"{fmt.size(reserved)} reserved stranded in split blocks",
             )
+
+    t = th.GPU_BUDGET  # no series without a plan (the CPU, a model across devices)
+    used = cur.get("kvtier_gpu_memory_process_bytes")
+    budget = cur.get("kvtier_gpu_memory_budget_bytes")
+    if used is not None and budget and used / budget > t.value:
+        yield _fire(
+            t, f"GPU {fmt.size(used)} held > budget {fmt.size(budget)} ({_pct(used / budget)})"
+        )

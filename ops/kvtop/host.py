@@ -11,12 +11,14 @@ from rich.text import Text
 
 from ops import thresholds as th
 from ops.kvtop import fmt
-from ops.kvtop.model import GpuView, Model
+from ops.kvtop.model import GpuView, Model, PlanView
 
 
 def host_lines(model: Model, width: int, compact: bool = False) -> list[Text]:
     """The Host panel's lines for an inner `width`. Compact (the 80x24 layout) puts the GPU
-    lines, which carry the allocator's cue, before page cache, disks and hugepages."""
+    lines, which carry the allocator's cue, before page cache, disks and hugepages, and the GPU
+    plan's bytes held against its budget right after the memory line (its parts with the GPU
+    lines)."""
     h = model.host
     rows: list[list[Text]] = []
     if h.empty:
@@ -33,6 +35,10 @@ def host_lines(model: Model, width: int, compact: bool = False) -> list[Text]:
             + Text(f"{fmt.pct(some, 1)}/{fmt.pct(full, 1)}", style="red" if full else "")
         )
     rows.append(mem)
+    plan = [] if model.plan is None else _plan_row(model.plan)  # kvtier serve on one GPU
+    if plan and compact:  # the bytes held against the budget first, the parts with the GPUs
+        rows.append(plan[:1])
+        plan = [Text("GPU plan parts"), *plan[1:]]
     if h.dirty is not None:
         share = h.dirty / h.dirty_threshold if h.dirty_threshold else None
         d = Text(f"dirty+wb {fmt.size(h.dirty)}/{fmt.size(h.dirty_threshold)} ")
@@ -82,6 +88,8 @@ def host_lines(model: Model, width: int, compact: bool = False) -> list[Text]:
             ]
         )
     gpus = [row for g in h.gpus for row in _gpu_rows(g)]
+    if plan:
+        gpus.append(plan)
     rows += (gpus + tail) if compact else (tail + gpus)
     if not compact and not h.gpus and not h.empty:
         rows.append([Text("no GPU metrics (no NVIDIA driver, or --no-gpu)", style="dim")])
@@ -143,6 +151,26 @@ def _gpu_rows(g: GpuView) -> list[list[Text]]:
             )
         )
     return rows
+
+
+def _plan_row(p: PlanView) -> list[Text]:
+    """The GPU memory plan: the bytes the process holds against its budget (red past
+    KvtierGpuBudgetExceeded's threshold, yellow once they eat into the plan's headroom), then
+    each part's planned bytes."""
+    ratio = p.ratio
+    if ratio is None:
+        style = "dim"
+    elif ratio > th.GPU_BUDGET.value:
+        style = "red"
+    elif p.used is not None and p.used > p.budget - (p.headroom or 0.0):
+        style = "yellow"
+    else:
+        style = "green"
+    head = Text("GPU plan ")
+    head.append_text(fmt.bar(ratio, 10, style=None if style == "dim" else style))
+    head.append(f" {fmt.size(p.used)}/{fmt.size(p.budget)} ")
+    head.append(fmt.pct(ratio), style=f"bold {style}" if style == "red" else style)
+    return [head, *(Text(f"{part} {fmt.size(n)}") for part, n in p.parts)]
 
 
 def _alloc(g: GpuView) -> Text:

@@ -24,6 +24,9 @@ SOURCES = ("l1", "l2", "l3", "l4", "recompute")  # l4 only where there are l4 re
 SORTS = ("bytes", "tokens", "last", "l1", "tenant")  # the `s` key cycles through these
 QUANTILES = (0.5, 0.9, 0.99)
 HUGE_ORDER = 9  # 2 MiB blocks with 4 KiB pages: what THP, hugetlb and large pinned buffers need
+# The GPU memory plan's parts in plan order (kvtier.server.memplan.PARTS): kvtop shows them so
+# whatever order the exposition has; a part it does not know follows them.
+PLAN_PARTS = ("weights", "activations", "graphs", "staging", "l1", "inflight", "pool", "headroom")
 
 
 @dataclass(frozen=True)
@@ -169,6 +172,24 @@ class GpuView:
 
 
 @dataclass(frozen=True)
+class PlanView:
+    """`kvtier serve`'s GPU memory plan: the budget, the bytes held now, each part's bytes."""
+
+    budget: float
+    used: float | None
+    parts: tuple[tuple[str, float], ...]  # PLAN_PARTS order
+
+    @property
+    def ratio(self) -> float | None:
+        """Used over budget; None without both."""
+        return self.used / self.budget if self.used is not None and self.budget > 0 else None
+
+    @property
+    def headroom(self) -> float | None:
+        return dict(self.parts).get("headroom")
+
+
+@dataclass(frozen=True)
 class HostView:
     zones: tuple[ZoneView, ...] = ()
     hugepages: tuple[float | None, float | None, float | None, float | None] | None = None
@@ -208,6 +229,9 @@ class Model:
     # the batch's page pool in bytes by state (parked, running, free), from `kvtier serve`'s
     # own gauges; empty elsewhere. With paged L1 its parked pages are the sessions' L1
     pool: tuple[tuple[str, float], ...] = ()
+    # the GPU memory plan of `kvtier serve` on one GPU; None elsewhere (the CPU, a model across
+    # devices, the exporter): then the Host panel has no plan row
+    plan: PlanView | None = None
 
 
 def build(
@@ -256,6 +280,21 @@ def build(
         has_cache=cur.has("kvtier_tier_used_bytes"),
         l4=l4_view(cur, prev, minute),
         pool=_pool(cur),
+        plan=gpu_plan(cur),
+    )
+
+
+def gpu_plan(cur: Scrape) -> PlanView | None:
+    """The GPU memory plan, when the endpoint exports one (its budget)."""
+    budget = cur.get("kvtier_gpu_memory_budget_bytes")
+    if budget is None:
+        return None
+    found = {d.get("part", ""): v for d, v in cur.series("kvtier_gpu_memory_bytes")}
+    order = [p for p in PLAN_PARTS if p in found] + [p for p in found if p not in PLAN_PARTS]
+    return PlanView(
+        budget,
+        cur.get("kvtier_gpu_memory_process_bytes"),
+        tuple((p, found[p]) for p in order),
     )
 
 

@@ -4,9 +4,11 @@ expression and every recording rule must return data through Prometheus' HTTP AP
 
 Only one kind of expression may come back empty, and only on a host without the source: those
 whose metrics docs/metrics.md lists with a host-dependent source (NVML, PCIe, CUDA allocator,
-a configured L4 tier) *and* that this host's exporter did not produce. They are reported, not hidden behind
-`or vector(0)`; on a GPU host the same test checks them too. A metric name that is not in
-docs/metrics.md at all fails the test, so a typo in a panel can never pass as "no GPU here".
+a configured L4 tier) *and* that this host's exporter did not produce. They are reported, not
+hidden behind `or vector(0)`; on a GPU host the same test checks them too. A metric name that
+is not in docs/metrics.md at all fails the test, so a typo in a panel can never pass as "no
+GPU here". The server's own families (a GPU memory plan among them) are registered beside the
+exporter's with a stand-in plan, so their panel is checked on every host.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import threading
 import time
 import urllib.parse
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -45,6 +48,19 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+@dataclass
+class Plan:
+    """What `ServerMetrics.gpu_memory_plan` reads of a GPU memory plan (a stand-in, no GPU)."""
+
+    budget_bytes: int = 60 << 30
+
+    def parts(self) -> dict[str, int]:
+        return {"weights": 16 << 30, "pool": 43 << 30, "headroom": 1 << 30}
+
+    def used_bytes(self) -> int:
+        return 50 << 30
 
 
 def documented_sources() -> dict[str, str]:
@@ -119,6 +135,7 @@ def test_dashboard_and_recording_rules_return_data(tmp_path: Path) -> None:
     from prometheus_client import start_http_server
 
     from kvtier import CacheConfig, TieredCache
+    from kvtier.server.metrics import ServerMetrics
     from kvtier.server.model import build_default
     from ops.exporter import make_registry
 
@@ -140,6 +157,7 @@ def test_dashboard_and_recording_rules_return_data(tmp_path: Path) -> None:
     worker.start()
 
     registry = make_registry(cache.stats, l3_root)
+    ServerMetrics(registry).gpu_memory_plan(Plan())  # kvtier serve's own families beside
     exporter, _ = start_http_server(0, addr="127.0.0.1", registry=registry)
     target = f"127.0.0.1:{exporter.server_port}"
 

@@ -67,6 +67,7 @@ def test_required_alerts_exist() -> None:
         "kvtier_vmstat_oom_kill_total",
         "kvtier_torch_alloc_retries_total",  # allocator retries: the first OOM pitfall
         "kvtier_torch_inactive_split_bytes / (kvtier_torch_reserved_bytes > 0)",  # fragmentation
+        "kvtier_gpu_memory_process_bytes\n/ (kvtier_gpu_memory_budget_bytes > 0)",
         "kvtier_l4_breaker_state >= 2",  # the shared L4 tier down
         "kvtier_l4_up == 0",
         "rate(kvtier_l4_errors_total",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from test_exporter_inputs import full_registry, scrape
+from test_exporter_inputs import full_registry, scrape, server_registry
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "metrics.md"
 NAME = re.compile(r"^`(kvtier_[a-z0-9_]+)`$")
@@ -29,8 +29,16 @@ def test_doc_table_parses() -> None:
     assert len(rows) > 60, "the metrics tables of docs/metrics.md no longer parse"
 
 
+def exported_by_serve(tmp_path: Path) -> dict[str, tuple[str, set[str], dict]]:
+    """Every family of `kvtier serve`'s /metrics: the exporter's and the server's own, less the
+    `_created` gauges prometheus_client adds beside the server's counters and histograms."""
+    server = scrape(server_registry())
+    server = {k: v for k, v in server.items() if not k.endswith("_created")}
+    return scrape(full_registry(tmp_path)) | server
+
+
 def test_every_exported_metric_is_documented_and_vice_versa(tmp_path: Path) -> None:
-    exported = scrape(full_registry(tmp_path))
+    exported = exported_by_serve(tmp_path)
     doc = documented()
     missing = sorted(set(exported) - set(doc))
     stale = sorted(set(doc) - set(exported))
@@ -46,8 +54,34 @@ def test_names_follow_the_conventions() -> None:
     allowed_labels = {"tier", "src", "dst", "device", "gpu", "node", "zone", "order"}
     allowed_labels |= {"state", "queue"}  # bounded by kvtier.types / the transfer engine
     allowed_labels |= {"direction", "op"}  # L4: read/written, get/put
+    allowed_labels |= {"generation", "part"}  # gc generations 0-2, the GPU plan's eight parts
     for name, (kind, labels, _) in documented().items():
         assert labels <= allowed_labels, f"{name}: unbounded label in {labels}"
         assert (kind == "counter") == name.endswith("_total"), f"{name}: _total iff counter"
         for bad in ("_ms", "_kb", "_mb", "_percent", "_milliseconds", "_kilobytes"):
             assert bad not in name, f"{name}: not a base unit"
+
+
+PLAN_FAMILIES = (
+    "kvtier_gpu_memory_bytes",
+    "kvtier_gpu_memory_budget_bytes",
+    "kvtier_gpu_memory_process_bytes",
+)
+
+
+def test_every_server_family_is_documented(tmp_path: Path) -> None:
+    """Each `kvtier_server_*` family of kvtier.server.metrics has its row, the GPU plan's with
+    the `GPU plan` source (absent on the CPU: a panel on them may stay empty there)."""
+    doc = documented()
+    exported = exported_by_serve(tmp_path)
+    server = [n for n in exported if n.startswith("kvtier_server_")]
+    assert len(server) >= 21
+    assert {n for n in doc if n.startswith("kvtier_server_")} == set(server)
+    plan = {n for n in exported if n in PLAN_FAMILIES}
+    assert plan == {
+        "kvtier_gpu_memory_bytes",
+        "kvtier_gpu_memory_budget_bytes",
+        "kvtier_gpu_memory_process_bytes",
+    }
+    assert {doc[n][2] for n in plan} == {"GPU plan"}
+    assert {doc[n][2] for n in server} == {"server"}

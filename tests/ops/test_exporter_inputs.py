@@ -142,6 +142,59 @@ def full_registry(l3_root: Path) -> CollectorRegistry:
     return registry
 
 
+@dataclass
+class PlanStandIn:
+    """What `ServerMetrics.gpu_memory_plan` reads of kvtier.server.memplan.DeviceMemoryPlan (its
+    interface, without torch or a GPU): the parts in plan order, their sum, the bytes held now."""
+
+    parts_bytes: dict[str, int]
+    used: int
+
+    @property
+    def budget_bytes(self) -> int:
+        return sum(self.parts_bytes.values())
+
+    def parts(self) -> dict[str, int]:
+        return dict(self.parts_bytes)
+
+    def used_bytes(self) -> int:
+        return self.used
+
+
+def h200_plan(used: int = 100 * GIB) -> PlanStandIn:
+    """The plan of an H200 (141 GB) at 0.9: 126.9 GB, the page pool getting what is left."""
+    parts = {
+        "weights": 16 * GIB,
+        "activations": 3 * GIB,
+        "graphs": 2 * GIB,
+        "staging": 512 << 20,
+        "l1": 160 << 20,
+        "inflight": 512 << 20,
+        "pool": 0,
+        "headroom": 512 << 20,
+    }
+    parts["pool"] = int(141 * 1e9 * 0.9) - sum(parts.values())
+    return PlanStandIn(parts, used)
+
+
+def server_registry(plan: PlanStandIn | None = None) -> CollectorRegistry:
+    """`kvtier serve`'s own families (kvtier.server.metrics), each with a sample: a placement
+    with a lost device, a TTFT, a batch step, the page pool, and the GPU memory plan."""
+    from kvtier.server.metrics import ServerMetrics
+
+    registry = CollectorRegistry()
+    metrics = ServerMetrics(registry)
+    metrics.devices(ok=1, lost=1, state="degraded", failover_s=2.5)
+    metrics.ttft("l2", 0.04)
+    metrics.load(running=3, waiting=1)
+    metrics.step(batch_size=4, seconds=0.02)
+    metrics.pages(parked=10, free=4080, total=4096, page_bytes=8192)
+    for name in ("requests", "prompt_tokens", "completion_tokens", "degraded_turns"):
+        metrics.count(name, 2)
+    metrics.gpu_memory_plan(plan or h200_plan())
+    return registry
+
+
 def scrape(registry: CollectorRegistry) -> dict[str, tuple[str, set[str], dict]]:
     """Exposition name -> (type, label names, {sample name + sorted labels: value})."""
     out: dict[str, tuple[str, set[str], dict]] = {}

@@ -323,6 +323,17 @@ def cases() -> list[tuple[str, list[Scrape], list[Scrape]]]:
         (T.GPU_ALLOC_FRAGMENTED.alert, [alloc(2 * floor, floor + 1)], [alloc(2 * floor, floor)])
     )
 
+    def plan(used: float) -> Scrape:
+        return scrape(
+            0,
+            kvtier_gpu_memory_budget_bytes=one(100 * gib),
+            kvtier_gpu_memory_process_bytes=one(used),
+        )
+
+    b = T.GPU_BUDGET.value * 100 * gib
+    out.append((T.GPU_BUDGET.alert, [plan(b + 1)], [plan(b)]))
+    out.append((T.GPU_BUDGET.alert, [plan(b + 1)], [scrape(0)]))  # no plan (the CPU): quiet
+
     def l4(breaker: float, up: float) -> Scrape:
         return scrape(0, kvtier_l4_breaker_state=one(breaker), kvtier_l4_up=one(up))
 
