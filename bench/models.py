@@ -37,14 +37,17 @@ SHAPES = {
 
 
 def build(shape: str, device: str, dtype: torch.dtype, seed: int = 0):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    """The `shape` model with seeded random weights, built directly in `dtype` on `device` (as
+    the server's `--load-format dummy` builds it): built in float32 and then cast, a 7B model
+    needed ~45 GB on the way."""
+    from transformers import Qwen2Config
+
+    from kvtier.server.model import random_model
 
     cfg = Qwen2Config(max_position_embeddings=32768, **SHAPES[shape])
     cfg._name_or_path = f"random-{shape}"
-    torch.manual_seed(seed)
-    with torch.device(device):
-        model = Qwen2ForCausalLM(cfg).to(dtype)
-    return model.eval()
+    torch.manual_seed(seed)  # what a bench draws after the build stays seeded
+    return random_model(cfg, device, dtype, seed)
 
 
 def sync(device: str) -> None:

@@ -21,6 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvtier import __version__
 from kvtier.errors import (
+    ConfigError,
     EncryptionError,
     InvalidRequest,
     KvtierError,
@@ -31,6 +32,7 @@ from kvtier.server.admin import install_admin_routes
 from kvtier.server.auth import Auth, authenticate, tenant_of
 from kvtier.server.backend import make_backend
 from kvtier.server.config import ServerConfig
+from kvtier.server.devicefault import DeviceFault, is_fatal_device_error
 from kvtier.server.devices_admin import DegradedTurn, device_readiness, install_device_routes
 from kvtier.server.engine import (
     ContextExceeded,
@@ -44,8 +46,9 @@ from kvtier.server.engine import (
 )
 from kvtier.server.failover import place_configured
 from kvtier.server.http import MAX_SESSION_ID, ApiError, check_id
+from kvtier.server.memplan import backend_device_bytes, build_plan, planned_config, startup_peaks
 from kvtier.server.metrics import ServerMetrics
-from kvtier.server.model import ServedModel, build_default, load_local
+from kvtier.server.model import ServedModel, build_default, load_dummy, load_local
 from kvtier.server.schema import ChatRequest, CompletionRequest
 from kvtier.server.warm_request import is_warm_up, warm_request
 from kvtier.snapshot import CacheSnapshot
@@ -115,6 +118,8 @@ class State:
                 "server_error",
                 headers={"Retry-After": "1"},
             )
+        if self.engine.fatal is not None:  # the device is lost: the process exits
+            raise ApiError(503, f"{self.engine.fatal}; retry later", "server_error")
         if self.engine.draining:
             raise ApiError(503, "the server is shutting down; retry later", "server_error")
         return self.engine
@@ -128,6 +133,8 @@ def _load(config: ServerConfig) -> ServedModel:
     set_cudnn_attention(config.cudnn_attention)
     if config.model is None:
         return build_default(config.device, seed=config.seed)
+    if config.load_format == "dummy":
+        return load_dummy(config.model, config.device, seed=config.seed)
     return load_local(config.model, config.device)
 
 
@@ -136,7 +143,7 @@ def _warm_up(served: ServedModel) -> None:
     here, so the first client request after a restart does not pay for them."""
     import torch
 
-    ids = torch.arange(8, device=served.device).unsqueeze(0) % len(served.tokenizer)
+    ids = torch.arange(8, device=served.device).unsqueeze(0) % served.vocab_size
     with torch.inference_mode():
         served.model(input_ids=ids)
     if served.device.type == "cuda":
@@ -172,9 +179,26 @@ def create_app(
         except Exception as exc:  # readyz reports it; the process stays up for diagnosis
             log.exception("the model failed to load")
             state.load_error = exc
+            if is_fatal_device_error(exc):  # but not with its device lost: a restart fixes it
+                state.fatal(DeviceFault.of(exc))
             return
+        if config.max_model_len:
+            served.context_tokens = min(served.context_tokens, config.max_model_len)
+        run_config = config.for_device(served.device.type)
         try:
-            backend = await asyncio.to_thread(make_backend, served, config)
+            # the GPU memory plan, once the weights are resident: every part's bytes inside
+            # one budget, the page pool getting what is left (None on the CPU)
+            plan = await asyncio.to_thread(build_plan, served, run_config)
+        except ConfigError as exc:  # a budget too small for the model: no wait fixes that
+            state.load_error = exc
+            state.fatal(exc)
+            return
+        if plan is not None:
+            log.info("%s", plan.describe())
+            run_config = planned_config(run_config, plan)
+            state.metrics.gpu_memory_plan(plan)
+        try:
+            backend = await asyncio.to_thread(make_backend, served, run_config)
         except (StoreError, EncryptionError) as exc:
             # The L3 root cannot be used (another process holds it, unsafe permissions, a
             # wrong or missing master key): no waiting fixes that, so stop and say why rather
@@ -186,11 +210,15 @@ def create_app(
             log.exception("the cache failed to open")
             state.load_error = exc
             return
-        engine = Engine(served, backend, config, state.metrics)
+        # a device fault in a request stops the server, which exits non-zero (run.run_app)
+        engine = Engine(served, backend, run_config, state.metrics, plan=plan, on_fatal=state.fatal)
         try:
             # a measured prefill rate before the first request (not the cost model's guess)
             await asyncio.to_thread(engine.warm_up)
         except Exception as exc:  # serve anyway: the first requests pay what it would have
+            if engine.device_fault(exc):  # ...unless the device is lost (the server stops)
+                state.load_error = engine.fatal
+                return
             log.warning("warm-up through the cache failed (%s: %s); serving without it",
                         type(exc).__name__, exc)  # fmt: skip
         state.engine, state.warming = engine, True
@@ -208,6 +236,10 @@ def create_app(
         # holds every thread), and made the first request after a restart 2-3x a recompute.
         gc.collect()
         gc.freeze()
+        if engine.plan is not None:
+            engine.plan = engine.plan.with_measured(**backend_device_bytes(backend))
+            state.metrics.gpu_memory_plan(engine.plan)
+            log.info("%s; start-up peaks: %s", engine.plan.describe(), startup_peaks(engine))
         state.engine = engine
         log.info("ready: model %s, cache %s", served.name, config.cache)
 
@@ -304,6 +336,8 @@ def _routes(app: FastAPI, state: State) -> None:
     @app.get("/readyz")
     async def readyz() -> JSONResponse:
         engine = state.engine
+        if engine is not None and engine.fatal is not None:  # the device is lost: exiting
+            return JSONResponse({"status": "failed", "reason": str(engine.fatal)}, 503)
         if engine is None or engine.draining or state.warming:
             if state.warming:
                 return JSONResponse({"status": "warming"}, status_code=503)
@@ -375,6 +409,10 @@ def _routes(app: FastAPI, state: State) -> None:
         tenant = tenant_of(request)
         ephemeral = not sid
         sid = check_id(sid, "X-Session-ID", MAX_SESSION_ID) if sid else f"anon-{uuid.uuid4().hex}"
+        try:  # an id past the model's embeddings never reaches it (on CUDA: a device fault)
+            engine.served.check_ids(ids)
+        except InvalidRequest as exc:
+            raise ApiError(400, str(exc), param="messages" if chat else "prompt") from None
         try:
             max_tokens = check_fits(engine.served, cfg, len(ids), max_tokens)
         except ContextExceeded as exc:

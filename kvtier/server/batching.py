@@ -46,7 +46,7 @@ import threading
 import time
 from array import array
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -134,12 +134,19 @@ class BatchScheduler(Stepping):
     """Owns the model (paged attention), the page pool and the scheduler thread."""
 
     def __init__(
-        self, served: ServedModel, backend: Backend, config: Any, metrics: Any = None
+        self,
+        served: ServedModel,
+        backend: Backend,
+        config: Any,
+        metrics: Any = None,
+        on_error: Callable[[BaseException], Any] | None = None,
     ) -> None:
         self.served = served
         self.backend = backend
         self.config = config
         self.metrics = metrics
+        # told of every error that fails a request (the engine's: a lost device stops the server)
+        self._on_error = on_error
         model = served.model
         dtype = next(model.parameters()).dtype
         geometry = KVGeometry.from_config(model.config)
@@ -973,6 +980,7 @@ class BatchScheduler(Stepping):
 
     def _fail(self, s: _Seq, exc: BaseException) -> None:
         """The request fails: free its pages, and abort its session off this thread."""
+        self._error(exc)
         self._leave(s)
         self._release(s)
         self._deliver()
@@ -991,6 +999,7 @@ class BatchScheduler(Stepping):
         self._report(s, exc)
 
     def _report(self, s: _Seq, exc: BaseException) -> None:
+        self._error(exc)  # a restore's or a commit's (once more for a step's: idempotent)
         if isinstance(exc, KvtierError):
             log.warning("session %s: %s: %s", s.job.session_id[:64], type(exc).__name__, exc)
         else:
@@ -998,6 +1007,14 @@ class BatchScheduler(Stepping):
         s.stream.put(Failed(exc))
         if not s.done.done():
             s.done.set_result(None)
+
+    def _error(self, exc: BaseException) -> None:
+        if self._on_error is None:
+            return
+        try:
+            self._on_error(exc)
+        except Exception:  # the request's own failure goes on to its client regardless
+            log.exception("handling a failed request's error failed")
 
     # ---- metrics (optional) -------------------------------------------------------------------
 

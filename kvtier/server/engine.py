@@ -17,7 +17,7 @@ import concurrent.futures
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +25,8 @@ import torch
 
 from kvtier.errors import InvalidRequest, KvtierError, L1BudgetExceeded
 from kvtier.server.backend import Backend
+from kvtier.server.devicefault import DeviceFault, is_fatal_device_error
+from kvtier.server.memplan import take_peak
 from kvtier.server.model import ServedModel, cache_kwarg
 from kvtier.server.sampling import ReplyText, make_generator, sample
 from kvtier.server.streaming import degrade
@@ -32,6 +34,7 @@ from kvtier.tiers import l3_io
 
 if TYPE_CHECKING:  # pragma: no cover
     from kvtier.server.batching import BatchScheduler
+    from kvtier.server.memplan import DeviceMemoryPlan
 
 log = logging.getLogger("kvtier.server")
 
@@ -148,11 +151,30 @@ def _isolate(config: Any, served: ServedModel) -> bool:
 class Engine:
     """Owns the model, the cache backend, the worker threads and the admission queue."""
 
-    def __init__(self, served: ServedModel, backend: Backend, config: Any, metrics: Any = None):
+    def __init__(
+        self,
+        served: ServedModel,
+        backend: Backend,
+        config: Any,
+        metrics: Any = None,
+        plan: DeviceMemoryPlan | None = None,
+        on_fatal: Callable[[BaseException], None] | None = None,
+    ):
         self.served = served
         self.backend = backend
+        if hasattr(config, "for_device"):  # automatic settings (0) resolved for the device
+            config = config.for_device(served.device.type)
         self.config = config
         self.metrics = metrics
+        # the GPU memory plan (kvtier.server.memplan), None on the CPU; the warm-up records
+        # what it measures into it (`measured`) and the start-up's peaks (`peaks`)
+        self.plan = plan
+        self.peaks: dict[str, int] = {}
+        # A device fault that lost the device's CUDA context (kvtier.server.devicefault): no
+        # request can succeed after it. `on_fatal` (the app's: stop, exit non-zero) is told once.
+        self.fatal: DeviceFault | None = None
+        self.on_fatal = on_fatal
+        self._fatal_lock = threading.Lock()
         self.model_lock = threading.Lock()
         self._kwarg = cache_kwarg(served.model)
         self._pool = concurrent.futures.ThreadPoolExecutor(
@@ -217,6 +239,8 @@ class Engine:
         """Admit a job and run it; returns once the prompt is restored (or raises)."""
         if self.draining:
             raise Draining("the server is shutting down; retry on another replica or later")
+        if self.fatal is not None:  # the process is on its way out: its supervisor restarts it
+            raise Draining(f"{self.fatal}; retry on another replica or later")
         job, streaming = degrade(job, self.served.devices, self.config)
         if self.waiting >= self.config.max_queue:
             self._count("rejected")
@@ -294,13 +318,31 @@ class Engine:
         from kvtier.server.batching import BatchScheduler
 
         try:
-            self._batch = BatchScheduler(self.served, self.backend, self.config, self.metrics)
+            self._batch = BatchScheduler(
+                self.served, self.backend, self.config, self.metrics, on_error=self.device_fault
+            )
         except KvtierError as exc:
             if self.served.devices is not None:
                 raise  # a model across devices runs only through the batch
             log.warning("batching is off for this model (%s); one thread per request", exc)
             self.batching = False
         return self._batch
+
+    def device_fault(self, exc: BaseException) -> bool:
+        """Whether `exc` is a device fault that lost the CUDA context (`is_fatal_device_error`):
+        then the engine is failed for good and `on_fatal` hears of it, once. A model placed
+        across devices is left to its failover (kvtier.server.failover), which survives a lost
+        device."""
+        if self.served.devices is not None or not is_fatal_device_error(exc):
+            return False
+        with self._fatal_lock:
+            if self.fatal is not None:
+                return True
+            self.fatal = DeviceFault.of(exc)
+        log.critical("%s", self.fatal)
+        if self.on_fatal is not None:
+            self.on_fatal(self.fatal)
+        return True
 
     def drop_pages(self, session_id: str, tenant: str) -> None:
         """The session's parked K/V pages, if the batch holds any, are freed (an admin's
@@ -336,27 +378,54 @@ class Engine:
         4. hibernate, drop L2's copies and restore A from L3 once more, calibrating: this read,
            with the set-up paid, replaces the cost model's L3 estimate (the first one is bounded);
            then abort and close the session.
+        An L1 too small for the session's K/V (L1BudgetExceeded) gets all four on shorter
+        prompts, halved until they fit, rather than no warm-up.
         """
+        self._peak("before_warm_up")
         room = self.served.context_tokens - 2
         n, n_b = max(2, min(tokens, room)), max(2, min(prefill_tokens, room))
         if self.served.devices is not None:
             # Layers across devices: the session Cache (L1) lives on the primary device, which
             # the plain forward's attention would read from every device; warm the batch only.
-            vocab = len(self.served.tokenizer)
+            vocab = self.served.vocab_size
             prefill = [(i * 7 + 3) % vocab for i in range(n_b)]
             self._warm_batch([(i * 5 + 11) % vocab for i in range(min(n, WARM_UP_SUFFIX))], prefill)
             return
-        vocab = len(self.served.tokenizer)
+        # ids the model embeds (an id past its embeddings is a device-side assert on CUDA)
+        vocab = self.served.vocab_size
         device = self.served.device
         prompt_b = ((torch.arange(n_b + 1, device=device) * 7 + 3) % vocab).unsqueeze(0)
         prompt_a = ((torch.arange(n + 1, device=device) * 5 + 11) % vocab).unsqueeze(0)
+        suffix = ((torch.arange(WARM_UP_SUFFIX, device=device) * 3 + 1) % vocab).unsqueeze(0)
+        a, b = prompt_a, prompt_b
+        while True:
+            try:
+                self._warm_cache(a, b, suffix)
+                break
+            except L1BudgetExceeded as exc:
+                # A small L1: the session's K/V did not fit. Shorter prompts take the same
+                # paths, so warm up at a length that fits rather than not at all: the prefill
+                # prompt at the stored one's length first, then both halved.
+                if b.shape[1] > a.shape[1]:
+                    b = b[:, : a.shape[1]]
+                elif a.shape[1] > 3:
+                    a = a[:, : max(3, a.shape[1] // 2)]
+                    b = b[:, : a.shape[1]]
+                else:
+                    raise
+                log.info("warm-up: %s; again with a %d-token prompt", exc, b.shape[1])
+        self._peak("warm_up_through_cache")
+        # the batch's prompts live in its page pool, not in L1: the prefill at full length
+        self._warm_batch(prompt_a[0, :WARM_UP_SUFFIX].tolist(), prompt_b[0].tolist())
+
+    def _warm_cache(
+        self, prompt_a: torch.Tensor, prompt_b: torch.Tensor, suffix: torch.Tensor
+    ) -> None:
+        """Steps 1-4 of `warm_up` through the cache, on the throwaway session (forgotten after,
+        also when a step fails)."""
         sid, backend = WARM_UP_SESSION, self.backend
         try:
-            try:
-                self._warm_pass(prompt_b, commit=None)
-            except L1BudgetExceeded:  # a small L1: warm up at the stored prompt's length
-                prompt_b = prompt_b[:, : n + 1]
-                self._warm_pass(prompt_b, commit=None)
+            self._warm_pass(prompt_b, commit=None)
             self._warm_pass(prompt_b, commit=prompt_b[0, :0])
             self._warm_pass(prompt_a, commit=prompt_a[0])
             backend.hibernate(sid, WARM_UP_TENANT)
@@ -364,7 +433,6 @@ class Engine:
             # A returning turn: the stored prefix plus new tokens, prefilled over the restored
             # KV (a query of several tokens against a longer past, a kernel of its own), then a
             # decode step.
-            suffix = ((torch.arange(WARM_UP_SUFFIX, device=device) * 3 + 1) % vocab).unsqueeze(0)
             self._warm_pass(torch.cat([prompt_a, suffix], dim=1), commit=None, decode=True)
             # Once more from L3, its set-up paid: this read replaces the cost model's L3 estimate
             # (the first read of a process is bounded, as it pays for lazy set-up).
@@ -374,7 +442,6 @@ class Engine:
                 self._warm_pass(torch.cat([prompt_a, suffix], dim=1), commit=None)
         finally:
             backend.forget(sid, WARM_UP_TENANT)
-        self._warm_batch(prompt_a[0, :WARM_UP_SUFFIX].tolist(), prompt_b[0].tolist())
 
     def _warm_batch(self, prompt: list[int], prefill: list[int]) -> None:
         """Start the batch scheduler (its page pool is allocated now, not in the first request)
@@ -399,13 +466,28 @@ class Engine:
         placed = self.served.devices is not None
         if self.config.cuda_graphs and sched.pool.device.type == "cuda" and not placed:
             started = time.perf_counter()
+            device = sched.pool.device
+            self._peak("batch_first_steps")
+            before = torch.cuda.memory_reserved(device)
             sizes = sched.runner.capture_graphs()
+            # the graphs' one shared pool, measured (the plan estimated it)
+            graphs = torch.cuda.memory_reserved(device) - before
+            self._peak("graph_capture")
+            if self.plan is not None:
+                self.plan = self.plan.with_measured(graphs=graphs)
             log.info(
-                "batched step captured as CUDA graphs for %s new tokens in %.1f s",
+                "batched step captured as CUDA graphs for %s new tokens in %.1f s (%.0f MiB)",
                 ", ".join(map(str, sizes)) or "no",
                 time.perf_counter() - started,
+                graphs / 2**20,
             )
         self._time_batched_prefill(sched, prefill)
+        self._peak("batched_prefill")
+
+    def _peak(self, phase: str) -> None:
+        """Record the device's peak bytes since the last phase as `phase`'s (with a plan)."""
+        if self.plan is not None:
+            self.peaks[phase] = take_peak(self.served.device)
 
     def _time_batched_prefill(self, sched: Any, prompt: list[int]) -> None:
         """Prefill `prompt` the way a recompute runs (in `prefill_step` chunks, each after the
@@ -479,6 +561,7 @@ class Engine:
         try:
             self._generate(job, stream, admitted)
         except BaseException as exc:  # surfaced to the client; the server keeps serving
+            self.device_fault(exc)  # unless it lost the device: then it stops
             if isinstance(exc, KvtierError):
                 log.warning("session %s: %s: %s", job.session_id[:64], type(exc).__name__, exc)
             else:
