@@ -97,6 +97,13 @@ class CacheSnapshot:
     io_errors: int = 0
     oom_retries: int = 0
     record_errors: int = 0  # session records that could not be saved or deleted in L3
+    # Backpressure: times a commit or an eviction waited for copies to finish (L3 writes to
+    # free L2 room, device copies to free in-flight room: kvtier.transfer.inflight), the
+    # seconds of those waits, and the stored prefixes cut where waiting could make no room
+    # (their tokens are recomputed). Totals since the cache started.
+    backpressure_waits: int = 0
+    backpressure_wait_seconds: float = 0.0
+    backpressure_drops: int = 0
     sessions: tuple[SessionInfo, ...] = field(default=(), compare=False)
     # The shared tier: None without one, else the dict of `L4Store.stats()` (keys up, breaker,
     # bytes_written, bytes_read, hits, misses, errors, writes_shed, get_seconds_sum,

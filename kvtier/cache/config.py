@@ -20,6 +20,12 @@ class CacheConfig:
     """Configuration of a `TieredCache`. Sizes are bytes.
 
     l1_bytes None means half of the device's free memory at start (CUDA) or 1 GiB (CPU).
+
+    inflight_bytes_max bounds the device memory copies in flight may hold besides L1 and the
+    staging buffers (a released L1 block still going down, chunks gathered from pages; see
+    kvtier.transfer.inflight); at the bound a commit or an eviction waits for copies to
+    finish. None: as much as the staging buffers (`TransferEngine.default_inflight_bytes`).
+    It comes on top of l1_bytes: `TieredCache.device_bytes()` gives every part.
     """
 
     l3_root: str | Path
@@ -40,6 +46,7 @@ class CacheConfig:
     pin_memory: bool | None = None  # None: pin L2 iff CUDA is available
     l3_write_queue: int = 64
     l3_threads: int = 4
+    inflight_bytes_max: int | None = None  # device bytes of copies in flight (see above)
     # "threads": L3 file writes from threads of this process; "process": from a child
     # process reading L2 from shared memory (Linux; see kvtier.tiers.l3_writer); "auto":
     # process with a CUDA model (whose decode loop is bound by this interpreter launching
@@ -97,6 +104,10 @@ class CacheConfig:
             raise ConfigError(f"l3_write_queue must be >= 1, got {self.l3_write_queue}")
         if self.l3_threads < 1:
             raise ConfigError(f"l3_threads must be >= 1, got {self.l3_threads}")
+        if self.inflight_bytes_max is not None and self.inflight_bytes_max <= 0:
+            raise ConfigError(
+                "inflight_bytes_max must be positive (or None: as much as the staging buffers)"
+            )
         if self.session_ttl_s is not None and self.session_ttl_s < 0:
             raise ConfigError("session_ttl_s must be >= 0 (or None: sessions never expire)")
         if self.initial_prefill_s_per_token <= 0:

@@ -13,6 +13,15 @@ only for bookkeeping and for starting transfers, never across a wait for the dis
 copies and fsyncs outside it, and publish under it again; `stats()` copies numbers under the
 lock and asks the store and the engine outside it. The model's forward runs outside it; a
 session is never evicted while a request is running on it (state ACTIVE).
+
+Device memory is bounded (`device_bytes`): L1's budget, the staging buffers, and the copies in
+flight (`TransferEngine.inflight`: L1 blocks released while their chunks still go down, chunks
+gathered from pages) under `CacheConfig.inflight_bytes_max`. At a bound the cache waits rather
+than holding more (backpressure, counted): a session leaving L1 whose chunks find every L2 slot
+busy with an L3 write waits for one to finish (`ChunkDirectory.wait_for_room`), and a release
+past the in-flight bound waits for the oldest copies. These waits, like a write-back, run under
+the lock; only where nothing is left to wait for is the session's stored prefix cut (counted as
+a drop, recomputed at its next turn).
 """
 
 from __future__ import annotations
@@ -172,17 +181,37 @@ class TieredCache(LifecycleMixin):
                 l3_write_queue=config.l3_write_queue,
                 l3_threads=config.l3_threads,
                 writer_process=writer_process,
+                inflight_bytes_max=config.inflight_bytes_max,
             )
         except BaseException:
             arena.close()
             raise
         undo.callback(arena.close)
         undo.callback(engine.close)  # runs first: the engine uses the arena
+        chunk = self.geometry.chunk_bytes(self.chunk_tokens)
+        if engine.inflight.max_bytes < chunk:
+            raise ConfigError(
+                f"inflight_bytes_max ({engine.inflight.max_bytes}) must hold at least one chunk "
+                f"of {chunk} bytes (a chunk gathered from pages is in flight until copied)"
+            )
+        engine.inflight.on_wait = self._count_wait
         return arena, engine
 
+    def _count_wait(self, seconds: float) -> None:
+        """One backpressure wait of `seconds` (any thread, with or without the lock)."""
+        with self.counters.guard:
+            self.counters.backpressure_waits += 1
+            self.counters.backpressure_wait_seconds += seconds
+
+    def _count_drop(self) -> None:
+        """A stored prefix cut because waiting made no room (its tokens are recomputed)."""
+        with self.counters.guard:
+            self.counters.backpressure_drops += 1
+
     def _claim_l1(self) -> None:
-        """On a GPU, l1_bytes is all of kvtier's device memory: the engine's staging buffers
-        come out of it, and the rest is claimed for L1 now (`L1Pool.reserve`)."""
+        """On a GPU, l1_bytes is kvtier's device memory but for copies in flight (bounded
+        apart, `device_bytes`): the engine's staging buffers come out of it, and the rest is
+        claimed for L1 now (`L1Pool.reserve`)."""
         if self.device.type != "cuda":
             return
         staging = self.engine.staging_bytes
@@ -415,7 +444,14 @@ class TieredCache(LifecycleMixin):
         bufs = s.bufs
         need = self.l1.bytes_for(self.l1.round_up(tokens))
         keep = max(s.lengths) if s.lengths else 0  # layers already written in this forward
+        if tokens > bufs.capacity and bufs.copy is not None:
+            # The old block leaves L1's budget once the new one holds its tokens: counted in
+            # flight from now until its copy down is done (waited for at the bound).
+            self.engine.inflight.retire(bufs.copy, bufs.nbytes)
+        old_layers = bufs.layers
         self._with_room(need, lambda: self.l1.grow(bufs, tokens, keep), exclude=s)
+        if bufs.layers is not old_layers:
+            bufs.copy = None  # no copy has read the new block yet
 
     def chunk_counts(self, keys: list[bytes]) -> tuple[int, int]:
         """(chunks in L2, chunks in L3) among `keys` (for `Session.info`)."""
@@ -485,7 +521,10 @@ class TieredCache(LifecycleMixin):
         s.lengths = [0] * self.geometry.num_layers
 
     def _release_l1(self, s: Session) -> None:
+        """Free the session's L1. A copy down still reading it keeps its bytes counted, in
+        flight (`TransferEngine.inflight`), until it is done: at the bound this waits."""
         if s.bufs is not None:
+            self.engine.inflight.retire(s.bufs.copy, s.bufs.nbytes)
             self.l1.release(s.bufs)
             s.bufs, s.lengths = None, []
 
@@ -546,6 +585,24 @@ class TieredCache(LifecycleMixin):
                 counts[i] += 1
         self.counters.latency_sum[src] += seconds
         self.counters.latency_count[src] += 1
+
+    def device_bytes(self) -> dict[str, int]:
+        """The most device memory kvtier holds, by part, in bytes (for a server's GPU memory
+        plan): 'l1' the L1 pool's budget (claimed whole at start on a GPU), 'staging' the
+        transfer engine's staging buffers, 'inflight_max' the bound of copies in flight
+        (`CacheConfig.inflight_bytes_max`: L1 blocks released while their chunks still go
+        down, chunks gathered from pages). kvtier never holds more than their sum; on a GPU
+        `l1_bytes` is 'l1' + 'staging', and 'inflight_max' comes on top of it."""
+        return {
+            "l1": self.l1.budget_bytes,
+            "staging": self.engine.staging_bytes,
+            "inflight_max": self.engine.inflight.max_bytes,
+        }
+
+    def inflight_bytes(self) -> int:
+        """Device bytes copies in flight hold now, at most `device_bytes()['inflight_max']`
+        (besides them kvtier holds `l1.used_bytes` of L1 and the staging buffers)."""
+        return self.engine.inflight_bytes()
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         """Teach the cost model a prefill timed outside a session's Cache (a batched forward of

@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import collections
 import logging
+import time
 from collections.abc import Callable, Iterable
-from concurrent.futures import Future
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 from typing import Any
 
@@ -323,6 +324,30 @@ class ChunkDirectory:
             if slot is not None:
                 return slot
         return None
+
+    def wait_for_room(self) -> float | None:
+        """Wait for one L3 write or read in flight on an L2 slot to finish, and settle what
+        finished, so that `alloc` may find a victim again (backpressure: a chunk leaving L1
+        waits for the disk rather than being dropped). Runs under the cache's lock, like
+        `_write_back`: the disk's threads never take it. Returns the seconds waited, or None
+        when nothing in flight could free a slot (no L3 I/O left, or only on chunks a restore
+        has pinned, which the lock keeps from finishing)."""
+        futures: list[Future[Any]] = []
+        for key in self.writing:
+            e = self.entries.get(key)
+            if e is not None and e.l3_write is not None and e.l2_slot is not None and not e.pins:
+                futures.append(e.l3_write)
+        for key in self.reading:
+            e = self.entries.get(key)
+            if e is not None and e.l3_read is not None and not e.pins:
+                futures.append(e.l3_read)
+        if not futures:
+            return None
+        t0 = time.perf_counter()
+        wait(futures, return_when=FIRST_COMPLETED)
+        waited = time.perf_counter() - t0
+        self.reap_writes()
+        return waited
 
     def _write_back(self, e: Chunk) -> bool:
         """Make L2's only copy durable before dropping it; False if that failed."""

@@ -31,6 +31,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from kvtier.cache.costmodel import CostModel
     from kvtier.cache.l4 import SharedTier
     from kvtier.cache.stats import Counters
+    from kvtier.geometry import KVGeometry
     from kvtier.integrations.hf import KvtierCache
     from kvtier.tiers.l2 import HostArena
     from kvtier.tiers.l3 import L3Store, SessionRecord, ShredReport
@@ -38,12 +39,17 @@ if TYPE_CHECKING:  # pragma: no cover
 
 log = logging.getLogger("kvtier.cache")
 
+ChunkSource = torch.Tensor | Callable[[], torch.Tensor]
+"""A chunk of K/V from a batch's pages for `commit_pages`: the tensor, or a function that
+gathers it (called when the chunk is stored, under the bound of copies in flight)."""
+
 
 class LifecycleMixin:
     """The write side of `TieredCache` (see the module docstring)."""
 
     config: CacheConfig
     chunk_tokens: int
+    geometry: KVGeometry
     directory: ChunkDirectory
     counters: Counters
     cost: CostModel
@@ -65,6 +71,8 @@ class LifecycleMixin:
         def _record(self, s: Session) -> SessionRecord: ...
         def _submit_record(self, fn: Any, *args: Any) -> Future[Any]: ...
         def _release_l1(self, s: Session) -> None: ...
+        def _count_wait(self, seconds: float) -> None: ...
+        def _count_drop(self) -> None: ...
         def key_for(self, parent: bytes, toks: Sequence[int], s: Session) -> bytes: ...
         @property
         def _shared_ns(self) -> bytes: ...
@@ -90,18 +98,20 @@ class LifecycleMixin:
             s.state = SessionState.IDLE
             s.last_active = time.time()
 
-    def commit_pages(
-        self, s: Session, ids: Ids, start: int, chunks: Sequence[torch.Tensor]
-    ) -> None:
+    def commit_pages(self, s: Session, ids: Ids, start: int, chunks: Sequence[ChunkSource]) -> None:
         """Commit a turn whose K/V lives in a batch's page pool, not in L1 (`paged_l1`): store
         every chunk from `start` on in L2 (and L3, as the write policy does for any chunk),
         the partial tail too. The session is then idle with nothing in L1: its K/V is in the
         batch's pages (`in_pages`) until the batch says they went (`pages_dropped`).
 
         `chunks[j]` holds tokens `[start + j*C, ...)` of `ids` in the chunk layout on the
-        device (full chunks, the last may be partial); `start` is a multiple of the chunk
-        size. A stored prefix that stops before `start` (a chunk that found no L2 slot) or a
-        chunk that finds none now ends the session there: it keeps only what is stored."""
+        device (full chunks, the last may be partial), or is a function that gathers them
+        (`PagePool.gather`, e.g. a `functools.partial`): it is called when that chunk is
+        stored, once the chunks gathered before it are within the bound of copies in flight
+        (`CacheConfig.inflight_bytes_max`), so a long turn never holds all its chunks on the
+        device at once. `start` is a multiple of the chunk size. A chunk that finds no L2 slot
+        waits for L3 writes to free one; a stored prefix that stops before `start`, or a chunk
+        that finds no slot even so, ends the session there: it keeps only what is stored."""
         C = self.chunk_tokens
         with self._lock:
             if s.state is not SessionState.ACTIVE:
@@ -122,7 +132,7 @@ class LifecycleMixin:
                 self._cut(s, s.flushed * C)
             else:
 
-                def at(pos: int) -> torch.Tensor:
+                def at(pos: int) -> ChunkSource:
                     return chunks[(pos - start) // C]
 
                 self._write_completed_chunks(s, chunk_at=at)
@@ -174,13 +184,15 @@ class LifecycleMixin:
         s: Session,
         *,
         evicting: bool = False,
-        chunk_at: Callable[[int], torch.Tensor] | None = None,
+        chunk_at: Callable[[int], ChunkSource] | None = None,
     ) -> None:
         """Key every newly completed full chunk and apply the write policy to it.
 
-        When evicting, a chunk that finds no L2 slot (every slot in flight) ends the session's
-        stored prefix there: the session keeps only what is stored somewhere. `chunk_at(pos)`:
-        the K/V of the chunk at token `pos` from a batch's pages (`commit_pages`), where L1
+        When evicting, a chunk that finds no L2 slot (every slot in flight) waits for L3
+        writes to free one (backpressure); where waiting cannot (nothing in flight to wait
+        for) it ends the session's stored prefix there, counted as a drop: the session keeps
+        only what is stored somewhere. `chunk_at(pos)`: the K/V of the chunk at token `pos`
+        from a batch's pages (`commit_pages`; a tensor or a function gathering it), where L1
         holds none: every new chunk is then stored, as when evicting, from `s.flushed` on."""
         C = self.chunk_tokens
         n_full = len(s.tokens) // C
@@ -207,15 +219,17 @@ class LifecycleMixin:
             ):
                 continue
             chunk = None if chunk_at is None else chunk_at(i * C)
-            if not self._write_down(s, i * C, e, tenant=s.tenant, chunk=chunk) and must:
+            if not self._write_down(s, i * C, e, tenant=s.tenant, chunk=chunk, wait=must) and must:
                 log.warning(
                     "L2 has no free slot for chunk %s leaving L1; session %r keeps %d tokens",
                     e.key.hex(),
                     s.session_id[:64],
                     i * C,
                 )
+                self._count_drop()
                 self._cut(s, i * C)
                 return
+            del chunk  # a gathered chunk is the engine's (in flight) from here
         # Only chunks that were written (or already stored) count as flushed.
         while s.flushed < n_full:
             e2 = d.get(s.chunk_keys[s.flushed])
@@ -232,20 +246,31 @@ class LifecycleMixin:
         s.tail_key = None
 
     def _write_down(
-        self, s: Session, pos: int, e: Chunk, *, tenant: str, chunk: torch.Tensor | None = None
+        self,
+        s: Session,
+        pos: int,
+        e: Chunk,
+        *,
+        tenant: str,
+        chunk: ChunkSource | None = None,
+        wait: bool = False,
     ) -> bool:
         """L1 -> L2 now (one D2H copy), then L2 -> L3 queued (shed if the queue is full).
         `chunk`: the chunk's K/V already in the chunk layout on the device (a batch's pages,
-        `commit_pages`), instead of the session's L1. False if L2 has no slot that is not in
-        flight (the chunk is not stored)."""
-        slot = self.directory.alloc()
+        `commit_pages`), or a function that gathers it, instead of the session's L1. `wait`:
+        when every L2 slot is in flight, wait for L3 writes to free one (`_l2_slot`). False if
+        L2 has no slot that is not in flight (the chunk is not stored)."""
+        slot = self._l2_slot(wait)
         if slot is None:
             return False
         if chunk is not None:
-            self.engine.offload_chunk(chunk, slot)
+            self._offload_chunk(chunk, slot)
         else:
             assert s.bufs is not None
-            self.engine.offload(s.bufs.layers, pos, e.tokens, slot, block=s.bufs.block)
+            # the last copy from the session's L1: its release waits for it or counts it
+            s.bufs.copy = self.engine.offload(
+                s.bufs.layers, pos, e.tokens, slot, block=s.bufs.block
+            )
         e.l2_slot = slot
         e.tenant = tenant
         self.directory.policy.touch(e.key)
@@ -254,9 +279,36 @@ class LifecycleMixin:
         self.counters.stored["tokens"] += e.tokens
         return True
 
-    def _write_tail(
-        self, s: Session, chunk_at: Callable[[int], torch.Tensor] | None = None
-    ) -> None:
+    def _l2_slot(self, wait: bool) -> int | None:
+        """A free L2 slot (`ChunkDirectory.alloc`). With `wait`, while every slot is in flight
+        (L3 writes of chunks L2 alone holds, reads), wait for one of those to finish and try
+        again (backpressure: counted, seconds too); None once nothing is left to wait for."""
+        d = self.directory
+        slot = d.alloc()
+        while slot is None and wait:
+            waited = d.wait_for_room()
+            if waited is None:
+                break
+            self._count_wait(waited)
+            slot = d.alloc()
+        return slot
+
+    def _offload_chunk(self, chunk: ChunkSource, slot: int) -> None:
+        """Copy a chunk from pages into `slot`; a function gathers it once the bound of
+        copies in flight has room for it (`Inflight.take`), so it is never held beyond."""
+        if not callable(chunk):
+            self.engine.offload_chunk(chunk, slot)
+            return
+        inflight = self.engine.inflight
+        ticket = inflight.take(self.geometry.chunk_bytes(self.chunk_tokens))
+        try:
+            data = chunk()
+        except BaseException:
+            inflight.give_back(ticket)
+            raise
+        self.engine.offload_chunk(data, slot, ticket=ticket)
+
+    def _write_tail(self, s: Session, chunk_at: Callable[[int], ChunkSource] | None = None) -> None:
         C = self.chunk_tokens
         t = len(s.tokens) % C
         if t == 0:
@@ -268,7 +320,8 @@ class LifecycleMixin:
         pos = len(s.tokens) - t
         chunk = None if chunk_at is None else chunk_at(pos)
         if not self.directory.stored(e):
-            if not self._write_down(s, pos, e, tenant=s.tenant, chunk=chunk):
+            if not self._write_down(s, pos, e, tenant=s.tenant, chunk=chunk, wait=True):
+                self._count_drop()
                 self._cut(s, len(s.tokens) - t)  # the tail is recomputed on resume
                 return
             self.counters.stored["tails"] += 1

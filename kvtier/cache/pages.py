@@ -12,7 +12,8 @@ over it (`kvtier.integrations.paged_cache.PagedCache`):
   from other idle sessions' pages in the same pool, least recently active first (those are then
   hibernated: everything they committed is stored already).
 - **commit**: the turn's new chunks go from the pages to L2 (and L3, by the write policy) with
-  `commit_pages`; the pages stay the session's.
+  `commit_pages`, each gathered from the pages only when it is stored, within the bound of
+  copies in flight (`CacheConfig.inflight_bytes_max`); the pages stay the session's.
 - **abort, hibernate, close**, and the cache's `close`: the pages go back to the pool.
 
 Native codec and a native pool only: the pages are the exact K/V the model computed.
@@ -23,6 +24,7 @@ different threads may share one pool.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from typing import TYPE_CHECKING
 
@@ -167,7 +169,9 @@ def commit(cache: TieredCache, s: Session, ids: Ids) -> None:
         n = min(min(view.lengths), len(ids))
         start = min(s.pages_start, n // C * C)
         pages = view.table.pages
-        chunks = [view.pool.gather(pages, a, min(a + C, n)) for a in range(start, n, C)]
+        # gathered one at a time as each is stored, never all of a long turn's at once
+        gather = view.pool.gather
+        chunks = [functools.partial(gather, pages, a, min(a + C, n)) for a in range(start, n, C)]
         cache.commit_pages(s, ids[:n], start, chunks)
         _trim(view.pool, view.table, n)
         view.lengths[:] = [n] * len(view.lengths)

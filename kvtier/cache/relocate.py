@@ -63,6 +63,8 @@ def relocate_l1(
         before = cache.l1.budget_bytes + staging  # l1_bytes as configured (see _claim_l1)
         budget = before if budget is None else int(budget)
         suspect = _unfinished_copies(old) if lost else set()
+        if lost:  # what copies in flight held was on the lost device
+            engine.inflight.clear()
         mover = DeviceMover(
             old.geometry,
             old.chunk_tokens,

@@ -53,6 +53,13 @@ class Counters:
     oom_retries: int = 0
     l3_full: int = 0
     record_errors: int = 0  # session record saves/deletes that failed (counted off the lock)
+    # Backpressure (docs/metrics.md): waits of a commit or an eviction for copies to finish
+    # (L3 writes freeing L2 room, device copies freeing in-flight room) and their seconds;
+    # drops: stored prefixes cut where even waiting made no room (recomputed from there).
+    # Counted under `guard`.
+    backpressure_waits: int = 0
+    backpressure_wait_seconds: float = 0.0
+    backpressure_drops: int = 0
     guard: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def copy(self) -> Counters:
@@ -157,6 +164,9 @@ def build_snapshot(
         io_errors=l3.io_errors,
         oom_retries=n.oom_retries,
         record_errors=n.record_errors,
+        backpressure_waits=n.backpressure_waits,
+        backpressure_wait_seconds=n.backpressure_wait_seconds,
+        backpressure_drops=n.backpressure_drops,
         sessions=inp.sessions,
         l4=l4,
     )

@@ -31,6 +31,7 @@ import logging
 import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -63,12 +64,17 @@ def _kvtier_pool(device: torch.device):  # type: ignore[no-untyped-def]
 
 @dataclass(eq=False)
 class SessionBuffers:
-    """One session's L1 KV: ``layers[i] == (K, V)``, each ``[1, H, capacity, D]``."""
+    """One session's L1 KV: ``layers[i] == (K, V)``, each ``[1, H, capacity, D]``.
+
+    `copy` is the last device copy issued from these buffers (the transfer engine's `Handle`
+    of an offload), or None: when the buffers are released or replaced while it may still run,
+    the cache counts their bytes as in flight until it is done (`kvtier.transfer.inflight`)."""
 
     layers: list[tuple[torch.Tensor, torch.Tensor]]
     capacity: int
     nbytes: int
     released: bool = field(default=False)
+    copy: Any = field(default=None, repr=False)
 
     @property
     def block(self) -> torch.Tensor | None:
@@ -250,6 +256,7 @@ class L1Pool:
             return
         bufs.released = True
         bufs.layers = []
+        bufs.copy = None
         self._uncharge(bufs.nbytes)
 
 

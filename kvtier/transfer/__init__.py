@@ -9,7 +9,10 @@ See docs/architecture.md, "Movement and policy".
   L1 views a copy moves and the checks of a range);
 - `kvtier.transfer.disk.DiskMover`: L2 <-> L3, the thread pools, the writer child process
   (kvtier.tiers.l3_writer), the bounded write queue and its shedding;
-- `kvtier.transfer.accounting`: bytes, seconds and copies per direction, `EngineStats`.
+- `kvtier.transfer.accounting`: bytes, seconds and copies per direction, `EngineStats`;
+- `kvtier.transfer.inflight`: the device bytes copies in flight hold outside the L1 pool's
+  budget (released L1 blocks still going down, chunks gathered from pages), under one bound
+  (`inflight`, `inflight_bytes_max`): past it, the caller waits for copies to finish.
 
 A device copy on a slot first settles the disk's I/O on it (a restore waits for the slot's
 L3 read just before that chunk's copy, and a failed read raises there); an L3 job first
@@ -32,19 +35,28 @@ from kvtier.tiers.l3_writer import WriterProcess
 from kvtier.transfer.accounting import DIRECTIONS, Accounts, EngineStats
 from kvtier.transfer.device import GROUP_BYTES, MAX_GROUP, DeviceMover
 from kvtier.transfer.disk import DiskMover
+from kvtier.transfer.inflight import Inflight, Ticket
 from kvtier.transfer.layout import Layers
 from kvtier.transfer.staging import Handle
 
 __all__ = [
     "DIRECTIONS",
     "GROUP_BYTES",
+    "INFLIGHT_STAGINGS",
     "MAX_GROUP",
     "EngineStats",
     "Handle",
+    "Inflight",
     "Layers",
+    "Ticket",
     "TransferEngine",
     "WriterProcess",
 ]
+
+# The default bound of copies in flight (`inflight_bytes_max`), in staging buffers' worth: as
+# much again as the staging (what kvtier.server.memplan sets aside for them).
+INFLIGHT_STAGINGS = 1
+_STAGES = 4  # staging buffers of a GPU engine: two per direction
 
 
 class TransferEngine:
@@ -63,6 +75,7 @@ class TransferEngine:
         l3_threads: int = 4,
         group_chunks: int | None = None,
         writer_process: bool = False,
+        inflight_bytes_max: int | None = None,
     ) -> None:
         self._accounts = Accounts()
         self._closed = False
@@ -99,6 +112,21 @@ class TransferEngine:
             l3_threads=l3_threads,
             proc=proc,
         )
+        if inflight_bytes_max is None:
+            inflight_bytes_max = self.default_inflight_bytes()
+        # Device bytes copies in flight hold outside the L1 pool's budget, and their bound.
+        self.inflight = Inflight(inflight_bytes_max)
+
+    def default_inflight_bytes(self) -> int:
+        """The default `inflight_bytes_max`: `INFLIGHT_STAGINGS` times the staging buffers (on
+        a CPU, or with the native codec's none there, the four buffers a GPU engine holds)."""
+        gpu = _STAGES * self.group_chunks * self.geometry.chunk_bytes(self.chunk_tokens)
+        return INFLIGHT_STAGINGS * max(self.staging_bytes, gpu)
+
+    def inflight_bytes(self) -> int:
+        """Device bytes that copies in flight hold now outside the L1 pool's budget (at most
+        `inflight.max_bytes`; see kvtier.transfer.inflight)."""
+        return self.inflight.bytes()
 
     def _settle_io(self, slot: int, strict: bool = False) -> None:
         self._disk.settle_io(slot, strict)
@@ -145,10 +173,29 @@ class TransferEngine:
         (`DeviceMover.offload_range`)."""
         return self._device.offload_range(layers, start, ntokens, slots, block=block)
 
-    def offload_chunk(self, chunk: torch.Tensor, slot: int) -> Handle:
+    def offload_chunk(
+        self, chunk: torch.Tensor, slot: int, *, ticket: Ticket | None = None
+    ) -> Handle:
         """Copy a chunk already in the chunk layout on the device into L2 `slot`
-        (`DeviceMover.offload_chunk`: pages gathered by a batch, native codec)."""
-        return self._device.offload_chunk(chunk, slot)
+        (`DeviceMover.offload_chunk`: pages gathered by a batch, native codec).
+
+        The chunk counts as in flight until its copy is done. `ticket`: the room the caller
+        took in `inflight` before gathering the chunk (`inflight.take`); without one it is
+        taken now, which at the bound waits for older copies (the chunk exists already: gather
+        after taking room to stay under the bound)."""
+        nbytes = chunk.numel() * chunk.element_size()
+        if ticket is None:
+            ticket = self.inflight.take(nbytes)
+        try:
+            handle = self._device.offload_chunk(chunk, slot)
+        except BaseException:
+            self.inflight.give_back(ticket)
+            raise
+        if ticket is None:  # larger than the bound on its own: never left in flight
+            handle.wait()
+        else:
+            self.inflight.bind(ticket, handle)
+        return handle
 
     def restore(
         self,

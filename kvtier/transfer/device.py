@@ -225,7 +225,10 @@ class DeviceMover:
         end.record(copy)
         _record_use(layers, block, gather)
         self._accounts.timing(_DOWN, begin, end, moved, len(slots))
-        return Handle(end, keep=(layers,), direction=_DOWN, device=self.device)
+        # No reference to the L1 buffers: `_record_use` keeps the allocator from reusing them
+        # before the copy is done, and a handle kept for its slot (or by a queued L3 write)
+        # must not keep a released session's whole block alive (see kvtier.transfer.inflight).
+        return Handle(end, direction=_DOWN, device=self.device)
 
     def _offload_cpu(
         self,
@@ -288,8 +291,8 @@ class DeviceMover:
                     self._after(slot, _UP, copy)  # a restore still reading the slot
                     dst.copy_(chunk, non_blocking=True)
                 end.record(copy)
-                chunk.record_stream(copy)
-                handle = Handle(end, keep=(chunk,), direction=_DOWN, device=self.device)
+                chunk.record_stream(copy)  # not reused before the copy is done; no reference
+                handle = Handle(end, direction=_DOWN, device=self.device)
                 self._accounts.timing(_DOWN, begin, end, dst.numel() * dst.element_size(), 1)
             self._slot_copy[slot] = handle
         return handle
@@ -411,9 +414,9 @@ class DeviceMover:
         finally:
             scatter.wait_stream(copy)  # `end` covers every copy issued, even after an error
             end.record(scatter)
-            if l1 is not None:
+            if l1 is not None:  # as for an offload: the allocator, not the handle, keeps L1
                 _record_use(l1[0], l1[1], scatter)
-            handle = Handle(end, keep=l1, direction=_UP, device=self.device)
+            handle = Handle(end, direction=_UP, device=self.device)
             for slot in slots:
                 self._slot_copy[slot] = handle
         self._accounts.timing(_UP, begin, end, moved, len(slots))
