@@ -287,3 +287,40 @@ def test_a_staged_prefix_that_never_reaches_its_pages_fails_its_turn_and_loses_n
         assert _reply(served, again) == _greedy_alone(ref, second, 6)
     finally:
         _close(sched, backend, loop)
+
+
+def test_a_commit_gathers_its_chunks_from_claimed_parked_pages(tmp_path: Path) -> None:
+    """A finished turn's chunks are gathered by its commit, one at a time within the cache's
+    bound of copies in flight, from its parked pages, which nothing frees meanwhile (claimed);
+    once it is done they may go again. Nothing of the turn is gathered up front."""
+    ref, served, firsts, sched, backend, replies = _parked_fleet(
+        "llama", tmp_path, "c", 2, paged_l1=True
+    )
+    loop = asyncio.new_event_loop()
+    seen: list[tuple[str, bool, bool]] = []
+    commit = backend.commit_pages
+
+    def watched(session_id, tenant, ids, start, chunks):  # type: ignore[no-untyped-def]
+        parked = sched._parked.get((tenant, session_id))
+        seen.append(
+            (
+                session_id,
+                parked is not None and parked.claimed,
+                all(callable(c) and not isinstance(c, torch.Tensor) for c in chunks),
+            )
+        )
+        commit(session_id, tenant, ids, start, chunks)
+
+    backend.commit_pages = watched  # type: ignore[method-assign]
+    try:
+        nexts = _next_prompts(firsts, replies, 40)
+        turns = [_restored(sched, loop, _job(f"c{i}", p, 8)) for i, p in enumerate(nexts)]
+        _run_recording_starts(sched, turns)
+        for s in turns:
+            s.done.result(timeout=60)
+        assert sorted(seen) == [("c0", True, True), ("c1", True, True)]
+        assert not any(p.claimed for p in sched._parked.values())  # free to go again
+        for p, s in zip(nexts, turns, strict=True):
+            assert _reply(served, s) == _greedy_alone(ref, p, 8)
+    finally:
+        _close(sched, backend, loop)
