@@ -527,6 +527,14 @@ def main() -> None:
         "a plan per new sequence length, which slows every configuration until warm)",
     )
     ap.add_argument(
+        "--gpu-memory-gb",
+        type=float,
+        default=0.0,
+        help="cap the process at this many GiB of the GPU before anything is allocated, to run "
+        "as a smaller GPU would (0: uncapped; the KV cap below then applies inside it; "
+        "ignored with a note off CUDA). With --concurrent: the same option of that mode",
+    )
+    ap.add_argument(
         "--no-isolate",
         action="store_true",
         help="leave the decode thread unpinned (default: a core of its own, L3 threads elsewhere)",
@@ -537,6 +545,12 @@ def main() -> None:
         print(f"decode thread on CPUs {sorted(cpus[0])}" if cpus else "decode thread unpinned")
     dev = args.device
     set_cudnn_attention(args.cudnn_attention)
+    gpu_cap = ""
+    if args.gpu_memory_gb:  # before anything is allocated: the process runs as that GPU would
+        from fleet_serve import cap_gpu_memory
+
+        gpu_cap = cap_gpu_memory(args.gpu_memory_gb, dev)
+        print(gpu_cap, flush=True)
     shape = args.shape or ("qwen2-7b" if dev.startswith("cuda") else "qwen2-mini")
     dtype = torch.bfloat16 if dev.startswith("cuda") else torch.float32
     model = build(shape, dev, dtype)
@@ -554,11 +568,16 @@ def main() -> None:
         slack = 2 << 30  # allocator rounding and caching
         total = torch.cuda.get_device_properties(0).total_memory
         cap = weights + activations + slack + kv_budget
-        torch.cuda.set_per_process_memory_fraction(cap / total)
-        print(
-            f"GPU cap {cap / 2**30:.1f} GiB = weights {weights / 2**30:.1f} + activations "
-            f"{activations / 2**30:.1f} + slack {slack / 2**30:.1f} + KV {kv_budget / 2**30:.1f}"
+        parts = (
+            f"weights {weights / 2**30:.1f} + activations {activations / 2**30:.1f} + slack "
+            f"{slack / 2**30:.1f} + KV {kv_budget / 2**30:.1f}"
         )
+        if args.gpu_memory_gb and args.gpu_memory_gb * 2**30 < min(cap, total):
+            cap = int(args.gpu_memory_gb * 2**30)  # the smaller GPU's memory is the cap
+            print(f"GPU cap {cap / 2**30:.1f} GiB (--gpu-memory-gb), less than {parts}")
+        else:
+            print(f"GPU cap {cap / 2**30:.1f} GiB = {parts}")
+        torch.cuda.set_per_process_memory_fraction(min(cap / total, 1.0))
     # warm-up: kernels and allocator, outside every measurement
     with torch.no_grad():
         model(torch.tensor([plan[0][0][:512]], device=dev), logits_to_keep=1)
@@ -626,6 +645,7 @@ def main() -> None:
         f"\nAgent fleet — {shape} {dtype}, {args.sessions} sessions x {args.turns} turns "
         f"({attempted} turns), KV cap for {args.fit_sessions} sessions "
         f"({kv_budget / 2**30:.1f} GiB), {torch.cuda.get_device_name() if dev.startswith('cuda') else 'CPU'}"
+        + (f"; {gpu_cap}" if gpu_cap else "")
     )
     hdr = (
         f"{'config':>12} {'turns':>6} {'OOM':>4} {'TTFT p50':>9} {'TTFT p99':>9} "

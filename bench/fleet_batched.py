@@ -12,11 +12,11 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
-from fleet_serve import TENANT, Fleet, Measure, Window, seed, session_name
+from fleet_serve import TENANT, Fleet, Measure, Window, count_sources, seed, session_name
 from stacks import StackSampler
 
 from kvtier.server.batching import BatchScheduler
-from kvtier.server.engine import Delta, Job, Stream
+from kvtier.server.engine import Delta, Job, Started, Stream
 from kvtier.server.model import ServedModel, byte_tokenizer
 
 # ---- (d, e) kvtier batched: the BatchScheduler -------------------------------------------------
@@ -161,6 +161,7 @@ def run_batched(
     # tuples grew by one per token and was walked by every collection that reached it)
     arrivals, counts = array("d"), array("q")
     slot_waits: list[float] = []  # each turn's wait for a generation slot
+    sources: list[str] = []  # returning turns inside the window: where their prefix came from
 
     async def client(sid: int, slots: asyncio.Semaphore) -> None:
         # tuples, as `kvtier serve` keeps a prompt: a real client holds its context in another
@@ -183,6 +184,7 @@ def run_batched(
             submitted = time.perf_counter()
             first = None
             slot_wait = 0.0
+            source = "?"
             text: list[str] = []
             try:
                 async with slots:  # the server's generation slots (Engine: max_concurrency)
@@ -191,6 +193,8 @@ def run_batched(
                     slot_wait = time.perf_counter() - submitted
                     sched.submit(job, stream, submitted)
                     async for ev in stream.events():
+                        if isinstance(ev, Started):  # restored: from which tier
+                            source = ev.source
                         if isinstance(ev, Delta) and ev.text:
                             now = time.perf_counter()
                             first = first if first is not None else now
@@ -205,6 +209,7 @@ def run_batched(
             if first is not None and returning and win.inside(first):
                 m.ttft.append(first - submitted)
                 m.turns += 1
+                sources.append(source)
             ctx = prompt + tuple("".join(text).encode("utf-8"))
 
     async def fleet_main() -> None:
@@ -216,6 +221,7 @@ def run_batched(
         sampler = StackSampler(garbage=bool(getattr(sched_config, "gc_garbage", False)))
 
     stored: list[tuple[dict[str, int], Any]] = []  # the cache's writes at the open, the close
+    resident: list[int] = []  # sessions with K/V in the pool when the window closes
 
     def writes() -> tuple[dict[str, int], Any]:
         return backend.cache.counters.copy().stored, backend.cache.l3.stats()
@@ -227,6 +233,8 @@ def run_batched(
                 stored.append(writes())  # at the window's open
             if win.after is not None and len(stored) == 1:
                 stored.append(writes())  # and at its close
+            if win.after is not None and not resident:
+                resident.append(resident_sessions(sched))
             if sampler is not None and win.opened and not sampler.started:
                 sampler.start()  # the scheduler thread's stacks, inside the window only
             await asyncio.sleep(0.05)
@@ -251,6 +259,9 @@ def run_batched(
     inside = [(s, b, d) for t, s, b, d in log.steps if win.inside(t)]
     m.steps = [s for s, _, _ in inside]
     m.extra["mean_batch"] = sum(b for _, b, _ in inside) / max(len(inside), 1)
+    m.extra["max_batch"] = max((b for _, b, _ in inside), default=0)
+    m.extra["returning_sources"] = count_sources(sources)
+    m.extra["resident_sessions"] = resident[0] if resident else resident_sessions(sched)
     only = [s for s, _, d in inside if d]
     mixed = [s for s, _, d in inside if not d]
     m.extra["decode_only_steps"] = len(only)
@@ -285,6 +296,20 @@ def run_batched(
         }
         m.extra["slowest_sources"] = dict(Counter(p[0] for p in slow))
     return m
+
+
+def resident_sessions(sched: BatchScheduler) -> int:
+    """Sessions whose K/V is in the page pool now: parked between turns or in a running turn
+    (read from another thread: retried if the scheduler changed them meanwhile; -1 if it kept
+    changing them)."""
+    for _ in range(20):
+        try:
+            keys = set(list(sched._parked))
+            keys |= {(s.job.tenant, s.job.session_id) for s in list(sched.running)}
+            return len(keys)
+        except RuntimeError:  # changed size during iteration
+            time.sleep(0.001)
+    return -1
 
 
 def step_tail(log: StepLog, win: Any) -> dict[str, dict[str, float]]:

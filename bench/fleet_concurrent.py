@@ -69,6 +69,16 @@ PoolExhausted), peak GPU memory (`torch.cuda.max_memory_allocated` / `max_memory
 since the configuration started), and cudaMalloc calls inside the window:
 `torch.cuda.memory_stats()["num_device_alloc"]` (the caching allocator's count of cudaMalloc
 calls; `segment.all.allocated`, the segments it created, is kept in the JSON as a cross-check).
+Every kvtier row adds its device bytes beyond the weights, steady (the median of
+`torch.cuda.memory_allocated` sampled every 0.2 s inside the window) and peak (since the
+configuration started), against its budget: with paged L1 the L1 budget itself (page pool, the
+cache's L1 buffers and staging together), without it the cache's L1 and the pool beside it; where
+its returning turns were restored from (l1 / l2 / l3 / recompute); and the sessions with K/V in
+the page pool when the window closes. The hibernate scenario says per kvtier row whether it
+hibernated (`HIBERNATED: yes/no`: most returning turns from L2/L3 where the sessions' K/V, at
+their mean length, exceeds what keeps them between turns), one of its targets.
+`--gpu-memory-gb N` caps the process at N GiB of the GPU before the model is built, to run as a
+smaller GPU would.
 
     python3 bench/agent_fleet.py --concurrent --out DIR              # H200: about 6 minutes
     python3 bench/agent_fleet.py --concurrent --shape qwen2-mini --device cpu --sessions 8 \\
@@ -170,14 +180,15 @@ def run_scenario(args, model, dev: str, scen: str, n: int, fleet_ceiling, fit_st
     per_token = geo.bytes_per_token
     batch = args.sessions if scen == "fit" else args.l1_sessions
     max_ctx = args.context + args.max_growth + 256 + args.decode_tokens
-    l1_bytes = batch * max_ctx * per_token
+    l1_bytes = batch * max_ctx * per_token  # the L1 budget: `batch` contexts of the longest
+    weights = serve.weight_bytes(model)
     l2_bytes = max(int(l1_bytes * args.l2_factor), per_token * 256)
     sched_config = SimpleNamespace(
         max_concurrency=batch,
         batch_tokens=args.batch_tokens,
         decoding_prompt_tokens=args.decoding_prompt_tokens,
         prefill_step=args.prefill_step,
-        batch_kv_bytes=batch * max_ctx * per_token,
+        batch_kv_bytes=l1_bytes,  # the pool of a configuration without paged L1
         isolate_cpus=False,
         stacks=args.stacks,
         gc_garbage=args.gc_garbage,
@@ -185,6 +196,9 @@ def run_scenario(args, model, dev: str, scen: str, n: int, fleet_ceiling, fit_st
     )
     system = min(args.system, args.context // 2)
     ctxs = contexts(n, args.context, system, args.seed)
+    # the sessions' K/V at their mean length (the initial context and half the growth before
+    # a conversation starts over), the system prompt's once (the pages share it)
+    sessions_kv = (system + n * (args.context - system + args.max_growth // 2)) * per_token
     t0 = time.perf_counter()
     bank = build_bank(model, ctxs, system, dev, group=min(batch, 64), chunk=args.prefill_chunk)
     print(f"[{scen}] {n} contexts prefilled in {time.perf_counter() - t0:.1f}s", flush=True)
@@ -223,6 +237,9 @@ def run_scenario(args, model, dev: str, scen: str, n: int, fleet_ceiling, fit_st
         model.set_attn_implementation("sdpa")
         backend = None
         root = tmp / f"{scen}-{name}"
+        budget: int | None = None  # kvtier's device bytes beyond the weights, all of them
+        home = 0  # kvtier: the bytes that keep sessions' K/V between turns (pool or L1)
+        sampler = serve.MemorySampler(dev).start()
         t1 = time.perf_counter()
         try:
             if name == "ceiling":
@@ -238,13 +255,15 @@ def run_scenario(args, model, dev: str, scen: str, n: int, fleet_ceiling, fit_st
                 codec = "int8" if name.endswith("int8") else "native"
                 # paged L1: restores go from L2 straight into the pages, so the cache's L1
                 # holds the transfer engine's staging buffers and little else: two contexts
+                # (one of a budget of two), and the page pool the rest of the L1 budget
                 paged = codec == "native" and name not in (
                     "kvtier-seq",
                     "kvtier-copy",
                     "kvtier-park",
                 )
-                l1 = min(l1_bytes, 2 * max_ctx * per_token) if paged else l1_bytes
+                l1, pool = split_l1(l1_bytes, max_ctx * per_token) if paged else (l1_bytes, 0)
                 backend = serve.tiered_backend(model, root, codec, l1, l2_bytes, args.write_policy)
+                budget, home = l1, l1
                 if name == "kvtier-seq":
                     m = serve.run_sequential(model, fleet, bank, dev, warmup, limit, backend)
                 else:
@@ -260,8 +279,12 @@ def run_scenario(args, model, dev: str, scen: str, n: int, fleet_ceiling, fit_st
                     if name == "kvtier-park":  # finished turns' pages parked in the pool
                         cfg.park_pages = True
                     cfg.paged_l1 = paged
-                    if paged:  # the pool is L1: it takes the rest of the L1 budget
-                        cfg.batch_kv_bytes += l1_bytes - l1
+                    if paged:  # the pool is L1: with the cache's L1, the L1 budget once
+                        cfg.batch_kv_bytes = pool
+                    # without paged L1 the pool is the running turns' working copy beside the
+                    # cache's L1 (which keeps the sessions): the budget is both
+                    budget = l1 + cfg.batch_kv_bytes
+                    home = pool if paged else l1
                     settings = report.variant(name)
                     if "p" in settings:  # prompt tokens of a decoding step
                         cfg.decoding_prompt_tokens = settings["p"]
@@ -288,6 +311,7 @@ def run_scenario(args, model, dev: str, scen: str, n: int, fleet_ceiling, fit_st
             traceback.print_exc()
             m = serve.Measure(name, note=f"failed: {type(exc).__name__}: {str(exc)[:120]}")
         finally:
+            sampler.stop()
             t2 = time.perf_counter()
             if backend is not None:
                 try:
@@ -299,6 +323,10 @@ def run_scenario(args, model, dev: str, scen: str, n: int, fleet_ceiling, fit_st
         if dev.startswith("cuda"):
             m.peak_allocated = torch.cuda.max_memory_allocated()
             m.peak_reserved = torch.cuda.max_memory_reserved()
+        serve.device_memory(m, sampler, weights, budget)
+        if name.startswith("kvtier"):
+            m.extra["sessions_kv_bytes"] = sessions_kv
+            m.extra["home_bytes"] = home  # where sessions stay between turns: pool or L1
         measures.append(m)
         print(
             f"[{scen}] {m.name}: {m.tokens} tokens in a {m.window:.1f}s window, "
@@ -318,6 +346,14 @@ def run_scenario(args, model, dev: str, scen: str, n: int, fleet_ceiling, fit_st
         rows[0]["note"] = f"ceiling at batch {batch}, measured in the fit scenario of this run"
     ours = next((m for m in measures if m.name == "kvtier" and m.steps), None)
     return rows, ceiling, report.pct(ours.steps, 0.5) if ours is not None else None
+
+
+def split_l1(l1_bytes: int, session_bytes: int) -> tuple[int, int]:
+    """A paged configuration's L1 budget, split once: (the cache's L1 with its staging, the page
+    pool). The cache keeps two sessions' worth (its staging buffers and a margin; one of a
+    budget of two), the pool the rest."""
+    l1 = min(2 * session_bytes, l1_bytes // 2)
+    return l1, l1_bytes - l1
 
 
 def bank_rows(bank, n: int):
@@ -456,6 +492,14 @@ def main(argv: list[str] | None = None) -> None:
         help="the scheduler's restore threads, and as many commit threads (0: its default)",
     )
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--gpu-memory-gb",
+        type=float,
+        default=0.0,
+        help="cap the process at this many GiB of the GPU before anything is allocated, to run "
+        "as a smaller GPU would (torch's per-process memory fraction; 0: uncapped; ignored "
+        "with a note off CUDA)",
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if args.hibernate_sessions is None:
@@ -465,12 +509,15 @@ def main(argv: list[str] | None = None) -> None:
     dev = args.device
     cuda = dev.startswith("cuda")
     set_cudnn_attention(False)  # as kvtier serve: cuDNN plans per new length slow every config
+    cap = serve.cap_gpu_memory(args.gpu_memory_gb, dev) if args.gpu_memory_gb else ""
     shape = args.shape or ("qwen2-7b" if cuda else "qwen2-mini")
     dtype = torch.bfloat16 if cuda else torch.float32
     model = build(shape, dev, dtype)
     model.set_attn_implementation("sdpa")
     machine = torch.cuda.get_device_name() if cuda else "CPU"
     print(f"{shape} {dtype} on {machine}, torch {torch.__version__}", flush=True)
+    weights = serve.weight_bytes(model)
+    print(f"weights {weights / 2**30:.2f} GiB" + (f"; {cap}" if cap else ""), flush=True)
     tmp = Path(tempfile.mkdtemp(prefix="kvtier-fleet-conc-"))
     results: dict[str, list[dict]] = {}
     checks: dict[str, list[dict]] = {}
@@ -491,9 +538,12 @@ def main(argv: list[str] | None = None) -> None:
             )
             if scen == "hibernate":
                 title += f", L1 and batch for {args.l1_sessions}"
-            texts.append(
-                report.table(title, rows) + "\ntargets:\n" + report.targets_text(checks[scen])
-            )
+            if cap:
+                title += f"; {cap}"
+            summary = report.table(title, rows)
+            if scen == "hibernate":
+                summary += "\n" + report.hibernation_text(rows)
+            texts.append(summary + "\ntargets:\n" + report.targets_text(checks[scen]))
             print(texts[-1], flush=True)
             if args.out:
                 save(args, args.out, machine, shape, dtype, results, checks, texts)

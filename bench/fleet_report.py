@@ -10,6 +10,8 @@ from typing import Any
 
 from fleet_serve import Measure
 
+from kvtier.humanize import size
+
 GIB = 2**30
 
 
@@ -73,6 +75,8 @@ def table(title: str, rows: list[dict[str, Any]]) -> str:
         )
     lines.append("(times in ms; mallocs: cudaMalloc calls inside the measured window, -1 off CUDA)")
     for r in rows:
+        if "extra_device_budget_bytes" in r and r["config"].startswith("kvtier"):
+            lines.append(f"{r['config']:>14}: {memory_text(r)}")
         if "extra_mixed_steps" in r:
             lines.append(
                 f"{r['config']:>14}: {r['extra_decode_only_steps']} decode-only steps (P50 "
@@ -115,6 +119,66 @@ def table(title: str, rows: list[dict[str, Any]]) -> str:
             lines.append(
                 f"{'':>14}  the slowest 5% of turns, mean by phase (ms): {phases}; from {src}"
             )
+    return "\n".join(lines)
+
+
+def _gib(x: int | None) -> str:
+    if x is None:
+        return "n/a"
+    return f"{x / GIB:.2f} GiB" if abs(x) >= GIB // 4 else size(x)  # a CPU run's: small
+
+
+def _x(x: int | None, budget: int | None) -> str:
+    return "n/a" if x is None or not budget else f"{x / budget:.2f}x"
+
+
+def memory_text(r: dict[str, Any]) -> str:
+    """A kvtier row's device bytes beyond the weights against its budget (steady: the median
+    inside the window; peak: since the configuration started), the restore sources of its
+    returning turns, and the sessions in its page pool at the window's end."""
+    steady, peak = r.get("extra_device_steady_bytes"), r.get("extra_device_peak_bytes")
+    budget = r.get("extra_device_budget_bytes")
+    text = (
+        f"device beyond the weights: steady {_gib(steady)} ({_x(steady, budget)} the budget), "
+        f"peak {_gib(peak)} ({_x(peak, budget)}), budget {_gib(budget)}"
+    )
+    src = r.get("extra_returning_sources")
+    if src is not None:
+        total = sum(src.values())
+        text += f"; {total} returning turns from " + ", ".join(f"{k} {v}" for k, v in src.items())
+    resident = r.get("extra_resident_sessions")
+    if resident is not None:
+        text += f"; {resident} sessions in the pool at the window's end"
+    return text
+
+
+def hibernated(r: dict[str, Any]) -> tuple[bool | None, int, int]:
+    """Whether a kvtier row hibernated: (most of its returning turns restored from L2/L3 (or
+    L4), those turns, all returning turns with a known source). None where its sessions' K/V
+    fits where they stay between turns (its pool, or the cache's L1): nothing had to go."""
+    src = r.get("extra_returning_sources") or {}
+    total = sum(v for k, v in src.items() if k != "?")
+    cold = sum(src.get(k, 0) for k in ("l2", "l3", "l4"))
+    need, home = r.get("extra_sessions_kv_bytes"), r.get("extra_home_bytes")
+    if need is not None and home and need <= home:
+        return None, cold, total
+    return (total > 0 and 2 * cold > total), cold, total
+
+
+def hibernation_text(rows: list[dict[str, Any]]) -> str:
+    """The hibernate scenario's verdict per kvtier row: HIBERNATED: yes/no."""
+    lines = []
+    for r in rows:
+        if not r["config"].startswith("kvtier") or "extra_returning_sources" not in r:
+            continue
+        ok, cold, total = hibernated(r)
+        need, home = r.get("extra_sessions_kv_bytes"), r.get("extra_home_bytes")
+        fit = f"the sessions' K/V {_gib(need)} against {_gib(home)} kept between turns"
+        verdict = "n/a (it all fits)" if ok is None else ("yes" if ok else "no")
+        lines.append(
+            f"{r['config']:>14}: HIBERNATED: {verdict} ({cold} of {total} returning turns "
+            f"from l2/l3; {fit})"
+        )
     return "\n".join(lines)
 
 
@@ -167,6 +231,15 @@ def targets(scenario: str, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             )
         else:
             out.append(_check(f"{name}: 0 OOM", r["oom"] == 0, str(r["oom"])))
+            if "extra_returning_sources" in r:
+                ok, cold, total = hibernated(r)
+                out.append(
+                    _check(
+                        f"{name}: hibernated (most returning turns from L2/L3)",
+                        ok,
+                        f"{cold} of {total}",
+                    )
+                )
             out.append(_check(f"{name}: >= 2,500 tok/s", rate >= 2500, f"{rate:.0f}"))
             p50, p99 = r["ttft_p50"], r["ttft_p99"]
             bad = math.isnan(p50) or math.isnan(p99)

@@ -17,7 +17,10 @@ import heapq
 import inspect
 import itertools
 import random
+import statistics
+import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -74,6 +77,7 @@ class Measure:
     segments: int = -1  # allocator segments created inside the window (cross-check)
     note: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
+    window_at: tuple[float, float] | None = None  # the window's (open, close), perf_counter
 
     def fail(self, exc: BaseException) -> None:
         name = type(exc).__name__
@@ -137,6 +141,7 @@ class Window:
 
     def finish(self, m: Measure) -> None:
         m.window = max(self.close_at - self.open_at, 1e-9)
+        m.window_at = (self.open_at, self.close_at)
         if self.opened and self.before[0] >= 0:
             after = self.after or alloc_counters(self.device)
             m.mallocs = after[0] - self.before[0]
@@ -167,6 +172,100 @@ def segment_pools() -> dict[int, str]:
     return out
 
 
+# ---- device memory: the cap, the weights, what a configuration holds beyond them ---------------
+
+GIB = 2**30
+
+
+def cap_gpu_memory(gib: float, device: str) -> str:
+    """Cap this process's CUDA allocator at `gib` GiB of the device (0: uncapped), as a smaller
+    GPU would hold: `torch.cuda.set_per_process_memory_fraction`, so an allocation past the cap
+    raises out-of-memory. Call it before anything is allocated to run as that GPU; it may be
+    changed later (a bench running several caps). Returns a line for the header. Off CUDA,
+    nothing is capped and the line says so."""
+    if not device.startswith("cuda"):
+        return f"GPU memory cap of {gib:g} GiB ignored: the device is {device}, not a GPU"
+    dev = torch.device(device)
+    if dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    total = torch.cuda.get_device_properties(dev).total_memory
+    if gib <= 0 or gib * GIB >= total:
+        torch.cuda.set_per_process_memory_fraction(1.0, dev)
+        over = f" ({gib:g} GiB asked: more than the device)" if gib > 0 else ""
+        return f"GPU memory uncapped: all {total / GIB:.1f} GiB of the device{over}"
+    fraction = gib * GIB / total
+    torch.cuda.set_per_process_memory_fraction(fraction, dev)
+    return (
+        f"GPU memory capped at {gib:g} GiB ({fraction:.3f} of the device's {total / GIB:.1f} "
+        "GiB; torch's allocator refuses more)"
+    )
+
+
+def weight_bytes(model) -> int:
+    """The model's resident bytes: its parameters and buffers (the rotary tables)."""
+    tensors = itertools.chain(model.parameters(), model.buffers())
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+class MemorySampler:
+    """`torch.cuda.memory_allocated()` every `period` seconds from a thread, with the time:
+    the median inside a configuration's window is its steady device memory. Off CUDA it takes
+    no samples."""
+
+    def __init__(self, device: str, period: float = 0.2) -> None:
+        self.cuda = device.startswith("cuda")
+        self.period = period
+        # the device's index, resolved here: the thread then reads the allocator's host-side
+        # counters alone, no CUDA call (it runs while the scheduler captures its CUDA graphs)
+        index = torch.device(device).index if self.cuda else None
+        self.index = torch.cuda.current_device() if self.cuda and index is None else index
+        self.samples: list[tuple[float, int]] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> MemorySampler:
+        if self.cuda:
+            self._thread = threading.Thread(target=self._run, name="memory-sampler", daemon=True)
+            self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while True:
+            self.samples.append((time.perf_counter(), int(torch.cuda.memory_allocated(self.index))))
+            if self._stop.wait(self.period):
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def median(self, window: tuple[float, float] | None) -> int | None:
+        """The median sample inside `window` (all of them without one, or none inside); None
+        without samples."""
+        inside = [b for t, b in self.samples if window is None or window[0] <= t < window[1]]
+        chosen = inside or [b for _, b in self.samples]
+        return int(statistics.median(chosen)) if chosen else None
+
+
+def device_memory(m: Measure, sampler: MemorySampler, weights: int, budget: int | None) -> None:
+    """Put into `m.extra` the device bytes the configuration held beyond the weights: steady
+    (the median sample inside its window) and peak (`max_memory_allocated` since the peak was
+    reset at its start), and its budget; None off CUDA (the report prints n/a)."""
+    steady = sampler.median(m.window_at) if sampler.cuda else None
+    peak = int(torch.cuda.max_memory_allocated()) if sampler.cuda else None
+    m.extra["device_steady_bytes"] = None if steady is None else steady - weights
+    m.extra["device_peak_bytes"] = None if peak is None else peak - weights
+    m.extra["device_budget_bytes"] = budget
+
+
+def count_sources(sources: list[str]) -> dict[str, int]:
+    """Restore sources of returning turns, every tier named (l1, l2, l3, recompute, l4 seen)."""
+    seen = Counter(sources)
+    out = {k: seen.pop(k, 0) for k in ("l1", "l2", "l3", "recompute")}
+    return {**out, **dict(seen)}
+
+
 def bank_layers(bank: list[tuple[torch.Tensor, torch.Tensor]], sid: int, start: int, device: str):
     """Session `sid`'s initial K/V from token `start` on, per layer `[1, kv_heads, n, dim]`."""
     return [
@@ -178,17 +277,29 @@ def bank_layers(bank: list[tuple[torch.Tensor, torch.Tensor]], sid: int, start: 
 # ---- (a) the ceiling -------------------------------------------------------------------------
 
 
-def run_ceiling(model, fleet: Fleet, bank, device: str, warmup: float, limit: float) -> Measure:
+def run_ceiling(
+    model,
+    fleet: Fleet,
+    bank,
+    device: str,
+    warmup: float,
+    limit: float,
+    cache: Any = None,
+    name: str = "ceiling",
+) -> Measure:
     """All sessions in one batched DynamicCache (all KV resident), in lockstep: every round
     appends the same number of tokens to every session (no padding), then decodes `decode`
-    tokens in one forward per step. Think time is skipped: this is the upper bound."""
-    m = Measure("ceiling")
+    tokens in one forward per step. Think time is skipped: this is the upper bound. `cache`:
+    a DynamicCache already holding the sessions' initial contexts (then `bank` is not read;
+    the caller keeps it, bench/small_gpu.py grows it further)."""
+    m = Measure(name)
     n = len(fleet.contexts)
     initial = len(fleet.contexts[0])
-    cache = DynamicCache(config=model.config)
     with torch.no_grad():
-        for i, (k, v) in enumerate(bank):
-            cache.update(k.to(device), v.to(device), i)
+        if cache is None:
+            cache = DynamicCache(config=model.config)
+            for i, (k, v) in enumerate(bank):
+                cache.update(k.to(device), v.to(device), i)
         sync(device)
         win = Window(device, warmup, limit)
         turn = 1
@@ -376,6 +487,7 @@ def run_sequential(
     win = Window(device, warmup, limit)
     ready = [(win.t0 + fleet.think_s(s, 1), s) for s in range(n)]
     heapq.heapify(ready)
+    sources: list[str] = []  # returning turns inside the window: where their prefix came from
     with torch.no_grad():
         while not win.over():
             win.poll()
@@ -396,6 +508,7 @@ def run_sequential(
             ids = torch.tensor([prompt], device=device)
             try:
                 kv = s.restore(ids)
+                source = str(s.restore_source)
                 past = int(kv.get_seq_length())
                 logits = model(ids[:, past:], logits_to_keep=1, **{kw: kv}).logits
                 tok = logits[:, -1:].argmax(-1)
@@ -425,7 +538,9 @@ def run_sequential(
             if win.inside(t1) and returning:
                 m.ttft.append(t1 - at)
                 m.turns += 1
+                sources.append(source)
             ctx[sid] = prompt + reply
             heapq.heappush(ready, (time.perf_counter() + fleet.think_s(sid, turn[sid]), sid))
     win.finish(m)
+    m.extra["returning_sources"] = count_sources(sources)
     return m

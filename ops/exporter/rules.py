@@ -71,8 +71,7 @@ EXPRESSIONS: dict[str, str] = {
         "kvtier_torch_inactive_split_bytes > {floor}"
     ),
     th.GPU_BUDGET.alert: (
-        "kvtier_gpu_memory_process_bytes\n"
-        "/ (kvtier_gpu_memory_budget_bytes > 0) > {value}"
+        "kvtier_gpu_memory_process_bytes\n/ (kvtier_gpu_memory_budget_bytes > 0) > {value}"
     ),
     # `or` matches label sets without the metric name: one alert when both hold. The breaker
     # goes half open (1) between probes while Redis stays down; `up` keeps the alert held then.

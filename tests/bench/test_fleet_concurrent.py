@@ -35,12 +35,14 @@ def test_concurrent_fleet_cpu_smoke(tmp_path: Path) -> None:
         "--hibernate-configs", "ceiling,kvtier-seq,kvtier,kvtier-int8,kvtier-b4-p8",
         "--time-limit", "3",
         "--warmup", "0.5",
+        "--gpu-memory-gb", "24",
         "--out", str(out),
     ]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "targets:" in proc.stdout
+    assert "GPU memory cap of 24 GiB ignored: the device is cpu" in proc.stdout
     assert "seeding" in proc.stdout  # where each configuration's time went besides its window
     data = json.loads((out / "fleet_concurrent.json").read_text())
     assert (out / "fleet_concurrent.png").stat().st_size > 0
@@ -79,5 +81,21 @@ def test_concurrent_fleet_cpu_smoke(tmp_path: Path) -> None:
         assert not hib[name]["note"].startswith("failed"), hib[name]
         assert hib[name]["tokens"] > 0, hib[name]
     assert any(c["target"].startswith("kvtier-b4-p8:") for c in data["targets"]["hibernate"])
+    # the L1 budget sized once: a paged configuration's page pool and cache L1 together are the
+    # budget (2 contexts of the longest, 128 + 512 + 256 + 4 tokens, 4,096 bytes a token)
+    budget = 2 * (128 + 512 + 256 + 4) * 4096
+    assert hib["kvtier"]["extra_device_budget_bytes"] == budget, hib["kvtier"]
+    assert hib["kvtier-int8"]["extra_device_budget_bytes"] == 2 * budget  # the pool beside L1
+    for name in ("kvtier-seq", "kvtier", "kvtier-int8", "kvtier-b4-p8"):
+        row = hib[name]  # device bytes n/a on the CPU; the returning turns' sources counted
+        assert row["extra_device_steady_bytes"] is None, row
+        assert row["extra_device_peak_bytes"] is None, row
+        sources = row["extra_returning_sources"]
+        assert {"l1", "l2", "l3", "recompute"} <= set(sources), sources
+        assert sum(sources.values()) == row["returning_turns"], row
+    assert hib["kvtier"]["extra_resident_sessions"] >= 0
+    assert "device beyond the weights: steady n/a" in proc.stdout
+    assert "HIBERNATED: " in proc.stdout
+    assert any(c["target"].startswith("kvtier: hibernated") for c in data["targets"]["hibernate"])
     states = {c["state"] for scen in data["targets"].values() for c in scen}
     assert states <= {"met", "missed", "n/a"} and states

@@ -16,7 +16,6 @@ from ops.kvtop import metrics
 from ops.kvtop.metrics import Scrape
 from ops.kvtop.model import PLAN_PARTS, Model, Options, build, gpu_plan, parse_sessions
 
-
 PLAN_FAMILIES = (
     "kvtier_gpu_memory_bytes",
     "kvtier_gpu_memory_budget_bytes",
