@@ -35,8 +35,10 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
-from bench.models import SHAPES  # noqa: E402
+from models import SHAPES  # noqa: E402
+
 from kvtier.loadgen import LoadConfig, run  # noqa: E402
 
 BYTE_VOCAB = 257  # the built-in byte tokenizer: 256 bytes and the end token (id 256)

@@ -71,6 +71,7 @@ import sys
 import tempfile
 import time
 import traceback
+import types
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -270,7 +271,6 @@ def make_plan(model, args, device: str, cap: float, slots: int, per_token: int, 
     committed from the host), where the server's warm-up needs less. Off CUDA the activations
     are the offline estimate and the "device" is sized so that the pool holds
     `--cpu-pool-sessions` of the longest contexts."""
-    from kvtier.paged.graphs import default_buckets
 
     cfg = model.config
     dtype = next(model.parameters()).dtype
@@ -280,13 +280,15 @@ def make_plan(model, args, device: str, cap: float, slots: int, per_token: int, 
     geo = KVGeometry.from_config(cfg, dtype=str(dtype).split(".")[-1])
     staging = memplan.staging_estimate(geo.chunk_bytes(args.chunk_tokens), lossless=True)
     l1 = staging + per_token * (args.context + 4 * args.chunk_tokens)
-    rows = [min(b, slots) for b in default_buckets(slots, batch_tokens)]
     if device.startswith("cuda"):
         release(device)
         weights = int(torch.cuda.memory_allocated())
         batch = _profile(model, batch_tokens, slots, device)
-        activations = max(batch, _profile(model, args.prefill_step, args.prefill_step, device))
-        graphs = memplan.graph_estimate(batch, rows, vocab, element)
+        activations = max(batch, _profile(model, args.prefill_step, 1, device))
+        # measured as the server measures them: the step captured once over a tiny pool
+        shape = types.SimpleNamespace(max_concurrency=slots, batch_tokens=batch_tokens)
+        graphs, eager = memplan.profile_graphs(model, geo, dtype, shape, max_ctx)
+        activations = max(activations, eager)
         release(device)
         total = cap_bytes(cap, device)
     else:

@@ -470,7 +470,9 @@ class Engine:
             self._peak("batch_first_steps")
             before = torch.cuda.memory_reserved(device)
             sizes = sched.runner.capture_graphs()
-            # the graphs' one shared pool, measured (the plan estimated it)
+            torch.cuda.synchronize(device)
+            torch.cuda.empty_cache()  # the capture's eager passes cached blocks on a side stream
+            # the graphs' one shared pool, measured (the plan measured a capture like it)
             graphs = torch.cuda.memory_reserved(device) - before
             self._peak("graph_capture")
             if self.plan is not None:

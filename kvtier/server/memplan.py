@@ -51,9 +51,9 @@ _STAGES = 4
 # Copies in flight the cache may hold on the device besides the staging buffers, as a
 # multiple of them (the cache bounds its own; this is the share the plan sets aside).
 INFLIGHT_STAGINGS = 1
-# Tokens of the L1 room the server's warm-up needs (a stored prompt, a suffix and a chunk of
-# slack): the cache's L1 with paged L1 holds nothing else between turns.
-WARM_UP_L1_TOKENS = 1024 + 32 + 256
+# Tokens of the L1 room the server's warm-up needs (its measured prefill of 2,048 tokens and a
+# suffix, rounded up to whole chunks): with paged L1 the cache's L1 holds nothing else.
+WARM_UP_L1_TOKENS = 2048 + 32 + 256 + 224  # its prefill prompt and suffix, in whole chunks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -242,7 +242,6 @@ def build_plan(served: Any, config: Any) -> DeviceMemoryPlan | None:
     None on the CPU, and for a model placed across devices (each device's share is planned by
     its failover, kvtier.server.failover)."""
     from kvtier.geometry import KVGeometry
-    from kvtier.paged.graphs import default_buckets
 
     device = served.device
     if device.type != "cuda" or served.devices is not None:
@@ -254,18 +253,22 @@ def build_plan(served: Any, config: Any) -> DeviceMemoryPlan | None:
     per_token = geometry.num_layers * 2 * geometry.num_kv_heads * geometry.head_dim * element
     max_batch = int(config.max_concurrency)
     batch_tokens = max(int(config.batch_tokens), max_batch)
-    vocab = int(model.get_input_embeddings().num_embeddings)
     torch.cuda.synchronize(device)
     weights = int(torch.cuda.memory_allocated(device))
     # the largest step: the batch's (its kept rows' logits), or a session's prefill forward
     # through the cache (every prompt token's logits)
     batch = profile_activations(model, batch_tokens, max_batch, device)
+    # a session's forward through the cache (the warm-up; requests with batching off) keeps
+    # its last token's logits alone
     step = int(config.prefill_step)
-    activations = max(batch, profile_activations(model, step, step, device))
+    activations = max(batch, profile_activations(model, step, 1, device))
     graphs = 0
     if config.batching and config.cuda_graphs:
-        rows = [min(b, max_batch) for b in default_buckets(max_batch, batch_tokens)]
-        graphs = graph_estimate(batch, rows, vocab, element)
+        # measured: the step captured once over a pool of two pages, then freed (the graphs'
+        # memory does not depend on the pool's size); the estimate missed it 5x on a 7B model
+        # (the rows kernel's split buffers of every bucket)
+        graphs, eager = profile_graphs(model, geometry, dtype, config, int(served.context_tokens))
+        activations = max(activations, eager)
     chunk = geometry.chunk_bytes(int(config.chunk_tokens))
     staging = staging_estimate(chunk, lossless=str(config.codec) == "native")
     total = int(torch.cuda.get_device_properties(device).total_memory)
@@ -292,6 +295,54 @@ def planned_config(config: Any, plan: DeviceMemoryPlan | None) -> Any:
     if plan is None:
         return config
     return dataclasses.replace(config, l1_bytes=plan.l1_bytes, batch_kv_bytes=plan.pool)
+
+
+def profile_graphs(
+    model: Any, geometry: Any, dtype: torch.dtype, config: Any, max_seq_len: int
+) -> tuple[int, int]:
+    """(graphs, eager): the bytes the batched step's CUDA graphs keep (every bucket captured
+    into its one pool, with the runner's fixed buffers), and the peak of an eager step at the
+    largest bucket over them, measured by capturing the step once over a pool of two pages and
+    freeing it all again. The model's attention implementation is put back."""
+    import gc
+
+    from kvtier.paged import BatchRunner, PagePool
+    from kvtier.server.batching import page_size
+
+    device = next(model.parameters()).device
+    previous = model.config._attn_implementation
+    size = page_size(device, dtype)
+    max_batch = int(config.max_concurrency)
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_reserved(device)
+    pool = PagePool(
+        geometry, 2 * size * geometry.bytes_per_token, page_size=size, device=device, dtype=dtype
+    )
+    torch.cuda.reset_peak_memory_stats(device)
+    start = torch.cuda.memory_allocated(device)
+    try:
+        runner = BatchRunner(
+            model,
+            pool,
+            max_batch=max_batch,
+            max_tokens=max(int(config.batch_tokens), max_batch),
+            max_seq_len=max_seq_len,
+        )
+        runner.capture_graphs()
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()  # what the side stream's eager passes cached goes back
+        graphs = torch.cuda.memory_reserved(device) - base - pool.num_pages * pool.page_bytes
+        # the first bucket's eager passes ran before any graph held memory
+        eager = max(0, torch.cuda.max_memory_allocated(device) - start - graphs)
+        del runner
+    finally:
+        del pool
+        gc.collect()
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        model.set_attn_implementation(previous)
+    return max(0, int(graphs)), int(eager)
 
 
 def take_peak(device: torch.device) -> int:

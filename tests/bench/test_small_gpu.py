@@ -119,7 +119,8 @@ def test_small_gpu_cpu_smoke(tmp_path: Path) -> None:
             assert r["peak_bytes"] is None and r["extra_device_steady_bytes"] is None  # CPU
             assert sum(r["extra_returning_sources"].values()) == r["returning_turns"], r
             assert r["extra_resident_sessions"] >= 0 and r["elapsed_s"] > 0, r
-        assert rows["kvtier 8 think"]["think_s"][1] > rows["kvtier 4"]["think_s"][1]
+        lo, hi = rows["kvtier 8 think"]["think_s"]  # derived from the 4 sessions' step
+        assert lo > 0 and hi == pytest.approx(lo * 1.25 / 0.75)
         targets = {c["target"]: c["state"] for c in cap["targets"]}
         assert targets["kvtier: 0 OOM at 8 sessions, peak under the cap"] == "met"
         assert targets["kvtier at 0 OOM serves >= 2x the sessions all-on-GPU can"] == "met"

@@ -15,7 +15,13 @@ from kvtier.cli.plan import command as plan_command
 from kvtier.errors import ConfigError
 from kvtier.geometry import KVGeometry
 from kvtier.server.config import DEFAULT_L1_BYTES, ServerConfig
-from kvtier.server.memplan import PARTS, offline_plan, plan_memory, planned_config
+from kvtier.server.memplan import (
+    PARTS,
+    WARM_UP_L1_TOKENS,
+    offline_plan,
+    plan_memory,
+    planned_config,
+)
 
 GiB = 2**30
 MiB = 2**20
@@ -45,7 +51,8 @@ def test_parts_fill_the_budget_and_the_pool_gets_what_is_left() -> None:
     assert sum(parts.values()) == plan.budget_bytes == int(24 * GiB * 0.9)
     assert all(v >= 0 for v in parts.values())
     # L1 with paged L1 is the staging plus the warm-up's room, not a share of the device
-    assert plan.l1_bytes == plan.staging + 57344 * (1024 + 32 + 256)
+    assert plan.l1_bytes == plan.staging + 57344 * WARM_UP_L1_TOKENS
+    assert WARM_UP_L1_TOKENS % 256 == 0 and WARM_UP_L1_TOKENS >= 2048 + 32
     assert plan.inflight == plan.staging  # copies in flight: as much again as the staging
     fixed = sum(parts[p] for p in PARTS if p not in ("pool", "headroom"))
     assert plan.pool == plan.budget_bytes - fixed - plan.headroom
