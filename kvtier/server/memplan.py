@@ -220,17 +220,25 @@ def plan_memory(
 def profile_activations(model: Any, tokens: int, logits_rows: int, device: torch.device) -> int:
     """The peak bytes one forward of `tokens` tokens adds over what is resident (vLLM's profile
     run): a plain forward without a cache, keeping `logits_rows` rows of logits. CUDA only."""
+    from kvtier.paged import ATTN_NAME
+
     vocab = int(model.get_input_embeddings().num_embeddings)
     ids = (torch.arange(tokens, device=device) % vocab).unsqueeze(0)
-    torch.cuda.synchronize(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    base = torch.cuda.memory_allocated(device)
-    with torch.inference_mode():
-        out = model(input_ids=ids, use_cache=False, logits_to_keep=max(1, logits_rows))
-        out.logits.float()  # the sampler's upcast of the kept rows
-    torch.cuda.synchronize(device)
-    peak = torch.cuda.max_memory_allocated(device) - base
-    del out, ids
+    previous = model.config._attn_implementation
+    if previous == ATTN_NAME:  # a batch runner took the model over: profile the plain path
+        model.set_attn_implementation("sdpa")
+    try:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        with torch.inference_mode():
+            out = model(input_ids=ids, use_cache=False, logits_to_keep=max(1, logits_rows))
+            out.logits.float()  # the sampler's upcast of the kept rows
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device) - base
+        del out, ids
+    finally:
+        model.set_attn_implementation(previous)
     return int(peak)
 
 
