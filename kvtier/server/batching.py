@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import functools
 import logging
 import os
 import sys
@@ -915,7 +914,6 @@ class BatchScheduler(Stepping):
             if rest:
                 self._post(s, Delta(rest))
         fed = s.fed
-        table = s.paged
         try:
             if self.paged_l1:
                 new: Any = self._chunks_out(s)
@@ -925,36 +923,22 @@ class BatchScheduler(Stepping):
             self._fail(s, exc)
             return
         if reason == "cancelled" or not self._park(s):  # a client gone: its L1 is freed too
-            if new is not None and self.paged_l1:  # its pages go now: gather them first
-                new = (new[0], [gather() for gather in new[1]])
             self._release(s)
-        elif new is not None and self.paged_l1:
-            # parked: the commit gathers its chunks from the pages one at a time, within the
-            # cache's bound of copies in flight, and nothing frees them until it is done
-            parked = self._parked[(s.job.tenant, s.job.session_id)]
-            assert parked.table is table
-            with self._cond:
-                parked.claimed = True
-            s.committing = parked
         self._deliver()  # its deltas reach the client before Finished
         self._commits.submit(self._commit, s, reason, fed, new)
 
-    def _chunks_out(self, s: _Seq) -> tuple[int, list[Callable[[], torch.Tensor]]] | None:
+    def _chunks_out(self, s: _Seq) -> tuple[int, list[torch.Tensor]] | None:
         """Paged L1: the chunks a finished turn's commit stores, from the one its restored
-        prefix ends in to its last fed token, each as a function that gathers it from the pages
-        in the chunk layout (`[layer, k|v, token, head, dim]`): (first token, gathers). The
-        pages must stay until they are called. None from an int8 pool."""
+        prefix ends in to its last fed token, each gathered from the pages in the chunk layout
+        (`[layer, k|v, token, head, dim]`): (first token, chunks). None from an int8 pool."""
         if s.paged is None or self.pool.quantized:
             return None
         assert s.restored is not None
         C = self.chunk_tokens
         start = s.restored.covered // C * C
         end = s.paged.length
-        pages = list(s.paged.pages)
-        gather = self.pool.gather
-        return start, [
-            functools.partial(gather, pages, a, min(a + C, end)) for a in range(start, end, C)
-        ]
+        pages = s.paged.pages
+        return start, [self.pool.gather(pages, a, min(a + C, end)) for a in range(start, end, C)]
 
     def _commit(self, s: _Seq, reason: str, fed: int, new: Any) -> None:
         job, backend = s.job, self.backend
@@ -982,10 +966,8 @@ class BatchScheduler(Stepping):
             elif reason == "cancelled":
                 backend.hibernate(job.session_id, job.tenant)  # the client went away: free its L1
         except BaseException as exc:
-            self._uncommitting(s)
             self._abort(s, exc)
             return
-        self._uncommitting(s)
         total = len(job.prompt_ids)
         if not job.internal:
             self._count("completion_tokens", len(s.reply.ids))
@@ -995,13 +977,6 @@ class BatchScheduler(Stepping):
             Finished(reason, total, len(s.reply.ids), s.restored.covered, s.restored.source)
         )
         s.done.set_result(None)
-
-    def _uncommitting(self, s: _Seq) -> None:
-        """The commit read its chunks from its parked pages: they may be freed again."""
-        if s.committing is not None:
-            with self._cond:
-                s.committing.claimed = False
-            s.committing = None
 
     def _fail(self, s: _Seq, exc: BaseException) -> None:
         """The request fails: free its pages, and abort its session off this thread."""

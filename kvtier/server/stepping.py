@@ -61,9 +61,6 @@ class _Seq:
     # tokens while it waits after a preemption
     held: Any = None
     holds_l1: bool = False  # restored into L1, and L1 not yet released (see `_release_l1`)
-    # paged L1: the parked table a finished turn's commit gathers its chunks from, claimed
-    # until the commit is done (`_chunks_out`)
-    committing: Any = None
     spilled: torch.Tensor | None = None
     # paged L1: the copies of its staged prefix into its pages (a transfer Handle) while they
     # run; it joins no step until they are done
