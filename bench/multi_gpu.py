@@ -42,7 +42,8 @@ from kvtier.paged import PagedSequence
 from kvtier.paged.sharded import ShardedPagePool
 from kvtier.placement import Placement, parse_devices
 from kvtier.server.backend import RecomputeBackend, TieredBackend
-from kvtier.server.batching import BatchScheduler, page_size
+from kvtier.server.batching import BatchScheduler
+from kvtier.server.memplan import page_size
 from kvtier.server.config import ServerConfig
 from kvtier.server.engine import Delta, Finished, Job, Stream
 from kvtier.server.failover import place

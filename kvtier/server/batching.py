@@ -38,14 +38,13 @@ never stall the batch.
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
 import logging
 import os
 import sys
 import threading
 import time
 from array import array
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -55,27 +54,24 @@ from kvtier.cache.restore import StagedPrefix, common_prefix
 from kvtier.errors import KvtierError, L1BudgetExceeded
 from kvtier.geometry import KVGeometry
 from kvtier.paged import BatchRunner, PagedSequence, PagePool
-from kvtier.paged.attention import VARLEN_PAGE, varlen_block_table_supported
 from kvtier.server.backend import Backend, PagedBackend, RecomputeBackend, Restored
 from kvtier.server.engine import ContextExceeded, Delta, Failed, Finished, Job, Started, Stream
 from kvtier.server.eventpost import EventPost
 from kvtier.server.failover import make_pool
 from kvtier.server.lookahead import TokenReadback
+from kvtier.server.memplan import page_size, pool_bytes
 from kvtier.server.model import ServedModel
 from kvtier.server.pagecopy import append_kv, copy_in, copy_out
-from kvtier.server.pageshare import PrefixPages, page_keys
+from kvtier.server.parking import PageTables, Parked
 from kvtier.server.sampling import ReplyText, make_generator
 from kvtier.server.stepping import Stepping, _Pending, _Seq
 from kvtier.server.turntrace import TurnTrace
 from kvtier.tiers import l3_io
-from kvtier.types import RestoreSource
 
 log = logging.getLogger("kvtier.server")
 
-PAGE_SIZE = 16  # tokens per KV page (CPU, or where FlashAttention's varlen cannot run)
 DEFAULT_BATCH_TOKENS = 1024
 DEFAULT_DECODING_PROMPT_TOKENS = 192
-_CPU_POOL_CAP = 2**30  # an automatic pool on the CPU takes at most this many bytes
 # The interpreter's GIL switch interval while a scheduler runs (Python's default: 5 ms). Every
 # torch call of the scheduler thread releases the GIL and takes it back, and the restore,
 # commit and event-loop threads run Python meanwhile: at 5 ms one step's dozen calls could wait
@@ -98,36 +94,6 @@ def _in_l1(restored: Restored) -> bool:
     """Whether a restore holds its session in the cache's L1 until released: not a staged
     prefix (paged L1: it waits in L2), nor nothing at all."""
     return restored.kv is not None and not isinstance(restored.kv, StagedPrefix)
-
-
-@dataclasses.dataclass(eq=False)
-class _Parked:
-    """A finished turn's pages, kept in the pool for its session's next turn (`park_pages`)."""
-
-    table: PagedSequence  # `length`: the tokens whose K/V the pages hold
-    tokens: array[int]  # those tokens' ids
-    claimed: bool = False  # paged L1: a restored turn of the session starts from them
-
-
-def pool_bytes(served: ServedModel, config: Any, per_token: int) -> int:
-    """The page pool's byte budget: `batch_kv_bytes`, or room for `max_concurrency` full contexts
-    (at most half the free GPU memory on CUDA, 1 GiB on the CPU)."""
-    given = int(getattr(config, "batch_kv_bytes", 0) or 0)
-    if given:
-        return given
-    want = int(config.max_concurrency) * int(served.context_tokens) * per_token
-    device = served.device
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return max(per_token * VARLEN_PAGE, min(want, free // 2))
-    return min(want, _CPU_POOL_CAP)
-
-
-def page_size(device: torch.device, dtype: torch.dtype) -> int:
-    """Pages of 256 tokens where torch's varlen FlashAttention can read them (CUDA, fp16/bf16):
-    it then runs steps that mix prompt chunks and decode tokens in one call; else 16."""
-    flash = device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
-    return VARLEN_PAGE if flash and varlen_block_table_supported() else PAGE_SIZE
 
 
 class BatchScheduler(Stepping):
@@ -204,7 +170,6 @@ class BatchScheduler(Stepping):
         # where L2/L3 hold approximate K/V (an int8 or fp8 codec): a session restored from L1
         # would then read another's approximate prefix instead of its own exact one.
         self.share_prefixes = str(getattr(config, "codec", "native")) == "native"
-        self._prefixes = PrefixPages(self.pool)
         # Parked pages (`park_pages`): a finished turn's pages stay in the pool as its
         # session's, least recently parked first out, while nothing else needs them; the next
         # turn of that session, restored from L1, starts from them instead of a copy of its
@@ -224,8 +189,14 @@ class BatchScheduler(Stepping):
         self.paged_l1 = self._paged is not None
         self.park_pages = self.park_pages or self.paged_l1
         self.chunk_tokens = int(getattr(config, "chunk_tokens", 256))
-        self._parked: OrderedDict[tuple[str, str], _Parked] = OrderedDict()
-        self._state_pool: PagePool | None = self.pool  # the pool the two above belong to
+        self.tables = PageTables(
+            lambda: self.pool,
+            self._cond,
+            lambda key: self._commits.submit(self._pages_dropped, key),
+            park=self.park_pages,
+            share=self.share_prefixes,
+            paged_l1=self.paged_l1,
+        )
         self.parked_turns = 0  # turns admitted from their session's parked pages
         self._dropping: list[tuple[str, str]] = []  # parked tables to free (`drop_parked`)
         self._iterations = 0  # scheduler iterations, for the pool's gauges
@@ -310,7 +281,7 @@ class BatchScheduler(Stepping):
         s.cached = s.restored.covered
         if self.share_prefixes and s.cached >= self.pool.page_size:
             # the prefix's page keys (a hash per page) here, not on the scheduler's thread
-            self._page_keys(s)
+            self.tables.page_keys(s)
         s.trace.restored = time.perf_counter()
         s.stream.put(Started(s.restored.source, s.cached, len(job.prompt_ids)))
         with self._cond:
@@ -368,8 +339,8 @@ class BatchScheduler(Stepping):
         job = s.job
         key = (job.tenant, job.session_id)
         with self._cond:
-            p = self._parked.get(key)
-            if p is None or p.claimed or self._state_pool is not self.pool:
+            p = self.tables.parked.get(key)
+            if p is None or p.claimed or self.tables.stale:
                 return None
             if key in self._dropping:  # to be freed (an admin's hibernate): not L1 any more
                 return None
@@ -449,8 +420,8 @@ class BatchScheduler(Stepping):
         except BaseException as exc:
             return exc
         handle.wait_stream()
-        if self._sharing() and s.paged is not None and not s.gone:
-            self._index().register(self._page_keys(s), s.paged)
+        if s.paged is not None and not s.gone:
+            self.tables.register(s, s.paged)
         return None
 
     # ---- the scheduler thread -----------------------------------------------------------------
@@ -473,11 +444,7 @@ class BatchScheduler(Stepping):
                 self.waiting.extend(self._arrived)
                 self._arrived.clear()
                 dropping, self._dropping = self._dropping, []
-                for key in dropping:
-                    p = self._parking().get(key)
-                    if p is not None and not p.claimed:
-                        del self._parked[key]
-                        self._free_table(p.table)
+                self.tables.drop(dropping)
                 if self._closed and not (self.waiting or self.running or self._pending):
                     if self._restoring == 0:
                         return
@@ -535,7 +502,7 @@ class BatchScheduler(Stepping):
         if pages is None:
             return
         pool = self.pool
-        parked = len({p for t in self._parked.values() for p in t.table.pages})
+        parked = self.tables.pages()
         pages(parked, pool.num_free, pool.num_pages, pool.page_bytes)
 
     def _post(self, s: _Seq, event: Any) -> None:
@@ -594,16 +561,16 @@ class BatchScheduler(Stepping):
                 self.waiting.popleft()
                 self._fail(s, self._too_long(len(s.tokens)))
                 continue
-            own = self._own_pages(s)
+            own = self.tables.own_pages(s)
             if s.held is not None and own is None:  # a device failover rebuilt the pool
                 self.waiting.popleft()
                 self._fail(s, KvtierError("the session's K/V pages were lost; send it again"))
                 continue
-            want, shared = self._pages_wanted(s, own)  # shared: held already, no free page
+            want, shared = self.tables.pages_wanted(s, own, bool(self.running))  # shared: held
             if want > pool.num_free - need:  # the decoders' new pages come first
                 if not self._unpark(want - (pool.num_free - need), keep=own):
                     break  # the pool is full: it waits for a sequence to finish
-                want, shared = self._pages_wanted(s, own)  # unparking may have freed them
+                want, shared = self.tables.pages_wanted(s, own, bool(self.running))  # freed?
                 if want > pool.num_free - need:
                     break
             self.waiting.popleft()
@@ -655,16 +622,17 @@ class BatchScheduler(Stepping):
             "it, or raise batch_kv_bytes (or turn batching off)"
         )
 
-    def _admit(self, s: _Seq, shared: list[int] | None = None, own: _Parked | None = None) -> bool:
+    def _admit(self, s: _Seq, shared: list[int] | None = None, own: Parked | None = None) -> bool:
         """Give a waiting sequence pages for all its known tokens and copy in its cached K/V;
-        `shared` (from `_shareable`) are full pages of its cached prefix that it shares; `own`
-        (from `_own_pages`) its session's parked pages, which hold that K/V already."""
+        `shared` (from `PageTables.shareable`) are full pages of its cached prefix that it
+        shares; `own` (from `PageTables.own_pages`) its session's parked pages, which hold that
+        K/V already."""
         s.trace.admitting(self.pool.device)
-        stale = self._parking().pop((s.job.tenant, s.job.session_id), None)
+        stale = self.tables.current().pop((s.job.tenant, s.job.session_id), None)
         if own is not None:
             assert stale is own
             seq, stale = own.table, None
-            self._trim(seq, s.cached)
+            self.tables.trim(seq, s.cached)
             s.held = None
             self.parked_turns += 1
             self._count("parked_turns")
@@ -676,7 +644,7 @@ class BatchScheduler(Stepping):
         ok = self.pool.reserve(seq, len(s.tokens) - seq.length)
         assert ok, "free pages were counted above"
         if stale is not None:  # a new turn of the session: its older pages go
-            self._free_table(stale.table)
+            self.tables.free(stale.table)
         try:
             if s.cached > seq.length:
                 assert s.restored is not None
@@ -689,7 +657,7 @@ class BatchScheduler(Stepping):
                 s.trace.copied_in()
             s.spilled = None
         except BaseException as exc:
-            self._free_table(seq)
+            self.tables.free(seq)
             self._fail(s, exc)
             return False
         seq.length = s.cached
@@ -698,155 +666,20 @@ class BatchScheduler(Stepping):
         if shared:
             self.shared_pages += len(shared)
             self._count("shared_kv_pages", len(shared))
-        if self._sharing() and s.loading is None:  # else once it is loaded
-            self._index().register(self._page_keys(s), seq)
+        if s.loading is None:  # else once it is loaded
+            self.tables.register(s, seq)
         return True
 
-    # ---- parked pages (park_pages) --------------------------------------------------------------
-
-    def _pool_state(self) -> None:
-        """The prefix index and the parked tables name pages of one pool: when a device
-        failover has rebuilt it, they start empty (the old pages went with the old pool)."""
-        if self._state_pool is not self.pool:
-            self._prefixes = PrefixPages(self.pool)
-            if self.paged_l1:
-                for key in self._parked:
-                    self._commits.submit(self._pages_dropped, key)
-            self._parked.clear()
-            self._state_pool = self.pool
-
-    def _parking(self) -> OrderedDict[tuple[str, str], _Parked]:
-        """The parked tables of the current pool."""
-        self._pool_state()
-        return self._parked
-
-    def _park(self, s: _Seq) -> bool:
-        """Keep a finished turn's pages as its session's; False where they may not stay: parking
-        off, an ephemeral session, an int8 pool (its pages are approximate, and the session's
-        Cache did not take them)."""
-        if not self.park_pages or s.paged is None or s.job.ephemeral or self.pool.quantized:
-            return False
-        parked = self._parking()
-        key = (s.job.tenant, s.job.session_id)
-        old = parked.pop(key, None)
-        if old is not None:
-            self._free_table(old.table)
-        table = s.paged
-        parked[key] = _Parked(table, array("q", s.tokens[: table.length]))
-        s.paged = None
-        return True
-
-    def _own_pages(self, s: _Seq) -> _Parked | None:
-        """`s`'s session's parked pages when they hold exactly its restored prefix: restored
-        from L1 (what the last turn committed, whose pages these are), the same ids, and no
-        page it will write held by another table."""
-        if s.held is not None:  # paged L1: claimed at restore, nothing freed them since
-            return (
-                s.held if self._parking().get((s.job.tenant, s.job.session_id)) is s.held else None
-            )
-        if not self._parked:
-            return None
-        p = self._parking().get((s.job.tenant, s.job.session_id))
-        if p is None or s.restored is None or s.restored.source != RestoreSource.L1.value:
-            return None
-        n = s.cached
-        if n > p.table.length or p.tokens[:n] != array("q", s.tokens[:n]):
-            return None
-        first = n // self.pool.page_size
-        if any(self.pool.refcount(page) > 1 for page in p.table.pages[first:]):
-            return None
-        return p
-
-    def _pages_wanted(self, s: _Seq, own: _Parked | None) -> tuple[int, list[int]]:
-        """Free pages `s`'s admission takes, and the pages it shares (see `_admit`)."""
-        if own is not None:  # pages past `cached` go; a shared page at `cached` is copied
-            self._trim(own.table, s.cached)
-            return self.pool.pages_needed(own.table, len(s.tokens) - s.cached), []
-        shared = self._shareable(s)
-        return self.pool.pages_for(len(s.tokens)) - len(shared), shared
-
-    def _trim(self, table: PagedSequence, n: int) -> None:
-        """Keep a parked table's first `n` tokens for a new turn: the pages past them go, and
-        the prefix index forgets the keys of those from `n` on (they are written again)."""
-        size = self.pool.page_size
-        keep = self.pool.pages_for(n)
-        if keep < len(table.pages):
-            self._free_table(PagedSequence(pages=table.pages[keep:]))
-            del table.pages[keep:]
-        self._index().drop(table.pages[n // size :])
-        table.length = min(table.length, n)
-
-    def _unpark(self, pages: int, keep: _Parked | None = None) -> bool:
-        """Free parked tables, least recently parked first (not `keep`, nor a table a restored
-        turn has claimed), until `pages` more pages are free; whether they are."""
-        parked = self._parking()
-        goal = self.pool.num_free + pages
-        for key in list(parked):
-            if self.pool.num_free >= goal:
-                break
-            with self._cond:
-                if parked[key] is keep or parked[key].claimed:
-                    continue
-                table = parked.pop(key).table
-            self._free_table(table)
-            if self.paged_l1:  # the session is in L2/L3 alone now
-                self._commits.submit(self._pages_dropped, key)
-        for s in reversed(self.waiting):  # claimed tables: their turns wait beside the pool
-            if self.pool.num_free >= goal:
-                break
-            if s.held is not None and s.held is not keep:
-                self._spill(s)
-        return self.pool.num_free >= goal
-
-    def _spill(self, s: _Seq) -> None:
-        """A waiting turn gives up its claimed parked table: the K/V of its cached prefix waits
-        beside the pool (as a preempted turn's does) and goes back in when it is admitted."""
-        p: _Parked = s.held
-        s.held = None
-        key = (s.job.tenant, s.job.session_id)
-        if self._parking().get(key) is not p:
-            return
-        s.spilled = self.pool.gather(p.table.pages, 0, s.cached)
-        del self._parked[key]
-        self._free_table(p.table)
-
-    def _free_table(self, table: PagedSequence) -> None:
-        """Give a table's pages back; the prefix index forgets those no other table holds."""
-        self._index().drop(table.pages)
-        self.pool.release(table)
-
-    # ---- shared prefix pages (kvtier.server.pageshare) ----------------------------------------
-
-    def _sharing(self) -> bool:
-        """Whether admissions share prefix pages now: not from an int8 pool (degraded mode)."""
-        return self.share_prefixes and not self.pool.quantized
-
-    def _index(self) -> PrefixPages:
-        """The prefix-page index of the current pool."""
-        self._pool_state()
-        return self._prefixes
-
-    def _page_keys(self, s: _Seq) -> list[bytes]:
-        """Content keys of the full pages of `s`'s cached prefix (tenant and token ids)."""
-        size = self.pool.page_size
-        if s.keys is None or s.keys[:2] != (s.cached, size):
-            keys = page_keys(s.job.tenant, s.tokens, size, s.cached // size)
-            s.keys = (s.cached, size, keys)
-        return s.keys[2]
-
-    def _shareable(self, s: _Seq) -> list[int]:
-        """Pages a running sequence holds for the longest run of `s`'s leading full cached
-        pages (the same tenant and tokens from position 0)."""
-        if s.cached < self.pool.page_size or not self.running or not self._sharing():
-            return []
-        return self._index().lookup(self._page_keys(s))
+    def _unpark(self, pages: int, keep: Parked | None = None) -> bool:
+        """Free parked tables until `pages` more pages are free (`PageTables.unpark`)."""
+        return self.tables.unpark(pages, self.waiting, keep)
 
     def _release(self, s: _Seq) -> None:
         """`s` leaves the pool: drop its reference to each page (a shared page stays)."""
         if s.loading is not None:
             self._loaded(s)
         if s.paged is not None:
-            self._free_table(s.paged)
+            self.tables.free(s.paged)
             s.paged = None
 
     def _copy_out(self, s: _Seq) -> torch.Tensor | None:
@@ -922,7 +755,7 @@ class BatchScheduler(Stepping):
         except BaseException as exc:
             self._fail(s, exc)
             return
-        if reason == "cancelled" or not self._park(s):  # a client gone: its L1 is freed too
+        if reason == "cancelled" or not self.tables.park(s):  # a client gone: its L1 is freed too
             self._release(s)
         self._deliver()  # its deltas reach the client before Finished
         self._commits.submit(self._commit, s, reason, fed, new)

@@ -34,6 +34,7 @@ import torch
 
 from kvtier.errors import ConfigError
 from kvtier.humanize import size as _fmt
+from kvtier.paged.attention import VARLEN_PAGE, varlen_block_table_supported
 
 log = logging.getLogger("kvtier.server")
 
@@ -48,6 +49,8 @@ HEADROOM_SHARE = 0.02
 _GROUP_BYTES = 128 << 20
 _MAX_GROUP = 4
 _STAGES = 4
+PAGE_SIZE = 16  # tokens per KV page (CPU, or where FlashAttention's varlen cannot run)
+_CPU_POOL_CAP = 2**30  # an automatic pool on the CPU takes at most this many bytes
 # Copies in flight the cache may hold on the device besides the staging buffers, as a
 # multiple of them (the cache bounds its own; this is the share the plan sets aside).
 INFLIGHT_STAGINGS = 1
@@ -315,7 +318,6 @@ def profile_graphs(
     import gc
 
     from kvtier.paged import BatchRunner, PagePool
-    from kvtier.server.batching import page_size
 
     device = next(model.parameters()).device
     previous = model.config._attn_implementation
@@ -436,3 +438,27 @@ def offline_plan(
         per_token=geometry.bytes_per_token,
         context_tokens=context_tokens or _int(config, "max_position_embeddings", 4096),
     )
+
+
+# ---- the page pool without a plan (the CPU; a model across devices) ----------------------
+
+
+def pool_bytes(served: Any, config: Any, per_token: int) -> int:
+    """The page pool's byte budget: `batch_kv_bytes`, or room for `max_concurrency` full contexts
+    (at most half the free GPU memory on CUDA, 1 GiB on the CPU)."""
+    given = int(getattr(config, "batch_kv_bytes", 0) or 0)
+    if given:
+        return given
+    want = int(config.max_concurrency) * int(served.context_tokens) * per_token
+    device = served.device
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return max(per_token * VARLEN_PAGE, min(want, free // 2))
+    return min(want, _CPU_POOL_CAP)
+
+
+def page_size(device: torch.device, dtype: torch.dtype) -> int:
+    """Pages of 256 tokens where torch's varlen FlashAttention can read them (CUDA, fp16/bf16):
+    it then runs steps that mix prompt chunks and decode tokens in one call; else 16."""
+    flash = device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
+    return VARLEN_PAGE if flash and varlen_block_table_supported() else PAGE_SIZE

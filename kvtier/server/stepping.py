@@ -57,7 +57,7 @@ class _Seq:
     feed: tuple[torch.Tensor, int] | None = None
     gone: bool = False  # it left the scheduler (finished or failed)
     # paged L1 (`paged_l1`): its session's parked pages that hold its cached prefix (a
-    # batching `_Parked`), and the K/V [layer, k|v, token, head, dim] of its first `cached`
+    # `kvtier.server.parking.Parked`), and the K/V [layer, k|v, token, head, dim] of its first `cached`
     # tokens while it waits after a preemption
     held: Any = None
     holds_l1: bool = False  # restored into L1, and L1 not yet released (see `_release_l1`)

@@ -24,9 +24,10 @@ from transformers import DynamicCache
 from kvtier.errors import ConfigError
 from kvtier.paged import SeqInput
 from kvtier.server.backend import RecomputeBackend, TieredBackend
-from kvtier.server.batching import PAGE_SIZE, BatchScheduler
+from kvtier.server.batching import BatchScheduler
 from kvtier.server.config import ServerConfig
 from kvtier.server.engine import ContextExceeded, Delta, Finished, Job, Started, Stream
+from kvtier.server.memplan import PAGE_SIZE
 from kvtier.server.metrics import ServerMetrics
 from kvtier.server.model import ServedModel, _wrap, byte_tokenizer, cache_kwarg
 
@@ -189,7 +190,7 @@ def test_greedy_batch_equals_each_session_alone_across_restores(
     finally:
         sched.close()
         backend.close()
-    parked = sum(len(p.table.pages) for p in sched._parked.values())  # paged L1 keeps them
+    parked = sum(len(p.table.pages) for p in sched.tables.parked.values())  # paged L1 keeps them
     assert sched.pool.num_free + parked == sched.pool.num_pages
 
 
@@ -326,7 +327,7 @@ def test_full_pool_queues_and_preempts_then_completes(tmp_path: Path) -> None:
     finally:
         sched.close()
         backend.close()
-    parked = sum(len(p.table.pages) for p in sched._parked.values())  # paged L1 keeps them
+    parked = sum(len(p.table.pages) for p in sched.tables.parked.values())  # paged L1 keeps them
     assert sched.pool.num_free + parked == sched.pool.num_pages
 
 

@@ -30,7 +30,8 @@ from test_batching_share import (
 from kvtier.cache.restore import StagedPrefix
 from kvtier.errors import KvtierError
 from kvtier.server.backend import TieredBackend
-from kvtier.server.batching import PAGE_SIZE, BatchScheduler
+from kvtier.server.batching import BatchScheduler
+from kvtier.server.memplan import PAGE_SIZE
 from kvtier.types import SessionState
 
 
@@ -58,7 +59,7 @@ def test_turns_start_from_their_pages_and_the_cache_keeps_no_l1_copy(
         assert sched.paged_l1
         _no_l1(backend)
         _accounted(sched)
-        tables = {sid: list(p.table.pages) for (_, sid), p in sched._parked.items()}
+        tables = {sid: list(p.table.pages) for (_, sid), p in sched.tables.parked.items()}
         nexts = _next_prompts(firsts, replies, 50)
         turns = [_restored(sched, loop, _job(f"g{i}", p, 16)) for i, p in enumerate(nexts)]
         assert all(s.restored is not None and s.restored.source == "l1" for s in turns)
@@ -90,7 +91,7 @@ def test_once_its_pages_went_a_turn_restores_from_l2_and_after_a_restart_from_l3
         sessions = [backend.cache.session(f"r{i}", "t") for i in range(2)]
         assert all(s.state is SessionState.IDLE and s.in_pages for s in sessions)
         assert sched._unpark(sched.pool.num_pages - sched.pool.num_free)  # every page goes
-        assert not sched._parked
+        assert not sched.tables.parked
         sched._commits.submit(lambda: None).result()  # the cache hears of it off this thread
         assert all(s.state is SessionState.HIBERNATED and not s.in_pages for s in sessions)
         second = _next_prompts([firsts[0]], [replies[0]], 51)[0]
@@ -212,7 +213,7 @@ def test_pages_through_l2_and_back_are_bit_identical(device: str, tmp_path: Path
     sched, backend, replies = _first_turns(served, tmp_path, jobs, paged_l1=True)
     loop = asyncio.new_event_loop()
     try:
-        parked = sched._parked[("t", "b0")].table
+        parked = sched.tables.parked[("t", "b0")].table
         before = sched.pool.gather(parked.pages, 0, parked.length).clone()
         assert sched._unpark(sched.pool.num_pages - sched.pool.num_free)
         second = _next_prompts([firsts[0]], [replies[0]], 55)[0]
@@ -221,7 +222,7 @@ def test_pages_through_l2_and_back_are_bit_identical(device: str, tmp_path: Path
         assert turn.cached == before.shape[2]  # every token the parked pages held
         _run_alone(sched, turn)
         _reply(served, turn)
-        again = sched._parked[("t", "b0")].table
+        again = sched.tables.parked[("t", "b0")].table
         after = sched.pool.gather(again.pages, 0, turn.cached)
         assert after.dtype == before.dtype and torch.equal(after, before)
     finally:
@@ -239,7 +240,7 @@ def test_a_turn_that_fails_before_admission_lets_its_claimed_pages_go(tmp_path: 
     try:
         second = _next_prompts(firsts, replies, 56)[0]
         turn = _restored(sched, loop, _job("f0", second, 6))
-        parked = sched._parked[("t", "f0")]
+        parked = sched.tables.parked[("t", "f0")]
         assert parked.claimed and turn.held is parked
         assert not sched._unpark(1)  # claimed: nothing to free
         sched.waiting.append(turn)

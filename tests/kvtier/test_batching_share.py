@@ -24,9 +24,10 @@ from test_multi_device import _poison
 
 from kvtier.paged.sharded import ShardedPagePool
 from kvtier.server.backend import RecomputeBackend, TieredBackend
-from kvtier.server.batching import PAGE_SIZE, BatchScheduler, _Seq
+from kvtier.server.batching import BatchScheduler, _Seq
 from kvtier.server.engine import Job, Stream
 from kvtier.server.failover import DEGRADED, place
+from kvtier.server.memplan import PAGE_SIZE
 from kvtier.server.model import ServedModel
 from kvtier.server.sampling import ReplyText, make_generator
 
@@ -143,7 +144,7 @@ def test_one_tenants_sessions_share_their_common_prefix_pages(kind: str, tmp_pat
         for p, s in zip(nexts, turns, strict=True):
             assert _reply(served, s) == _greedy_alone(ref, p, 16)
         assert pool.num_free == pool.num_pages
-        assert len(sched._prefixes) == 0  # the index forgot the turns that left
+        assert len(sched.tables.prefixes) == 0  # the index forgot the turns that left
     finally:
         _close(sched, backend, loop)
 
@@ -226,7 +227,7 @@ def test_a_holder_leaving_first_leaves_the_sharers_pages(tmp_path: Path) -> None
         for p, n, s in zip(nexts, lengths, (holder, sharer, late), strict=True):
             assert _reply(served, s) == _greedy_alone(ref, p, n)
         assert pool.num_free == pool.num_pages
-        assert len(sched._prefixes) == 0
+        assert len(sched.tables.prefixes) == 0
     finally:
         _close(sched, backend, loop)
 
@@ -256,7 +257,7 @@ def test_shared_pages_survive_preemption_in_a_full_pool(tmp_path: Path) -> None:
         for p, s in zip(nexts, turns, strict=True):
             assert _reply(served, s) == _greedy_alone(ref, p, 40)
         assert sched.pool.num_free == sched.pool.num_pages
-        assert len(sched._prefixes) == 0
+        assert len(sched.tables.prefixes) == 0
     finally:
         _close(sched, backend, loop)
 
