@@ -55,7 +55,8 @@ from kvtier.errors import KvtierError, L1BudgetExceeded
 from kvtier.geometry import KVGeometry
 from kvtier.paged import BatchRunner, PagedSequence, PagePool
 from kvtier.server.backend import Backend, PagedBackend, RecomputeBackend, Restored
-from kvtier.server.engine import ContextExceeded, Delta, Failed, Finished, Job, Started, Stream
+from kvtier.server.committing import TurnCommits
+from kvtier.server.engine import ContextExceeded, Delta, Job, Started, Stream
 from kvtier.server.eventpost import EventPost
 from kvtier.server.failover import make_pool
 from kvtier.server.lookahead import TokenReadback
@@ -111,8 +112,6 @@ class BatchScheduler(Stepping):
         self.backend = backend
         self.config = config
         self.metrics = metrics
-        # told of every error that fails a request (the engine's: a lost device stops the server)
-        self._on_error = on_error
         model = served.model
         dtype = next(model.parameters()).dtype
         geometry = KVGeometry.from_config(model.config)
@@ -154,7 +153,6 @@ class BatchScheduler(Stepping):
         self._restores = concurrent.futures.ThreadPoolExecutor(helpers, "kvtier-restore")
         # paged L1: issues the copies of staged prefixes into their pages (`_load_staged`)
         self._loader = concurrent.futures.ThreadPoolExecutor(1, "kvtier-load")
-        self._commits = concurrent.futures.ThreadPoolExecutor(helpers, "kvtier-commit")
         self._cond = threading.Condition()
         self._arrived: list[_Seq] = []
         self._restoring = 0  # submitted jobs whose restore has not finished
@@ -189,10 +187,21 @@ class BatchScheduler(Stepping):
         self.paged_l1 = self._paged is not None
         self.park_pages = self.park_pages or self.paged_l1
         self.chunk_tokens = int(getattr(config, "chunk_tokens", 256))
+        # finished turns commit (or abort) on `helpers` threads of their own; `on_error` hears
+        # of every error that fails a request (the engine's: a lost device stops the server)
+        self.commits = TurnCommits(
+            backend,
+            self._paged,
+            self.chunk_tokens,
+            helpers,
+            self._release_l1,
+            self._count,
+            on_error,
+        )
         self.tables = PageTables(
             lambda: self.pool,
             self._cond,
-            lambda key: self._commits.submit(self._pages_dropped, key),
+            lambda key: self.commits.submit(self._pages_dropped, key),
             park=self.park_pages,
             share=self.share_prefixes,
             paged_l1=self.paged_l1,
@@ -259,7 +268,7 @@ class BatchScheduler(Stepping):
         self._thread.join()
         self._restores.shutdown(wait=True)
         self._loader.shutdown(wait=True)
-        self._commits.shutdown(wait=True)
+        self.commits.shutdown()
         sys.setswitchinterval(self._switch_interval)
 
     # ---- restore (thread pool) ----------------------------------------------------------------
@@ -273,7 +282,7 @@ class BatchScheduler(Stepping):
                 s.restored = self._restore_when_room(job, s.trace)
                 s.holds_l1 = _in_l1(s.restored)
         except BaseException as exc:  # nothing restored, nothing to abort
-            self._report(s, exc)
+            self.commits.report(s, exc)
             with self._cond:
                 self._restoring -= 1
                 self._cond.notify_all()
@@ -758,7 +767,7 @@ class BatchScheduler(Stepping):
         if reason == "cancelled" or not self.tables.park(s):  # a client gone: its L1 is freed too
             self._release(s)
         self._deliver()  # its deltas reach the client before Finished
-        self._commits.submit(self._commit, s, reason, fed, new)
+        self.commits.submit(self.commits.commit, s, reason, fed, new)
 
     def _chunks_out(self, s: _Seq) -> tuple[int, list[torch.Tensor]] | None:
         """Paged L1: the chunks a finished turn's commit stores, from the one its restored
@@ -773,81 +782,13 @@ class BatchScheduler(Stepping):
         pages = s.paged.pages
         return start, [self.pool.gather(pages, a, min(a + C, end)) for a in range(start, end, C)]
 
-    def _commit(self, s: _Seq, reason: str, fed: int, new: Any) -> None:
-        job, backend = s.job, self.backend
-        assert s.restored is not None
-        try:
-            if self.paged_l1:
-                if new is None:  # nothing to store (an int8 pool): the stored prefix stays
-                    backend.abort(job.session_id, job.tenant)
-                else:
-                    start, chunks = new
-                    upto = fed
-                    if job.ephemeral:  # forgotten next: its full chunks alone, as before
-                        upto = max(start, fed // self.chunk_tokens * self.chunk_tokens)
-                        chunks = chunks[: (upto - start) // self.chunk_tokens]
-                    self._pages().commit_pages(
-                        job.session_id, job.tenant, s.tokens[:upto], start, chunks
-                    )
-            else:
-                if new is not None:
-                    append_kv(s.restored.kv, new)
-                # Commit what the KV now covers, also after a disconnect: a returning client finds it.
-                backend.commit(job.session_id, job.tenant, s.tokens[:fed])
-            if job.ephemeral:
-                backend.forget(job.session_id, job.tenant)
-            elif reason == "cancelled":
-                backend.hibernate(job.session_id, job.tenant)  # the client went away: free its L1
-        except BaseException as exc:
-            self._abort(s, exc)
-            return
-        total = len(job.prompt_ids)
-        if not job.internal:
-            self._count("completion_tokens", len(s.reply.ids))
-            self._count("prompt_tokens", total)
-        self._release_l1(s)
-        s.stream.put(
-            Finished(reason, total, len(s.reply.ids), s.restored.covered, s.restored.source)
-        )
-        s.done.set_result(None)
-
     def _fail(self, s: _Seq, exc: BaseException) -> None:
         """The request fails: free its pages, and abort its session off this thread."""
-        self._error(exc)
+        self.commits.error(exc)
         self._leave(s)
         self._release(s)
         self._deliver()
-        self._commits.submit(self._abort, s, exc)
-
-    def _abort(self, s: _Seq, exc: BaseException) -> None:
-        job = s.job
-        try:
-            self.backend.abort(job.session_id, job.tenant)  # forget the half-written step
-            if job.ephemeral:
-                self.backend.forget(job.session_id, job.tenant)
-        except BaseException:
-            log.exception("abort failed for session %s", job.session_id[:64])
-        if s.restored is not None:
-            self._release_l1(s)
-        self._report(s, exc)
-
-    def _report(self, s: _Seq, exc: BaseException) -> None:
-        self._error(exc)  # a restore's or a commit's (once more for a step's: idempotent)
-        if isinstance(exc, KvtierError):
-            log.warning("session %s: %s: %s", s.job.session_id[:64], type(exc).__name__, exc)
-        else:
-            log.error("generation failed for session %s: %r", s.job.session_id[:64], exc)
-        s.stream.put(Failed(exc))
-        if not s.done.done():
-            s.done.set_result(None)
-
-    def _error(self, exc: BaseException) -> None:
-        if self._on_error is None:
-            return
-        try:
-            self._on_error(exc)
-        except Exception:  # the request's own failure goes on to its client regardless
-            log.exception("handling a failed request's error failed")
+        self.commits.submit(self.commits.abort, s, exc)
 
     # ---- metrics (optional) -------------------------------------------------------------------
 

@@ -16,7 +16,6 @@ steps and with the running sequences drained:
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
 from typing import Any
 
@@ -37,9 +36,7 @@ def quiesce(sched: Any) -> None:
     into the session's L1 and stores its full chunks). Only this thread submits them."""
     if sched is None:
         return
-    old = sched._commits
-    sched._commits = concurrent.futures.ThreadPoolExecutor(2, "kvtier-commit")
-    old.shutdown(wait=True)
+    sched.commits.quiesce()
 
 
 def rehome(failover: Any, sched: Any, lost: bool) -> None:

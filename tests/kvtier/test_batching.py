@@ -578,7 +578,7 @@ def test_scheduler_gil_switch_interval_and_helper_threads(tmp_path: Path) -> Non
         assert sys.getswitchinterval() == pytest.approx(0.004)
         config = _config(tmp_path, helper_threads=3)  # what bench/agent_fleet.py sweeps
         sched = BatchScheduler(served, RecomputeBackend(served.model), config)
-        assert sched._restores._max_workers == 3 and sched._commits._max_workers == 3
+        assert sched._restores._max_workers == 3 and sched.commits.executor._max_workers == 3
         sched.close()
     finally:
         sys.setswitchinterval(before)

@@ -92,7 +92,9 @@ def test_once_its_pages_went_a_turn_restores_from_l2_and_after_a_restart_from_l3
         assert all(s.state is SessionState.IDLE and s.in_pages for s in sessions)
         assert sched._unpark(sched.pool.num_pages - sched.pool.num_free)  # every page goes
         assert not sched.tables.parked
-        sched._commits.submit(lambda: None).result()  # the cache hears of it off this thread
+        sched.commits.executor.submit(
+            lambda: None
+        ).result()  # the cache hears of it off this thread
         assert all(s.state is SessionState.HIBERNATED and not s.in_pages for s in sessions)
         second = _next_prompts([firsts[0]], [replies[0]], 51)[0]
         turn = _restored(sched, loop, _job("r0", second, 12))
@@ -109,7 +111,7 @@ def test_once_its_pages_went_a_turn_restores_from_l2_and_after_a_restart_from_l3
             if step == 0:
                 sched.waiting.append(turn)
             elif turn.paged is not None and not unpinned:  # ... until its pages take it
-                sched._commits.submit(lambda: None).result()
+                sched.commits.executor.submit(lambda: None).result()
                 unpinned.append(
                     sessions[0].staged is None and not any(e.pins for e in staged.chunks)
                 )
@@ -128,7 +130,7 @@ def test_once_its_pages_went_a_turn_restores_from_l2_and_after_a_restart_from_l3
     backend = TieredBackend(served.model, config, served.name)
     sched = BatchScheduler(served, backend, config)
     sched.close()
-    sched._commits = concurrent.futures.ThreadPoolExecutor(1)  # finished turns commit here
+    sched.commits.executor = concurrent.futures.ThreadPoolExecutor(1)  # finished turns commit here
     sched._loader = concurrent.futures.ThreadPoolExecutor(1)  # staged prefixes load here
     loop = asyncio.new_event_loop()
     try:
@@ -269,7 +271,7 @@ def test_a_staged_prefix_that_never_reaches_its_pages_fails_its_turn_and_loses_n
     loop = asyncio.new_event_loop()
     try:
         assert sched._unpark(sched.pool.num_pages - sched.pool.num_free)
-        sched._commits.submit(lambda: None).result()  # the session is in L2/L3 alone now
+        sched.commits.executor.submit(lambda: None).result()  # the session is in L2/L3 alone now
         second = _next_prompts(firsts, replies, 57)[0]
         turn = _restored(sched, loop, _job("x0", second, 6))
         staged = turn.restored.kv if turn.restored is not None else None

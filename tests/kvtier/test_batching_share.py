@@ -46,7 +46,7 @@ def _first_turns(
     sched = BatchScheduler(served, backend, config)
     results = _run(sched, *(_one(sched, job) for job in jobs))
     sched.close()
-    sched._commits = concurrent.futures.ThreadPoolExecutor(1)  # finished turns commit here
+    sched.commits.executor = concurrent.futures.ThreadPoolExecutor(1)  # finished turns commit here
     sched._loader = concurrent.futures.ThreadPoolExecutor(1)  # staged prefixes load here
     return sched, backend, [r.text for r in results]
 
@@ -104,7 +104,7 @@ def _conversations(n: int) -> list[list[int]]:
 
 
 def _close(sched: BatchScheduler, backend: TieredBackend, loop: asyncio.AbstractEventLoop) -> None:
-    sched._commits.shutdown(wait=True)
+    sched.commits.executor.shutdown(wait=True)
     sched._loader.shutdown(wait=True)
     backend.close()
     loop.close()
