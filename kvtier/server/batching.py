@@ -59,6 +59,7 @@ from kvtier.server.committing import TurnCommits
 from kvtier.server.engine import ContextExceeded, Delta, Job, Started, Stream
 from kvtier.server.eventpost import EventPost
 from kvtier.server.failover import make_pool
+from kvtier.server.loading import StagedLoader
 from kvtier.server.lookahead import TokenReadback
 from kvtier.server.memplan import page_size, pool_bytes
 from kvtier.server.model import ServedModel
@@ -151,8 +152,6 @@ class BatchScheduler(Stepping):
         default = HELPER_THREADS_CUDA if served.device.type == "cuda" else 2
         helpers = int(getattr(config, "helper_threads", 0) or default)  # a bench sweeps it
         self._restores = concurrent.futures.ThreadPoolExecutor(helpers, "kvtier-restore")
-        # paged L1: issues the copies of staged prefixes into their pages (`_load_staged`)
-        self._loader = concurrent.futures.ThreadPoolExecutor(1, "kvtier-load")
         self._cond = threading.Condition()
         self._arrived: list[_Seq] = []
         self._restoring = 0  # submitted jobs whose restore has not finished
@@ -206,6 +205,8 @@ class BatchScheduler(Stepping):
             share=self.share_prefixes,
             paged_l1=self.paged_l1,
         )
+        # paged L1: issues the copies of staged prefixes into their pages
+        self.loader = StagedLoader(self._pages, self.tables.register)
         self.parked_turns = 0  # turns admitted from their session's parked pages
         self._dropping: list[tuple[str, str]] = []  # parked tables to free (`drop_parked`)
         self._iterations = 0  # scheduler iterations, for the pool's gauges
@@ -267,7 +268,7 @@ class BatchScheduler(Stepping):
             self._cond.notify_all()
         self._thread.join()
         self._restores.shutdown(wait=True)
-        self._loader.shutdown(wait=True)
+        self.loader.close()
         self.commits.shutdown()
         sys.setswitchinterval(self._switch_interval)
 
@@ -382,57 +383,6 @@ class BatchScheduler(Stepping):
             self._released += 1
             self._cond.notify_all()
 
-    def _load_staged(self, s: _Seq, seq: PagedSequence) -> None:
-        """Paged L1: copy a turn's staged prefix from its L2 slots into its new pages (past
-        those it shares). The loader thread issues the copies, on the cache's copy streams, and
-        nothing waits for them: the turn runs in no step until they are done (`loading`). Over
-        PCIe a 3,000-token prefix of a 7B model takes a few ms, which a step waiting on the GPU
-        would add to every sequence's token, and issuing its dozen copies here would delay the
-        next step's launch."""
-        assert s.restored is not None
-        staged, s.restored.kv = s.restored.kv, None
-        # the table as it is now: `_admit` sets its length to the prefix's end next
-        pages, start = list(seq.pages), seq.length
-        s.loading = self._loader.submit(self._issue_load, s, staged, self.pool, pages, start)
-
-    def _issue_load(
-        self, s: _Seq, staged: StagedPrefix, pool: PagePool, pages: list[int], start: int
-    ) -> Any:
-        """On the loader thread: issue a staged prefix's copies into `pages` from token
-        `start` on (`_load_staged`), then unpin it (a slot is reused only once its copies are
-        done). Returns their Handle."""
-        job, backend = s.job, self._pages()
-
-        def write(first: int, chunks: torch.Tensor) -> None:
-            pool.write_chunks(pages, first, chunks, start)
-
-        try:
-            return backend.load_staged(job.session_id, job.tenant, staged, write)
-        finally:
-            backend.release_staged(job.session_id, job.tenant, staged)
-
-    def _load_done(self, s: _Seq) -> bool:
-        """Whether a loading turn's copies are done (or failed to be issued)."""
-        fut = s.loading
-        if not fut.done():
-            return False
-        return fut.exception() is not None or fut.result().done()
-
-    def _loaded(self, s: _Seq) -> BaseException | None:
-        """A turn's staged prefix is in its pages, or must be taken as if it were (the turn
-        leaves): waits for the copies to be issued, orders the compute stream after them (free
-        once they are done) before anything reads or frees the pages, and lets them be shared.
-        Returns the error when they could not be issued: the pages hold no prefix."""
-        fut, s.loading = s.loading, None
-        try:
-            handle = fut.result()
-        except BaseException as exc:
-            return exc
-        handle.wait_stream()
-        if s.paged is not None and not s.gone:
-            self.tables.register(s, s.paged)
-        return None
-
     # ---- the scheduler thread -----------------------------------------------------------------
 
     def _main(self, isolate: bool) -> None:
@@ -486,23 +436,12 @@ class BatchScheduler(Stepping):
             self._step(items)
         else:
             self._drain()
-            self._await_loading()
+            self.loader.wait_first(self.running)
         self._deliver()
         self._iterations += 1
         idle = not (self.running or self.waiting)  # and when it goes idle, for an exact figure
         if idle or self._iterations % POOL_GAUGE_EVERY == 1:
             self._pool_gauges()
-
-    def _await_loading(self) -> None:
-        """Nothing to step but turns whose prefix is still being copied in: sleep until the
-        first one's copies are done (rather than spin through empty iterations)."""
-        for s in self.running:
-            if s.loading is not None:
-                try:
-                    s.loading.result().wait()
-                except BaseException:  # the next iteration fails the turn
-                    pass
-                return
 
     def _pool_gauges(self) -> None:
         """The pool's pages by state for /metrics (a page parked tables share counts once),
@@ -522,8 +461,8 @@ class BatchScheduler(Stepping):
 
     def _schedule(self) -> list[tuple[_Seq, Sequence[int]]]:
         pool = self.pool
-        for s in [s for s in self.running if s.loading is not None and self._load_done(s)]:
-            failed = self._loaded(s)  # its prefix is in its pages
+        for s in [s for s in self.running if s.loading is not None and self.loader.done(s)]:
+            failed = self.loader.finish(s)  # its prefix is in its pages
             if failed is not None:
                 self._fail(s, failed)
         # Decoding sequences first, one token each; free pages for the ones whose page is full.
@@ -660,7 +599,7 @@ class BatchScheduler(Stepping):
                 if s.spilled is not None:  # preempted (paged L1): its K/V comes back
                     self.pool.scatter(seq.pages, seq.length, s.spilled[:, :, seq.length :])
                 elif isinstance(s.restored.kv, StagedPrefix):  # paged L1: L2 -> pages
-                    self._load_staged(s, seq)
+                    self.loader.start(s, seq, self.pool)
                 else:
                     copy_in(self.pool, s.restored.kv, seq, seq.length, s.cached)
                 s.trace.copied_in()
@@ -686,7 +625,7 @@ class BatchScheduler(Stepping):
     def _release(self, s: _Seq) -> None:
         """`s` leaves the pool: drop its reference to each page (a shared page stays)."""
         if s.loading is not None:
-            self._loaded(s)
+            self.loader.finish(s)
         if s.paged is not None:
             self.tables.free(s.paged)
             s.paged = None
@@ -699,7 +638,7 @@ class BatchScheduler(Stepping):
     def _preempt(self, s: _Seq) -> None:
         """Move a running sequence's K/V into its session's Cache, free its pages, requeue it."""
         self.running.remove(s)
-        failed = self._loaded(s) if s.loading is not None else None  # the gather reads it
+        failed = self.loader.finish(s) if s.loading is not None else None  # the gather reads it
         if failed is not None:
             self._fail(s, failed)
             return
@@ -737,7 +676,7 @@ class BatchScheduler(Stepping):
         s.gone = True
         # its pages are read (a commit) or freed next; if its prefix never reached them, they
         # go now, so that nothing of them is committed
-        if s.loading is not None and self._loaded(s) is not None:
+        if s.loading is not None and self.loader.finish(s) is not None:
             self._release(s)
         if s in self.running:
             self.running.remove(s)

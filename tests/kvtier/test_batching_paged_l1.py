@@ -131,7 +131,7 @@ def test_once_its_pages_went_a_turn_restores_from_l2_and_after_a_restart_from_l3
     sched = BatchScheduler(served, backend, config)
     sched.close()
     sched.commits.executor = concurrent.futures.ThreadPoolExecutor(1)  # finished turns commit here
-    sched._loader = concurrent.futures.ThreadPoolExecutor(1)  # staged prefixes load here
+    sched.loader.executor = concurrent.futures.ThreadPoolExecutor(1)  # staged prefixes load here
     loop = asyncio.new_event_loop()
     try:
         third = _next_prompts([second], [second_reply], 52)[0]

@@ -47,7 +47,7 @@ def _first_turns(
     results = _run(sched, *(_one(sched, job) for job in jobs))
     sched.close()
     sched.commits.executor = concurrent.futures.ThreadPoolExecutor(1)  # finished turns commit here
-    sched._loader = concurrent.futures.ThreadPoolExecutor(1)  # staged prefixes load here
+    sched.loader.executor = concurrent.futures.ThreadPoolExecutor(1)  # staged prefixes load here
     return sched, backend, [r.text for r in results]
 
 
@@ -83,7 +83,7 @@ def _drive(sched: BatchScheduler, hook: Callable[[int], None]) -> None:
             sched._step(items)
         else:  # as the scheduler's thread does
             sched._drain()
-            sched._await_loading()
+            sched.loader.wait_first(sched.running)
         sched._deliver()
     raise AssertionError("the turns did not finish")
 
@@ -105,7 +105,7 @@ def _conversations(n: int) -> list[list[int]]:
 
 def _close(sched: BatchScheduler, backend: TieredBackend, loop: asyncio.AbstractEventLoop) -> None:
     sched.commits.executor.shutdown(wait=True)
-    sched._loader.shutdown(wait=True)
+    sched.loader.executor.shutdown(wait=True)
     backend.close()
     loop.close()
 
