@@ -54,7 +54,7 @@ Configurations:
                where every session has a slot already (`fit`). The two combine:
                `kvtier-b128-p256`
   kvtier-...-shortest  with the prompts a decoding step takes whole shortest first, not
-               oldest first (the scheduler's `_prompt_order`; the order before)
+               oldest first (kvtier.server.promptorder; the order before)
 
 Each session's initial context (a shared `--system`-token system prompt, then its own tokens)
 is prefilled once per scenario, batched; its K/V is kept on the host (the "bank") and copied

@@ -320,6 +320,16 @@ class PagePool:
         g = self.geometry
         return self.scales.view(g.num_layers, 2, self.num_pages * self.page_size, -1)
 
+    def gather_chunks(
+        self, table: Sequence[int], start: int, end: int, chunk_tokens: int
+    ) -> list[torch.Tensor]:
+        """Tokens `[start, end)` of a sequence gathered by chunk of `chunk_tokens` (the last one
+        may be shorter), each one contiguous `[layer, k|v, token, head, dim]`."""
+        return [
+            self.gather(table, a, min(a + chunk_tokens, end))
+            for a in range(start, end, chunk_tokens)
+        ]
+
     def gather(
         self,
         table: Sequence[int],

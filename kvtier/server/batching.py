@@ -18,7 +18,7 @@ hands back a transformers Cache over the first `covered` prompt tokens) and only
 4. fills the rest of the token budget (`batch_tokens`, or `decoding_prompt_tokens` when the
    step decodes) with prompt chunks (at most `prefill_step` tokens each) of the sequences still
    prefilling, those the budget takes whole first, oldest first (or shortest first:
-   `prompt_order`; see `_prompt_order`), so a returning turn's first token does not wait
+   `prompt_order`; see `kvtier.server.promptorder`), so a returning turn's first token does not wait
    behind a new conversation's long prefill;
 5. runs the batch as one flattened forward (`kvtier.paged.BatchRunner`) and samples one token
    for every sequence whose tokens are all fed. When they are all greedy, the tokens stay on
@@ -26,23 +26,17 @@ hands back a transformers Cache over the first `covered` prompt tokens) and only
    (`kvtier.server.lookahead`: the GPU does not wait on this thread). The step itself, its
    sampling and the tokens' way to the requests are in `kvtier.server.stepping`.
 
-A finished turn's new K/V (the prompt suffix and the generated tokens that were fed) is
-gathered from its pages by chunk, a second small pool stores it (`commit_pages`), and the pages
-stay parked as the session's L1 (paged L1, the default; docs/architecture.md, "Paged L1"). With
-`--no-paged-l1` it is copied out, the pages are freed, and that pool appends it to the
-session's Cache with `Cache.update()` and commits, exactly as the per-request worker does.
-Either way: abort on error, hibernate on cancel, forget when ephemeral. Restores and commits
-never stall the batch.
+A finished turn's new K/V is stored off this thread (`kvtier.server.committing`), and with
+paged L1 (the default) its pages stay parked as the session's L1 (`kvtier.server.parking`;
+docs/architecture.md, "Paged L1"). Restores and commits never stall the batch.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import logging
-import os
 import sys
 import threading
-import time
 from array import array
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -50,52 +44,34 @@ from typing import Any
 
 import torch
 
-from kvtier.cache.restore import StagedPrefix, common_prefix
-from kvtier.errors import KvtierError, L1BudgetExceeded
-from kvtier.geometry import KVGeometry
+from kvtier.cache.restore import StagedPrefix
+from kvtier.errors import KvtierError
 from kvtier.paged import BatchRunner, PagedSequence, PagePool
-from kvtier.server.backend import Backend, PagedBackend, RecomputeBackend, Restored
+from kvtier.server.backend import Backend, PagedBackend, RecomputeBackend
 from kvtier.server.committing import TurnCommits
-from kvtier.server.engine import ContextExceeded, Delta, Job, Started, Stream
+from kvtier.server.engine import ContextExceeded, Delta, Job, Stream
 from kvtier.server.eventpost import EventPost
 from kvtier.server.failover import make_pool
 from kvtier.server.loading import StagedLoader
 from kvtier.server.lookahead import TokenReadback
-from kvtier.server.memplan import page_size, pool_bytes
+from kvtier.server.memplan import model_kv, page_size, pool_bytes
 from kvtier.server.model import ServedModel
 from kvtier.server.pagecopy import append_kv, copy_in, copy_out
 from kvtier.server.parking import PageTables, Parked
+from kvtier.server.promptorder import PromptOrder
+from kvtier.server.restoring import RestoreWorkers, helper_threads
 from kvtier.server.sampling import ReplyText, make_generator
+from kvtier.server.schedthread import tune_interpreter
 from kvtier.server.stepping import Stepping, _Pending, _Seq
-from kvtier.server.turntrace import TurnTrace
 from kvtier.tiers import l3_io
 
 log = logging.getLogger("kvtier.server")
 
 DEFAULT_BATCH_TOKENS = 1024
 DEFAULT_DECODING_PROMPT_TOKENS = 192
-# The interpreter's GIL switch interval while a scheduler runs (Python's default: 5 ms). Every
-# torch call of the scheduler thread releases the GIL and takes it back, and the restore,
-# commit and event-loop threads run Python meanwhile: at 5 ms one step's dozen calls could wait
-# longer than the step (docs/architecture.md, "The GIL").
-SWITCH_INTERVAL_S = 0.0005
-# Restore threads, and as many commit threads, on a CUDA device. A restore from L2 spends most
-# of its time waiting (for locks, the GIL, its copies), so more threads admit more returning
-# turns: in the 256-session fleet on an H200, 4 threads served 2,266 tok/s and 8 served
-# 2,577-2,679 (docs/benchmarks.md, "The restore threads' waits").
-HELPER_THREADS_CUDA = 8
 # The pool's page gauges (/metrics) are refreshed every this many iterations: a parked page
 # set can hold thousands of pages, and a scrape every few seconds needs no fresher figure.
 POOL_GAUGE_EVERY = 64
-# a prompt that got no chunk in this many steps in a row goes ahead of shorter ones (with half
-# the budget) until its prompt is in
-PASSED_OVER_STEPS = 8
-
-
-def _in_l1(restored: Restored) -> bool:
-    """Whether a restore holds its session in the cache's L1 until released: not a staged
-    prefix (paged L1: it waits in L2), nor nothing at all."""
-    return restored.kv is not None and not isinstance(restored.kv, StagedPrefix)
 
 
 class BatchScheduler(Stepping):
@@ -114,10 +90,7 @@ class BatchScheduler(Stepping):
         self.config = config
         self.metrics = metrics
         model = served.model
-        dtype = next(model.parameters()).dtype
-        geometry = KVGeometry.from_config(model.config)
-        element = torch.empty((), dtype=dtype).element_size()
-        per_token = geometry.num_layers * 2 * geometry.num_kv_heads * geometry.head_dim * element
+        geometry, dtype, per_token = model_kv(model)
         self.max_batch = int(config.max_concurrency)
         self.batch_tokens = max(
             int(getattr(config, "batch_tokens", DEFAULT_BATCH_TOKENS)), self.max_batch
@@ -127,10 +100,13 @@ class BatchScheduler(Stepping):
         self.decoding_prompt_tokens = int(
             getattr(config, "decoding_prompt_tokens", DEFAULT_DECODING_PROMPT_TOKENS)
         )
-        # prompts one decoding step's budget takes whole, which go first: oldest first, or
-        # the shortest first with `prompt_order` "shortest" (`_prompt_order`)
-        self._short_prompt = self.decoding_prompt_tokens or self.batch_tokens
-        self.shortest_first = str(getattr(config, "prompt_order", "arrival")) == "shortest"
+        # prompts one decoding step's budget takes whole go first: oldest first, or the
+        # shortest first with `prompt_order` "shortest" (kvtier.server.promptorder)
+        self.prompts = PromptOrder(
+            self.decoding_prompt_tokens or self.batch_tokens,
+            self.prefill_step,
+            str(getattr(config, "prompt_order", "arrival")) == "shortest",
+        )
         # turns admitted in one step (0: no limit but the budget, slots and pages)
         self.admissions_per_step = int(getattr(config, "admissions_per_step", 0))
         self.pool: PagePool = make_pool(  # sharded by layer on a model placed across devices
@@ -148,17 +124,10 @@ class BatchScheduler(Stepping):
             max_seq_len=served.context_tokens,
         )
         self._keep_kv = not isinstance(backend, RecomputeBackend)
-        # on the CPU the helper threads compete with the scheduler for the cores
-        default = HELPER_THREADS_CUDA if served.device.type == "cuda" else 2
-        helpers = int(getattr(config, "helper_threads", 0) or default)  # a bench sweeps it
-        self._restores = concurrent.futures.ThreadPoolExecutor(helpers, "kvtier-restore")
+        helpers = helper_threads(config, served.device)
         self._cond = threading.Condition()
         self._arrived: list[_Seq] = []
         self._restoring = 0  # submitted jobs whose restore has not finished
-        # L1 room: turns restored and not yet committed or aborted hold their session in L1;
-        # each commit or abort makes one evictable again (see _restore)
-        self._holding = 0
-        self._released = 0
         self._closed = False
         self.waiting: deque[_Seq] = deque()
         self.running: list[_Seq] = []
@@ -193,7 +162,7 @@ class BatchScheduler(Stepping):
             self._paged,
             self.chunk_tokens,
             helpers,
-            self._release_l1,
+            lambda s: self.restores.release_l1(s),
             self._count,
             on_error,
         )
@@ -204,6 +173,18 @@ class BatchScheduler(Stepping):
             park=self.park_pages,
             share=self.share_prefixes,
             paged_l1=self.paged_l1,
+        )
+        self.restores = RestoreWorkers(
+            backend,
+            self._paged,
+            self.tables,
+            self._cond,
+            helpers,
+            float(getattr(config, "queue_timeout", 30.0)),
+            arrive=self._arrive,
+            fail=self._restore_failed,
+            closed=lambda: self._closed,
+            dropping=lambda key: key in self._dropping,
         )
         # paged L1: issues the copies of staged prefixes into their pages
         self.loader = StagedLoader(self._pages, self.tables.register)
@@ -218,13 +199,7 @@ class BatchScheduler(Stepping):
         self._pending: _Pending | None = None
         self._last_done = 0.0
         isolate = bool(getattr(config, "isolate_cpus", False)) and served.device.type == "cuda"
-        self._switch_interval = sys.getswitchinterval()  # given back at close
-        sys.setswitchinterval(float(getattr(config, "switch_interval_s", SWITCH_INTERVAL_S)))
-        if served.device.type == "cpu":
-            # Leave a core to the event loop (HTTP, streaming): on 2 cores, 16 sessions decoded
-            # 2.2x faster with one intra-op thread than with two (docs/architecture.md).
-            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 2
-            torch.set_num_threads(max(1, min(torch.get_num_threads(), cores - 1)))
+        self._switch_interval = tune_interpreter(config, served.device)  # given back at close
         if served.devices is not None:
             served.devices.attach(self)  # device failover runs on this scheduler's thread
         self._thread = threading.Thread(
@@ -251,7 +226,7 @@ class BatchScheduler(Stepping):
             if self._closed:
                 raise KvtierError("the batch scheduler is closed; the server is shutting down")
             self._restoring += 1
-        self._restores.submit(self._restore, s)
+        self.restores.submit(s)
         return done
 
     def drop_parked(self, session_id: str, tenant: str) -> None:
@@ -267,121 +242,34 @@ class BatchScheduler(Stepping):
             self._closed = True
             self._cond.notify_all()
         self._thread.join()
-        self._restores.shutdown(wait=True)
+        self.restores.shutdown()
         self.loader.close()
         self.commits.shutdown()
         sys.setswitchinterval(self._switch_interval)
 
-    # ---- restore (thread pool) ----------------------------------------------------------------
-
-    def _restore(self, s: _Seq) -> None:
-        job = s.job
-        s.trace.restore = time.perf_counter()
-        try:
-            s.restored = self._resume_held(s)
-            if s.restored is None:
-                s.restored = self._restore_when_room(job, s.trace)
-                s.holds_l1 = _in_l1(s.restored)
-        except BaseException as exc:  # nothing restored, nothing to abort
-            self.commits.report(s, exc)
-            with self._cond:
-                self._restoring -= 1
-                self._cond.notify_all()
-            return
-        s.cached = s.restored.covered
-        if self.share_prefixes and s.cached >= self.pool.page_size:
-            # the prefix's page keys (a hash per page) here, not on the scheduler's thread
-            self.tables.page_keys(s)
-        s.trace.restored = time.perf_counter()
-        s.stream.put(Started(s.restored.source, s.cached, len(job.prompt_ids)))
+    def _arrive(self, s: _Seq) -> None:
+        """A restored turn waits for the scheduler thread."""
         with self._cond:
             self._restoring -= 1
             self._arrived.append(s)
             self._cond.notify_all()
 
-    def _restore_when_room(self, job: Job, trace: TurnTrace) -> Restored:
-        """`backend.restore`, waiting while L1 is full of sessions whose turns are running: each
-        commit makes one evictable again (the wait is added to `trace.room_wait_s`). Fails when
-        nothing holds L1 (the session alone does not fit) or after `queue_timeout`, as a wait
-        for a slot would."""
-        deadline = time.monotonic() + float(getattr(self.config, "queue_timeout", 30.0))
-        while True:
-            with self._cond:
-                seen = self._released
-            try:
-                # the prompt as a list: made on the device, its copy would queue behind the
-                # steps in flight on the default stream, and the cache reads it back as a list
-                if self.paged_l1:  # the prefix stays in L2 until the pages take it
-                    restored = self._pages().restore_staged(
-                        job.session_id, job.tenant, job.prompt_ids
-                    )
-                else:
-                    restored = self.backend.restore(job.session_id, job.tenant, job.prompt_ids)
-            except L1BudgetExceeded:
-                with self._cond:
-                    if self._holding == 0 or self._closed:
-                        raise
-                    left = deadline - time.monotonic()
-                    t0 = time.perf_counter()
-                    moved = self._cond.wait_for(
-                        lambda seen=seen: self._released != seen or self._closed,  # type: ignore[misc]
-                        timeout=max(0.0, left),
-                    )
-                    trace.room_wait_s += time.perf_counter() - t0
-                if not moved or self._closed:
-                    raise
-                continue
-            if _in_l1(restored):
-                with self._cond:
-                    self._holding += 1
-            return restored
+    def _restore_failed(self, s: _Seq, exc: BaseException) -> None:
+        self.commits.report(s, exc)
+        with self._cond:
+            self._restoring -= 1
+            self._cond.notify_all()
 
     def _pages(self) -> PagedBackend:
         """The backend, on a path that runs only with paged L1."""
         assert self._paged is not None
         return self._paged
 
-    def _resume_held(self, s: _Seq) -> Restored | None:
-        """Paged L1: start from the session's parked pages, claimed so that nothing frees
-        them before the turn is admitted, when the cache vouches for their tokens."""
-        if not self.paged_l1:
-            return None
-        job = s.job
-        key = (job.tenant, job.session_id)
-        with self._cond:
-            p = self.tables.parked.get(key)
-            if p is None or p.claimed or self.tables.stale:
-                return None
-            if key in self._dropping:  # to be freed (an admin's hibernate): not L1 any more
-                return None
-            p.claimed = True
-        held = common_prefix(p.tokens, job.prompt_ids)
-        try:
-            restored = self._pages().resume_pages(job.session_id, job.tenant, job.prompt_ids, held)
-        except Exception:  # the restore below meets the same error and reports it
-            restored = None
-        if restored is None:
-            with self._cond:
-                p.claimed = False
-            return None
-        s.held = p
-        return restored
-
     def _pages_dropped(self, key: tuple[str, str]) -> None:
         try:
             self._pages().pages_dropped(key[1], key[0])
         except Exception:
             log.exception("marking session %s hibernated failed", key[1][:64])
-
-    def _release_l1(self, s: _Seq) -> None:
-        """A restored turn was committed or aborted, or (paged L1) its prefix went from L1 into
-        its pages: its session's L1 may be evicted, or is free, again."""
-        with self._cond:
-            if s.holds_l1:
-                s.holds_l1 = False
-                self._holding -= 1
-            self._released += 1
-            self._cond.notify_all()
 
     # ---- the scheduler thread -----------------------------------------------------------------
 
@@ -529,36 +417,8 @@ class BatchScheduler(Stepping):
                 continue
             prefilling.append(s)
             room -= min(s.unfed, self.prefill_step)
-        prefilling.sort(key=self._prompt_order)
-        half = max(budget // 2, 1)
-        for s in prefilling:
-            if budget <= 0:
-                s.passed_over += 1
-                continue
-            n = min(s.unfed, self.prefill_step, budget)
-            if s.passed_over >= PASSED_OVER_STEPS and len(prefilling) > 1:
-                n = min(n, half)  # promoted for good; the other half stays with shorter ones
-            else:
-                s.passed_over = 0
-            items.append((s, s.tokens[s.fed : s.fed + n]))
-            budget -= n
+        items += self.prompts.chunks(prefilling, budget)
         return items
-
-    def _prompt_order(self, s: _Seq) -> tuple[bool, bool, float]:
-        """Which prompt gets the step's budget first. Short prompts (what one decoding step's
-        budget takes whole: a returning turn's 50-200 tokens) go before long ones (a new
-        conversation's thousands, whose own first token is far off anyway), so a turn's first
-        token does not queue behind another turn's long prefill. Short ones go oldest first
-        (`prompt_order` "arrival"): shortest first among them too cut an admitted prompt
-        whenever a shorter newcomer took the budget first, and that made the slowest first
-        tokens on an H200 (docs/benchmarks.md). Shortest first ("shortest") gives a lower mean
-        where turns queue for slots (the CPU demo). Long ones go shortest left first.
-        A prompt passed over for `PASSED_OVER_STEPS` steps in a row goes first from then on,
-        with at most half of each step's budget while others wait, so a stream of short ones
-        cannot starve a long one, nor a long one hold them all back."""
-        long = s.unfed > self._short_prompt
-        order = float(s.unfed) if long or self.shortest_first else s.admitted
-        return (s.passed_over < PASSED_OVER_STEPS, long, order)
 
     def _decoding(self) -> list[_Seq]:
         return [s for s in self.running if s.unfed == 1 and s.loading is None]
@@ -715,11 +575,10 @@ class BatchScheduler(Stepping):
         if s.paged is None or self.pool.quantized:
             return None
         assert s.restored is not None
-        C = self.chunk_tokens
-        start = s.restored.covered // C * C
-        end = s.paged.length
-        pages = s.paged.pages
-        return start, [self.pool.gather(pages, a, min(a + C, end)) for a in range(start, end, C)]
+        start = s.restored.covered // self.chunk_tokens * self.chunk_tokens
+        return start, self.pool.gather_chunks(
+            s.paged.pages, start, s.paged.length, self.chunk_tokens
+        )
 
     def _fail(self, s: _Seq, exc: BaseException) -> None:
         """The request fails: free its pages, and abort its session off this thread."""

@@ -245,6 +245,20 @@ def profile_activations(model: Any, tokens: int, logits_rows: int, device: torch
     return int(peak)
 
 
+def model_kv(model: Any) -> tuple[Any, torch.dtype, int]:
+    """The model's KV geometry, its weights' dtype and the KV bytes of one token in it."""
+    from kvtier.geometry import KVGeometry
+
+    dtype = next(model.parameters()).dtype
+    element = torch.empty((), dtype=dtype).element_size()
+    geometry = KVGeometry.from_config(model.config)
+    return (
+        geometry,
+        dtype,
+        geometry.num_layers * 2 * geometry.num_kv_heads * geometry.head_dim * element,
+    )
+
+
 def build_plan(served: Any, config: Any) -> DeviceMemoryPlan | None:
     """The plan of the served model's device, built once its weights are resident, and the
     budget enforced: torch's allocator refuses to hold more than it on this device (an
@@ -252,16 +266,11 @@ def build_plan(served: Any, config: Any) -> DeviceMemoryPlan | None:
 
     None on the CPU, and for a model placed across devices (each device's share is planned by
     its failover, kvtier.server.failover)."""
-    from kvtier.geometry import KVGeometry
-
     device = served.device
     if device.type != "cuda" or served.devices is not None:
         return None
     model = served.model
-    dtype = next(model.parameters()).dtype
-    element = torch.empty((), dtype=dtype).element_size()
-    geometry = KVGeometry.from_config(model.config)
-    per_token = geometry.num_layers * 2 * geometry.num_kv_heads * geometry.head_dim * element
+    geometry, dtype, per_token = model_kv(model)
     max_batch = int(config.max_concurrency)
     batch_tokens = max(int(config.batch_tokens), max_batch)
     torch.cuda.synchronize(device)

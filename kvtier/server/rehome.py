@@ -72,7 +72,10 @@ def _settle(sched: Any) -> list[Any]:
     for (briefly), so no sequence with a Cache on the old primary is missed."""
     with sched._cond:
         sched._cond.wait_for(
-            lambda: sched._holding <= len(sched.running) + len(sched.waiting) + len(sched._arrived),
+            lambda: (
+                sched.restores.holding
+                <= len(sched.running) + len(sched.waiting) + len(sched._arrived)
+            ),
             timeout=SETTLE_S,
         )
         return [*sched.running, *sched.waiting, *sched._arrived]

@@ -60,12 +60,14 @@ class _Seq:
     # `kvtier.server.parking.Parked`), and the K/V [layer, k|v, token, head, dim] of its first `cached`
     # tokens while it waits after a preemption
     held: Any = None
-    holds_l1: bool = False  # restored into L1, and L1 not yet released (see `_release_l1`)
+    holds_l1: bool = (
+        False  # restored into L1, and L1 not yet released (see `RestoreWorkers.release_l1`)
+    )
     spilled: torch.Tensor | None = None
     # paged L1: the copies of its staged prefix into its pages (a transfer Handle) while they
     # run; it joins no step until they are done
     loading: Any = None
-    # steps in a row whose prompt budget ran out before its turn (`BatchScheduler._prompt_order`)
+    # steps in a row whose prompt budget ran out before its turn (`kvtier.server.promptorder`)
     passed_over: int = 0
 
     @property

@@ -565,7 +565,7 @@ def test_scheduler_gil_switch_interval_and_helper_threads(tmp_path: Path) -> Non
     Its restore and commit pools have 2 threads each on the CPU, or as many as configured."""
     import sys
 
-    from kvtier.server.batching import SWITCH_INTERVAL_S
+    from kvtier.server.schedthread import SWITCH_INTERVAL_S
 
     served = _build("llama")
     before = sys.getswitchinterval()
@@ -573,12 +573,14 @@ def test_scheduler_gil_switch_interval_and_helper_threads(tmp_path: Path) -> Non
     try:
         sched = BatchScheduler(served, RecomputeBackend(served.model), _config(tmp_path))
         assert sys.getswitchinterval() == pytest.approx(SWITCH_INTERVAL_S)
-        assert sched._restores._max_workers == 2  # on the CPU: they compete for the cores
+        assert sched.restores.executor._max_workers == 2  # on the CPU: they compete for the cores
         sched.close()
         assert sys.getswitchinterval() == pytest.approx(0.004)
         config = _config(tmp_path, helper_threads=3)  # what bench/agent_fleet.py sweeps
         sched = BatchScheduler(served, RecomputeBackend(served.model), config)
-        assert sched._restores._max_workers == 3 and sched.commits.executor._max_workers == 3
+        assert (
+            sched.restores.executor._max_workers == 3 and sched.commits.executor._max_workers == 3
+        )
         sched.close()
     finally:
         sys.setswitchinterval(before)

@@ -17,8 +17,9 @@ from test_batching import _build, _greedy_alone, _job, _prompts
 from test_batching_share import _close, _drive, _first_turns, _next_prompts, _reply, _restored
 
 from kvtier.errors import ConfigError
-from kvtier.server.batching import PASSED_OVER_STEPS, BatchScheduler, _Seq
+from kvtier.server.batching import BatchScheduler, _Seq
 from kvtier.server.config import ServerConfig
+from kvtier.server.promptorder import PASSED_OVER_STEPS
 
 BUDGET = 16  # prompt tokens in a step that decodes (`decoding_prompt_tokens`)
 
@@ -70,17 +71,17 @@ def test_a_prompt_passed_over_too_often_goes_first(tmp_path: Path) -> None:
     try:
         long = _restored(sched, loop, _job("long", _prompts(43, [300])[0], 4), check=False)
         short = _restored(sched, loop, _job("short", _prompts(44, [20])[0], 4), check=False)
-        order = sorted([long, short], key=sched._prompt_order)
+        order = sorted([long, short], key=sched.prompts.order)
         assert order == [short, long]
         long.passed_over = PASSED_OVER_STEPS
-        assert sorted([long, short], key=sched._prompt_order) == [long, short]
+        assert sorted([long, short], key=sched.prompts.order) == [long, short]
         # short ones (at most BUDGET tokens left) oldest first, whatever their length
         older = _restored(sched, loop, _job("older", _prompts(45, [15])[0], 4), check=False)
         newer = _restored(sched, loop, _job("newer", _prompts(46, [3])[0], 4), check=False)
         older.admitted, newer.admitted = 1.0, 2.0
-        assert sorted([newer, older], key=sched._prompt_order) == [older, newer]
-        sched.shortest_first = True  # `prompt_order` "shortest"
-        assert sorted([older, newer], key=sched._prompt_order) == [newer, older]
+        assert sorted([newer, older], key=sched.prompts.order) == [older, newer]
+        sched.prompts.shortest_first = True  # `prompt_order` "shortest"
+        assert sorted([older, newer], key=sched.prompts.order) == [newer, older]
     finally:
         _close(sched, backend, loop)
 
@@ -139,7 +140,7 @@ def _stream_of_short_turns(tmp_path: Path, shortest_first: bool) -> int:
     ref, served = _build("llama"), _build("llama")
     order = "shortest" if shortest_first else "arrival"
     sched, backend, _ = _first_turns(served, tmp_path, [], prompt_order=order)
-    assert sched.shortest_first == shortest_first
+    assert sched.prompts.shortest_first == shortest_first
     loop = asyncio.new_event_loop()
     try:
         d, middle, m, shorts = _decoder_prompt_shorts(sched, loop, 60, 15, [3] * 96)

@@ -65,7 +65,7 @@ def _restored(
         gen=make_generator(job.temperature, job.seed),
         tokens=list(job.prompt_ids),
     )
-    sched._restore(s)
+    sched.restores.restore(s)
     sched._arrived.remove(s)
     assert not check or s.cached >= COMMON, "the next turn restores the committed first turn"
     return s
