@@ -16,7 +16,7 @@ from fleet_serve import TENANT, Fleet, Measure, Window, count_sources, seed, ses
 from stacks import StackSampler
 
 from kvtier.server.batching import BatchScheduler
-from kvtier.server.engine import Delta, Job, Started, Stream
+from kvtier.server.jobs import Delta, Job, Started, Stream
 from kvtier.server.model import ServedModel, byte_tokenizer
 
 # ---- (d, e) kvtier batched: the BatchScheduler -------------------------------------------------

@@ -44,8 +44,8 @@ from kvtier.placement import Placement, parse_devices
 from kvtier.server.backend import RecomputeBackend, TieredBackend
 from kvtier.server.batching import BatchScheduler
 from kvtier.server.config import ServerConfig
-from kvtier.server.engine import Delta, Finished, Job, Stream
 from kvtier.server.failover import place
+from kvtier.server.jobs import Delta, Finished, Job, Stream
 from kvtier.server.memplan import page_size
 from kvtier.server.model import ServedModel, byte_tokenizer
 

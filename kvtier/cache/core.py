@@ -29,7 +29,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import os
 import threading
 import time
 from array import array
@@ -50,20 +49,17 @@ from kvtier.cache.lifecycle import LifecycleMixin
 from kvtier.cache.restore import StagedPrefix, common_prefix
 from kvtier.cache.session import Ids, Session
 from kvtier.cache.stats import Counters, SnapshotInputs, build_snapshot
+from kvtier.cache.tierset import open_tiers
 from kvtier.codecs import make_codec
-from kvtier.errors import BudgetError, ConfigError, L1BudgetExceeded, SessionError
+from kvtier.errors import L1BudgetExceeded, SessionError
 from kvtier.geometry import KVGeometry, model_fingerprint, normalize_dtype
 from kvtier.integrations.hf import KvtierCache
 from kvtier.integrations.paged_cache import PagedCache
 from kvtier.kvbin import ChunkHeader
 from kvtier.paged.pool import PagePool
 from kvtier.policy import make_policy
-from kvtier.sealing import load_master_key
 from kvtier.snapshot import RESTORE_BUCKETS, CacheSnapshot
-from kvtier.tiers.l1 import L1Pool
-from kvtier.tiers.l2 import HostArena
-from kvtier.tiers.l3 import L3Store, SessionRecord
-from kvtier.transfer import TransferEngine
+from kvtier.tiers.l3 import SessionRecord
 from kvtier.transfer.staging import Handle
 from kvtier.types import SessionState
 from kvtier.weights import weights_digest
@@ -99,22 +95,9 @@ class TieredCache(LifecycleMixin):
         self.counters = Counters()
         # Every resource is released again if a later step fails (reopening the root works).
         with contextlib.ExitStack() as undo:
-            master = None
-            if config.encrypt and config.master_key_file is not None:
-                master = load_master_key(config.master_key_file)
-            l1_bytes = config.l1_bytes or _default_l1_bytes(self.device)
-            self.l1 = L1Pool(self.geometry, l1_bytes, self.device, self.chunk_tokens)
-            self.l3 = L3Store(
-                config.l3_root,
-                keep_page_cache=config.keep_page_cache,
-                max_bytes=config.l3_max_bytes,
-                cold_dir=config.l3_cold_root,
-                master_key=master,
-                need_key=True,
+            self.l1, self.l3, self.l2, self.engine = open_tiers(
+                config, self.geometry, self.codec, self.device, self.counters, undo
             )
-            undo.callback(self.l3.close)
-            self.l2, self.engine = self._build_tiers(config, undo)
-            self._claim_l1()
             self.cost = CostModel(
                 {"l4": 1e9, **config.initial_bandwidth},
                 config.initial_prefill_s_per_token,
@@ -146,82 +129,6 @@ class TieredCache(LifecycleMixin):
                 undo.callback(self.l4.close)
             self._load_hibernated()
             undo.pop_all()
-
-    def _build_tiers(
-        self, config: CacheConfig, undo: contextlib.ExitStack
-    ) -> tuple[HostArena, TransferEngine]:
-        """The L2 arena and the transfer engine, with the L3 writer process if asked for."""
-        slot_bytes = self.codec.payload_bytes(self.chunk_tokens)
-        writer = config.l3_writer
-        if writer == "auto":
-            writer = "process" if self.device.type == "cuda" else "threads"
-        want_process = writer == "process" and hasattr(os, "memfd_create")
-        try:
-            return self._build_l2(config, slot_bytes, want_process, undo)
-        except (BudgetError, OSError) as exc:
-            if not want_process:
-                raise
-            # Shared memory or the child could not be had here: the same cache with writer
-            # threads (write-through then competes with decode for this interpreter).
-            log.warning("L3 writer process unavailable (%s); writing L3 from threads", exc)
-            return self._build_l2(config, slot_bytes, False, undo)
-
-    def _build_l2(
-        self, config: CacheConfig, slot_bytes: int, writer_process: bool, undo: Any
-    ) -> tuple[HostArena, TransferEngine]:
-        arena = HostArena(slot_bytes, config.l2_bytes, pin=config.pin_memory, shared=writer_process)
-        try:
-            engine = TransferEngine(
-                self.geometry,
-                self.chunk_tokens,
-                self.device,
-                arena,
-                self.l3,
-                self.codec,
-                l3_write_queue=config.l3_write_queue,
-                l3_threads=config.l3_threads,
-                writer_process=writer_process,
-                inflight_bytes_max=config.inflight_bytes_max,
-            )
-        except BaseException:
-            arena.close()
-            raise
-        undo.callback(arena.close)
-        undo.callback(engine.close)  # runs first: the engine uses the arena
-        chunk = self.geometry.chunk_bytes(self.chunk_tokens)
-        if engine.inflight.max_bytes < chunk:
-            raise ConfigError(
-                f"inflight_bytes_max ({engine.inflight.max_bytes}) must hold at least one chunk "
-                f"of {chunk} bytes (a chunk gathered from pages is in flight until copied)"
-            )
-        engine.inflight.on_wait = self._count_wait
-        return arena, engine
-
-    def _count_wait(self, seconds: float) -> None:
-        """One backpressure wait of `seconds` (any thread, with or without the lock)."""
-        with self.counters.guard:
-            self.counters.backpressure_waits += 1
-            self.counters.backpressure_wait_seconds += seconds
-
-    def _count_drop(self) -> None:
-        """A stored prefix cut because waiting made no room (its tokens are recomputed)."""
-        with self.counters.guard:
-            self.counters.backpressure_drops += 1
-
-    def _claim_l1(self) -> None:
-        """On a GPU, l1_bytes is kvtier's device memory but for copies in flight (bounded
-        apart, `device_bytes`): the engine's staging buffers come out of it, and the rest is
-        claimed for L1 now (`L1Pool.reserve`)."""
-        if self.device.type != "cuda":
-            return
-        staging = self.engine.staging_bytes
-        if staging >= self.l1.budget_bytes:
-            raise ConfigError(
-                f"l1_bytes ({self.l1.budget_bytes}) must exceed the transfer engine's staging "
-                f"buffers ({staging} bytes); raise l1_bytes"
-            )
-        self.l1.budget_bytes -= staging
-        self.l1.reserve()
 
     # -- sessions -------------------------------------------------------------------------------
 
@@ -646,13 +553,6 @@ def _check_tenant(tenant: str) -> None:
             f"tenant names are at most {TENANT_MAX_BYTES} UTF-8 bytes without NUL (this one is "
             f"{size} bytes); use a shorter name or a hash of it"
         )
-
-
-def _default_l1_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        free, _total = torch.cuda.mem_get_info(device)
-        return free // 2
-    return 1 << 30
 
 
 __all__ = ["Session", "TieredCache"]

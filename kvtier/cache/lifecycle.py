@@ -71,8 +71,6 @@ class LifecycleMixin:
         def _record(self, s: Session) -> SessionRecord: ...
         def _submit_record(self, fn: Any, *args: Any) -> Future[Any]: ...
         def _release_l1(self, s: Session) -> None: ...
-        def _count_wait(self, seconds: float) -> None: ...
-        def _count_drop(self) -> None: ...
         def key_for(self, parent: bytes, toks: Sequence[int], s: Session) -> bytes: ...
         @property
         def _shared_ns(self) -> bytes: ...
@@ -226,7 +224,7 @@ class LifecycleMixin:
                     s.session_id[:64],
                     i * C,
                 )
-                self._count_drop()
+                self.counters.count_drop()
                 self._cut(s, i * C)
                 return
             del chunk  # a gathered chunk is the engine's (in flight) from here
@@ -289,7 +287,7 @@ class LifecycleMixin:
             waited = d.wait_for_room()
             if waited is None:
                 break
-            self._count_wait(waited)
+            self.counters.count_wait(waited)
             slot = d.alloc()
         return slot
 
@@ -321,7 +319,7 @@ class LifecycleMixin:
         chunk = None if chunk_at is None else chunk_at(pos)
         if not self.directory.stored(e):
             if not self._write_down(s, pos, e, tenant=s.tenant, chunk=chunk, wait=True):
-                self._count_drop()
+                self.counters.count_drop()
                 self._cut(s, len(s.tokens) - t)  # the tail is recomputed on resume
                 return
             self.counters.stored["tails"] += 1

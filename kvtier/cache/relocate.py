@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvtier.cache.tierset import claim_l1
 from kvtier.errors import ConfigError, SessionError
 from kvtier.tiers.l1 import L1Pool
 from kvtier.transfer.device import DeviceMover
@@ -60,7 +61,7 @@ def relocate_l1(
                     cache.hibernate_session(s, wait=False)
             old.synchronize()  # the copies down have left the old device
         staging = old.staging_bytes if old.cuda else 0
-        before = cache.l1.budget_bytes + staging  # l1_bytes as configured (see _claim_l1)
+        before = cache.l1.budget_bytes + staging  # l1_bytes as configured (see claim_l1)
         budget = before if budget is None else int(budget)
         suspect = _unfinished_copies(old) if lost else set()
         if lost:  # what copies in flight held was on the lost device
@@ -88,7 +89,7 @@ def relocate_l1(
             )
         cache.device = mover.device
         cache.l1 = L1Pool(cache.geometry, budget, mover.device, cache.chunk_tokens)
-        cache._claim_l1()
+        claim_l1(cache.l1, cache.engine)
         _drop_partial_slots(cache, suspect)
         dropped = 0
         for s in list(cache._sessions.values()):

@@ -62,6 +62,17 @@ class Counters:
     backpressure_drops: int = 0
     guard: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
+    def count_wait(self, seconds: float) -> None:
+        """One backpressure wait of `seconds` (any thread, with or without the cache's lock)."""
+        with self.guard:
+            self.backpressure_waits += 1
+            self.backpressure_wait_seconds += seconds
+
+    def count_drop(self) -> None:
+        """A stored prefix cut because waiting made no room (its tokens are recomputed)."""
+        with self.guard:
+            self.backpressure_drops += 1
+
     def copy(self) -> Counters:
         with self.guard:
             return Counters(

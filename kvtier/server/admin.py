@@ -15,8 +15,8 @@ from fastapi import FastAPI, Request
 
 from kvtier.errors import SessionError
 from kvtier.server.auth import require_admin, session_scope
-from kvtier.server.engine import Overloaded
 from kvtier.server.http import MAX_SESSION_ID, MAX_TENANT, ApiError, check_id
+from kvtier.server.jobs import Overloaded
 
 if TYPE_CHECKING:  # pragma: no cover
     from kvtier.server.app import State

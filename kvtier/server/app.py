@@ -34,18 +34,10 @@ from kvtier.server.backend import make_backend
 from kvtier.server.config import ServerConfig
 from kvtier.server.devicefault import DeviceFault, is_fatal_device_error
 from kvtier.server.devices_admin import DegradedTurn, device_readiness, install_device_routes
-from kvtier.server.engine import (
-    ContextExceeded,
-    Delta,
-    Draining,
-    Engine,
-    Finished,
-    Job,
-    Overloaded,
-    check_fits,
-)
+from kvtier.server.engine import Engine, check_fits
 from kvtier.server.failover import place_configured
 from kvtier.server.http import MAX_SESSION_ID, ApiError, check_id
+from kvtier.server.jobs import ContextExceeded, Delta, Draining, Finished, Job, Overloaded
 from kvtier.server.memplan import backend_device_bytes, build_plan, planned_config, startup_peaks
 from kvtier.server.metrics import ServerMetrics
 from kvtier.server.model import ServedModel, build_default, load_dummy, load_local

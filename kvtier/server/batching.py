@@ -49,9 +49,9 @@ from kvtier.errors import KvtierError
 from kvtier.paged import BatchRunner, PagedSequence, PagePool
 from kvtier.server.backend import Backend, PagedBackend, RecomputeBackend
 from kvtier.server.committing import TurnCommits
-from kvtier.server.engine import ContextExceeded, Delta, Job, Stream
 from kvtier.server.eventpost import EventPost
 from kvtier.server.failover import make_pool
+from kvtier.server.jobs import ContextExceeded, Delta, Job, Stream
 from kvtier.server.loading import StagedLoader
 from kvtier.server.lookahead import TokenReadback
 from kvtier.server.memplan import model_kv, page_size, pool_bytes

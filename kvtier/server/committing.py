@@ -17,7 +17,7 @@ from typing import Any
 
 from kvtier.errors import KvtierError
 from kvtier.server.backend import Backend, PagedBackend
-from kvtier.server.engine import Failed, Finished
+from kvtier.server.jobs import Failed, Finished
 from kvtier.server.pagecopy import append_kv
 
 log = logging.getLogger("kvtier.server")

@@ -17,8 +17,7 @@ import concurrent.futures
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -26,6 +25,17 @@ import torch
 from kvtier.errors import InvalidRequest, KvtierError, L1BudgetExceeded
 from kvtier.server.backend import Backend
 from kvtier.server.devicefault import DeviceFault, is_fatal_device_error
+from kvtier.server.jobs import (
+    ContextExceeded,
+    Delta,
+    Draining,
+    Failed,
+    Finished,
+    Job,
+    Overloaded,
+    Started,
+    Stream,
+)
 from kvtier.server.memplan import take_peak
 from kvtier.server.model import ServedModel, cache_kwarg
 from kvtier.server.sampling import ReplyText, make_generator, sample
@@ -53,94 +63,6 @@ WARM_UP_TOKENS = 1024
 WARM_UP_PREFILL_TOKENS = 2048
 # New tokens after the restored prefix in the warm-up's returning turn (a short user message).
 WARM_UP_SUFFIX = 32
-
-
-class Overloaded(KvtierError):
-    """No generation slot is free within the queue timeout; retry after `retry_after` seconds."""
-
-    def __init__(self, message: str, retry_after: int) -> None:
-        super().__init__(message)
-        self.retry_after = retry_after
-
-
-class ContextExceeded(InvalidRequest):
-    """The prompt alone does not fit in the model's context."""
-
-
-class Draining(KvtierError):
-    """The server is shutting down (or not ready yet) and takes no new requests."""
-
-
-@dataclass
-class Job:
-    """One generation request, already tokenized and validated."""
-
-    session_id: str
-    tenant: str
-    prompt_ids: tuple[int, ...]  # immutable: the collector untracks it (kvtier.cache.session.Ids)
-    max_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    ephemeral: bool = False  # no session id given: forget the session after the request
-    internal: bool = False  # the server's own warm-up request: it counts in no metric
-
-
-@dataclass
-class Started:
-    source: str
-    cached_tokens: int
-    prompt_tokens: int
-
-
-@dataclass
-class Delta:
-    text: str
-
-
-@dataclass
-class Finished:
-    finish_reason: str  # "stop" | "length" | "cancelled"
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int
-    source: str
-
-
-@dataclass
-class Failed:
-    error: BaseException
-
-
-@dataclass
-class Stream:
-    """Events of one running job, handed from the worker thread to the event loop."""
-
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue[Any] = field(default_factory=asyncio.Queue)
-    cancelled: threading.Event = field(default_factory=threading.Event)
-    started: Started | None = None
-    # (sinks, window) when the turn runs degraded over sinks + a window (kvtier.server.streaming)
-    streaming: tuple[int, int] | None = None
-    # "int8" once a step of the turn read K/V from an int8 page pool (degraded_kv)
-    degraded_kv: str = "native"
-
-    def put(self, event: Any) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
-
-    def cancel(self) -> None:
-        """The client went away: stop generating, keep what is committed, free L1."""
-        self.cancelled.set()
-
-    async def events(self) -> AsyncIterator[Delta | Finished]:
-        while True:
-            event = await self.queue.get()
-            if isinstance(event, Failed):
-                raise event.error
-            yield event
-            if isinstance(event, Finished):
-                return
 
 
 def _isolate(config: Any, served: ServedModel) -> bool:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from kvtier.server.engine import Stream
+from kvtier.server.jobs import Stream
 
 
 class EventPost:

@@ -17,7 +17,7 @@ from typing import Any
 from kvtier.cache.restore import StagedPrefix, common_prefix
 from kvtier.errors import L1BudgetExceeded
 from kvtier.server.backend import Backend, PagedBackend, Restored
-from kvtier.server.engine import Job, Started
+from kvtier.server.jobs import Job, Started
 from kvtier.server.parking import PageTables, key_of
 from kvtier.server.turntrace import TurnTrace
 

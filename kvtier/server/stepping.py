@@ -23,7 +23,7 @@ import torch
 
 from kvtier.paged import BatchRunner, Feed, PagedSequence, PagePool, SeqInput
 from kvtier.server.backend import Backend, Restored
-from kvtier.server.engine import Delta, Job, Stream
+from kvtier.server.jobs import Delta, Job, Stream
 from kvtier.server.lookahead import Ticket, TokenReadback
 from kvtier.server.model import ServedModel
 from kvtier.server.sampling import ReplyText, sample_rows

@@ -26,7 +26,7 @@ from kvtier.paged import SeqInput
 from kvtier.server.backend import RecomputeBackend, TieredBackend
 from kvtier.server.batching import BatchScheduler
 from kvtier.server.config import ServerConfig
-from kvtier.server.engine import ContextExceeded, Delta, Finished, Job, Started, Stream
+from kvtier.server.jobs import ContextExceeded, Delta, Finished, Job, Started, Stream
 from kvtier.server.memplan import PAGE_SIZE
 from kvtier.server.metrics import ServerMetrics
 from kvtier.server.model import ServedModel, _wrap, byte_tokenizer, cache_kwarg

@@ -25,8 +25,8 @@ from test_multi_device import _poison
 from kvtier.paged.sharded import ShardedPagePool
 from kvtier.server.backend import RecomputeBackend, TieredBackend
 from kvtier.server.batching import BatchScheduler, _Seq
-from kvtier.server.engine import Job, Stream
 from kvtier.server.failover import DEGRADED, place
+from kvtier.server.jobs import Job, Stream
 from kvtier.server.memplan import PAGE_SIZE
 from kvtier.server.model import ServedModel
 from kvtier.server.sampling import ReplyText, make_generator

@@ -13,6 +13,7 @@ from conftest import tiny_llama
 from test_cache_lifecycle import cfg as lifecycle_cfg
 
 import kvtier.cache.core as core
+import kvtier.cache.tierset as tierset
 from kvtier import CacheConfig, TieredCache
 from kvtier.cache.keys import SHARED_TENANT
 from kvtier.errors import ConfigError, SessionError
@@ -211,15 +212,15 @@ def _children() -> set[int]:
 
 
 STEPS = [
-    (core, "L1Pool"),
-    (core, "L3Store"),
-    (core, "HostArena"),
-    (core, "TransferEngine"),
+    (tierset, "L1Pool"),
+    (tierset, "L3Store"),
+    (tierset, "HostArena"),
+    (tierset, "TransferEngine"),
     (core, "CostModel"),
     (core, "make_policy"),
     (core, "ChunkDirectory"),
     (core, "ThreadPoolExecutor"),
-    (core.TieredCache, "_claim_l1"),
+    (tierset, "claim_l1"),
     (core.TieredCache, "_load_hibernated"),
 ]
 

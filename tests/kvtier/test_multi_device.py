@@ -26,8 +26,8 @@ from kvtier.paged.sharded import ShardedPagePool
 from kvtier.placement import DeviceLost, Placement, parse_devices
 from kvtier.server.backend import TieredBackend
 from kvtier.server.batching import BatchScheduler
-from kvtier.server.engine import Delta, Finished, Stream
 from kvtier.server.failover import DEGRADED, DRAINING, HEALTHY, RESTORING, place
+from kvtier.server.jobs import Delta, Finished, Stream
 
 CPU = torch.device("cpu")
 

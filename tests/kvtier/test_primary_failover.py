@@ -27,8 +27,8 @@ from kvtier.placement import DeviceLost
 from kvtier.server.backend import TieredBackend
 from kvtier.server.batching import BatchScheduler
 from kvtier.server.devices_admin import device_readiness
-from kvtier.server.engine import Finished
 from kvtier.server.failover import DEGRADED, DRAINING, FAILED, HEALTHY, RESTORING, place
+from kvtier.server.jobs import Finished
 from kvtier.server.metrics import ServerMetrics
 from kvtier.server.model import cache_kwarg
 from kvtier.types import SessionState
