@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: demo demo-clean demo-fleet test lint typecheck layering unit setup setup-dev
+.PHONY: demo demo-clean demo-fleet test lint typecheck layering unit kernels setup setup-dev
 
 demo: setup
 	bash scripts/demo.sh
@@ -17,7 +17,7 @@ demo-clean: setup
 demo-fleet: setup
 	bash scripts/demo_fleet.sh
 
-test: setup-dev lint typecheck layering unit
+test: setup-dev lint typecheck layering unit kernels
 
 setup:
 	@bash scripts/bootstrap.sh run
@@ -43,3 +43,10 @@ layering:
 
 unit:
 	$(PY) -m pytest -q -p no:cacheprovider
+
+# The Triton kernels' tests need CUDA, so `unit` skips them on a machine without a GPU; here a
+# subset of them (the `interpret` mark) runs in Triton's CPU interpreter instead, so the kernels'
+# logic is checked on every change: about a minute on 2 cores (tests/kvtier/test_paged_triton.py).
+kernels:
+	CUDA_VISIBLE_DEVICES= TRITON_INTERPRET=1 $(PY) -m pytest -q -p no:cacheprovider -m interpret \
+	  tests/kvtier/test_paged_triton.py

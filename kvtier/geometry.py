@@ -194,10 +194,19 @@ def _text_config(config: Any) -> Any:
 def _config_dtype(*configs: Any) -> str:
     """The first dtype named by the text config or its multimodal parent."""
     for cfg in configs:
-        value = _get(cfg, "dtype") or _get(cfg, "torch_dtype")
+        value = _get(cfg, "dtype") or _legacy_dtype(cfg)
         if value is not None:
             return normalize_dtype(value)
     return DEFAULT_DTYPE
+
+
+def _legacy_dtype(cfg: Any) -> Any:
+    """`torch_dtype`, the older name of `dtype`: a config.json key, or a stored attribute. On a
+    transformers config it is a property that logs "`torch_dtype` is deprecated" when read, and
+    only returns `dtype` (read above), so it is never read there."""
+    if isinstance(cfg, Mapping):
+        return cfg.get("torch_dtype")
+    return getattr(cfg, "__dict__", {}).get("torch_dtype")
 
 
 def _sliding(cfg: Any, layers: int) -> tuple[int | None, tuple[int, ...]]:

@@ -353,6 +353,8 @@ def _fields(view: memoryview, flags: int, algo: str, version: int) -> ChunkHeade
         or any(view[sealed_end:_HCRC_OFF])
     ):
         raise KvbinFormatError("non-zero bytes in the header's padding")
+    if b"\x00" in tenant_bytes:  # never written (`validate` refuses it): not a tenant's name
+        raise KvbinFormatError("tenant contains a NUL byte")
     try:
         tenant = tenant_bytes.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -379,6 +381,53 @@ def _fields(view: memoryview, flags: int, algo: str, version: int) -> ChunkHeade
         nonce=bytes(view[_NONCE_OFF:_TAG_OFF]) if enc_code else b"",
         tag=bytes(view[_TAG_OFF:_SEALED_END]) if enc_code else b"",
     )
+
+
+# What a header read back must say to be the chunk the reader asked for (`check_expected`):
+# its identity, its model, and everything that decides which bytes are its payload and how
+# they are laid out. Not compared: the parent (a key already hashes it in), the creation time,
+# the checksum algorithm and the sealing fields (the payload checks cover those).
+EXPECTED_FIELDS = (
+    "key",
+    "fingerprint",
+    "tokens",
+    "layers",
+    "kv_heads",
+    "head_dim",
+    "dtype",
+    "codec",
+    "codec_params",
+    "compression",
+    "payload_len",
+)
+
+
+def check_expected(header: ChunkHeader, expect: ChunkHeader) -> None:
+    """Raise KvbinFormatError unless `header` (decoded and checksum-verified) describes the chunk
+    `expect` describes: the same `EXPECTED_FIELDS`, and the same tenant unless `expect.tenant` is
+    empty (a reader that does not know whose chunk it reads).
+
+    A header's checksum says only that the header was not damaged; anyone who can write a tier
+    can write a header that is self-consistent. Every reader that knows what it asked for
+    checks this before a byte of the payload is used: a header that passes names exactly the
+    bytes the caller will use (a shorter payload would leave the rest of the caller's buffer,
+    whatever an earlier chunk left there, taken for part of this one)."""
+    bad = [name for name in EXPECTED_FIELDS if getattr(header, name) != getattr(expect, name)]
+    if expect.tenant and header.tenant != expect.tenant:
+        bad.append("tenant")
+    if bad:
+        said = ", ".join(f"{n} {_shown(getattr(header, n))} (not {_shown(getattr(expect, n))})"
+                         for n in bad)  # fmt: skip
+        raise KvbinFormatError(
+            f"header of chunk {bytes(expect.key).hex()} does not describe the chunk asked for: "
+            f"{said}; forged or misplaced, never used (recompute instead)"
+        )
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, (bytes, bytearray)):
+        return bytes(value).hex() or "''"
+    return repr(value)
 
 
 def verify_payload(header: ChunkHeader, payload: Any) -> None:

@@ -29,7 +29,7 @@ from kvtier.loadgen_report import (
     report,
     server_ttft,
     summarize,
-    tiers_now,
+    tiers_during,
 )
 
 __all__ = [
@@ -114,6 +114,7 @@ class Fleet:
         self.conversations: dict[int, list[dict[str, str]]] = {}
         self.t0 = 0.0
         self.metrics_error: str | None = None
+        self.probe_tenants: list[tuple[int, str]] = []  # (host, fresh tenant) of each probe
 
     def session_id(self, i: int) -> str:
         return f"lg-{self.config.run_id}-{i:05d}"
@@ -243,6 +244,8 @@ class Fleet:
             await self.chat(client, msgs, a, own, 2)
             b = Sample(i, -1, time.perf_counter() - self.t0)
             fresh_msgs, fresh_headers = self.fresh(msgs)
+            if "X-Tenant" in fresh_headers:
+                self.probe_tenants.append((clients.index(client), fresh_headers["X-Tenant"]))
             await self.chat(client, fresh_msgs, b, fresh_headers, 2)
             if a.ttft is None or b.ttft is None or a.error or b.error:
                 continue
@@ -258,6 +261,36 @@ class Fleet:
                 }
             )
         return compare_pairs(pairs)
+
+    async def drop_probe_tenants(self, clients: list[httpx.AsyncClient]) -> dict[str, Any] | None:
+        """Delete each probe's fresh tenant where its request went (`DELETE /v1/tenants/{t}`,
+        an admin call: on loopback without API keys), so the probes leave no chunks behind."""
+        if not self.probe_tenants:
+            return None
+        deleted, chunks, errors = 0, 0, []
+        for host, tenant in self.probe_tenants:
+            for attempt in range(5):
+                try:
+                    resp = await clients[host].delete(f"/v1/tenants/{tenant}")
+                except httpx.HTTPError as exc:
+                    errors.append(f"DELETE /v1/tenants failed: {type(exc).__name__}: {exc}")
+                    break
+                if resp.status_code == 409 and attempt < 4:  # its last request still ends
+                    await asyncio.sleep(1.0)
+                    continue
+                if resp.status_code != 200:
+                    errors.append(f"DELETE /v1/tenants answered {resp.status_code}")
+                    break
+                deleted += 1
+                with contextlib.suppress(ValueError, TypeError, AttributeError):
+                    chunks += int(resp.json().get("chunks", 0))
+                break
+        return {
+            "tenants": len(self.probe_tenants),
+            "deleted": deleted,
+            "chunks": chunks,
+            "error": errors[0] if errors else None,
+        }
 
     async def metrics(self, client: httpx.AsyncClient) -> str | None:
         """The server's /metrics text, or None (the reason in `self.metrics_error`)."""
@@ -291,6 +324,8 @@ class Fleet:
             wall = time.perf_counter() - self.t0
             after = [await self.metrics(c) for c in clients]
             compare = await self.probe(clients) if cfg.compare > 0 else None
+            if compare is not None:
+                compare["probe_tenants"] = await self.drop_probe_tenants(clients)
             final = [await self.metrics(c) for c in clients]
         server: dict[str, Any] | None = None
         tiers: dict[str, Any] | None = None
@@ -301,7 +336,11 @@ class Fleet:
                     server = server_ttft(before[0], after[0])
             elif any(a is not None for a in after):
                 server = fleet_ttft(list(zip(before, after, strict=True)))
-            per_host = [None if text is None else tiers_now(text) for text in final]
+            # counters (hits, restores) as this run changed them: final minus before
+            per_host = [
+                None if text is None else tiers_during(then, text)
+                for then, text in zip(before, final, strict=True)
+            ]
             found = [t for t in per_host if t is not None]
             if found:
                 tiers = found[0] if len(hosts) == 1 else merge_tiers(found)

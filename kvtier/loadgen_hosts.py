@@ -71,7 +71,15 @@ def merge_tiers(per_host: list[dict[str, Any]]) -> dict[str, Any]:
         "l4": l4,
         "sessions": dict(sessions),
         "restore_decisions": dict(sorted(decisions.items(), key=lambda kv: _source_key(kv[0]))),
+        # "during the run" only when every host's counters are their change over the run
+        "counted": _counted({str(t["counted"]) for t in per_host if t.get("counted")}),
     }
+
+
+def _counted(kinds: set[str]) -> str | None:
+    if not kinds:
+        return None
+    return kinds.pop() if len(kinds) == 1 else "since the server started (on some hosts)"
 
 
 def _add_l4(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:

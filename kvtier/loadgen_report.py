@@ -198,6 +198,27 @@ def tiers_now(text: str) -> dict[str, Any]:
     }
 
 
+def tiers_during(before: str | None, after: str) -> dict[str, Any]:
+    """`tiers_now` of `after` with its counters (hits, restores, L4 reads) less those of
+    `before`: what the run did, not everything since the server started. Bytes, chunks and
+    sessions are as they are after it. Without `before` (its scrape failed), the totals."""
+    now = tiers_now(after)
+    if before is None:
+        return now | {"counted": "since the server started"}
+    then = tiers_now(before)
+
+    def less(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
+        return {k: max(0, v - b.get(k, 0)) for k, v in a.items()}  # 0: the server restarted
+
+    now["hits_by_tier"] = less(now["hits_by_tier"], then["hits_by_tier"])
+    now["restore_decisions"] = less(now["restore_decisions"], then["restore_decisions"])
+    for tier, v in now["tiers"].items():
+        v["hits"] = max(0, v["hits"] - then["tiers"].get(tier, {}).get("hits", 0))
+    if now["l4"] and then["l4"]:
+        now["l4"] |= less({k: now["l4"][k] for k in (*L4_COUNTS, "bytes_read")}, then["l4"])
+    return now | {"counted": "during the run"}
+
+
 # ---- the result ----------------------------------------------------------------------------
 
 
@@ -386,6 +407,7 @@ def _compare_lines(c: dict[str, Any] | None) -> list[str]:
         f"  {plural(c['n'], 'probe')}, median {plural(int(c['prompt_tokens_p50'] or 0), 'token')};"
         f" the session's request: {_counts(c['restore_sources'])}",
     ]
+    lines += _probe_tenant_lines(c.get("probe_tenants"))
     if not c["n_cached"]:
         lines.append(
             "  no probe was served from the cache, so there is nothing to compare: is the "
@@ -413,10 +435,29 @@ def _compare_lines(c: dict[str, Any] | None) -> list[str]:
     return lines
 
 
+def _probe_tenant_lines(p: dict[str, Any] | None) -> list[str]:
+    """Whether the probes' fresh tenants (their chunks) were deleted after the comparison."""
+    if not p:
+        return []
+    if p["deleted"] == p["tenants"]:
+        return [
+            f"  probe tenants deleted after: {p['deleted']} "
+            f"({plural(p['chunks'], 'chunk')} removed from the cache)"
+        ]
+    return [
+        f"  probe tenants left in the cache: {p['tenants'] - p['deleted']} of {p['tenants']} "
+        f"({p['error']}; an admin deletes them: DELETE /v1/tenants/{{tenant}})"
+    ]
+
+
 def _tier_lines(t: dict[str, Any] | None) -> list[str]:
     if not t or not t["tiers"]:
         return []  # a server without the cache's metrics on /metrics
     lines = ["", "cache tiers after the run (from /metrics):"]
+    if t.get("counted") == "during the run":
+        lines.append("  (hits and restores: during the run, the counters' change over it)")
+    elif t.get("counted"):
+        lines.append(f"  (hits and restores: {t['counted']}; no scrape before the run)")
     for tier, v in t["tiers"].items():
         cap = v["capacity_bytes"]
         of = f" of {size(cap)} ({v['used_bytes'] / cap:.0%})" if cap else ""

@@ -50,6 +50,13 @@ HUGEPAGES_WHY = (
 )
 HUGETLBFS_MOUNT = "/var/lib/kvtier/hugepages"
 HUGETLBFS_WHY = "A hugetlbfs mount lets the L2 arena map its huge pages from a file."
+L2_RAM_HEADROOM_BYTES = 256 * MIB  # kvtier.tiers.l2.HEADROOM_BYTES: RAM L2 leaves spare
+L2_RAM_WHY = (
+    "L2 is allocated whole at start, in host RAM that never swaps: the server refuses to start "
+    "(BudgetError) when L2 plus headroom exceeds the memory available, and an L2 near all of "
+    "the host's memory leaves none for the model's weights as they load, L3's page cache and "
+    "the rest of the host."
+)
 MEMLOCK_HEADROOM_BYTES = 1 * GIB
 MEMLOCK_WHY = (
     "The L2 arena is page-locked (mlock / pinned); RLIMIT_MEMLOCK must cover all of L2 plus "

@@ -6,7 +6,8 @@
 # its tool pauses, so the next turn, on the other host, can only find the session's KV in L4.
 # The report shows hits by tier (l4 included) for the whole fleet and for each host, and how the
 # turns that changed hosts were served. Everything the script started is stopped when it ends,
-# however it ends (an error, Ctrl-C, SIGTERM).
+# however it ends (an error, Ctrl-C, SIGTERM). A directory it made is removed then, all but the
+# load generator's result (loadgen.json, loadgen.png), unless --keep keeps it all.
 #
 #   scripts/demo_fleet.sh [--seconds N] [--sessions N] [--turns N] [--dir DIR] [--keep] [--no-l4]
 #   Environment: FLEET_SECONDS=60 FLEET_SESSIONS=8 FLEET_TURNS=8 FLEET_DIR= FLEET_KEEP=0
@@ -111,6 +112,12 @@ cleanup() {
   if [ -n "$MADE_DIR" ]; then
     if [ "$KEEP" = 1 ]; then
       echo "demo-fleet: kept $MADE_DIR (logs, L3 roots, loadgen.json)"
+    elif [ -f "$MADE_DIR/loadgen.json" ]; then
+      # The result the load generator printed stays; the logs, L3 roots and Redis files go.
+      find "$MADE_DIR" -mindepth 1 -maxdepth 1 ! -name loadgen.json ! -name loadgen.png \
+        -exec rm -rf {} +
+      echo "demo-fleet: removed the logs and L3 roots (--keep keeps them); the result stays in" \
+        "$MADE_DIR (loadgen.json, loadgen.png)"
     else
       rm -rf "$MADE_DIR"
     fi

@@ -88,10 +88,10 @@ def test_without_an_l4_tier_it_says_so_and_starts_nothing() -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_two_hosts_without_l4_report_each_host_and_stop(tmp_path: Path) -> None:
-    run = tmp_path / "fleet"
+    run = tmp_path / "fleet"  # made by the script, so removed at the end but for the result
     out = fleet(
         "--no-l4", "--seconds", "6", "--sessions", "2", "--turns", "3", "--dir", str(run),
-        "--keep", timeout=500,
+        timeout=500,
     )  # fmt: skip
     assert out.returncode == 0, out.stdout + out.stderr
     pids = started_pids(out.stdout)
@@ -100,9 +100,14 @@ def test_two_hosts_without_l4_report_each_host_and_stop(tmp_path: Path) -> None:
     assert "hits by tier: " in out.stdout
     assert re.search(r"demo-fleet: \d+ turns landed on the other host", out.stdout)
     assert out.stdout.rstrip().endswith("demo-fleet: stopped everything it started")
-    result = json.loads((run / "loadgen.json").read_text())
+    # The result path the report prints is still there; the logs and L3 roots are not.
+    printed = re.search(r"^result: (\S+)  plot: (\S+)$", out.stdout, re.MULTILINE)
+    assert printed and Path(printed.group(1)) == run / "loadgen.json"
+    assert Path(printed.group(2)).is_file()
+    result = json.loads(Path(printed.group(1)).read_text())
     assert len(result["hosts"]) == 2 and result["errors"] == {}
-    assert (run / "serve-a.log").exists() and (run / "l3-b").is_dir()  # --keep
+    assert sorted(p.name for p in run.iterdir()) == ["loadgen.json", "loadgen.png"]
+    assert f"the result stays in {run}" in out.stdout
 
 
 @pytest.mark.slow
@@ -151,5 +156,6 @@ def test_two_hosts_share_sessions_through_l4(tmp_path: Path) -> None:
     assert len(pids) == 3 and gone(pids)  # Redis and the two servers
     assert re.search(r"hits by tier: .*l4 \d+", out.stdout), out.stdout
     result = json.loads((run / "loadgen.json").read_text())
+    assert (run / "serve-a.log").exists() and (run / "l3-b").is_dir()  # --keep keeps it all
     moved = [s for s in result["samples"] if s["turn"] >= 1 and s["error"] is None]
     assert any(s["source"] == "l4" for s in moved), [s["source"] for s in moved]

@@ -14,9 +14,89 @@ from pathlib import Path
 DS = {"type": "prometheus", "uid": "${datasource}"}
 SEL = 'instance=~"$instance"'
 
+
+def _quantiles(histogram: str, by: str = "", qs: tuple[float, ...] = (0.5, 0.99)) -> list:
+    """histogram_quantile targets of a histogram over the selected instances: (expr, legend)."""
+    rate = f"rate({histogram}_bucket{{{SEL}}}[$__rate_interval])"
+    labels = "le" + (f", {by}" if by else "")
+    legend = " {{" + by + "}}" if by else ""
+    return [
+        (f"histogram_quantile({q}, sum by ({labels}) ({rate}))", f"p{round(q * 100)}{legend}")
+        for q in qs
+    ]
+
+
 # (row title, [(panel title, unit, description, [(expr, legend), ...]), ...])
 # Units are Grafana's names for base units: bytes, Bps, s, percentunit (ratio 0..1), ops.
 ROWS: list[tuple[str, list[tuple[str, str, str, list[tuple[str, str]]]]]] = [
+    (
+        "Serving (kvtier serve)",
+        [
+            (
+                "Requests by status code",
+                "ops",
+                "Responses of the /v1 endpoints per second, by route and HTTP status code (429: "
+                "no generation slot in time, 503: loading or draining). A stream counts when it "
+                "ends.",
+                [
+                    (
+                        "sum by (endpoint, code) "
+                        f"(rate(kvtier_server_requests_total{{{SEL}}}[$__rate_interval]))",
+                        "{{code}} {{endpoint}}",
+                    )
+                ],
+            ),
+            (
+                "Tokens",
+                "ops",
+                "Prompt tokens (cached ones included) and generated tokens per second, counted "
+                "as each turn ends.",
+                [
+                    (
+                        f"sum(rate(kvtier_server_prompt_tokens_total{{{SEL}}}[$__rate_interval]))",
+                        "prompt",
+                    ),
+                    (
+                        "sum(rate(kvtier_server_completion_tokens_total"
+                        f"{{{SEL}}}[$__rate_interval]))",
+                        "generated",
+                    ),
+                ],
+            ),
+            (
+                "End-to-end request latency",
+                "s",
+                "A completion request's arrival to its last token.",
+                _quantiles("kvtier_server_e2e_request_latency_seconds", qs=(0.5, 0.9, 0.99)),
+            ),
+            (
+                "Queue time",
+                "s",
+                "Arrival to the turn's admission into the batch: the wait for a slot, the "
+                "session's earlier request and the restore.",
+                _quantiles("kvtier_server_request_queue_time_seconds"),
+            ),
+            (
+                "Time to first token by restore source",
+                "s",
+                "From the request's generation slot to its first token, by where the prompt's "
+                "K/V came from.",
+                _quantiles("kvtier_server_ttft_seconds", by="src"),
+            ),
+            (
+                "Time per output token",
+                "s",
+                "A request's first token to its last, over its tokens after the first.",
+                _quantiles("kvtier_server_time_per_output_token_seconds"),
+            ),
+            (
+                "Inter-token latency",
+                "s",
+                "Time between two consecutive tokens of a turn.",
+                _quantiles("kvtier_server_inter_token_latency_seconds"),
+            ),
+        ],
+    ),
     (
         "Tiers",
         [

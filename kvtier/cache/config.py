@@ -53,6 +53,14 @@ class CacheConfig:
     # kernels, which writer threads slow down), threads on the CPU
     l3_writer: str = "auto"
     session_ttl_s: float | None = None
+    # Sessions in memory (docs/architecture.md, "Sessions in memory"): an idle session
+    # inactive this long, or past max_sessions the least recently active, is hibernated and
+    # leaves memory; its record in L3 brings it back at its next turn. None: no bound.
+    session_idle_s: float | None = None
+    max_sessions: int | None = None
+    # write_through(_selective): a committed chunk whose L3 write was shed (queue full) is
+    # queued again, so that none stays out of L3 much longer than this. None: never retried.
+    l3_write_bound_s: float | None = 5.0
     cost_model: bool = True  # False: always load the longest cached prefix
     load_margin: float = 1.0  # load a prefix only if load_time * margin < recompute_time
     # Initial guesses for the cost model, replaced by measurements as they come in.
@@ -110,6 +118,11 @@ class CacheConfig:
             )
         if self.session_ttl_s is not None and self.session_ttl_s < 0:
             raise ConfigError("session_ttl_s must be >= 0 (or None: sessions never expire)")
+        for name in ("session_idle_s", "l3_write_bound_s"):
+            if getattr(self, name) is not None and getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0 (or None: no bound)")
+        if self.max_sessions is not None and self.max_sessions < 1:
+            raise ConfigError(f"max_sessions must be >= 1 (or None), got {self.max_sessions}")
         if self.initial_prefill_s_per_token <= 0:
             raise ConfigError("initial_prefill_s_per_token must be positive")
         bad = {k: v for k, v in self.initial_bandwidth.items() if not v or v <= 0}

@@ -48,8 +48,10 @@ from kvtier.cache.l4 import SharedTier
 from kvtier.cache.lifecycle import LifecycleMixin
 from kvtier.cache.restore import StagedPrefix, common_prefix
 from kvtier.cache.session import Ids, Session
+from kvtier.cache.sessiontable import SessionTable, from_record
 from kvtier.cache.stats import Counters, SnapshotInputs, build_snapshot
 from kvtier.cache.tierset import open_tiers
+from kvtier.cache.upkeep import Upkeep
 from kvtier.codecs import make_codec
 from kvtier.errors import L1BudgetExceeded, SessionError
 from kvtier.geometry import KVGeometry, model_fingerprint, normalize_dtype
@@ -91,7 +93,14 @@ class TieredCache(LifecycleMixin):
         self._idle = threading.Condition(self._lock)  # notified when a restore publishes
         self._restoring = 0  # restores between their plan and their publish
         self._closed = False
-        self._sessions: dict[tuple[str, str], Session] = {}
+        self._sessions = SessionTable(
+            config.session_idle_s,
+            config.max_sessions,
+            hibernate=functools.partial(self.hibernate_session, wait=False),
+            record=self._record,
+            save=lambda rec: self._submit_record(self.l3.save_session, rec),
+            barrier=lambda: self._bg.submit(lambda: None),
+        )
         self.counters = Counters()
         # Every resource is released again if a later step fails (reopening the root works).
         with contextlib.ExitStack() as undo:
@@ -128,6 +137,9 @@ class TieredCache(LifecycleMixin):
                 self.l4 = SharedTier(self)
                 undo.callback(self.l4.close)
             self._load_hibernated()
+            self.directory.retry_shed = config.write_policy != "write_back"
+            bound = config.l3_write_bound_s
+            self._upkeep = Upkeep(min(1.0, max(0.05, (bound or 4.0) / 4)), self._housekeep)
             undo.pop_all()
 
     # -- sessions -------------------------------------------------------------------------------
@@ -142,52 +154,51 @@ class TieredCache(LifecycleMixin):
         with self._lock:
             self._check_open()
             s = self._sessions.get(key)  # hibernated sessions of earlier processes: from L3
-            if self.l4 is None:
-                if s is None:
-                    s = self._sessions[key] = Session(self, session_id, tenant)
+            stored = s is None and self._sessions.partial  # forgotten (sessiontable): in L3
+            if s is not None and (self.l4 is None or s.state is not SessionState.HIBERNATED):
                 return s
-            if s is not None and s.state is not SessionState.HIBERNATED:
-                return s
-        rec = self.l4.lookup(tenant, session_id)  # a Redis round trip: outside the lock
+            if s is None and not stored and self.l4 is None:
+                return self._add_session(Session(self, session_id, tenant))
+        # outside the lock: an SQLite read of the index, a Redis round trip
+        load = self.l3.load_session
+        found = [self._sessions.pending(key) or load(session_id, tenant)] if stored else []
+        if self.l4 is not None:
+            found.append(self.l4.lookup(tenant, session_id))
         with self._lock:
             self._check_open()
             s = self._sessions.get(key)
-            if rec is not None and rec.fingerprint != self.fingerprint:
-                rec = None
+            recs = [r for r in found if r is not None and r.fingerprint == self.fingerprint]
+            rec = max(recs, key=lambda r: r.last_active, default=None)
             if s is None:
                 s = self._from_record(rec) if rec else Session(self, session_id, tenant)
-                self._sessions[key] = s
+                self._add_session(s)
             elif rec and s.state is SessionState.HIBERNATED and rec.last_active > s.last_active:
                 self._from_record(rec, s)  # hibernated here, resumed elsewhere since
             return s
+
+    def _add_session(self, s: Session) -> Session:
+        self._sessions[(s.tenant, s.session_id)] = s
+        if self._sessions.over():  # forget the least recently active (sessiontable)
+            self._sessions.forget_due(time.time(), keep=s)
+        return s
 
     def sessions(self) -> list[Session]:
         with self._lock:
             return list(self._sessions.values())
 
     def _load_hibernated(self) -> None:
-        for rec in self.l3.list_sessions():
-            if rec.fingerprint != self.fingerprint:
-                continue
-            self._sessions[(rec.tenant, rec.session_id)] = self._from_record(rec)
-            if self.l4 is not None:  # chunks this host's L3 lost may still be in L4
+        """The hibernated sessions in L3: in memory as far as the bounds of sessiontable keep
+        them (the most recently active first), the others found in L3 at their next turn."""
+        recs = [r for r in self.l3.list_sessions() if r.fingerprint == self.fingerprint]
+        self._sessions.load(recs, self._from_record)
+        if self.l4 is not None:  # chunks this host's L3 lost may still be in L4
+            for rec in recs:
                 self.l4.note_record(rec)
 
     def _from_record(self, rec: SessionRecord, s: Session | None = None) -> Session:
         """A hibernated session from its record (L3's index, or L4); into `s` if given."""
-        if s is None:
-            s = Session(self, rec.session_id, rec.tenant)
-        s.tokens = tuple(array("i", rec.token_ids))
-        n_full = len(s.tokens) // self.chunk_tokens
-        keys = list(rec.chunk_keys)
-        s.chunk_keys = keys[:n_full]
-        s.tail_key = keys[n_full] if len(keys) > n_full else None
-        s.flushed = n_full
-        s.pinned = rec.pinned
-        s.ttl_s = rec.ttl_s
-        s.last_active = rec.last_active
-        s.state = SessionState.HIBERNATED
-        return s
+        s = Session(self, rec.session_id, rec.tenant) if s is None else s
+        return from_record(s, rec, self.chunk_tokens)
 
     def _record(self, s: Session) -> SessionRecord:
         keys = tuple(s.chunk_keys) + ((s.tail_key,) if s.tail_key else ())
@@ -237,6 +248,9 @@ class TieredCache(LifecycleMixin):
 
     def _check_restorable(self, s: Session) -> None:
         self._check_open()
+        key = (s.tenant, s.session_id)  # a handle on a forgotten session: back in the table
+        if s.state is not SessionState.CLOSED and self._sessions.setdefault(key, s) is not s:
+            raise SessionError("this handle's session was forgotten and opened again since")
         if s.state is SessionState.ACTIVE:
             raise SessionError(
                 f"session {s.session_id[:64]!r} already has a request running; "
@@ -260,7 +274,7 @@ class TieredCache(LifecycleMixin):
         t0 = time.perf_counter()
         with self._lock:
             self._check_restorable(s)
-            self._reap()
+            self._reap(keep=s)
             s.state = SessionState.ACTIVE
             s.last_active = time.time()
             try:
@@ -319,9 +333,11 @@ class TieredCache(LifecycleMixin):
             self._check_open()
             if s.state in (SessionState.ACTIVE, SessionState.CLOSED):
                 return 0
-            n = min(held, common_prefix(s.tokens, ids[:-1]))
-            if n <= 0:
-                return 0
+            self._check_restorable(s)
+            want = ids[:-1]
+            n = min(held, common_prefix(s.tokens, want))
+            if n <= 0 or _restore.tiers_extend(self, s, want, n, whole=True):
+                return 0  # L2/L3 hold more of ids (a history edit): a staged restore
             self._release_l1(s)  # the pages hold the same tokens' K/V
             self.truncate(s, n)
             s.in_pages = False
@@ -396,13 +412,18 @@ class TieredCache(LifecycleMixin):
             parent=entry.parent,
         )
 
-    def _reap(self) -> None:
-        """Harvest finished writes, L3 evictions and expired sessions; reclaim dead entries."""
+    def _reap(self, keep: Session | None = None) -> None:
+        """Harvest finished writes, L3 evictions and expired sessions; queue shed L3 writes
+        again; forget idle sessions past the bounds; reclaim dead entries."""
         self.directory.reap_writes()
+        if self.directory.unwritten:
+            self.directory.retry_unwritten()
         now = time.time()
+        self._sessions.forget_due(now, keep)
         for s in list(self._sessions.values()):
             if (
-                s.ttl_s is not None
+                s is not keep
+                and s.ttl_s is not None
                 and s.state is not SessionState.ACTIVE
                 and now - s.last_active > s.ttl_s
             ):

@@ -105,6 +105,11 @@ class ChunkDirectory:
         # sightings of reclaimed chunks (bounded, oldest forgotten first)
         self._seen: collections.OrderedDict[bytes, int] = collections.OrderedDict()
         self._seen_max = max(4096, 4 * arena.n_slots)
+        # keys whose L3 write was shed (the queue was full) -> when first shed; queued again
+        # by `retry_unwritten` while `retry_shed` (write_through: every committed chunk is
+        # to reach L3 within `CacheConfig.l3_write_bound_s`)
+        self.unwritten: dict[bytes, float] = {}
+        self.retry_shed = False
 
     # -- read API (sessions, snapshots) ---------------------------------------------------------
 
@@ -197,6 +202,30 @@ class ChunkDirectory:
         e.l3_write = self.engine.write_l3(e.l2_slot, self._header(e))  # None: shed
         if e.l3_write is not None:
             self.writing.add(e.key)
+            self.unwritten.pop(e.key, None)
+        elif self.retry_shed:
+            self.unwritten.setdefault(e.key, time.monotonic())
+
+    def retry_unwritten(self) -> list[Future[Any]]:
+        """Queue the shed L3 writes (`unwritten`) again, oldest first, as far as the queue
+        has room. Returns [] when none is left, else the writes in flight: once one of them
+        is done the queue has room (the caller waits outside the lock, then calls again)."""
+        entries = (self.entries.get(k) for k in self.writing)
+        writes = [e.l3_write for e in entries if e is not None and e.l3_write is not None]
+        room = self.engine.l3_write_queue - sum(not f.done() for f in writes)
+        for key in list(self.unwritten):
+            e = self.entries.get(key)
+            if e is None or e.l2_slot is None or e.l3_write is not None or self.in_l3(key):
+                del self.unwritten[key]  # in L3, on its way, or gone from L2 (written first)
+                continue
+            if room <= 0:
+                break  # not shed once more (and counted): wait for a write to finish
+            self.queue_write(e)
+            if e.l3_write is None:
+                break  # shed after all (another write took the room)
+            writes.append(e.l3_write)
+            room -= 1
+        return writes if self.unwritten else []
 
     def settle_write(self, e: Chunk, fut: Future[Any]) -> None:
         """Publish a finished write (idempotent: only the entry's current future counts)."""
@@ -239,8 +268,13 @@ class ChunkDirectory:
 
     def start_read(self, e: Chunk, fingerprint: bytes) -> Future[Any] | None:
         """Reserve an L2 slot for `e` and start reading it from L3 (or join the read in
-        flight); None if L2 has no free slot."""
-        return self.start_fetch(e, lambda slot: self.engine.read_l3(e.key, slot, fingerprint))
+        flight); None if L2 has no free slot. The file's header must describe `e` (its
+        tokens, the cache's geometry and codec, its tenant when known): anything else is
+        corrupt, never the slot's bytes."""
+        expect = self._header(e)
+        return self.start_fetch(
+            e, lambda slot: self.engine.read_l3(e.key, slot, fingerprint, expect)
+        )
 
     def start_fetch(self, e: Chunk, fetch: Callable[[int], Future[Any]]) -> Future[Any] | None:
         """`start_read` with another source: `fetch(slot)` starts filling the slot (L4 reads

@@ -6,13 +6,20 @@
 - Restores: the L4 chunks of a plan get L2 slots like L3 reads do, and one `get_chunks` call
   fetches them all (pipelined, several connections); each payload is verified and copied into
   its slot on the L4 read threads, then the restore copies L2 -> L1 as for any other chunk.
+  Each value's header must describe the chunk the restore asked for (the entry's key and
+  tokens, the cache's fingerprint, geometry and codec, the tenant) before a byte of it lands:
+  anything else is deleted from Redis, counted and recomputed, never padded out with what an
+  earlier chunk left in the slot.
 - Write-behind: a hibernated session is queued (bounded in chunks; a job that does not fit is
   shed and counted) and written by one thread after `l4_min_idle_s`, if it is still hibernated
-  then: chunks Redis lacks are read back from L3 (verified) or from an idle L2 slot and put;
+  then (in memory, or forgotten from memory since with its saved record unchanged: pending or
+  in L3): chunks Redis lacks are read back from L3 (verified) or from an idle L2 slot and put;
   the session record is put last, so a record never names a chunk that was not written.
+  Closing a session drops its queued writes.
 - Health: a thread pings Redis every `l4_health_s` (the half-open probe of an open breaker);
   the round trip feeds the cost model's L4 latency, and a new Redis `run_id` (a restart that
-  lost its data) queues every hibernated session again: nothing L3 holds is lost for good.
+  lost its data) queues every hibernated session again, those forgotten from memory too (read
+  from L3's index a page at a time): nothing L3 holds is lost for good.
 
 - Encryption: with an encrypted L3 store every chunk and session record put in L4 is sealed
   under the tenant's data key as L3 seals it, and opened on every read (kvtier.tiers.l4.sealed);
@@ -28,7 +35,7 @@ import logging
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvtier.cache.keys import SHARED_TENANT
@@ -65,6 +72,7 @@ class PendingReads:
     slots: list[int]
     futures: list[Future[Any]]
     batch: ReadBatch | None = None
+    expect: list[ChunkHeader] = field(default_factory=list)  # what each value must say
 
 
 class SharedTier:
@@ -131,13 +139,17 @@ class SharedTier:
                 break
 
     def forget_session(self, s: Session) -> None:
-        """A closed session: its record leaves L4 too, through the write queue (in order
-        after any write of it queued before; never shed)."""
+        """A closed session: its record leaves L4 too, through the write queue (after a write
+        of it being written; never shed). Its writes still queued are dropped: one of a session
+        forgotten from memory would find its record in L3 until the delete lands there."""
         rec = SessionRecord(s.session_id, s.tenant, self.cache.fingerprint, b"", (), False,
                             None, 0.0, "closed")  # fmt: skip
         with self._cv:
             if self._stop:
                 return
+            for job in [j for j in self._jobs if _same_session(j.record, rec)]:
+                self._jobs.remove(job)
+                self._queued -= len(job.chunks)
             self._jobs.append(_Job(rec, [], time.monotonic(), delete=True))
             self._cv.notify_all()
 
@@ -154,9 +166,21 @@ class SharedTier:
             p.keys.append(key)
             p.slots.append(slot)
             p.futures.append(fut)
+            p.expect.append(self._expected(key))
             return fut
 
         return fetch
+
+    def _expected(self, key: bytes, tokens: int | None = None) -> ChunkHeader:
+        """The header a value of chunk `key` must have: as the cache writes its directory
+        entry; given `tokens` (the write-behind, off the lock), that many, whatever tenant."""
+        cache = self.cache
+        if tokens is None:  # a restore's read, under the cache's lock: the entry is there
+            e = cache.directory.get(key)
+            if e is not None:
+                return cache._header(e)
+            tokens = 0  # no value matches: a miss
+        return cache.codec.header(key, tokens, fingerprint=cache.fingerprint, tenant="")
 
     def launch(self, p: PendingReads, tenant: str) -> None:
         """Start the plan's L4 reads (one pipelined, multi-stream `get_chunks`)."""
@@ -172,7 +196,11 @@ class SharedTier:
             return view
 
         p.batch = self.store.get_chunks(
-            p.keys, self.cache.fingerprint, dest, tenants=(tenant, SHARED_TENANT)
+            p.keys,
+            self.cache.fingerprint,
+            dest,
+            tenants=(tenant, SHARED_TENANT),
+            expect=p.expect,
         )
         for key, src, dst in zip(p.keys, p.batch.futures, p.futures, strict=True):
             src.add_done_callback(self._settler(key, dst))
@@ -203,6 +231,10 @@ class SharedTier:
 
     def enqueue(self, s: Session, rec: SessionRecord) -> None:
         """Queue the hibernated session for L4 (under the cache's lock); shed when full."""
+        self._enqueue(rec)
+
+    def _enqueue(self, rec: SessionRecord) -> bool:
+        """Queue the record's session (under the cache's lock); False if shed or closing."""
         d = self.cache.directory
         chunks = []
         for key in rec.chunk_keys:
@@ -212,15 +244,16 @@ class SharedTier:
             chunks.append((key, tokens))
         with self._cv:
             if self._stop or self._closing:
-                return
+                return False
             # the queue holds keys, not bytes: one session longer than the bound still goes
             # when nothing else waits, else long contexts would never reach L4
             if self._queued and self._queued + len(chunks) > self.queue_max:
                 self.store.count("writes_shed", max(1, len(chunks)))
-                return
+                return False
             self._jobs.append(_Job(rec, chunks, time.monotonic() + self.min_idle_s))
             self._queued += len(chunks)
             self._cv.notify_all()
+        return True
 
     def wait_idle(self, timeout: float = 30.0) -> bool:
         """Wait until every queued write-behind has been handled (written, skipped or given
@@ -264,7 +297,8 @@ class SharedTier:
         log.info("L4 shred of tenant %r: %d keys deleted", tenant[:64], n)
 
     def requeue_all(self) -> None:
-        """Redis restarted (new run_id): write every hibernated session again."""
+        """Redis restarted (new run_id): write every hibernated session again, those in memory
+        and those forgotten from it (`_requeue_stored`)."""
         if self.store.sealer is not None:
             self.store.sealer.republish()
         if not self._lock_cache():
@@ -273,8 +307,40 @@ class SharedTier:
             for s in list(self.cache._sessions.values()):
                 if s.state is SessionState.HIBERNATED:
                     self.enqueue(s, self.cache._record(s))
+            stored = self.cache._sessions.partial  # some sessions are in L3 alone
         finally:
             self.cache._lock.release()
+        if stored:
+            try:
+                self._requeue_stored()
+            except Exception as exc:  # the health thread never goes down (L3 closing, say)
+                log.warning("L4: sessions forgotten from memory not written again: %s", exc)
+
+    def _requeue_stored(self, page: int = 256) -> None:
+        """Queue the sessions whose records only L3 holds (forgotten from memory, or left there
+        by an earlier process): L3's index a page of records at a time, read outside the
+        cache's lock; stops at the first one shed (the queue is full)."""
+        cache, l3 = self.cache, self.cache.l3
+        after = 0
+        while rows := l3.index.session_keys(cache.fingerprint, after, page):
+            after = rows[-1][0]
+            # a record on its way to L3 is newer than the one there (sessiontable)
+            recs = [cache._sessions.pending((t, sid)) or l3.load_session(sid, t)
+                    for _, sid, t in rows]  # fmt: skip
+            if not self._lock_cache():
+                return  # closing
+            try:
+                for rec in recs:
+                    if rec is None or rec.key_id is not None:
+                        continue  # closed since, or sealed under a key this process lacks
+                    if (rec.tenant, rec.session_id) in cache._sessions:
+                        continue  # in memory: queued above if hibernated
+                    if not self._enqueue(rec):
+                        log.warning("L4 write queue full: sessions forgotten from memory past "
+                                    "%r are not written again", rec.session_id[:64])  # fmt: skip
+                        return
+            finally:
+                cache._lock.release()
 
     def _write_loop(self) -> None:
         while True:
@@ -303,18 +369,28 @@ class SharedTier:
                     self._active = None
                     self._cv.notify_all()
 
-    def _still_hibernated(self, rec: SessionRecord) -> bool:
+    def _to_publish(self, rec: SessionRecord) -> SessionRecord | None:
+        """The record to put for a queued write of `rec` if the session is still hibernated
+        as `rec` saw it: in memory, or forgotten from memory since (then its saved record,
+        pending or in L3, with what it may have changed since: pinned, TTL). None if it was
+        restored again (its next hibernate queues it anew) or closed."""
         if not self._lock_cache():
-            return True  # closing: every session is hibernated now
+            return rec  # closing: every session is hibernated now
+        key = (rec.tenant, rec.session_id)
         try:
-            s = self.cache._sessions.get((rec.tenant, rec.session_id))
-            return (
-                s is not None
-                and s.state is SessionState.HIBERNATED
-                and s.last_active == rec.last_active
-            )
+            s = self.cache._sessions.get(key)
+            if s is not None:
+                same = s.state is SessionState.HIBERNATED and s.last_active == rec.last_active
+                return rec if same else None
+            saved = self.cache._sessions.pending(key)  # forgotten, its save not landed yet
         finally:
             self.cache._lock.release()
+        if saved is None:  # outside the lock: an SQLite read (None: closed)
+            saved = self.cache.l3.load_session(rec.session_id, rec.tenant)
+        if saved is None or saved.key_id is not None or not _same_session(saved, rec):
+            return None
+        same = (saved.last_active, saved.chunk_keys) == (rec.last_active, rec.chunk_keys)
+        return saved if same and bytes(saved.token_ids) == bytes(rec.token_ids) else None
 
     def _lock_cache(self) -> bool:
         """Take the cache's lock, unless the cache is closing (close holds it while it waits
@@ -332,22 +408,24 @@ class SharedTier:
             except StoreError as exc:
                 log.info("L4 record delete skipped: %s", exc)
             return
-        if not self._still_hibernated(rec):
-            return  # restored again meanwhile: its next hibernate queues it anew
+        publish = self._to_publish(rec)
+        if publish is None:
+            return  # restored again or closed meanwhile
         try:
             have = self.store.exists([k for k, _ in job.chunks])
             for (key, tokens), present in zip(job.chunks, have, strict=True):
-                if not present and not (tokens and self._put_chunk(key)):
+                if not present and not (tokens and self._put_chunk(key, tokens)):
                     return  # the record is not published without its chunks
                 if tokens:
                     self.remember(key, tokens)
-            self.store.put_record(rec)
+            self.store.put_record(publish)
         except StoreError as exc:
             log.info("L4 write-behind of session %r stopped: %s", rec.session_id[:64], exc)
 
-    def _put_chunk(self, key: bytes) -> bool:
-        """Put one chunk from an idle L2 copy (pinned meanwhile), else from L3 (verified);
-        False if neither holds it any more."""
+    def _put_chunk(self, key: bytes, tokens: int) -> bool:
+        """Put one chunk of `tokens` tokens from an idle L2 copy (pinned meanwhile), else from
+        L3 (verified, its header too: a forged file is not spread to other hosts); False if
+        neither holds it any more."""
         cache = self.cache
         pinned: Chunk | None = None
         write: Future[Any] | None = None
@@ -385,7 +463,8 @@ class SharedTier:
         if self._buf is None:
             self._buf = cache.l3.aligned_buffer(cache.l2.slot_bytes + 4096)
         try:
-            header = cache.l3.get(key, self._buf, fingerprint=cache.fingerprint)
+            expect = self._expected(key, tokens)
+            header = cache.l3.get(key, self._buf, fingerprint=cache.fingerprint, expect=expect)
         except StoreError as exc:
             log.info("L4 write-behind: chunk %s not readable from L3 (%s)", key.hex(), exc)
             return False
@@ -438,3 +517,11 @@ class SharedTier:
         self._writer.join(drain_s)
         self._health.join(drain_s)
         self.store.close()
+
+
+def _same_session(a: SessionRecord, b: SessionRecord) -> bool:
+    return (a.tenant, a.session_id, bytes(a.fingerprint)) == (
+        b.tenant,
+        b.session_id,
+        bytes(b.fingerprint),
+    )

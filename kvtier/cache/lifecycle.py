@@ -30,7 +30,9 @@ if TYPE_CHECKING:  # pragma: no cover
     from kvtier.cache.config import CacheConfig
     from kvtier.cache.costmodel import CostModel
     from kvtier.cache.l4 import SharedTier
+    from kvtier.cache.sessiontable import SessionTable
     from kvtier.cache.stats import Counters
+    from kvtier.cache.upkeep import Upkeep
     from kvtier.geometry import KVGeometry
     from kvtier.integrations.hf import KvtierCache
     from kvtier.tiers.l2 import HostArena
@@ -61,13 +63,15 @@ class LifecycleMixin:
     _restoring: int
     _closed: bool
     _published: bool
-    _sessions: dict[tuple[str, str], Session]
+    _sessions: SessionTable
+    _upkeep: Upkeep
     _bg: ThreadPoolExecutor
     l4: SharedTier | None
 
     if TYPE_CHECKING:  # pragma: no cover
 
-        def _reap(self) -> None: ...
+        def _reap(self, keep: Session | None = None) -> None: ...
+        def session(self, session_id: str, tenant: str = "default") -> Session: ...
         def _record(self, s: Session) -> SessionRecord: ...
         def _submit_record(self, fn: Any, *args: Any) -> Future[Any]: ...
         def _release_l1(self, s: Session) -> None: ...
@@ -390,6 +394,46 @@ class LifecycleMixin:
             if self.l4 is not None:
                 self.l4.forget_session(s)
 
+    # -- forgetting idle sessions (kvtier.cache.sessiontable) and the upkeep thread -------------
+
+    def find_session(self, session_id: str, tenant: str) -> Session | None:
+        """The session if it is in memory; never reads L3 or L4 (None once forgotten)."""
+        with self._lock:
+            return self._sessions.get((tenant, session_id))
+
+    def find_sessions(self, session_id: str, tenant: str | None = None) -> list[Session]:
+        """The sessions of this id (of `tenant`, else of every tenant) in memory, and those
+        forgotten from it whose record L3 holds, which come back (an admin's calls)."""
+        with self._lock:
+            found = [
+                s
+                for s in self._sessions.values()
+                if s.session_id == session_id and tenant in (None, s.tenant)
+            ]
+            if not self._sessions.partial:
+                return found
+        stored = set(self.l3.index.session_tenants(session_id))  # outside the lock: SQLite
+        known = {s.tenant for s in found}
+        for t in sorted(stored) if tenant is None else [tenant]:
+            if t not in known and (t in stored or self._sessions.pending((t, session_id))):
+                found.append(self.session(session_id, t))
+        return found
+
+    def on_forget(self, fn: Callable[[str, str], object]) -> None:
+        """`fn(session_id, tenant)` hears of each session forgotten from memory (idle past
+        `session_idle_s`, or past `max_sessions`), under the cache's lock: it must neither
+        wait nor call the cache."""
+        self._sessions.listen(fn)
+
+    def _housekeep(self) -> list[Future[Any]]:
+        """The upkeep thread's tick (kvtier.cache.upkeep): `_reap`; returns the writes to wait
+        for while shed L3 writes still wait for room in the queue."""
+        with self._lock:
+            if self._closed:
+                return []
+            self._reap()
+            return self.directory.retry_unwritten() if self.directory.unwritten else []
+
     # -- moving L1 to another device (device failover) ---------------------------------------------
 
     def move_l1(self, device: torch.device, budget: int | None = None, lost: bool = True) -> int:
@@ -453,6 +497,7 @@ class LifecycleMixin:
         with self._lock:
             self._check_open()
             mine = [s for s in self._sessions.values() if s.tenant == tenant]
+            self._sessions.drop_pending(tenant)
             if any(s.state is SessionState.ACTIVE for s in mine):
                 raise SessionError(
                     f"tenant {tenant[:64]!r} has a request running; shred it when it finished"
@@ -506,6 +551,7 @@ class LifecycleMixin:
 
     def close(self) -> None:
         """Hibernate every resident session to L3, then release every resource. Idempotent."""
+        self._upkeep.stop()
         with self._lock:
             if self._closed:
                 return
@@ -520,6 +566,9 @@ class LifecycleMixin:
                     _pages.drop(s)
                     s.in_pages, s.state = False, SessionState.HIBERNATED
             self.engine.flush()
+            while self.directory.unwritten:  # shed writes (of forgotten sessions too)
+                self.directory.retry_unwritten()
+                self.engine.flush()
             self._reap()
             for s in list(self._sessions.values()):
                 if s.state is SessionState.HIBERNATED:

@@ -28,7 +28,7 @@ import functools
 import time
 from typing import TYPE_CHECKING
 
-from kvtier.cache.restore import StagedPrefix, common_prefix
+from kvtier.cache.restore import StagedPrefix, common_prefix, tiers_extend
 from kvtier.errors import ConfigError, SessionError
 from kvtier.integrations.paged_cache import PagedCache
 from kvtier.paged.pool import PagedSequence, PagePool, PoolExhausted
@@ -77,7 +77,7 @@ def restore(cache: TieredCache, s: Session, ids: Ids, pool: PagePool) -> PagedCa
         view = s.pages
         if view is not None and view.pool is pool and s.state is SessionState.IDLE:
             n = min(view.table.length, common_prefix(s.tokens, ids[:-1]))
-            if n > 0:
+            if n > 0 and not tiers_extend(cache, s, ids[:-1], n, whole=True):
                 cache.truncate(s, n)
                 s.state = SessionState.ACTIVE
                 s.last_active = time.time()

@@ -45,6 +45,7 @@ class RestorePlan:
     l4_reads: set[int] = field(default_factory=set)  # the reads above that come from L4
     l4: Any = None  # kvtier.cache.l4.PendingReads of this plan
     usable: int = 0  # leading segments whose bytes reached L1
+    base: int = 0  # tokens kept in L1 before the first segment (its chunks are the session's)
     l3_bytes: int = 0
     t_l3: float = 0.0
     t_l2: float = 0.0
@@ -113,26 +114,57 @@ def start_read(cache: TieredCache, e: Chunk) -> Future[Any] | None:
     return cache.directory.start_read(e, cache.fingerprint)
 
 
+def held(cache: TieredCache, key: bytes) -> bool:
+    """Whether L2, L3 or L4 holds the chunk `key` (without counting a hit or a miss)."""
+    e = cache.directory.get(key)
+    if (e is not None and e.l2_slot is not None) or cache.directory.in_l3(key):
+        return True
+    return cache.l4 is not None and cache.l4.store.up and key in cache.l4.known
+
+
+def tiers_extend(cache: TieredCache, s: Session, want: Ids, common: int, whole: bool) -> bool:
+    """Whether L2/L3/L4 hold a longer prefix of `want` than the `common` tokens that L1 (or
+    a batch's pages) share with it: the full chunk of `want` holding token `common`, after
+    the session's chunks before it. After a history edit the session's tokens in L1 may
+    share a short prefix with `want` while its chunks stored earlier match much more.
+    `whole`: those earlier chunks must be stored too (the restore loads from token 0)."""
+    C = cache.chunk_tokens
+    k = common // C
+    if len(want) < (k + 1) * C or len(s.chunk_keys) < k:
+        return False
+    parent = s.chunk_keys[k - 1] if k else ZERO_KEY
+    if not held(cache, cache.key_for(parent, want[k * C : (k + 1) * C], s)):
+        return False
+    return not whole or all(held(cache, key) for key in s.chunk_keys[:k])
+
+
 def plan(cache: TieredCache, s: Session, want: Ids, staged: bool = False) -> RestorePlan | None:
     """Phase 1 (under the lock). None: served from L1, nothing to load. L1 gets room for the
     whole of `want` and the token after it, where the forward will write them; `staged`: none
-    (the prefix stays in L2, see `StagedPrefix`)."""
+    (the prefix stays in L2, see `StagedPrefix`). Where L2/L3 hold more of `want` than L1
+    (`tiers_extend`), L1 keeps its full chunks in common with `want` (none when staged) and
+    the chunks after them are loaded."""
     C = cache.chunk_tokens
     n = cache.counters
     s.in_pages = False  # a batch's pages of it, if any, are not what this turn starts from
+    base = 0
     if s.resident:
         common = common_prefix(s.tokens, want)
-        if common > 0:
+        if tiers_extend(cache, s, want, common, whole=staged):
+            base = 0 if staged else common // C * C
+            n.hits["l1"] += base > 0
+            n.restored_tokens["l1"] += base
+        elif common > 0:
             cache.truncate(s, common)
             n.hits["l1"] += 1
             n.restored_tokens["l1"] += common
             return None
-        cache.truncate(s, 0)
+        cache.truncate(s, base)
     n.misses["l1"] += 1
     segments: list[tuple[str, Chunk]] = []
-    parent = ZERO_KEY
+    parent = s.chunk_keys[-1] if base else ZERO_KEY
     tail = len(s.tokens) % C if s.tail_key is not None else 0
-    for i in range(len(want) // C + 1):
+    for i in range(base // C, len(want) // C + 1):
         toks = want[i * C : (i + 1) * C]
         entry: Chunk | None = None
         src = ""
@@ -164,14 +196,16 @@ def plan(cache: TieredCache, s: Session, want: Ids, staged: bool = False) -> Res
         payload = cache.codec.payload_bytes
         keep = cache.cost.plan([(src, payload(e.tokens), e.tokens) for src, e in segments])
         segments = segments[:keep]
-    p = RestorePlan(want, segments)
+    p = RestorePlan(want, segments, base=base)
     for _, e in segments:
         e.pins += 1
     try:
         loaded = sum(e.tokens for _, e in segments)
         if not staged:
-            cache.alloc_l1(s, max(len(want) + 1, loaded))
-        s.tokens, s.chunk_keys, s.flushed, s.tail_key = (), [], 0, None
+            cache.alloc_l1(s, max(len(want) + 1, base + loaded))
+        s.tokens, s.tail_key = s.tokens[:base], None  # L1 keeps `base` (the session's chunks)
+        del s.chunk_keys[base // C :]
+        s.flushed = min(s.flushed, base // C)
         p.l4 = cache.l4.pending() if cache.l4 is not None else None
         for i, (src, e) in enumerate(segments):
             if src not in ("l3", "l4") and e.l3_read is None:
@@ -231,7 +265,7 @@ def load(cache: TieredCache, s: Session, p: RestorePlan) -> None:
     tokens = sum(e.tokens for e in chunks)
     layers, block = s.bufs.layers, s.bufs.block
     # spin: the forward waits for these bytes, and waking from a blocking wait costs more
-    handle = cache.engine.restore_range(slots, tokens, layers, 0, block=block)  # type: ignore[arg-type]
+    handle = cache.engine.restore_range(slots, tokens, layers, p.base, block=block)  # type: ignore[arg-type]
     handle.wait(spin=True)
     p.t_l2 = time.perf_counter() - t1
 
@@ -251,7 +285,8 @@ def publish(cache: TieredCache, s: Session, p: RestorePlan, stage: bool = False)
     unpin(p)
     C = cache.chunk_tokens
     n = cache.counters
-    pos = 0
+    pos = p.base
+    whole = s.flushed == len(s.chunk_keys)  # the chunks L1 kept are stored (flushed)
     deepest = RestoreSource.RECOMPUTE.value
     for src, e in usable:
         if e.tokens == C:
@@ -264,7 +299,7 @@ def publish(cache: TieredCache, s: Session, p: RestorePlan, stage: bool = False)
         if _DEPTH[src] > _DEPTH[deepest]:
             deepest = src
         cache.directory.policy.touch(e.key)
-    s.flushed = len(s.chunk_keys)
+    s.flushed = len(s.chunk_keys) if whole else s.flushed
     s.tokens = p.want[:pos]
     s.lengths[:] = [pos] * len(s.lengths)
     n.restored_tokens[RestoreSource.RECOMPUTE.value] += len(p.want) + 1 - pos

@@ -13,6 +13,7 @@ from typing import Any
 
 import click
 
+from kvtier.cli.options import aliased_option
 from kvtier.errors import EncryptionError, StoreError
 from kvtier.humanize import plural
 from kvtier.humanize import size as _human
@@ -37,8 +38,10 @@ def parse_size(text: str) -> int:
     return size_arg(text, "size")
 
 
-root_option = click.option(
+root_option = aliased_option(
+    "--l3-root",
     "--root",
+    "root",
     required=True,
     type=click.Path(file_okay=False, path_type=str),
     envvar="KVTIER_L3_ROOT",
@@ -48,25 +51,30 @@ json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON i
 
 
 def cold_options(f: Any) -> Any:
-    """--cold-dir and --adopt-cold-root, for the commands that open the store writable."""
+    """--l3-cold-root and --adopt-cold-root, for the commands that open the store writable."""
     f = click.option(
         "--adopt-cold-root",
         is_flag=True,
-        help="Record --cold-dir as the store's cold root although another one is recorded "
+        help="Record --l3-cold-root as the store's cold root although another one is recorded "
         "(after moving the cold files there).",
     )(f)
-    return click.option(
+    return aliased_option(
+        "--l3-cold-root",
         "--cold-dir",
+        "cold_dir",
         type=click.Path(file_okay=False),
         default=None,
         envvar="KVTIER_L3_COLD_ROOT",
         help="Cold tier directory (env KVTIER_L3_COLD_ROOT). Recorded in the store the first "
-        "time; left out, the recorded one (default <root>/cold) is used.",
+        "time; left out, the recorded one (default <l3-root>/cold) is used.",
     )(f)
 
 
+# fsck's exit status, as fsck(8) where the meanings match; a bad option exits 2, as every
+# command's (click's usage error), so "problems left" is fsck(8)'s 4, not the report's 2.
+FSCK_PROBLEMS_LEFT = 4  # as fsck(8): errors left uncorrected
 FSCK_OPERATIONAL_ERROR = 8  # as fsck(8): the check could not run (store in use, bad root)
-FSCK_USAGE_ERROR = 16  # as fsck(8); click's usual 2 would read as "problems left"
+FSCK_STATUS = {0: 0, 1: 1, 2: FSCK_PROBLEMS_LEFT}  # FsckReport.exit_code -> exit status
 
 
 def _open(
@@ -103,17 +111,6 @@ def _failing_cleanly(exit_code: int = 1) -> Iterator[None]:
         error = click.ClickException(" ".join(str(exc).split()))
         setattr(error, "exit_code", exit_code)  # noqa: B010 (a ClassVar in the stubs)
         raise error from None
-
-
-class _FsckCommand(click.Command):
-    """fsck's exit status speaks of the store (0/1/2): a usage error exits 16, as fsck(8)."""
-
-    def make_context(self, *args: Any, **kwargs: Any) -> click.Context:
-        try:
-            return super().make_context(*args, **kwargs)
-        except click.UsageError as exc:
-            setattr(exc, "exit_code", FSCK_USAGE_ERROR)  # noqa: B010 (a ClassVar in the stubs)
-            raise
 
 
 @contextmanager
@@ -246,7 +243,7 @@ def stat_command(root: str, as_json: bool) -> None:
     _emit(data, as_json, "\n".join(lines))
 
 
-@command.command("fsck", cls=_FsckCommand)
+@command.command("fsck")
 @root_option
 @json_option
 @click.option("--rebuild", is_flag=True, help="Rebuild the chunk index from file headers alone.")
@@ -277,9 +274,9 @@ def fsck_command(
     Exit status (like fsck(8), where 1 means "errors corrected"):
       0  clean: nothing to repair
       1  problems found and all repaired; the next run exits 0
-      2  problems left: found with --check, or not repairable; see LEFT
+      2  usage error (a bad option), as every kvtier command
+      4  problems left: found with --check, or not repairable; see LEFT
       8  operational error: the check could not run (store in use, unsafe root)
-     16  usage error (a bad option)
     """
     from kvtier.tiers.l3_maint import fsck
 
@@ -296,7 +293,8 @@ def fsck_command(
         _failing_cleanly(FSCK_OPERATIONAL_ERROR),
     ):
         report = fsck(store, rebuild=rebuild, repair=not check_only, progress=progress)
-    data = {**asdict(report), "repaired": report.repaired, "exit_code": report.exit_code}
+    status = FSCK_STATUS[report.exit_code]
+    data = {**asdict(report), "repaired": report.repaired, "exit_code": status}
     lines = [
         f"files checked   {report.files} ({report.ok} ok)",
         f"quarantined     {len(report.quarantined)}",
@@ -310,7 +308,7 @@ def fsck_command(
     lines += [f"  LEFT: {p}" for p in report.left]
     lines.append(["clean", "problems found and repaired", "problems left"][report.exit_code])
     _emit(data, as_json, "\n".join(lines))
-    sys.exit(report.exit_code)
+    sys.exit(status)
 
 
 @command.command("migrate")

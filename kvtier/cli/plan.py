@@ -140,10 +140,11 @@ def command(
         fit = size // per_session
         click.echo(f"{tier:4} {_fmt(size):>12} {fit:>13}")
         left -= min(left, fit)
-    click.echo("configure (all sessions resident in L2 and L3, the busiest in L1):")
     click.echo(
-        f"  l1_bytes = {min(sizes['L1'], need)}   l2_bytes = {min(sizes['L2'], need)}   l3_bytes = {min(sizes['L3'], need)}"
+        "configure (all sessions resident in L2 and L3; a TOML table for kvtier serve --config):"
     )
+    for line in serve_table(sizes, need):
+        click.echo(line)
     if sizes["L3"] + sizes["L2"] < need:
         click.echo(
             f"warning: L2+L3 hold {_fmt(sizes['L2'] + sizes['L3'])} < {_fmt(need)}: sessions beyond that are recomputed"
@@ -151,6 +152,22 @@ def command(
     if gpu_memory_utilization is not None:
         shape = _Shape(max_concurrency, batch_tokens, prefill_step, chunk_tokens)
         _print_gpu_plan(config, g, sizes["L1"], gpu_memory_utilization, shape, context_tokens)
+
+
+def serve_table(sizes: dict[str, int], need: int) -> list[str]:
+    """The `[serve]` TOML table to configure: only keys `kvtier serve --config` reads.
+
+    L1 is left to the server: with paged L1 (the default) the sessions' L1 is the batch's page
+    pool, which `gpu_memory_utilization` sizes; `l1_bytes` is only the cache's copy staging."""
+    l2, l3 = min(sizes["L2"], need), min(sizes["L3"], need)
+    return [
+        "[serve]",
+        f"l2_bytes = {l2}  # {_fmt(l2)}",
+        f"l3_max_bytes = {l3}  # {_fmt(l3)}",
+        "# L1: leave l1_bytes out. With paged L1 (the default) the busiest sessions' L1 is the",
+        "# page pool, sized by gpu_memory_utilization (--gpu-memory-utilization prints it);",
+        f"# with paged_l1 = false, l1_bytes = {min(sizes['L1'], need)} holds them",
+    ]
 
 
 @dataclasses.dataclass(frozen=True)

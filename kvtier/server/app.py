@@ -5,49 +5,46 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
-import json
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvtier import __version__
 from kvtier.errors import (
+    BudgetError,
     ConfigError,
     EncryptionError,
-    InvalidRequest,
-    KvtierError,
-    L1BudgetExceeded,
     StoreError,
 )
 from kvtier.server.admin import install_admin_routes
-from kvtier.server.auth import Auth, authenticate, tenant_of
+from kvtier.server.auth import Auth, authenticate
 from kvtier.server.backend import make_backend
+from kvtier.server.completions import respond
 from kvtier.server.config import ServerConfig
 from kvtier.server.devicefault import DeviceFault, is_fatal_device_error
-from kvtier.server.devices_admin import DegradedTurn, device_readiness, install_device_routes
-from kvtier.server.engine import Engine, check_fits
+from kvtier.server.devices_admin import device_readiness, install_device_routes
+from kvtier.server.engine import Engine
 from kvtier.server.failover import place_configured
-from kvtier.server.http import MAX_SESSION_ID, ApiError, check_id
-from kvtier.server.jobs import ContextExceeded, Delta, Draining, Finished, Job, Overloaded
+from kvtier.server.http import ApiError
 from kvtier.server.memplan import backend_device_bytes, build_plan, planned_config, startup_peaks
 from kvtier.server.metrics import ServerMetrics
 from kvtier.server.model import ServedModel, build_default, load_dummy, load_local
+from kvtier.server.prompting import chat_ids, completion_ids
+from kvtier.server.reqmetrics import RequestMetrics
+from kvtier.server.requestbody import read_body
 from kvtier.server.schema import ChatRequest, CompletionRequest
-from kvtier.server.warm_request import is_warm_up, warm_request
+from kvtier.server.warm_request import warm_request
 from kvtier.snapshot import CacheSnapshot
 
 log = logging.getLogger("kvtier.server")
 
-SOURCE_HEADER = "X-Kvtier-Restore-Source"
 # How long /v1/sessions waits for a fresh snapshot before it answers the previous one.
 SNAPSHOT_WAIT_S = 0.05
 
@@ -169,8 +166,11 @@ def create_app(
             served = await asyncio.to_thread(place_configured, served, config, state.metrics)
             await asyncio.to_thread(_warm_up, served)
         except Exception as exc:  # readyz reports it; the process stays up for diagnosis
-            log.exception("the model failed to load")
             state.load_error = exc
+            if isinstance(exc, (ConfigError, BudgetError)):  # ...unless a setting cannot work
+                state.fatal(exc)  # (exits non-zero with one line, as a held L3 root does)
+                return
+            log.exception("the model failed to load")
             if is_fatal_device_error(exc):  # but not with its device lost: a restart fixes it
                 state.fatal(DeviceFault.of(exc))
             return
@@ -191,10 +191,11 @@ def create_app(
             state.metrics.gpu_memory_plan(plan)
         try:
             backend = await asyncio.to_thread(make_backend, served, run_config)
-        except (StoreError, EncryptionError) as exc:
+        except (StoreError, EncryptionError, BudgetError, ConfigError) as exc:
             # The L3 root cannot be used (another process holds it, unsafe permissions, a
-            # wrong or missing master key): no waiting fixes that, so stop and say why rather
-            # than stay up never ready.
+            # wrong or missing master key), or a setting cannot work (an L2 larger than the
+            # host's memory): no waiting fixes that, so stop and say why rather than stay up
+            # never ready.
             state.load_error = exc
             state.fatal(exc)
             return
@@ -259,6 +260,7 @@ def create_app(
         dependencies=[Depends(authenticate)],  # every route but /healthz, /readyz, /metrics
     )
     app.state.kvtier = state
+    app.add_middleware(RequestMetrics, metrics=state.metrics)  # /v1 responses by route, code
     _install_errors(app, state)
     _routes(app, state)
     return app
@@ -286,40 +288,9 @@ def _install_errors(app: FastAPI, state: State) -> None:
         return ApiError(500, f"internal error: {type(exc).__name__}", "server_error").response()
 
 
-async def _body(request: Request, model: type[BaseModel], limit: int) -> Any:
-    """Read, decode and validate a JSON body, turning each failure into a 4xx that says why."""
-    raw = bytearray()
-    async for chunk in request.stream():
-        raw += chunk
-        if len(raw) > limit:
-            raise ApiError(413, f"request body is larger than {limit} bytes; send less text")
-    try:
-        text = bytes(raw).decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise ApiError(
-            400, f"request body is not valid UTF-8 (byte {exc.start}); encode the JSON as UTF-8"
-        ) from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ApiError(400, f"request body is not valid JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise ApiError(400, "request body must be a JSON object")
-    try:
-        return model.model_validate(data)
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        where = ".".join(str(p) for p in err["loc"])
-        if err["type"] == "extra_forbidden":
-            known = ", ".join(sorted(model.model_fields))
-            msg = f"unknown field {where!r}; this server accepts: {known}"
-        else:
-            msg = f"{where}: {err['msg']}"
-        raise ApiError(400, msg, param=where or None) from None
-
-
 def _routes(app: FastAPI, state: State) -> None:
     cfg = state.config
+    limits = (cfg.max_body_bytes, cfg.body_timeout)
 
     @app.get("/healthz")
     async def healthz() -> dict[str, Any]:
@@ -345,38 +316,46 @@ def _routes(app: FastAPI, state: State) -> None:
         data = await asyncio.to_thread(generate_latest, state.registry)
         return Response(data, media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
-        card = {
+    def card() -> dict[str, Any]:
+        return {
             "id": cfg.served_model_name,
             "object": "model",
             "created": int(state.started),
             "owned_by": "kvtier",
+            "max_model_len": state.engine.served.context_tokens if state.engine else None,
         }
-        return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict[str, Any]:
+        if model_id != cfg.served_model_name:
+            raise ApiError(
+                404,
+                f"The model `{model_id}` does not exist.",
+                param="model",
+                code="model_not_found",
+            )
+        return card()
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
-        body: ChatRequest = await _body(request, ChatRequest, cfg.max_body_bytes)
+        body: ChatRequest = await read_body(request, ChatRequest, *limits)
         engine = _check_model(body.model)
-        tok = engine.served.tokenizer
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        try:
-            prompt = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        except Exception as exc:
-            raise ApiError(
-                400, f"messages cannot be rendered by the chat template: {exc}"
-            ) from None
-        ids = tok.encode(prompt, add_special_tokens=False)
+        messages = [m.rendered() for m in body.messages]
+        # rendered and tokenized off the loop, length-bounded first
+        ids = await chat_ids(engine.served, messages, body.tool_list())
         max_tokens = body.max_completion_tokens or body.max_tokens
-        return await _complete(request, engine, body, ids, max_tokens, chat=True)
+        return await respond(state, request, engine, body, ids, max_tokens, chat=True)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        body: CompletionRequest = await _body(request, CompletionRequest, cfg.max_body_bytes)
+        body: CompletionRequest = await read_body(request, CompletionRequest, *limits)
         engine = _check_model(body.model)
-        ids = engine.served.tokenizer.encode(body.prompt, add_special_tokens=True)
-        return await _complete(request, engine, body, ids, body.max_tokens, chat=False)
+        ids = await completion_ids(engine.served, body.prompt)
+        return await respond(state, request, engine, body, ids, body.max_tokens, chat=False)
 
     def _check_model(name: str) -> Engine:
         if name != cfg.served_model_name:
@@ -389,198 +368,5 @@ def _routes(app: FastAPI, state: State) -> None:
             )
         return state.ready_engine()
 
-    async def _complete(
-        request: Request,
-        engine: Engine,
-        body: Any,
-        ids: list[int],
-        max_tokens: int | None,
-        chat: bool,
-    ) -> Response:
-        sid = request.headers.get("x-session-id") or body.user
-        tenant = tenant_of(request)
-        ephemeral = not sid
-        sid = check_id(sid, "X-Session-ID", MAX_SESSION_ID) if sid else f"anon-{uuid.uuid4().hex}"
-        try:  # an id past the model's embeddings never reaches it (on CUDA: a device fault)
-            engine.served.check_ids(ids)
-        except InvalidRequest as exc:
-            raise ApiError(400, str(exc), param="messages" if chat else "prompt") from None
-        try:
-            max_tokens = check_fits(engine.served, cfg, len(ids), max_tokens)
-        except ContextExceeded as exc:
-            param = "messages" if chat else "prompt"
-            raise ApiError(400, str(exc), param=param, code="context_length_exceeded") from None
-        except InvalidRequest as exc:
-            raise ApiError(400, str(exc), param="max_tokens") from None
-        job = Job(
-            sid,
-            tenant,
-            tuple(ids),
-            max_tokens,
-            body.temperature,
-            body.top_p,
-            body.seed,
-            body.stops(),
-            ephemeral,
-            internal=is_warm_up(request.scope),
-        )
-        try:
-            stream = await engine.start(job)
-        except Overloaded as exc:
-            raise ApiError(
-                429,
-                str(exc),
-                "rate_limit_error",
-                code="overloaded",
-                headers={"Retry-After": str(exc.retry_after)},
-            ) from None
-        except Draining as exc:
-            raise ApiError(503, str(exc), "server_error") from None
-        except L1BudgetExceeded as exc:  # too many long sessions at once: transient, retry
-            raise ApiError(
-                503,
-                f"L1BudgetExceeded: {exc}",
-                "server_error",
-                code="l1_full",
-                headers={"Retry-After": "1"},
-            ) from None
-        except KvtierError as exc:
-            raise ApiError(500, f"{type(exc).__name__}: {exc}", "server_error") from None
-        if not job.internal:
-            state.metrics.count("requests")
-        started = stream.started
-        assert started is not None
-        turn = DegradedTurn(engine.served.devices, stream.streaming, state.metrics, stream)
-        headers = {
-            **turn.headers(),
-            SOURCE_HEADER: started.source,
-            "X-Kvtier-Cached-Tokens": str(started.cached_tokens),
-            "X-Session-ID": sid,
-        }
-        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        created = int(time.time())
-        name = cfg.served_model_name
-
-        def usage(done: Finished) -> dict[str, Any]:
-            return {
-                "prompt_tokens": done.prompt_tokens,
-                "completion_tokens": done.completion_tokens,
-                "total_tokens": done.prompt_tokens + done.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": done.cached_tokens},
-                "kvtier": {
-                    "restore_source": done.source,
-                    "session_id": sid,
-                    "degraded": turn.degraded,
-                    "streaming": stream.streaming is not None,
-                    "degraded_kv": turn.kv,
-                },
-            }
-
-        if not body.stream:
-            parts: list[str] = []
-            done: Finished | None = None
-            try:
-                async for event in stream.events():
-                    if isinstance(event, Delta):
-                        parts.append(event.text)
-                    else:
-                        done = event
-            finally:
-                if done is None:
-                    stream.cancel()
-            assert done is not None
-            turn.finished()
-            text = "".join(parts)
-            if chat:
-                choice: dict[str, Any] = {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": text},
-                    "finish_reason": done.finish_reason,
-                    "logprobs": None,
-                }
-            else:
-                choice = {
-                    "index": 0,
-                    "text": text,
-                    "finish_reason": done.finish_reason,
-                    "logprobs": None,
-                }
-            obj = "chat.completion" if chat else "text_completion"
-            return JSONResponse(
-                {
-                    "id": rid,
-                    "object": obj,
-                    "created": created,
-                    "model": name,
-                    "choices": [choice],
-                    "usage": usage(done),
-                },
-                headers=headers,
-            )
-
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        obj = "chat.completion.chunk" if chat else "text_completion"
-
-        def chunk(delta: str | None, finish: str | None, role: bool = False) -> str:
-            if chat:
-                d: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
-                if delta is not None:
-                    d["content"] = delta
-                c: dict[str, Any] = {
-                    "index": 0,
-                    "delta": d,
-                    "finish_reason": finish,
-                    "logprobs": None,
-                }
-            else:
-                c = {"index": 0, "text": delta or "", "finish_reason": finish, "logprobs": None}
-            return _sse(
-                {"id": rid, "object": obj, "created": created, "model": name, "choices": [c]}
-            )
-
-        async def sse() -> AsyncIterator[str]:
-            finished = False
-            try:
-                if chat:
-                    yield chunk(None, None, role=True)
-                async for event in stream.events():
-                    if isinstance(event, Delta):
-                        yield chunk(event.text, None)
-                    else:
-                        turn.finished()
-                        yield chunk(None if chat else "", event.finish_reason)
-                        if include_usage:
-                            yield _sse(
-                                {
-                                    "id": rid,
-                                    "object": obj,
-                                    "created": created,
-                                    "model": name,
-                                    "choices": [],
-                                    "usage": usage(event),
-                                }
-                            )
-                finished = True
-                yield "data: [DONE]\n\n"
-            except Exception as exc:  # headers are sent: report in-band, as OpenAI does
-                err = {
-                    "message": f"{type(exc).__name__}: {exc}",
-                    "type": "server_error",
-                    "param": None,
-                    "code": None,
-                }
-                yield _sse({"error": err})
-            finally:
-                if not finished:
-                    stream.cancel()  # the client went away: stop, keep what is committed
-
-        return StreamingResponse(
-            sse(), media_type="text/event-stream", headers={**headers, "Cache-Control": "no-cache"}
-        )
-
     install_admin_routes(app, state)
     install_device_routes(app, state)
-
-
-def _sse(obj: dict[str, Any]) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"

@@ -55,6 +55,7 @@ class Backend(Protocol):
     def tenants_of(self, session_id: str) -> list[str]: ...
     def shred_tenant(self, tenant: str) -> dict[str, Any]: ...
     def evict_l2(self) -> None: ...
+    def on_forget(self, fn: Callable[[str, str], object]) -> None: ...
     def calibrating(self) -> contextlib.AbstractContextManager[None]: ...
     def snapshot(self) -> CacheSnapshot | None: ...
     def prefill_estimate(self) -> PrefillEstimate | None: ...
@@ -122,6 +123,9 @@ class RecomputeBackend:
     def shred_tenant(self, tenant: str) -> dict[str, Any]:
         return {"sessions": 0, "keys": 0, "chunks": 0, "encrypted": False}  # nothing is kept
 
+    def on_forget(self, fn: Callable[[str, str], object]) -> None:
+        return None  # nothing is kept: nothing is forgotten
+
     def evict_l2(self) -> None:
         return None
 
@@ -160,6 +164,9 @@ class TieredBackend:
                 l4_url=config.l4_url or None,
                 l4_ttl_s=config.l4_ttl_s,
                 l4_min_idle_s=config.l4_min_idle_s,
+                session_idle_s=config.session_ttl_s or None,  # 0: no bound
+                max_sessions=config.max_sessions or None,
+                l3_write_bound_s=config.l3_write_bound_s,
                 chunk_tokens=config.chunk_tokens,
                 codec=config.codec,
                 write_policy=config.write_policy,
@@ -172,11 +179,13 @@ class TieredBackend:
         )
 
     def _find(self, session_id: str, tenant: str | None = None) -> list[Any]:
-        return [
-            s
-            for s in self.cache.sessions()
-            if s.session_id == session_id and (tenant is None or s.tenant == tenant)
-        ]
+        """In memory or, forgotten from it (idle), hibernated in L3."""
+        return self.cache.find_sessions(session_id, tenant)
+
+    def on_forget(self, fn: Callable[[str, str], object]) -> None:
+        """`fn(session_id, tenant)` hears of each session the cache forgets from memory
+        (`TieredCache.on_forget`; under its lock: it must not wait)."""
+        self.cache.on_forget(fn)
 
     def tenants_of(self, session_id: str) -> list[str]:
         return sorted({s.tenant for s in self._find(session_id)})
@@ -229,8 +238,11 @@ class TieredBackend:
         self.cache.release_staged(self.cache.session(session_id, tenant=tenant), staged)
 
     def pages_dropped(self, session_id: str, tenant: str) -> None:
-        """The batch freed the session's parked pages (`TieredCache.pages_dropped`)."""
-        self.cache.pages_dropped(self.cache.session(session_id, tenant=tenant))
+        """The batch freed the session's parked pages (`TieredCache.pages_dropped`); one
+        forgotten from memory since is stored already."""
+        s = self.cache.find_session(session_id, tenant)
+        if s is not None:
+            self.cache.pages_dropped(s)
 
     def commit_pages(
         self,

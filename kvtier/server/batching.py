@@ -26,9 +26,8 @@ hands back a transformers Cache over the first `covered` prompt tokens) and only
    (`kvtier.server.lookahead`: the GPU does not wait on this thread). The step itself, its
    sampling and the tokens' way to the requests are in `kvtier.server.stepping`.
 
-A finished turn's new K/V is stored off this thread (`kvtier.server.committing`), and with
-paged L1 (the default) its pages stay parked as the session's L1 (`kvtier.server.parking`;
-docs/architecture.md, "Paged L1"). Restores and commits never stall the batch.
+A finished turn's new K/V is stored off this thread (`kvtier.server.committing`); its pages
+stay parked as the session's L1 (`kvtier.server.parking`). Restores never stall the batch.
 """
 
 from __future__ import annotations
@@ -53,6 +52,7 @@ from kvtier.server.eventpost import EventPost
 from kvtier.server.failover import make_pool
 from kvtier.server.jobs import ContextExceeded, Delta, Job, Stream
 from kvtier.server.loading import StagedLoader
+from kvtier.server.logitproc import decoding_of
 from kvtier.server.lookahead import TokenReadback
 from kvtier.server.memplan import model_kv, page_size, pool_bytes
 from kvtier.server.model import ServedModel
@@ -132,9 +132,8 @@ class BatchScheduler(Stepping):
         self.waiting: deque[_Seq] = deque()
         self.running: list[_Seq] = []
         self.preemptions = 0  # sequences moved out of the pool to make room
-        # Full pages of restored prefixes shared between running sequences of one tenant; not
-        # where L2/L3 hold approximate K/V (an int8 or fp8 codec): a session restored from L1
-        # would then read another's approximate prefix instead of its own exact one.
+        # Prefix pages shared between a tenant's running sequences; not with a lossy codec (a
+        # session restored from L1 would read another's approximate prefix, not its own).
         self.share_prefixes = str(getattr(config, "codec", "native")) == "native"
         # Parked pages (`park_pages`): a finished turn's pages stay in the pool as its
         # session's, least recently parked first out, while nothing else needs them; the next
@@ -221,6 +220,7 @@ class BatchScheduler(Stepping):
             reply=ReplyText(tok, self.served.eos_ids, job.stop),
             gen=make_generator(job.temperature, job.seed),
             tokens=array("q", job.prompt_ids),
+            decoding=decoding_of(job),
         )
         with self._cond:
             if self._closed:
@@ -435,7 +435,7 @@ class BatchScheduler(Stepping):
         `shared` (from `PageTables.shareable`) are full pages of its cached prefix that it
         shares; `own` (from `PageTables.own_pages`) its session's parked pages, which hold that
         K/V already."""
-        s.trace.admitting(self.pool.device)
+        s.trace.admitting(self.pool.device, s.stream.clock)
         stale = self.tables.current().pop((s.job.tenant, s.job.session_id), None)
         if own is not None:
             assert stale is own

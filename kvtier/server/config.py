@@ -90,6 +90,14 @@ class ServerConfig:
     l4_url: str | None = None
     l4_ttl_s: float = 86400.0  # L4 chunks and session records expire this long after a write
     l4_min_idle_s: float = 0.0  # write a hibernated session to L4 once idle this long
+    # Sessions in memory (docs/configuration.md): an idle session inactive this long, or past
+    # max_sessions the least recently active, is hibernated and leaves memory; its next turn
+    # finds it in L3 (a record read) and restores from L2/L3. 0: no such bound
+    session_ttl_s: float = 3600.0
+    max_sessions: int = 10_000
+    # write_through: a committed chunk whose L3 write was shed (queue full) is queued again,
+    # so that none stays out of L3 much longer than this (docs/architecture.md, "L3")
+    l3_write_bound_s: float = 5.0
     chunk_tokens: int = 256
     codec: str = "native"
     write_policy: str = "write_through"
@@ -103,6 +111,9 @@ class ServerConfig:
     max_queue: int = 256  # requests waiting for a slot; beyond it: 429 at once
     queue_timeout: float = 30.0  # longest wait for a slot before 429 + Retry-After
     max_tokens_limit: int = 4096  # largest max_tokens a request may ask for
+    # how tool calls are read out of a reply to a request with `tools` (kvtier.server.tools):
+    # "hermes" (<tool_call> blocks; Qwen2.5, Hermes), or "none" (the reply stays text)
+    tool_call_parser: str = "hermes"
     prefill_step: int = 512  # prompt tokens per forward, so other sessions interleave
     batching: bool = True  # one forward per step for every running session (off: one thread each)
     cuda_graphs: bool = True  # with batching on CUDA: decode steps replayed as CUDA graphs
@@ -134,6 +145,15 @@ class ServerConfig:
     paged_l1: bool = True
     batch_kv_bytes: int = 0  # the batch's KV page pool; 0 = room for max_concurrency contexts
     max_body_bytes: int = 4 * 2**20
+    # Connections (kvtier.server.connguard; docs/serving.md, "Behind a proxy"): seconds a
+    # connection has to send a request's line and headers, else it is closed
+    header_timeout: float = 10.0
+    body_timeout: float = 30.0  # longest wait for the next piece of a request body: then 408
+    # an idle keep-alive connection's life: longer than clients keep idle connections (httpx:
+    # 5 s), so the client closes first (equal timeouts race a request against the close)
+    keep_alive_timeout: float = 75.0
+    max_connections: int = 0  # open connections; 0: the open-files limit less a reserve
+    max_open_files: int = 0  # the soft open-files limit set at start; 0: the hard limit
     log_level: str = "info"
     # Authentication (kvtier.server.auth): the API keys file; None = single-tenant and local
     api_keys: Path | None = None
@@ -184,6 +204,11 @@ class ServerConfig:
                 f"prompt_order: {self.prompt_order!r} is unknown; use 'arrival' (oldest first) "
                 "or 'shortest' (fewest prompt tokens left first)"
             )
+        if self.tool_call_parser not in ("hermes", "none"):
+            raise ConfigError(
+                f"tool_call_parser: {self.tool_call_parser!r} is unknown; use 'hermes' "
+                "(<tool_call> blocks, as Qwen2.5 and Hermes write them) or 'none'"
+            )
         if self.admissions_per_step < 0:
             raise ConfigError(
                 f"admissions_per_step: must not be negative, got {self.admissions_per_step}"
@@ -196,8 +221,17 @@ class ServerConfig:
                 f"degraded_kv: {self.degraded_kv!r} is unknown; use 'native' (K/V in the "
                 "model's dtype) or 'int8' (about twice the tokens on the surviving devices)"
             )
+        for name in ("header_timeout", "body_timeout", "keep_alive_timeout"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name}: must be a positive number of seconds")
+        if self.max_connections < 0 or self.max_open_files < 0:
+            raise ConfigError("max_connections and max_open_files must not be negative (0: auto)")
         if self.queue_timeout < 0 or self.max_queue < 0:
             raise ConfigError("queue_timeout and max_queue must not be negative")
+        if self.session_ttl_s < 0 or self.max_sessions < 0:
+            raise ConfigError("session_ttl_s and max_sessions must not be negative (0: no bound)")
+        if not self.l3_write_bound_s > 0:
+            raise ConfigError("l3_write_bound_s: must be a positive number of seconds")
         if not self.served_model_name:
             raise ConfigError("served_model_name: must not be empty")
         if self.trust_tenant_header and self.api_keys is None:

@@ -22,11 +22,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvtier.errors import InvalidRequest, KvtierError, L1BudgetExceeded
+from kvtier.errors import KvtierError, L1BudgetExceeded
 from kvtier.server.backend import Backend
 from kvtier.server.devicefault import DeviceFault, is_fatal_device_error
 from kvtier.server.jobs import (
-    ContextExceeded,
     Delta,
     Draining,
     Failed,
@@ -36,8 +35,10 @@ from kvtier.server.jobs import (
     Started,
     Stream,
 )
+from kvtier.server.logitproc import Decoding, decoding_of, process, record
 from kvtier.server.memplan import take_peak
 from kvtier.server.model import ServedModel, cache_kwarg
+from kvtier.server.reqmetrics import TurnClock
 from kvtier.server.sampling import ReplyText, make_generator, sample
 from kvtier.server.streaming import degrade
 from kvtier.tiers import l3_io
@@ -115,6 +116,7 @@ class Engine:
         self._slots = asyncio.Semaphore(config.max_concurrency)
         # keyed by (tenant, session id): one tenant never waits on another's session
         self._session_locks: dict[tuple[str, str], tuple[asyncio.Lock, int]] = {}
+        backend.on_forget(self.drop_pages)  # a session the cache forgets leaves the pages too
         self.waiting = 0
         self.running = 0
         self.draining = False
@@ -205,7 +207,8 @@ class Engine:
         self.running += 1
         self._idle.clear()
         self._gauge()
-        stream = Stream(loop, streaming=streaming)
+        clock = TurnClock.start(self.metrics, job.internal)  # from the HTTP request's arrival
+        stream = Stream(loop, streaming=streaming, clock=clock)
         admitted = time.perf_counter()
         batch = self._scheduler()
 
@@ -216,6 +219,7 @@ class Engine:
             if self.running == 0:
                 self._idle.set()
             self._gauge()
+            stream.clock.ended()  # its latencies (kvtier.server.reqmetrics)
 
         if batch is not None:
             try:
@@ -379,8 +383,9 @@ class Engine:
         a, b = PagedSequence(), PagedSequence()
         try:
             tok = int(sched.runner.step([SeqInput(a, prompt)])[0].argmax())
-            sched.runner.step([SeqInput(a, [tok]), SeqInput(b, prompt)])
-            sched.runner.step([SeqInput(a, [tok]), SeqInput(b, [tok])])
+            if sched.runner.max_batch > 1:  # one slot (--max-concurrency 1): never two at once
+                sched.runner.step([SeqInput(a, [tok]), SeqInput(b, prompt)])
+            sched.runner.step([SeqInput(a, [tok]), SeqInput(b, [tok])][: sched.runner.max_batch])
         finally:
             sched.runner.release(a)
             sched.runner.release(b)
@@ -478,8 +483,16 @@ class Engine:
             )
         return out.logits[0, -1].float()
 
-    def _sample(self, logits: torch.Tensor, job: Job, gen: torch.Generator | None) -> int:
-        return sample(logits, job.temperature, job.top_p, gen, self.served.allowed)
+    def _sample(
+        self, logits: torch.Tensor, job: Job, gen: torch.Generator | None, d: Decoding | None
+    ) -> int:
+        if d is None:
+            return sample(logits, job.temperature, job.top_p, gen, self.served.allowed)
+        row = logits.unsqueeze(0).clone()
+        process(row, [d])
+        token = sample(row[0], job.temperature, job.top_p, gen, self.served.allowed)
+        record(row, [d], [token])
+        return token
 
     def _run(self, job: Job, stream: Stream, admitted: float) -> None:
         try:
@@ -496,6 +509,7 @@ class Engine:
         served, backend = self.served, self.backend
         ids = torch.tensor([job.prompt_ids], dtype=torch.long, device=served.device)
         total = ids.shape[1]
+        stream.clock.admit(admitted)  # a worker thread runs it: not queued behind others
         restored = backend.restore(job.session_id, job.tenant, ids)
         kv, pos = restored.kv, restored.covered
         fed = list(job.prompt_ids[:pos])
@@ -541,11 +555,15 @@ class Engine:
         reply = ReplyText(self.served.tokenizer, self.served.eos_ids, job.stop)
         gen = make_generator(job.temperature, job.seed)
         device = self.served.device
+        d = decoding_of(job)
         for step in range(job.max_tokens):
-            token = self._sample(logits, job, gen)
+            token = self._sample(logits, job, gen, d)
             gen_ids.append(token)
+            stream.clock.token(time.perf_counter())
             delta = reply.add(token)
-            if delta:
+            if d is not None and d.logprobs is not None:
+                stream.put(Delta(delta, d.take_pending()))
+            elif delta:
                 stream.put(Delta(delta))
             if reply.stopped:
                 return "stop"
@@ -573,25 +591,3 @@ class Engine:
     def _gauge(self) -> None:
         if self.metrics is not None:
             self.metrics.load(self.running, self.waiting)
-
-
-def check_fits(served: ServedModel, config: Any, prompt_tokens: int, max_tokens: int | None) -> int:
-    """The max_tokens to use, or InvalidRequest that says by how much the request is too long."""
-    context = served.context_tokens
-    if prompt_tokens < 1:
-        raise InvalidRequest("the prompt is empty; send at least one token of text")
-    if prompt_tokens >= context:
-        raise ContextExceeded(
-            f"the prompt has {prompt_tokens} tokens but the model's context is {context}; "
-            "shorten the conversation (drop or summarise old turns)"
-        )
-    room = context - prompt_tokens
-    limit = min(room, config.max_tokens_limit)
-    if max_tokens is None:
-        return limit
-    if max_tokens > limit:
-        raise InvalidRequest(
-            f"max_tokens={max_tokens} is too large: at most {limit} here (context {context}, "
-            f"prompt {prompt_tokens} tokens, server limit {config.max_tokens_limit})"
-        )
-    return max_tokens

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.errors import InvalidRequest, KvtierError
+from kvtier.server.reqmetrics import TurnClock
 
 
 class Overloaded(KvtierError):
@@ -42,6 +43,14 @@ class Job:
     stop: tuple[str, ...] = ()
     ephemeral: bool = False  # no session id given: forget the session after the request
     internal: bool = False  # the server's own warm-up request: it counts in no metric
+    # what the turn does to its logits (kvtier.server.logitproc): penalties, the top ids to
+    # report with each token (None: no logprobs), and a new grammar matcher per turn (None:
+    # unconstrained; kvtier.server.grammar)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None
+    grammar: Callable[[], Any] | None = None
 
 
 @dataclass
@@ -54,6 +63,8 @@ class Started:
 @dataclass
 class Delta:
     text: str
+    # the logprobs of the tokens whose text this delta completes (kvtier.server.logitproc)
+    logprobs: list[Any] | None = None
 
 
 @dataclass
@@ -82,6 +93,8 @@ class Stream:
     streaming: tuple[int, int] | None = None
     # "int8" once a step of the turn read K/V from an int8 page pool (degraded_kv)
     degraded_kv: str = "native"
+    # its arrival, admission and tokens, for the latency histograms (kvtier.server.reqmetrics)
+    clock: TurnClock = field(default_factory=TurnClock)
 
     def put(self, event: Any) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
@@ -98,3 +111,25 @@ class Stream:
             yield event
             if isinstance(event, Finished):
                 return
+
+
+def check_fits(served: Any, config: Any, prompt_tokens: int, max_tokens: int | None) -> int:
+    """The max_tokens to use, or InvalidRequest that says by how much the request is too long."""
+    context = served.context_tokens
+    if prompt_tokens < 1:
+        raise InvalidRequest("the prompt is empty; send at least one token of text")
+    if prompt_tokens >= context:
+        raise ContextExceeded(
+            f"the prompt has {prompt_tokens} tokens but the model's context is {context}; "
+            "shorten the conversation (drop or summarise old turns)"
+        )
+    room = context - prompt_tokens
+    limit = min(room, config.max_tokens_limit)
+    if max_tokens is None:
+        return limit
+    if max_tokens > limit:
+        raise InvalidRequest(
+            f"max_tokens={max_tokens} is too large: at most {limit} here (context {context}, "
+            f"prompt {prompt_tokens} tokens, server limit {config.max_tokens_limit})"
+        )
+    return max_tokens

@@ -1,5 +1,5 @@
-"""The server's own Prometheus metrics (requests, tokens, TTFT by restore source, queue depth,
-the GPU memory plan).
+"""The server's own Prometheus metrics (requests by endpoint and status code, tokens, TTFT by
+restore source, request latencies as vLLM reports them, queue depth, the GPU memory plan).
 
 They are registered in the registry the caller passes in, so `ops` can serve them next to the
 cache and host metrics on one `/metrics` without kvtier importing ops.
@@ -9,21 +9,37 @@ from __future__ import annotations
 
 import gc
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
+
+if TYPE_CHECKING:  # pragma: no cover
+    from kvtier.server.reqmetrics import TurnClock
 
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 GC_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
+# a whole request, and its wait for admission (queue_timeout is 30 s by default)
+E2E_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
+QUEUE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+# one token's time: a batched decode step is 10-30 ms on a GPU
+TOKEN_BUCKETS: tuple[float, ...] = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04)
+TOKEN_BUCKETS += (0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
 
 
 class ServerMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self._registry = registry
+        # no `_created` gauge beside each counter and histogram: a series per family that no
+        # dashboard reads (process-wide: every prometheus_client family of the process)
+        disable_created_metrics()
         self.requests = Counter(
-            "kvtier_server_requests_total", "Completion requests answered.", registry=registry
+            "kvtier_server_requests_total",
+            "Responses of the /v1 endpoints by route template and status code (a streamed one "
+            "when it ends).",
+            ["endpoint", "code"],
+            registry=registry,
         )
         self.errors = Counter(
             "kvtier_server_request_errors_total",
@@ -46,6 +62,31 @@ class ServerMetrics:
             "Admission to first token, by where the prompt's KV came from.",
             ["src"],
             buckets=TTFT_BUCKETS,
+            registry=registry,
+        )
+        # a turn's latencies, as vLLM's families of the same names (kvtier.server.reqmetrics)
+        self.e2e_seconds = Histogram(
+            "kvtier_server_e2e_request_latency_seconds",
+            "Arrival of a completion request to its last token.",
+            buckets=E2E_BUCKETS,
+            registry=registry,
+        )
+        self.queue_seconds = Histogram(
+            "kvtier_server_request_queue_time_seconds",
+            "Arrival of a completion request to its turn's admission into the batch.",
+            buckets=QUEUE_BUCKETS,
+            registry=registry,
+        )
+        self.tpot_seconds = Histogram(
+            "kvtier_server_time_per_output_token_seconds",
+            "A request's first token to its last, over its tokens after the first.",
+            buckets=TOKEN_BUCKETS,
+            registry=registry,
+        )
+        self.inter_token_seconds = Histogram(
+            "kvtier_server_inter_token_latency_seconds",
+            "Time between two consecutive tokens of a turn.",
+            buckets=TOKEN_BUCKETS,
             registry=registry,
         )
         self.running = Gauge(
@@ -207,7 +248,6 @@ class ServerMetrics:
             "rejected": self.rejected,
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
-            "requests": self.requests,
             "errors": self.errors,
             "degraded_turns": self.degraded_turns,
             "streaming_turns": self.streaming_turns,
@@ -215,6 +255,20 @@ class ServerMetrics:
             "shared_kv_pages": self.shared_kv_pages,
             "parked_turns": self.parked_turns,
         }[name].inc(n)
+
+    def request(self, endpoint: str, code: int) -> None:
+        """A response of a /v1 endpoint ended (kvtier.server.reqmetrics.RequestMetrics)."""
+        self.requests.labels(endpoint=endpoint, code=str(code)).inc()
+
+    def turn_ended(self, clock: TurnClock) -> None:
+        """A turn is over: its queue time once admitted, its end-to-end latency once it
+        produced a token, its time per output token once it produced two."""
+        if clock.admitted:
+            self.queue_seconds.observe(max(0.0, clock.admitted - clock.arrived))
+        if clock.tokens:
+            self.e2e_seconds.observe(max(0.0, clock.last - clock.arrived))
+        if clock.tokens > 1:
+            self.tpot_seconds.observe((clock.last - clock.first) / (clock.tokens - 1))
 
     def ttft(self, source: str, seconds: float) -> None:
         self.ttft_seconds.labels(src=source).observe(seconds)

@@ -57,6 +57,11 @@ class ServedModel:
     # can have an entry more than the model has rows, and an id past the rows is a
     # device-side assert on CUDA, which no later call on the device survives
     vocab_size: int = 0
+    # the most characters of text one token stands for (kvtier.server.prompting): a prompt
+    # longer than context x that is refused untokenized; -1: not worked out yet, 0: unknown
+    token_chars: int = -1
+    # the grammar compiler of its structured output (kvtier.server.grammar), made on first use
+    grammars: Any = None
 
     def __post_init__(self) -> None:
         if self.vocab_size <= 0:
@@ -86,7 +91,7 @@ def embeddable(model: Any, tokenizer: Any) -> int:
     return min(vocab, int(rows)) if rows else vocab
 
 
-def _bytes_to_unicode() -> dict[int, str]:
+def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's reversible byte -> printable character map, so token id == byte value."""
     bs = list(range(ord("!"), ord("~") + 1))
     bs += list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
@@ -105,7 +110,7 @@ def byte_tokenizer() -> Any:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {ch: b for b, ch in _bytes_to_unicode().items()}
+    vocab = {ch: b for b, ch in bytes_to_unicode().items()}
     core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     core.decoder = decoders.ByteLevel()

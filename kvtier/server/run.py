@@ -109,6 +109,24 @@ def options(f: Callable[..., Any]) -> Callable[..., Any]:
             help="Shared tier (L4) on Redis, e.g. redis://10.0.0.5:6379/0: hosts sharing it "
             "resume each other's sessions (default: none).",
         ),
+        click.option(
+            "--session-ttl-s",
+            type=float,
+            help="Seconds an idle session stays in memory; then it is hibernated to L3 and "
+            "its next turn finds it there (default 3600; 0: no time bound).",
+        ),
+        click.option(
+            "--max-sessions",
+            type=int,
+            help="Sessions kept in memory; past it the least recently active idle ones are "
+            "hibernated to L3 and leave memory (default 10000; 0: no bound).",
+        ),
+        click.option(
+            "--l3-write-bound-s",
+            type=float,
+            help="With write_through, seconds within which a committed chunk whose L3 write "
+            "was shed (queue full) is written after all (default 5).",
+        ),
         click.option("--chunk-tokens", type=int, help="Tokens per chunk (default 256)."),
         click.option("--codec", help="L2/L3 codec: native, int8, fp8."),
         click.option("--write-policy", help="write_through, write_through_selective, write_back."),
@@ -140,6 +158,13 @@ def options(f: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--max-queue", type=int, help="Requests that may wait for a slot."),
         click.option("--queue-timeout", type=float, help="Seconds a request waits before 429."),
         click.option("--max-tokens-limit", type=int, help="Largest max_tokens accepted."),
+        click.option(
+            "--tool-call-parser",
+            type=click.Choice(["hermes", "none"]),
+            help="How tool calls are read out of a reply to a request with `tools`: hermes "
+            "(default: <tool_call> blocks, as Qwen2.5 and Hermes models write them; the tools "
+            "are offered in that format where the chat template has none), or none.",
+        ),
         click.option("--prefill-step", type=int, help="Prompt tokens per forward."),
         click.option(
             "--batching/--no-batching",
@@ -210,6 +235,35 @@ def options(f: Callable[..., Any]) -> Callable[..., Any]:
         ),
         click.option("--max-body-bytes", help="Largest request body."),
         click.option(
+            "--header-timeout",
+            type=float,
+            help="Seconds a connection has to send a request's line and headers, from when it "
+            "opens or from the first byte of a follow-up request; then it is closed (default 10).",
+        ),
+        click.option(
+            "--body-timeout",
+            type=float,
+            help="Longest wait in seconds for the next piece of a request body; then 408 "
+            "(default 30).",
+        ),
+        click.option(
+            "--keep-alive-timeout",
+            type=float,
+            help="Seconds an idle keep-alive connection stays open (default 75).",
+        ),
+        click.option(
+            "--max-connections",
+            type=int,
+            help="Open connections at most; past it a new one closes the longest waiting for "
+            "its headers, or the longest idle (default 0: the open-files limit less a reserve).",
+        ),
+        click.option(
+            "--max-open-files",
+            type=int,
+            help="The process's soft open-files limit, set at start (default 0: raised to the "
+            "hard limit).",
+        ),
+        click.option(
             "--encrypt/--no-encrypt",
             default=None,
             help="Encrypt L3 at rest: chunk payloads and session records sealed with "
@@ -231,8 +285,9 @@ def options(f: Callable[..., Any]) -> Callable[..., Any]:
         click.option(
             "--trust-tenant-header/--no-trust-tenant-header",
             default=None,
-            help="With --api-keys, take the tenant from X-Tenant (for a gateway in front that "
-            "authenticates clients; default off: the key's tenant).",
+            help="With --api-keys, take the tenant from X-Tenant on requests with a gateway key "
+            "(kvtier keys add NAME --gateway); other keys naming another tenant get 403 "
+            "(default off: the key's tenant).",
         ),
     ]
     for opt in reversed(opts):
@@ -271,16 +326,25 @@ def serve(config: ServerConfig, registry: Any = None) -> None:
     run_app(create_app(config, registry=registry), config)
 
 
-# Seconds an idle keep-alive connection stays open. Longer than clients keep idle connections
-# (httpx: 5 s, the same as uvicorn's default), so the client always closes first: with equal
-# timeouts the server could close a connection just as the client sent its next request on it,
-# and that request failed with a read error (1 of 400 in the 200-session load test).
-KEEP_ALIVE_S = 75
-
-
 def run_app(app: Any, config: ServerConfig) -> None:
     """Run a built app under uvicorn on the configured address (graceful drain on SIGTERM)."""
     import uvicorn
+
+    from kvtier.errors import ConfigError
+    from kvtier.server import listen
+    from kvtier.server.connguard import (
+        ConnectionGuard,
+        connection_cap,
+        guarded_listener,
+        guarded_protocol,
+        raise_open_files,
+    )
+
+    try:  # bound before the app starts loading the model and opening L3: a taken port fails now
+        sockets = listen.bind(config.host, config.port)
+    except listen.PortUnavailable as exc:
+        click.echo(f"kvtier serve: {exc}", err=True)
+        raise SystemExit(1) from None
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame: FrameType | None) -> None:
@@ -294,22 +358,43 @@ def run_app(app: Any, config: ServerConfig) -> None:
     logging.basicConfig(
         level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    try:  # before the model's and the cache's files are opened
+        open_files = raise_open_files(config.max_open_files)
+    except ConfigError as exc:
+        click.echo(f"kvtier serve: {exc}", err=True)
+        raise SystemExit(2) from None
+    guard = ConnectionGuard(
+        config.header_timeout, connection_cap(config.max_connections, open_files)
+    )
+    sockets = [guarded_listener(sock, guard) for sock in sockets]  # the cap, at accept
+    logging.getLogger("kvtier.server").info(
+        "connections: at most %d open (%d open files), headers within %.3g s",
+        guard.max_connections,
+        open_files,
+        config.header_timeout,
+    )
     server = Server(
         uvicorn.Config(
             app,
             host=config.host,
             port=config.port,
+            http=guarded_protocol(guard),  # h11 with the header timeout
+            loop="asyncio",  # whose accept() guarded_listener caps (uvloop's bypasses it)
+            ws="none",  # no WebSocket routes: an upgrade request is answered, not switched
             log_level=config.log_level,
             access_log=False,
             timeout_graceful_shutdown=60,
-            timeout_keep_alive=KEEP_ALIVE_S,
+            # longer than clients keep idle connections (httpx: 5 s, uvicorn's default too), so
+            # the client always closes first: with equal timeouts a request sent just as the
+            # server closed its connection failed with a read error (1 of 400 in a load test)
+            timeout_keep_alive=config.keep_alive_timeout,  # type: ignore[arg-type]
             h11_max_incomplete_event_size=64 * 1024,
         )
     )
     state = getattr(app.state, "kvtier", None) if hasattr(app, "state") else None
     if state is not None:
         state.stop = lambda: setattr(server, "should_exit", True)
-    server.run()
+    server.run(sockets=sockets)
     fatal = getattr(state, "fatal_error", None)
     if fatal is not None:  # one line, no traceback: the message says what to do
         click.echo(f"kvtier serve: {type(fatal).__name__}: {fatal}", err=True)

@@ -24,6 +24,7 @@ import torch
 from kvtier.paged import BatchRunner, Feed, PagedSequence, PagePool, SeqInput
 from kvtier.server.backend import Backend, Restored
 from kvtier.server.jobs import Delta, Job, Stream
+from kvtier.server.logitproc import Decoding, NoTokenAllowed, process, record
 from kvtier.server.lookahead import Ticket, TokenReadback
 from kvtier.server.model import ServedModel
 from kvtier.server.sampling import ReplyText, sample_rows
@@ -69,6 +70,8 @@ class _Seq:
     loading: Any = None
     # steps in a row whose prompt budget ran out before its turn (`kvtier.server.promptorder`)
     passed_over: int = 0
+    # its logits processing (penalties, grammar, logprobs), None when it asks for none
+    decoding: Decoding | None = None
 
     @property
     def fed(self) -> int:
@@ -190,7 +193,7 @@ class Stepping:
             self.overlap_steps
             and not timed
             and self.served.devices is None
-            and all(s.job.temperature <= 0 for _, s in due)
+            and all(s.job.temperature <= 0 and s.decoding is None for _, s in due)
         )
         if ahead or len(due) == len(items):
             # every row: an index of rows would go to the device by a copy that waits for it
@@ -201,13 +204,24 @@ class Stepping:
         if allowed is not None:  # one call (each torch call gives the GIL up and back)
             chosen = torch.where(allowed, chosen, float("-inf"))
         if not ahead:
-            p.sampled = sample_rows(
+            decodings = [s.decoding for _, s in due]
+            processed = any(d is not None for d in decodings)
+            dead: list[int] = []
+            if processed:
+                chosen = chosen.float().clone()  # the rows' penalties and masks go on a copy
+                dead = process(chosen, decodings)
+            sampled = sample_rows(
                 chosen.float(),
                 [s.job.temperature for _, s in due],
                 [s.job.top_p for _, s in due],
                 [s.gen for _, s in due],
             )
-            p.due = [(s, j, None) for j, (_, s) in enumerate(due)]
+            if processed:
+                record(chosen, decodings, sampled)
+            for j in dead:  # its grammar allows no token of this model: the turn fails
+                self._fail(due[j][1], NoTokenAllowed())
+            p.due = [(s, j, None) for j, (_, s) in enumerate(due) if j not in dead]
+            p.sampled = [t for j, t in enumerate(sampled) if j not in dead]
             return p
         tokens, p.ticket = self._readback.start(chosen)  # argmax in the model's dtype: exact
         for k, s in due:
@@ -256,6 +270,7 @@ class Stepping:
                 self._unplace(s, placed)
                 self._finish(s, "length", flush=True)
             else:
+                s.stream.clock.token(now)
                 self._take(s, token, placed)
         if self.metrics is not None and hasattr(self.metrics, "step"):
             self.metrics.step(len(p.items), took)
@@ -265,7 +280,11 @@ class Stepping:
         (`placed`: it is in `s.tokens` at that index already, and may be fed already)."""
         reply = s.reply
         delta = reply.add(token)
-        if delta:
+        d = s.decoding
+        ends = reply.stopped or reply.eos or len(reply.ids) >= s.job.max_tokens
+        if d is not None and d.logprobs is not None and (delta or ends):
+            self._post(s, Delta(delta, d.take_pending()))
+        elif delta:
             self._post(s, Delta(delta))
         if reply.stopped:
             self._unplace(s, placed)

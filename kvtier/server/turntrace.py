@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvtier.server.reqmetrics import TurnClock
+
 turns_log = logging.getLogger("kvtier.turns")
 
 
@@ -39,8 +41,10 @@ class TurnTrace:
     mallocs: int = 0  # device allocations so far at admission, when tracing
     cpu: dict[int, float] | None = None  # CPU seconds of each thread at admission, when tracing
 
-    def admitting(self, device: torch.device) -> None:
+    def admitting(self, device: torch.device, clock: TurnClock | None = None) -> None:
         self.admit = time.perf_counter()
+        if clock is not None:  # where the turn's queue time ends (kvtier.server.reqmetrics)
+            clock.admit(self.admit)
         if tracing():
             self.mallocs, self.cpu = device_allocs(device), thread_cpu()
 

@@ -296,10 +296,13 @@ class L3Store:
         row = self.index.get_chunk(key)
         return row.header if row else None
 
-    def get(self, key: bytes, out: Any, *, fingerprint: bytes) -> ChunkHeader:
+    def get(
+        self, key: bytes, out: Any, *, fingerprint: bytes, expect: ChunkHeader | None = None
+    ) -> ChunkHeader:
         """Read chunk `key` into `out` (writable, >= padded payload length; 4096-aligned for
-        O_DIRECT) after verifying both checksums and the fingerprint."""
-        return self._read(key, out, fingerprint=fingerprint, verify=True)
+        O_DIRECT) after verifying both checksums and the fingerprint; with `expect`, the chunk
+        the caller asked for, also that the header describes it (`kvbin.check_expected`)."""
+        return self._read(key, out, fingerprint=fingerprint, verify=True, expect=expect)
 
     def get_bytes(self, key: bytes, *, fingerprint: bytes) -> tuple[ChunkHeader, bytes]:
         """Like `get`, allocating the buffer; returns (header, payload bytes)."""
@@ -309,9 +312,17 @@ class L3Store:
         header = self.get(key, buf, fingerprint=fingerprint)
         return header, bytes(buf[: header.payload_len])
 
-    def _read(self, key: bytes, out: Any, *, fingerprint: bytes, verify: bool) -> ChunkHeader:
+    def _read(
+        self,
+        key: bytes,
+        out: Any,
+        *,
+        fingerprint: bytes,
+        verify: bool,
+        expect: ChunkHeader | None = None,
+    ) -> ChunkHeader:
         self._check_open()
-        return self._reader.read(key, out, fingerprint=fingerprint, verify=verify)
+        return self._reader.read(key, out, fingerprint=fingerprint, verify=verify, expect=expect)
 
     def quarantine(self, key: bytes, path: Path) -> Path | None:
         """Move a bad file into <root>/quarantine/ and drop its index row (not in read-only)."""

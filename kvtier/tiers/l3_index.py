@@ -434,6 +434,27 @@ class Index:
             ).fetchone()
         return _session(row) if row else None
 
+    def session_tenants(self, session_id: str) -> list[str]:
+        """The tenants having a session of this id."""
+        with self._lock:
+            rows = self.db.execute(
+                "SELECT tenant FROM sessions WHERE session_id = ? ORDER BY tenant", (session_id,)
+            ).fetchall()
+        return [str(r[0]) for r in rows]
+
+    def session_keys(
+        self, fingerprint: bytes, after: int = 0, limit: int = 256
+    ) -> list[tuple[int, str, str]]:
+        """(row id, session_id, tenant) of up to `limit` session records of `fingerprint` past
+        row id `after`, in row order: pages through the records without loading their tokens."""
+        with self._lock:
+            rows = self.db.execute(
+                "SELECT id, session_id, tenant FROM sessions WHERE id > ? AND fingerprint = ? "
+                "ORDER BY id LIMIT ?",
+                (after, bytes(fingerprint), limit),
+            ).fetchall()
+        return [(int(i), str(s), str(t)) for i, s, t in rows]
+
     def list_sessions(self) -> list[SessionRecord]:
         with self._lock:
             rows = self.db.execute(f"SELECT {_SESSION_COLS} FROM sessions ORDER BY id").fetchall()

@@ -145,15 +145,25 @@ class ChunkReader:
             if not warned:
                 log.warning(
                     "L3 cold chunk %s has no file under %s; if cold chunks were moved elsewhere, "
-                    "set the cold root (l3_cold_root / --cold-dir) to that directory",
+                    "set the cold root (l3_cold_root / --l3-cold-root) to that directory",
                     hex_key(key),
                     self._layout.dirs["cold"],
                 )
         self._counters.count("misses")
         raise ChunkNotFound(f"chunk {hex_key(key)} is not in L3")
 
-    def read(self, key: bytes, out: Any, *, fingerprint: bytes, verify: bool) -> ChunkHeader:
-        """Read chunk `key` into `out`; with `verify`, check the payload checksum too."""
+    def read(
+        self,
+        key: bytes,
+        out: Any,
+        *,
+        fingerprint: bytes,
+        verify: bool,
+        expect: ChunkHeader | None = None,
+    ) -> ChunkHeader:
+        """Read chunk `key` into `out`; with `verify`, check the payload checksum too. With
+        `expect` (the chunk the caller asked for: a cache knows its tokens, geometry, codec and
+        tenant), a header that describes anything else is corrupt (`kvbin.check_expected`)."""
         t0 = time.perf_counter()
         fd, path, indexed = self._locate(key)
         try:
@@ -163,9 +173,11 @@ class ChunkReader:
             view = memoryview(out).cast("B") if memoryview(out).format != "B" else memoryview(out)
             body = size - HEADER_SIZE
             if len(view) < body:
-                self._too_small(fd, size, len(view))
+                self._too_small(fd, size, len(view), key, fingerprint, expect)
             route = self._choose_route(fd, size, view)
-            header, route = self._read_verified(fd, size, view, key, fingerprint, route, verify)
+            header, route = self._read_verified(
+                fd, size, view, key, fingerprint, route, verify, expect
+            )
         except KvbinFormatError as exc:
             raise self._quarantine.corrupt(key, path, exc) from None
         except OSError as exc:
@@ -197,8 +209,10 @@ class ChunkReader:
         fingerprint: bytes,
         route: str,
         verify: bool,
+        expect: ChunkHeader | None = None,
     ) -> tuple[ChunkHeader, str]:
-        """Read header and payload into `view` and check both checksums and the fingerprint.
+        """Read header and payload into `view` and check both checksums, the fingerprint and
+        (with `expect`) that the header describes the chunk asked for.
 
         The file is read in `read_piece` pieces, `read_window` of them in flight at once on the
         read pool (the device keeps a deep queue), while this thread checks the header and
@@ -254,7 +268,7 @@ class ChunkReader:
                     )
                 issue()
                 if header is None:
-                    header = self._check_header(hdr, key, size, fingerprint)
+                    header = self._check_header(hdr, key, size, fingerprint, expect)
                     opener = self._opener(header)
                 if opener is not None and off < header.payload_len:
                     opener.update(view, off, min(end, header.payload_len))
@@ -287,9 +301,16 @@ class ChunkReader:
         return PayloadOpener(self._keyring.by_id(header.key_id, header.tenant), header)
 
     def _check_header(
-        self, hdr: memoryview, key: bytes, size: int, fingerprint: bytes
+        self,
+        hdr: memoryview,
+        key: bytes,
+        size: int,
+        fingerprint: bytes,
+        expect: ChunkHeader | None = None,
     ) -> ChunkHeader:
-        """Decode the header (its checksum included) and check it names this chunk and model."""
+        """Decode the header (its checksum included) and check it names this chunk and model,
+        and with `expect`, that it is the chunk asked for (tokens, geometry, codec, payload
+        length, tenant): the file's payload is then exactly the bytes the caller uses."""
         header = kvbin.decode(hdr)
         if header.key != bytes(key):
             raise KvbinFormatError(f"file holds chunk {hex_key(header.key)}, not this one")
@@ -304,6 +325,8 @@ class ChunkReader:
                 f"{header.fingerprint.hex()}, not {bytes(fingerprint).hex()}; it is never "
                 "used for this model (recompute instead)"
             )
+        if expect is not None:
+            kvbin.check_expected(header, expect)
         return header
 
     @staticmethod
@@ -329,12 +352,21 @@ class ChunkReader:
             return "reads_buffered"  # caller's buffer is not aligned: O_DIRECT would EINVAL
         return "reads_direct" if l3_io.set_direct(fd, True) else "reads_buffered"
 
-    def _too_small(self, fd: int, size: int, have: int) -> None:
+    def _too_small(
+        self,
+        fd: int,
+        size: int,
+        have: int,
+        key: bytes,
+        fingerprint: bytes,
+        expect: ChunkHeader | None,
+    ) -> None:
+        """The file does not fit `out`: corrupt (quarantined) unless its header is the chunk
+        asked for, and then the caller's buffer is too small (its mistake, a ValueError)."""
         hdr = self._header_buffer()
-        l3_io.read_into(fd, [hdr], 0)
-        header = kvbin.decode(hdr)
-        if kvbin.file_size(header.payload_len) != size:
-            raise KvbinFormatError(f"payload_len {header.payload_len} does not match size {size}")
+        if l3_io.read_into(fd, [hdr], 0) != HEADER_SIZE:
+            raise KvbinFormatError(f"short read of the header (file of {size} bytes)")
+        header = self._check_header(hdr, key, size, fingerprint, expect)
         raise ValueError(
             f"chunk {hex_key(header.key)}: output buffer has {have} bytes, needs "
             f"{size - HEADER_SIZE} (payload padded to 4096); size it with kvbin.padded()"

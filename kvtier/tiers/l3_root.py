@@ -114,8 +114,8 @@ def resolve_cold_root(
     raise StoreError(
         f"L3 store {root} keeps its cold chunks in {have}, but cold root {want} was "
         f"configured: set the cold root to {have} (--l3-cold-root / KVTIER_L3_COLD_ROOT, or "
-        f"--cold-dir for `kvtier l3`), or leave it unset; if you moved the cold files to "
-        f"{want}, record that with `kvtier l3 fsck --root {root} --cold-dir {want} "
+        f"--l3-cold-root for `kvtier l3`), or leave it unset; if you moved the cold files to "
+        f"{want}, record that with `kvtier l3 fsck --l3-root {root} --l3-cold-root {want} "
         "--adopt-cold-root`"
     )
 

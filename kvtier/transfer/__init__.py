@@ -30,6 +30,7 @@ import torch
 from kvtier.codecs import Codec
 from kvtier.errors import ConfigError
 from kvtier.geometry import KVGeometry
+from kvtier.kvbin import ChunkHeader
 from kvtier.tiers.l2 import HostArena
 from kvtier.tiers.l3_writer import WriterProcess
 from kvtier.transfer.accounting import DIRECTIONS, Accounts, EngineStats
@@ -234,10 +235,13 @@ class TransferEngine:
         """Queue the chunk in `slot` for a durable L3 write; None when shed (queue full)."""
         return self._disk.write_l3(slot, header)
 
-    def read_l3(self, key: bytes, slot: int, fingerprint: bytes) -> Future[Any]:
-        """Read chunk `key` from L3 into `slot` (O_DIRECT); the future yields its ChunkHeader
+    def read_l3(
+        self, key: bytes, slot: int, fingerprint: bytes, expect: ChunkHeader | None = None
+    ) -> Future[Any]:
+        """Read chunk `key` from L3 into `slot` (O_DIRECT); the future yields its ChunkHeader.
+        `expect`: the header of the chunk asked for, which the file's must match
         (`DiskMover.read_l3`)."""
-        return self._disk.read_l3(key, slot, fingerprint)
+        return self._disk.read_l3(key, slot, fingerprint, expect)
 
     def busy(self, slot: int) -> bool:
         """Whether a copy or L3 I/O on `slot` may still be running (do not free it yet)."""

@@ -20,6 +20,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from kvtier.errors import ConfigError
+from kvtier.kvbin import ChunkHeader
 from kvtier.tiers import l3_io
 from kvtier.tiers.l2 import HostArena
 from kvtier.tiers.l3_writer import WriterProcess
@@ -141,25 +142,37 @@ class DiskMover:
 
         return write
 
-    def read_l3(self, key: bytes, slot: int, fingerprint: bytes) -> Future[Any]:
+    def read_l3(
+        self, key: bytes, slot: int, fingerprint: bytes, expect: ChunkHeader | None = None
+    ) -> Future[Any]:
         """Read chunk `key` from L3 into `slot` (O_DIRECT); the future yields its ChunkHeader.
 
-        A checksum, fingerprint or I/O failure comes back as the future's exception (and from
-        a restore of that slot): the caller treats it as a miss and recomputes; no byte of it
-        reaches the GPU.
+        `expect`: the header of the chunk the caller asked for (its tokens, geometry, codec,
+        payload length, tenant); a file whose header says anything else is corrupt. A
+        checksum, header, fingerprint or I/O failure comes back as the future's exception (and
+        from a restore of that slot): the caller treats it as a miss and recomputes; no byte
+        of it reaches the GPU.
         """
         self._need_store()  # fail in the caller, not in the pool thread
         self.settle_io(slot)
         copy = self._last_copy(slot)
         with self._lock:
             self._queued["read"] += 1
-        future = self._reader.submit(self._read, key, slot, fingerprint, copy)
+        future = self._reader.submit(self._read, key, slot, fingerprint, copy, expect)
         self._slot_io[slot] = (future, True)
         return future
 
-    def _read(self, key: bytes, slot: int, fingerprint: bytes, copy: Handle | None) -> Any:
+    def _read(
+        self,
+        key: bytes,
+        slot: int,
+        fingerprint: bytes,
+        copy: Handle | None,
+        expect: ChunkHeader | None = None,
+    ) -> Any:
         def get() -> Any:
-            return self._need_store().get(key, self.arena.buffer(slot), fingerprint=fingerprint)
+            buf = self.arena.buffer(slot)
+            return self._need_store().get(key, buf, fingerprint=fingerprint, expect=expect)
 
         return self._l3_job("read", copy, get)
 

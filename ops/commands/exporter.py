@@ -23,8 +23,15 @@ from kvtier.errors import KvtierError
     show_default=True,
     help="HOST:PORT to serve /metrics on. Loopback by default; widen it deliberately.",
 )
+@click.option("--host", default=None, help="Address to bind: the HOST of --listen.")
+@click.option(
+    "--port",
+    type=click.IntRange(0, 65535),
+    default=None,
+    help="TCP port: the PORT of --listen (9481 unless given; 0 picks a free one).",
+)
 @click.option("--no-gpu", is_flag=True, help="Skip NVML queries (GPU metrics).")
-def command(l3_root: str, listen: str, no_gpu: bool) -> None:
+def command(l3_root: str, listen: str, host: str | None, port: int | None, no_gpu: bool) -> None:
     """Standalone Prometheus exporter for a host whose cache runs elsewhere.
 
     Serves what the L3 store's index records (read-only): the L3 tier's occupancy and the
@@ -32,9 +39,14 @@ def command(l3_root: str, listen: str, no_gpu: bool) -> None:
     disk and GPU signals. Restores, L1 and L2 live in the server: scrape it for those.
     Metrics and how the two differ: docs/metrics.md.
     """
-    from ops.exporter.standalone import build_exporter, serve
+    from ops.exporter.standalone import build_exporter, parse_listen, serve
 
     try:
+        if host is not None or port is not None:  # --host / --port: parts of --listen
+            listen_host, listen_port = parse_listen(listen)
+            host = (host or listen_host).strip("[]")
+            port = listen_port if port is None else port
+            listen = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         registry, watch = build_exporter(l3_root, nvml=not no_gpu)
         server = serve(registry, listen)
     except KvtierError as exc:
@@ -43,8 +55,10 @@ def command(l3_root: str, listen: str, no_gpu: bool) -> None:
         raise click.UsageError(
             f"cannot listen on {listen}: {exc.strerror}; pick a free port"
         ) from None
-    host, port = server.server_address[:2]
-    click.echo(f"kvtier exporter: http://{host}:{port}/metrics  l3_root={l3_root}", err=True)
+    bound_host, bound_port = server.server_address[:2]
+    click.echo(
+        f"kvtier exporter: http://{bound_host}:{bound_port}/metrics  l3_root={l3_root}", err=True
+    )
     if not watch.up():
         click.echo(
             f"kvtier exporter: no L3 store in {l3_root} yet ({watch.why_down}); exporting "

@@ -74,6 +74,11 @@ class History:
             return []
         return [s for s in (*self._long, *self._recent) if latest.taken_at - s.taken_at <= window_s]
 
+    def window(self) -> list[Scrape]:
+        """The scrapes of the last minute (and the one before it), oldest first: what `spark`
+        pairs up."""
+        return list(self._recent)
+
     def spark(self, fn: Callable[[Scrape, Scrape], float | None]) -> list[float]:
         """`fn(before, after)` for each consecutive pair of the last minute (None -> 0)."""
         items = list(self._recent)

@@ -17,6 +17,8 @@ from ops.kvtop.alerts import Firing, judge
 from ops.kvtop.history import History
 from ops.kvtop.l4 import L4View, l4_view
 from ops.kvtop.metrics import Scrape
+from ops.kvtop.pool import PagedL1, paged_l1, pool
+from ops.kvtop.trends import Trend, trends
 
 TIERS = ("l1", "l2", "l3")  # L4 (Redis) has a line of its own (ops.kvtop.l4)
 STATES = ("active", "idle", "hibernated")
@@ -229,9 +231,14 @@ class Model:
     # the batch's page pool in bytes by state (parked, running, free), from `kvtier serve`'s
     # own gauges; empty elsewhere. With paged L1 its parked pages are the sessions' L1
     pool: tuple[tuple[str, float], ...] = ()
+    # with paged L1 the pool is the sessions' L1, shown on the L1 row (ops.kvtop.pool); None
+    # where L1 is the cache's own buffers, or there is no pool
+    paged_l1: PagedL1 | None = None
     # the GPU memory plan of `kvtier serve` on one GPU; None elsewhere (the CPU, a model across
     # devices, the exporter): then the Host panel has no plan row
     plan: PlanView | None = None
+    # figures over the last minute, charted where a tall terminal has rows to spare
+    trends: tuple[Trend, ...] = ()
 
 
 def build(
@@ -279,8 +286,10 @@ def build(
         scrapes=len(history),
         has_cache=cur.has("kvtier_tier_used_bytes"),
         l4=l4_view(cur, prev, minute),
-        pool=_pool(cur),
+        pool=pool(cur),
+        paged_l1=paged_l1(cur, None if sessions is None else sessions.sessions),
         plan=gpu_plan(cur),
+        trends=trends(history),
     )
 
 
@@ -296,15 +305,6 @@ def gpu_plan(cur: Scrape) -> PlanView | None:
         cur.get("kvtier_gpu_memory_process_bytes"),
         tuple((p, found[p]) for p in order),
     )
-
-
-def _pool(cur: Scrape) -> tuple[tuple[str, float], ...]:
-    """The batch's page pool in bytes by state, when the endpoint exports it."""
-    page = cur.get("kvtier_server_kv_page_bytes")
-    if page is None:
-        return ()
-    states = ("parked", "running", "free")
-    return tuple((s, (cur.get("kvtier_server_kv_pages", state=s) or 0.0) * page) for s in states)
 
 
 def _device_rows(cur: Scrape) -> tuple[Counter, ...]:

@@ -7,6 +7,7 @@ that 80x24 and 200x60 both lay out cleanly, and only the session rows that fit a
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 from rich.console import Group, RenderableType
@@ -19,6 +20,7 @@ from ops.kvtop import fmt
 from ops.kvtop.host import host_lines
 from ops.kvtop.l4 import l4_line
 from ops.kvtop.model import QUANTILES, Model, SessionsView, TierView
+from ops.kvtop.trends import trend_lines
 
 WIDE = 160  # columns from which panels sit side by side in two columns
 TITLES = {1: "Tiers", 2: "Sessions", 3: "Restore", 4: "Host"}
@@ -60,22 +62,8 @@ def _body(model: Model, width: int, height: int, now: float) -> RenderableType:
     if focus:
         return _panel(model, focus, width, height, now)
     if width >= WIDE and height >= 30:
-        t_h = min(len(model.tiers) + 4 + (1 if model.l4 else 0), height // 3)
-        r_h = min(len(model.restore) + 4, height // 3)
-        left, right = Layout(), Layout()
-        left.split_column(
-            Layout(tiers_panel(model, width // 2), size=t_h),
-            Layout(sessions_panel(model, width // 2, height - t_h, now)),
-        )
-        right.split_column(
-            Layout(restore_panel(model, width - width // 2), size=r_h),
-            Layout(host_panel(model, width - width // 2, height - r_h)),
-        )
-        body = Layout()
-        body.split_row(left, right)
-        return body
-    t_h = len(model.tiers) + 3 + (1 if model.counters else 0) - (1 if not model.tiers else 0)
-    t_h += 1 if model.l4 else 0
+        return _wide(model, width, height, now)
+    t_h = _tiers_height(model)
     low_h = 0
     if height >= 20:
         # The host row gets the lines it needs, leaving the sessions panel up to 8 rows (4
@@ -102,6 +90,51 @@ def _body(model: Model, width: int, height: int, now: float) -> RenderableType:
         parts.append(low)
     body.split_column(*parts)
     return body
+
+
+def _tiers_height(model: Model) -> int:
+    """The tiers panel's rows: the header and a row per tier (or the one-line note), the pool,
+    L4 and counters lines, the borders."""
+    lines = len(model.tiers) + 1 if model.tiers else 1
+    lines += sum(1 for shown in (model.pool, model.l4 is not None, model.counters) if shown)
+    return lines + 2
+
+
+def _wide(model: Model, width: int, height: int, now: float) -> RenderableType:
+    """Two columns: Tiers over Sessions, Restore over Host. Each panel gets the rows its content
+    needs; rows a column has left over chart its trends (the cache's traffic on the left, the
+    serving figures on the right), and without trends the last panel of the column takes them."""
+    left_w, right_w = width // 2, width - width // 2
+    t_h = min(_tiers_height(model), height // 3)
+    r_h = min(len(model.restore) + 4, height // 3)
+    s = model.sessions
+    s_need = len(s.rows) + 4 if s.detail is None and s.pinned is not None else 4
+    h_need = len(host_lines(model, right_w - 4)) + 2
+    traffic = tuple(t for t in model.trends if t.unit == "B/s")
+    serving = tuple(t for t in model.trends if t.unit != "B/s")
+    left = [Layout(tiers_panel(model, left_w), size=t_h)]
+    right = [Layout(restore_panel(model, right_w), size=r_h)]
+    for column, rest, need, panel, charts, w in (
+        (left, height - t_h, s_need, lambda h: sessions_panel(model, left_w, h, now), traffic, left_w),
+        (right, height - r_h, h_need, lambda h: host_panel(model, right_w, h), serving, right_w),
+    ):  # fmt: skip
+        spare = rest - need
+        if charts and spare >= 5:
+            column.append(Layout(panel(need), size=need))
+            column.append(Layout(trends_panel(charts, w, spare)))
+        else:
+            column.append(Layout(panel(rest)))
+    columns = Layout(), Layout()
+    columns[0].split_column(*left)
+    columns[1].split_column(*right)
+    body = Layout()
+    body.split_row(*columns)
+    return body
+
+
+def trends_panel(charts: tuple, width: int, height: int) -> Panel:  # type: ignore[type-arg]
+    lines = trend_lines(charts, width - 4, height - 2)
+    return Panel(Group(*lines), title="Trends (last 1m)", title_align="left", height=height)
 
 
 def _panel(model: Model, n: int, width: int, height: int, now: float) -> RenderableType:
@@ -183,18 +216,18 @@ def tiers_panel(model: Model, width: int) -> Panel:
             for h in ("", "used", "used/cap", "chunks", "hit", "in", "out", "q w/r")
         )
     )
+    paged = model.paged_l1
     for t in model.tiers:
+        if t.name == "l1" and paged is not None:  # the sessions' L1 is the page pool
+            t = dataclasses.replace(
+                t, used=paged.used, capacity=paged.capacity, chunks=paged.chunks
+            )
         table.add_row(*_tier_row(t, bar_w, spark_w))
     parts: list[RenderableType] = [table]
     if not model.tiers:
         parts = [Text("no cache metrics at this endpoint (host signals only)", style="dim")]
     if model.pool:  # kvtier serve's batch: with paged L1 its parked pages are the sessions' L1
-        line = Text("batch pages ", style="bold", no_wrap=True, overflow="ellipsis")
-        for i, (state, nbytes) in enumerate(model.pool):
-            line.append(("  " if i else "") + f"{state} {fmt.size(nbytes)}")
-            if state == "parked":
-                line.append(" (sessions' L1)", style="dim")
-        parts.append(line)
+        parts.append(_pool_line(model, inner))
     if model.l4 is not None:  # hidden without an L4
         parts.append(l4_line(model.l4, inner))
     if model.counters:
@@ -207,6 +240,29 @@ def tiers_panel(model: Model, width: int) -> Panel:
                 line.append(f" (+{fmt.per_s(c.rate)}/s)", style="red")
         parts.append(line)
     return Panel(Group(*parts), title=_title(1, model), title_align="left")
+
+
+def _pool_line(model: Model, width: int) -> Text:
+    """The batch's page pool by state; with paged L1, what the L1 row then shows."""
+    paged = model.paged_l1
+    line = Text(no_wrap=True, overflow="ellipsis")
+    if paged is None:
+        line.append("batch pages ", style="bold")
+    else:
+        line.append("L1 = page pool", style="bold")
+        if paged.sessions is not None:
+            line.append(f" ({paged.sessions} sessions)")
+        line.append(": ")
+    for i, (state, nbytes) in enumerate(model.pool):
+        line.append(("  " if i else "") + f"{state} {fmt.size(nbytes)}")
+        if state == "parked" and paged is None:
+            line.append(" (sessions' L1)", style="dim")
+    if paged is not None:  # the cache's own L1 buffers, where they fit: its copy staging
+        used, cap = paged.staging
+        staging = f"  staging {fmt.size(used)}/{fmt.size(cap)}"
+        if line.cell_len + len(staging) <= width:
+            line.append(staging, style="dim")
+    return line
 
 
 def _tier_row(t: TierView, bar_w: int, spark_w: int) -> list[Text | str]:
@@ -350,7 +406,11 @@ def restore_panel(model: Model, width: int, compact: bool = False) -> Panel:
     for r in model.restore:
         cells: list[Text | str] = [
             Text(r.src, style="bold yellow" if r.src == "recompute" else "bold"),
-            fmt.count(r.decisions),
+            # compact: `n` is what the percentiles come from (as the full panel's last column),
+            # dim where that is since start rather than the last minute
+            Text(fmt.count(r.observed), style="" if r.recent else "dim")
+            if compact
+            else fmt.count(r.decisions),
         ]
         if not compact:
             cells.append(fmt.per_s(r.rate))

@@ -8,7 +8,7 @@ a configured L4 tier) *and* that this host's exporter did not produce. They are 
 hidden behind `or vector(0)`; on a GPU host the same test checks them too. A metric name that
 is not in docs/metrics.md at all fails the test, so a typo in a panel can never pass as "no
 GPU here". The server's own families (a GPU memory plan among them) are registered beside the
-exporter's with a stand-in plan, so their panel is checked on every host.
+exporter's with a stand-in plan and a served turn, so their panels are checked on every host.
 """
 
 from __future__ import annotations
@@ -123,6 +123,23 @@ def workload(cache, model, stop: threading.Event, errors: list[BaseException]) -
         errors.append(exc)
 
 
+def serve(metrics) -> None:
+    """kvtier serve's own families with a sample each: a GPU memory plan, a response, a turn's
+    tokens, TTFT and latencies (its serving panels read them)."""
+    from kvtier.server.reqmetrics import TurnClock
+
+    metrics.gpu_memory_plan(Plan())
+    metrics.request("/v1/chat/completions", 200)
+    metrics.ttft("recompute", 0.03)
+    metrics.count("prompt_tokens", 40)
+    metrics.count("completion_tokens", 3)
+    clock = TurnClock(1.0, metrics)
+    clock.admit(1.01)
+    for at in (1.04, 1.06, 1.08):
+        clock.token(at)
+    clock.ended()
+
+
 def query(base: str, expr: str) -> list[dict]:
     url = f"{base}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
     with urllib.request.urlopen(url, timeout=10) as r:
@@ -157,7 +174,7 @@ def test_dashboard_and_recording_rules_return_data(tmp_path: Path) -> None:
     worker.start()
 
     registry = make_registry(cache.stats, l3_root)
-    ServerMetrics(registry).gpu_memory_plan(Plan())  # kvtier serve's own families beside
+    serve(ServerMetrics(registry))  # kvtier serve's own families beside
     exporter, _ = start_http_server(0, addr="127.0.0.1", registry=registry)
     target = f"127.0.0.1:{exporter.server_port}"
 

@@ -23,14 +23,22 @@ def free_port() -> int:
 
 class Server:
     """Start with `Server(tmp_path, "--cache", "none").start()`; stop with `.stop()` (SIGTERM).
-    `module` may carry a subcommand: `module="ops.cli serve"` runs `kvtier serve` (host metrics)."""
+    `module` may carry a subcommand: `module="ops.cli serve"` runs `kvtier serve` (host metrics).
+    `open_files` caps the process's open files (soft and hard RLIMIT_NOFILE) before it starts."""
 
-    def __init__(self, l3_root: Path, *args: str, module: str = "kvtier.server") -> None:
+    def __init__(
+        self,
+        l3_root: Path,
+        *args: str,
+        module: str = "kvtier.server",
+        open_files: int | None = None,
+    ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.l3_root = l3_root
         self.args = args
         self.module = module
+        self.open_files = open_files
         self.proc: subprocess.Popen[bytes] | None = None
         self.log = l3_root.parent / f"server-{self.port}.log"
 
@@ -40,7 +48,9 @@ class Server:
         cmd = [sys.executable, "-m", *self.module.split(), "--port", str(self.port)]
         cmd += ["--l3-root", str(self.l3_root), "--log-level", "warning", *self.args]
         self._logf = open(self.log, "wb")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self._logf, stderr=self._logf)
+        self.proc = subprocess.Popen(
+            cmd, cwd=ROOT, env=env, stdout=self._logf, stderr=self._logf, preexec_fn=self._limit
+        )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -53,6 +63,12 @@ class Server:
             time.sleep(0.1)
         self.kill()
         raise RuntimeError(f"server not ready in {timeout}s:\n{self.output()}")
+
+    def _limit(self) -> None:
+        if self.open_files is not None:
+            import resource
+
+            resource.setrlimit(resource.RLIMIT_NOFILE, (self.open_files, self.open_files))
 
     def output(self) -> str:
         return self.log.read_text(errors="replace") if self.log.exists() else ""

@@ -407,7 +407,7 @@ def test_a_large_payload_is_sealed_and_written_in_pieces(tmp_path: Path, pool: b
 
 def test_fsck_cuts_a_sealed_record_with_the_master_key(model, tmp_path: Path) -> None:
     """A damaged chunk of an encrypted store: fsck quarantines it; the session record that
-    references it is sealed, so without the key fsck reports it (exit 2) and with
+    references it is sealed, so without the key fsck reports it (exit 4) and with
     --master-key-file it cuts it (exit 1), after which the store is clean (exit 0). A key file
     others can read is refused with the fix, and nothing changes."""
     key = master_file(tmp_path / "master.key")
@@ -424,7 +424,7 @@ def test_fsck_cuts_a_sealed_record_with_the_master_key(model, tmp_path: Path) ->
         return subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
 
     done = fsck()
-    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.returncode == 4, done.stdout + done.stderr  # problems left
     assert "--master-key-file" in done.stdout
     loose = master_file(tmp_path / "loose.key", key.read_bytes(), mode=0o644)
     done = fsck("--master-key-file", str(loose))

@@ -183,6 +183,33 @@ def test_transformers_config_objects_match_the_dicts() -> None:
         assert fp_obj == model_fingerprint(raw, g, model_id="m", codec="native")
 
 
+def test_dtype_is_read_without_the_torch_dtype_deprecation(
+    monkeypatch: pytest.MonkeyPatch, recwarn: pytest.WarningsRecorder
+) -> None:
+    """transformers logs "`torch_dtype` is deprecated" (once per process) when a config's
+    `torch_dtype` is read: the geometry reads `dtype` and never touches the old name."""
+    from transformers import LlamaConfig
+    from transformers.configuration_utils import logger
+
+    said: list[str] = []
+    monkeypatch.setattr(logger, "warning_once", lambda msg, *a, **k: said.append(str(msg)))
+    monkeypatch.setattr(logger, "warning", lambda msg, *a, **k: said.append(str(msg)))
+    raw = {k: v for k, v in LLAMA3_8B.items() if k != "torch_dtype"}
+    for obj, dtype in (
+        (LlamaConfig(**raw), "float32"),  # no dtype at all: the default
+        (LlamaConfig(**raw, dtype="float16"), "float16"),
+        (LlamaConfig(**raw, torch_dtype="bfloat16"), "bfloat16"),  # an old config.json
+    ):
+        assert KVGeometry.from_config(obj).dtype == dtype
+    assert not [m for m in said if "torch_dtype" in m], said
+    assert not [w for w in recwarn if "torch_dtype" in str(w.message)]
+    # config.json dicts: `dtype` first, `torch_dtype` where only it is named
+    assert KVGeometry.from_config(dict(raw, dtype="float16", torch_dtype="bfloat16")).dtype == (
+        "float16"
+    )
+    assert KVGeometry.from_config(dict(raw, torch_dtype="float16")).dtype == "float16"
+
+
 def test_bad_configs_raise_config_error() -> None:
     with pytest.raises(ConfigError, match="num_hidden_layers"):
         KVGeometry.from_config({"hidden_size": 4})

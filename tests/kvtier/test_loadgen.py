@@ -24,7 +24,8 @@ def test_percentile_nearest_rank() -> None:
 
 
 def test_fleet_against_live_server_writes_json_and_png(tmp_path: Path) -> None:
-    srv = Server(tmp_path / "l3", "--l1-bytes", "32MiB", "--l2-bytes", "32MiB").start()
+    args = ("--l1-bytes", "32MiB", "--l2-bytes", "32MiB")
+    srv = Server(tmp_path / "l3", *args, module="ops.cli serve").start()  # the cache's metrics
     try:
         out, png = tmp_path / "r.json", tmp_path / "r.png"
         cmd = [sys.executable, "-m", "ops.cli", "loadgen", "--url", srv.url, "--sessions", "4"]
@@ -50,8 +51,29 @@ def test_fleet_against_live_server_writes_json_and_png(tmp_path: Path) -> None:
         assert "server-side" in done.stdout and "queue wait" in done.stdout
         assert result["metrics_error"] is None
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        # The probes' fresh tenants are deleted after the comparison.
+        assert result["compare"]["probe_tenants"]["deleted"] == 2, result["compare"]
+        assert result["compare"]["probe_tenants"]["error"] is None
+        assert "probe tenants deleted after: 2" in done.stdout
+        # "after the run": the counters' change over this run, not since the server started.
+        first = result["tiers"]
+        assert first["counted"] == "during the run"
+        assert sum(first["restore_decisions"].values()) >= 12, first  # a decision per turn
+        assert "(hits and restores: during the run" in done.stdout
+        again = [*cmd[: cmd.index("--sessions") + 1], "1", "--turns", "1", "--compare", "0"]
+        again += ["--out", str(tmp_path / "again.json"), "--png", str(tmp_path / "again.png")]
+        assert subprocess.run(again, cwd=ROOT, capture_output=True, timeout=300).returncode == 0
+        second = json.loads((tmp_path / "again.json").read_text())["tiers"]
+        # one request: at most one restore decision and fewer hits than the whole first run
+        assert sum(second["restore_decisions"].values()) <= 1, second
+        assert sum(second["hits_by_tier"].values()) < sum(first["hits_by_tier"].values())
     finally:
         assert srv.stop() == 0
+    from kvtier.tiers.l3 import L3Store
+
+    with L3Store(tmp_path / "l3", read_only=True) as store:
+        tenants = {r.header.tenant for r in store.index.iter_chunks(order_lru=True)}
+    assert tenants and not [t for t in tenants if t.startswith("probe-")], tenants
 
 
 @pytest.mark.parametrize("bad", [["--sessions", "0"], ["--turns", "0"]])

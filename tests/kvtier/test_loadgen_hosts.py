@@ -14,7 +14,7 @@ from server_proc import ROOT, Server
 
 from kvtier.loadgen import LoadConfig, Sample
 from kvtier.loadgen_hosts import by_host, fleet_ttft, host_lines, host_of, merge_tiers
-from kvtier.loadgen_report import format_report, report, server_ttft, tiers_now
+from kvtier.loadgen_report import format_report, report, server_ttft, tiers_during, tiers_now
 
 SCRAPES = Path(__file__).resolve().parents[1] / "fixtures" / "metrics"
 
@@ -101,6 +101,33 @@ def test_two_hosts_merged_and_kept_apart() -> None:
     assert lines[1] == "per host (each session's turns went round the 2 hosts):"
     assert "  http://b: 2 requests (1 l4, 1 recompute)" in lines
     assert host_lines({"http://a": hosts["http://a"]}) == []
+
+
+def test_hits_and_restores_are_the_runs_not_since_the_server_started() -> None:
+    """Two real scrapes, before and after a run: the report's counters are their difference;
+    bytes, chunks and sessions are as after it."""
+    before = (SCRAPES / "serve-1.txt").read_text()
+    after = (SCRAPES / "serve-2.txt").read_text()
+    run = tiers_during(before + L4_TEXT.replace("30.0", "10.0"), after + L4_TEXT)
+    assert run["counted"] == "during the run"
+    assert run["hits_by_tier"] == {"l1": 0, "l2": 20, "l3": 0, "l4": 20}
+    assert run["restore_decisions"] == {"l1": 0, "l2": 4, "l3": 0, "recompute": 1}
+    assert run["tiers"]["l2"]["hits"] == 20
+    assert run["l4"]["hits"] == 20 and run["l4"]["misses"] == 0 and run["l4"]["up"]
+    assert run["tiers"] == {
+        t: {**v, "hits": run["tiers"][t]["hits"]} for t, v in tiers_now(after)["tiers"].items()
+    }  # sizes and chunks: now
+    assert run["sessions"] == tiers_now(after)["sessions"]
+    text = format_report(report(LoadConfig(), [], 1.0, None, None, run))
+    assert "(hits and restores: during the run, the counters' change over it)" in text
+    assert "restores: 0 from l1, 4 from l2, 0 from l3, 1 recomputed" in text
+    # No scrape before the run: the totals, and the report says so.
+    total = tiers_during(None, after)
+    assert total["restore_decisions"] == tiers_now(after)["restore_decisions"]
+    text = format_report(report(LoadConfig(), [], 1.0, None, None, total))
+    assert "(hits and restores: since the server started; no scrape before the run)" in text
+    assert merge_tiers([run, run])["counted"] == "during the run"
+    assert merge_tiers([run, total])["counted"].startswith("since the server started")
 
 
 def test_the_same_url_twice_is_refused() -> None:

@@ -168,6 +168,25 @@ def test_no_cached_probe_says_so() -> None:
     assert "no probe was served from the cache" in text and "faster" not in text
 
 
+def test_the_probe_tenants_deletion_is_reported() -> None:
+    pair = {"session": 0, "source": "l2", "restore_s": 0.01, "recompute_s": 0.1,
+            "prompt_tokens": 10}  # fmt: skip
+    compare = compare_pairs([pair, pair])
+    compare["probe_tenants"] = {"tenants": 2, "deleted": 2, "chunks": 12, "error": None}
+    text = format_report(report(LoadConfig(), [], 1.0, compare))
+    assert "  probe tenants deleted after: 2 (12 chunks removed from the cache)" in text
+    compare["probe_tenants"] = {
+        "tenants": 2, "deleted": 0, "chunks": 0, "error": "DELETE /v1/tenants answered 403"
+    }  # fmt: skip
+    text = format_report(report(LoadConfig(), [], 1.0, compare))
+    assert (
+        "  probe tenants left in the cache: 2 of 2 (DELETE /v1/tenants answered 403; an admin "
+        "deletes them: DELETE /v1/tenants/{tenant})"
+    ) in text
+    compare["probe_tenants"] = None  # with an API key: no fresh tenant, nothing to delete
+    assert "probe tenants" not in format_report(report(LoadConfig(), [], 1.0, compare))
+
+
 def test_plot_writes_a_png(tmp_path: Path) -> None:
     png = tmp_path / "r.png"
     plot(issue_result(), png)

@@ -241,7 +241,7 @@ def test_http_fail_and_restore_a_device(tmp_path: Path) -> None:
         second = chat("s1", long)  # longer: over 4 sinks + the last 48 tokens
         assert second.headers["X-Kvtier-Streaming-Attention"] == "sinks=4, window=48"
         usage = second.json()["usage"]
-        assert usage["kvtier"]["degraded"] is True and usage["kvtier"]["streaming"] is True
+        assert usage["kvtier"]["degraded"] is True and usage["kvtier"]["windowed_attention"] is True
         assert usage["prompt_tokens"] == 52
         metrics = httpx.get(url + "/metrics", timeout=10).text
         assert 'kvtier_server_devices{state="lost"} 1.0' in metrics

@@ -2,8 +2,14 @@
 
 On a CUDA device it runs compiled. Without one it runs in Triton's CPU interpreter when Triton is
 installed and TRITON_INTERPRET=1 is set (`TRITON_INTERPRET=1 pytest tests/kvtier/
-test_paged_triton.py`); the interpreter has no bf16 matrix product, so bf16 runs on CUDA only.
-Skipped otherwise."""
+test_paged_triton.py`, about 4 minutes on 2 cores); the interpreter has no bf16 matrix product,
+so bf16 runs on CUDA only. Skipped otherwise.
+
+`make test` runs the cases marked `interpret` in the interpreter (`make kernels`, about a minute
+on 2 cores), so the kernels' logic is checked on every change without a GPU: every page size and
+split count on an MQA shape whose head size is no power of two, in fp16 and fp32; the GQA shape
+of Qwen2-7B and an MHA shape once each; both models through the kernel; row blocks with one and
+several splits."""
 
 from __future__ import annotations
 
@@ -50,10 +56,33 @@ def _reference(q, k_cache, v_cache, table, batch_lens, scale):  # type: ignore[n
     return torch.stack(outs)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("page", [1, 16, 256])
-@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(28, 4, 128), (4, 4, 64), (8, 1, 80)])
-@pytest.mark.parametrize("splits", [None, 1, 5])
+INTERPRET_MARK = pytest.mark.interpret  # the subset `make kernels` runs (module docstring)
+SHAPES = [(28, 4, 128), (4, 4, 64), (8, 1, 80)]  # (heads, KV heads, head size)
+
+
+def _decode_cases() -> list:  # type: ignore[type-arg]
+    """Every dtype x page size x shape x split count; the subset is marked `interpret`."""
+    cases = []
+    for splits in (None, 1, 5):
+        for heads, kv_heads, dim in SHAPES:
+            for page in (1, 16, 256):
+                for dtype in (torch.bfloat16, torch.float16, torch.float32):
+                    subset = dtype != torch.bfloat16 and (
+                        (heads, kv_heads, dim) == (8, 1, 80)
+                        or (heads, page, splits, dtype) == (28, 16, 5, torch.float32)
+                        or (heads, page, splits, dtype) == (4, 16, 1, torch.float32)
+                    )
+                    name = f"{splits}-{heads}-{kv_heads}-{dim}-{page}-{str(dtype)[6:]}"
+                    values = (dtype, page, heads, kv_heads, dim, splits)
+                    cases.append(_case_param(values, name, subset))
+    return cases
+
+
+def _case_param(values: tuple, name: str, subset: bool) -> object:  # type: ignore[type-arg]
+    return pytest.param(*values, marks=[INTERPRET_MARK] if subset else [], id=name)
+
+
+@pytest.mark.parametrize(("dtype", "page", "heads", "kv_heads", "dim", "splits"), _decode_cases())
 def test_triton_decode_matches_reference(dtype, page, heads, kv_heads, dim, splits) -> None:  # type: ignore[no-untyped-def]
     pytest.importorskip("triton")
     from kvtier.paged.triton_decode import paged_decode
@@ -72,7 +101,7 @@ def test_triton_decode_matches_reference(dtype, page, heads, kv_heads, dim, spli
     torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2"])
+@pytest.mark.parametrize("name", [pytest.param("llama", marks=INTERPRET_MARK), "qwen2"])
 def test_triton_backend_in_the_model(name: str) -> None:
     """Prefill through the reference path, then batched decode steps through the kernel."""
     pytest.importorskip("triton")
@@ -96,7 +125,7 @@ def test_triton_backend_in_the_model(name: str) -> None:
         assert o == _greedy_alone(reference, p, 6)
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2"])
+@pytest.mark.parametrize("name", ["llama", pytest.param("qwen2", marks=INTERPRET_MARK)])
 def test_split_backend_mixes_prefill_and_decode_exactly(name: str) -> None:
     """Mixed steps: new sequences prefill beside decoding ones; decode rows go through the
     kernel, prefill rows through SDPA over their pages. Tokens equal each sequence alone."""
@@ -151,9 +180,18 @@ def _rows_case(seqs, heads, kv_heads, dim, page, dtype):  # type: ignore[no-unty
     return q, k_cache, v_cache, table, torch.tensor(row_seq, **as_int), row_len
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(28, 4, 128), (4, 4, 64), (8, 1, 80)])
-@pytest.mark.parametrize("splits", [1, 4])
+def _row_cases() -> list:  # type: ignore[type-arg]
+    cases = []
+    for splits in (1, 4):
+        for heads, kv_heads, dim in SHAPES:
+            for dtype in (torch.bfloat16, torch.float32):
+                subset = dtype == torch.float32 and (heads, kv_heads, dim) == (8, 1, 80)
+                name = f"{splits}-{heads}-{kv_heads}-{dim}-{str(dtype)[6:]}"
+                cases.append(_case_param((dtype, heads, kv_heads, dim, splits), name, subset))
+    return cases
+
+
+@pytest.mark.parametrize(("dtype", "heads", "kv_heads", "dim", "splits"), _row_cases())
 def test_row_blocks_match_one_row_per_program(dtype, heads, kv_heads, dim, splits) -> None:  # type: ignore[no-untyped-def]
     """Prompt chunks in row blocks (one tile of several rows per program) give each row what
     the one-row path and an fp32 SDPA reference give: decode rows, chunks longer and shorter

@@ -76,3 +76,21 @@ def test_quickstart_example_is_what_plan_prints() -> None:
     assert args[:2] == ["kvtier", "plan"]
     args = [str(MODELS.parents[1] / a) if a.startswith("configs/") else a for a in args[2:]]
     assert plan(*args) == shown
+
+
+@pytest.mark.parametrize("name", sorted(SHIPPED))
+def test_plan_prints_a_serve_table_that_loads(name: str, tmp_path: Path) -> None:
+    """Every key `kvtier plan` tells to configure is one `kvtier serve --config` reads."""
+    from kvtier.server.config import ServerConfig
+
+    args = ["--model-config", str(MODELS / name), "--sessions", "100", "--ssd", "10GiB"]
+    out = plan(*args)
+    table = out[out.index("[serve]\n") :]
+    toml = tmp_path / "kvtier.toml"
+    toml.write_text(table)
+    cfg = ServerConfig.load(env={}, file=toml)
+    need = 100 * 12 * SHIPPED[name][3] * 256
+    assert (cfg.l2_bytes, cfg.l3_max_bytes) == (need, 10 << 30)
+    # Paged L1 (the default) sizes L1 from the GPU memory plan: the table leaves it automatic.
+    assert cfg.paged_l1 and cfg.l1_bytes == 0
+    assert "l3_bytes" not in out

@@ -135,7 +135,8 @@ def test_warm_up_request_runs_before_ready_and_counts_nowhere(
         assert len(served) == 1 and "served in" in served[0], served
         assert srv.state.warming is False
         metrics = httpx.get(srv.url + "/metrics", timeout=5).text
-        assert _sample(metrics, "kvtier_server_requests_total") == 0
+        assert "kvtier_server_requests_total{" not in metrics  # no response counted yet
+        assert _sample(metrics, "kvtier_server_e2e_request_latency_seconds_count") == 0
         assert _sample(metrics, "kvtier_server_prompt_tokens_total") in (0, None)
         auth = {"Authorization": f"Bearer {admin}"}
         listing = httpx.get(srv.url + "/v1/sessions", headers=auth, timeout=5).json()
@@ -145,9 +146,23 @@ def test_warm_up_request_runs_before_ready_and_counts_nowhere(
         r = httpx.post(srv.url + "/v1/completions", json=body, headers=auth, timeout=30)
         assert r.status_code == 200
         metrics = httpx.get(srv.url + "/metrics", timeout=5).text
-        assert _sample(metrics, "kvtier_server_requests_total") == 1  # the client's only
+        done = {"endpoint": "/v1/completions", "code": "200"}
+        assert _labelled(metrics, "kvtier_server_requests_total", done) == 1  # the client's only
+        refused = {**done, "code": "401"}
+        assert _labelled(metrics, "kvtier_server_requests_total", refused) == 1
     finally:
         srv.stop()
+
+
+def _labelled(text: str, name: str, labels: dict[str, str]) -> float | None:
+    """The value of the sample `name` with exactly `labels` in Prometheus text (None: absent)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == name and s.labels == labels:
+                return float(s.value)
+    return None
 
 
 def _sample(text: str, name: str) -> float | None:

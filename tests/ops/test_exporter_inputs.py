@@ -179,8 +179,10 @@ def h200_plan(used: int = 100 * GIB) -> PlanStandIn:
 
 def server_registry(plan: PlanStandIn | None = None) -> CollectorRegistry:
     """`kvtier serve`'s own families (kvtier.server.metrics), each with a sample: a placement
-    with a lost device, a TTFT, a batch step, the page pool, and the GPU memory plan."""
+    with a lost device, a TTFT, a batch step, the page pool, a response, a turn's latencies
+    and the GPU memory plan."""
     from kvtier.server.metrics import ServerMetrics
+    from kvtier.server.reqmetrics import TurnClock
 
     registry = CollectorRegistry()
     metrics = ServerMetrics(registry)
@@ -189,8 +191,14 @@ def server_registry(plan: PlanStandIn | None = None) -> CollectorRegistry:
     metrics.load(running=3, waiting=1)
     metrics.step(batch_size=4, seconds=0.02)
     metrics.pages(parked=10, free=4080, total=4096, page_bytes=8192)
-    for name in ("requests", "prompt_tokens", "completion_tokens", "degraded_turns"):
+    for name in ("prompt_tokens", "completion_tokens", "degraded_turns"):
         metrics.count(name, 2)
+    metrics.request("/v1/chat/completions", 200)
+    clock = TurnClock(1.0, metrics)
+    clock.admit(1.01)
+    for at in (1.05, 1.07, 1.09):
+        clock.token(at)
+    clock.ended()
     metrics.gpu_memory_plan(plan or h200_plan())
     return registry
 

@@ -4,8 +4,11 @@ session records as a checksummed JSON document. With an encrypted store both are
 a record carries its token ids as nonce || ciphertext || tag and the id of the key.
 
 A chunk read back is verified like an L3 read before any byte of it is used: the header's
-checksum, its key, the payload length, the model fingerprint, the tenant and the payload's
-checksum. Both directions go through kvtier.kvbin's encode/decode, so a change of the chunk
+checksum, its key, the payload length, the model fingerprint, the tenant, then (`expect`, the
+chunk the reader asked for) that the header describes that chunk and nothing else: its tokens,
+geometry, element type, codec and params, payload length and tenant (`kvbin.check_expected`);
+last the payload's checksum. A value of the wrong shape is never read into a buffer that holds
+another chunk's bytes past it. Both directions go through kvtier.kvbin's encode/decode, so a change of the chunk
 encoding there (a new checksum, encryption) applies to L4 as it does to L3.
 """
 
@@ -42,18 +45,22 @@ def pack_chunk(header: ChunkHeader, payload: Any) -> bytes:
 
 
 def unpack_chunk(
-    value: Any, key: bytes, fingerprint: bytes, tenants: Collection[str] | None = None
+    value: Any,
+    key: bytes,
+    fingerprint: bytes,
+    tenants: Collection[str] | None = None,
+    expect: ChunkHeader | None = None,
 ) -> tuple[ChunkHeader, memoryview]:
     """Verify a chunk value read from Redis; returns its header and a view of its payload.
 
-    Raises KvbinFormatError (or ChecksumMismatch) for anything malformed or damaged and
-    FingerprintMismatch for another model's chunk; `tenants`, when given, are the tenants the
-    reader may be served (its own and the shared one)."""
+    Raises KvbinFormatError (or ChecksumMismatch) for anything malformed, damaged or not the
+    chunk `expect` describes, and FingerprintMismatch for another model's chunk; `tenants`,
+    when given, are the tenants the reader may be served (its own and the shared one)."""
     view = memoryview(value).cast("B")
     if len(view) < HEADER_SIZE:
         raise KvbinFormatError(f"L4 value of chunk {key.hex()} is {len(view)} bytes: truncated")
     header = kvbin.decode(view[:HEADER_SIZE])
-    check_header(header, key, len(view) - HEADER_SIZE, fingerprint, tenants)
+    check_header(header, key, len(view) - HEADER_SIZE, fingerprint, tenants, expect)
     payload = view[HEADER_SIZE:]
     kvbin.verify_payload(header, payload)
     return header, payload
@@ -65,20 +72,25 @@ def check_header(
     payload_size: int,
     fingerprint: bytes,
     tenants: Collection[str] | None,
+    expect: ChunkHeader | None = None,
 ) -> ChunkHeader:
-    """The checks of a decoded header against what the reader asked for (the payload's
-    checksum is verified by the caller, over the bytes)."""
+    """The checks of a decoded header against what the reader asked for: `key`, the value's
+    `payload_size`, the model, the tenants it may be served, and with `expect` the whole chunk
+    (`kvbin.check_expected`). The payload's checksum is verified by the caller, over the
+    bytes."""
     if header.key != key:
         raise KvbinFormatError(f"L4 value holds chunk {header.key.hex()}, not {key.hex()}")
-    if header.payload_len != payload_size:
-        raise KvbinFormatError(
-            f"L4 value of chunk {key.hex()} has {payload_size} payload bytes, its "
-            f"header says {header.payload_len} (truncated or overwritten)"
-        )
     if header.fingerprint != fingerprint:
         raise FingerprintMismatch(
             f"L4 chunk {key.hex()} was written for model fingerprint {header.fingerprint.hex()}, "
             f"not {fingerprint.hex()}; it is never used for this model"
+        )
+    if expect is not None:
+        kvbin.check_expected(header, expect)
+    if header.payload_len != payload_size:
+        raise KvbinFormatError(
+            f"L4 value of chunk {key.hex()} has {payload_size} payload bytes, its "
+            f"header says {header.payload_len} (truncated or overwritten)"
         )
     if tenants is not None and header.tenant not in tenants:
         raise KvbinFormatError(f"L4 chunk {key.hex()} belongs to another tenant")
@@ -126,6 +138,8 @@ def unpack_record(value: bytes) -> SessionRecord:
             key_id=None if doc.get("key_id") is None else bytes.fromhex(doc["key_id"]),
         )
         rec.validate()
-    except (ValueError, KeyError, TypeError) as exc:
+    except (ValueError, KeyError, TypeError, OverflowError, RecursionError) as exc:
+        # OverflowError: a number no float holds; RecursionError: JSON nested past the
+        # parser's depth (both from a value anyone with access to Redis can write)
         raise KvbinFormatError(f"L4 session record is malformed: {exc}") from None
     return rec

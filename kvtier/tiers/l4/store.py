@@ -266,15 +266,19 @@ class L4Store:
         fingerprint: bytes,
         dest: Dest,
         tenants: Collection[str] | None = None,
+        expect: Sequence[ChunkHeader | None] | None = None,
     ) -> ReadBatch:
         """Start reading `chunk_keys`, `streams` pipelines in parallel; returns at once.
 
         `dest(i, header)` names where chunk i's payload goes (kvtier.tiers.l4.wire reads it
-        there straight from the socket). Each future yields the chunk's verified header once
-        its payload is there, or fails with ChunkNotFound (a miss), KvbinFormatError or
-        FingerprintMismatch (a damaged or foreign value, or one failing its AES-GCM tag,
-        deleted from Redis) or L4Unavailable. A sealed value whose data key is gone
-        (crypto-shred) or that this host cannot open is a miss (ChunkNotFound), left alone."""
+        there straight from the socket). `expect[i]`, when given, is the header of the chunk
+        the caller asked for: a value whose header says other tokens, geometry, codec, payload
+        length or tenant is damaged and never read into `dest`. Each future yields the
+        chunk's verified header once its payload is there, or fails with ChunkNotFound (a
+        miss), KvbinFormatError or FingerprintMismatch (a damaged, forged or foreign value, or
+        one failing its AES-GCM tag, deleted from Redis) or L4Unavailable. A sealed value
+        whose data key is gone (crypto-shred) or that this host cannot open is a miss
+        (ChunkNotFound), left alone."""
         batch = ReadBatch([Future() for _ in chunk_keys], time.perf_counter())
         if not chunk_keys:
             batch.finished = batch.started
@@ -299,7 +303,8 @@ class L4Store:
                         batch.finished = time.perf_counter()
 
             try:
-                self._stream(idx, chunk_keys, fingerprint, dest, tenants, finish, batch)
+                exp = None if expect is None else [expect[i] for i in idx]
+                self._stream(idx, chunk_keys, fingerprint, dest, tenants, finish, batch, exp)
             except BaseException as exc:  # every future of the group settles, whatever happens
                 finish(0)
                 for i in idx:
@@ -324,6 +329,7 @@ class L4Store:
         tenants: Collection[str] | None,
         finish: Callable[[int], None],
         batch: ReadBatch,
+        expect: Sequence[ChunkHeader | None] | None = None,
     ) -> None:
         names = [keys.chunk(chunk_keys[i]) for i in idx]
         mine = [chunk_keys[i] for i in idx]
@@ -340,6 +346,7 @@ class L4Store:
                     lambda j, h: dest(idx[j], h),
                     self._redis.ResponseError,
                     None if self.sealer is None else self.sealer.opener,
+                    expect,
                 )
             except BaseException:
                 conn.disconnect()  # replies may be left unread: never reuse the connection

@@ -7,6 +7,8 @@ the one large value kvtier reads, so their GETs go through here: redis-py opens 
 reply's header into a small buffer and its payload with `recv_into` right where the sink wants
 it (an L2 slot), checksumming it piece by piece as it lands. The value is verified before the
 caller hears of it; until then the destination holds bytes nobody uses (like an L3 read's).
+The header is checked against the chunk the caller expects (`expects`: tokens, geometry, codec,
+payload length) before `dest` is even asked: a value of another shape never lands anywhere.
 A sealed value (encrypted store) is decrypted in place piece by piece as it lands, after its
 checksum saw the ciphertext, and its AES-GCM tag is verified before the caller hears of it.
 
@@ -101,10 +103,13 @@ def get_many(
     dest: Dest,
     response_error: type[Exception],
     opener: Opener | None = None,
+    expects: Sequence[ChunkHeader | None] | None = None,
 ) -> list[Reply]:
     """Pipeline a GET of every name on redis-py connection `conn` and read the replies.
 
-    `opener`: the store is encrypted; every value must be sealed and is opened in place."""
+    `opener`: the store is encrypted; every value must be sealed and is opened in place.
+    `expects`: per key, the header of the chunk the caller asked for (`kvbin.check_expected`);
+    a value whose header describes anything else is an error for that key."""
     if conn.can_read():  # something is left unread: this connection is not ours to drive
         conn.disconnect()
         conn.connect()
@@ -126,8 +131,9 @@ def get_many(
             raise ConnectionError(f"unexpected reply to GET: {head[:40]!r}")
         size = int(head[1:])
         rep.size = size
+        expect = None if expects is None else expects[i]
         try:
-            rep.header = _value(reader, size, i, key, fingerprint, tenants, dest, opener)
+            rep.header = _value(reader, size, i, key, fingerprint, tenants, dest, opener, expect)
         except (StoreError, EncryptionError) as exc:  # this value's: the stream stays in step
             rep.error = exc
         reader.line()  # the CRLF after the bulk
@@ -145,9 +151,12 @@ def _value(
     tenants: Any,
     dest: Dest,
     opener: Opener | None = None,
+    expect: ChunkHeader | None = None,
 ) -> ChunkHeader:
-    """Read one bulk value of `size` bytes: header, checks, payload into `dest` with its CRC
-    (and, sealed, decrypted in place behind the CRC; the tag is checked last).
+    """Read one bulk value of `size` bytes: header, checks (with `expect`, that it is that
+    chunk), payload into `dest` with its CRC (and, sealed, decrypted in place behind the CRC;
+    the tag is checked last). Exactly `payload_len` bytes of `dest` are written, and with
+    `expect` that is the expected chunk's whole payload.
 
     A bad value is consumed whole (the connection stays in step) before its error is raised."""
     if size < HEADER_SIZE:
@@ -156,7 +165,7 @@ def _value(
     hdr = memoryview(bytearray(HEADER_SIZE))
     reader.into(hdr)
     try:
-        header = _check(hdr, key, size, fingerprint, tenants)
+        header = _check(hdr, key, size, fingerprint, tenants, expect)
         if opener is not None:
             op: PayloadOpener | None = opener(header)
         elif header.sealed:
@@ -166,7 +175,10 @@ def _value(
             )
         else:
             op = None
-        view = dest(i, header)[: header.payload_len]
+        view = dest(i, header)
+        if len(view) < header.payload_len:
+            raise KvbinFormatError(f"L4 chunk {key.hex()} does not fit its destination")
+        view = view[: header.payload_len]
     except BaseException:
         reader.skip(size - HEADER_SIZE)
         raise
@@ -186,6 +198,14 @@ def _value(
     return header
 
 
-def _check(hdr: memoryview, key: bytes, size: int, fingerprint: bytes, tenants: Any) -> ChunkHeader:
+def _check(
+    hdr: memoryview,
+    key: bytes,
+    size: int,
+    fingerprint: bytes,
+    tenants: Any,
+    expect: ChunkHeader | None = None,
+) -> ChunkHeader:
     # the checks of kvtier.tiers.l4.codec.unpack_chunk, before the payload is read
-    return check_header(kvbin.decode(hdr), key, size - HEADER_SIZE, fingerprint, tenants)
+    header = kvbin.decode(hdr)
+    return check_header(header, key, size - HEADER_SIZE, fingerprint, tenants, expect)

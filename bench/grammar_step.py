@@ -1,0 +1,161 @@
+"""What one grammar-constrained row costs the batch's step (structured output, xgrammar).
+
+The server's BatchScheduler decodes B unconstrained sessions (greedy), and then the same B
+with one more session whose reply is constrained to JSON (`response_format` json_object,
+sampled). The table: the decode step's P50 and the unconstrained rows' tok/s, each run against
+the run without the constrained row (the ceiling, measured in the same process), and their
+ratio. A constrained row costs the step its host-side mask (one bitmask row filled, one masked
+copy of the rows due) and the greedy lookahead (the step's tokens are read on the host).
+
+    python3 bench/grammar_step.py --shape qwen2-7b --batch 64            # a GPU
+    python3 bench/grammar_step.py --shape qwen2-tiny --device cpu --batch 8 --tokens 24
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from models import build
+
+from kvtier.server.backend import RecomputeBackend
+from kvtier.server.batching import BatchScheduler
+from kvtier.server.config import ServerConfig
+from kvtier.server.grammar import GrammarBook, GrammarSpec
+from kvtier.server.jobs import Delta, Finished, Job, Stream
+from kvtier.server.model import _wrap, byte_tokenizer
+
+
+class Steps:
+    """The scheduler's metrics hook: every step's (sequences, seconds)."""
+
+    def __init__(self) -> None:
+        self.steps: list[tuple[int, float]] = []
+
+    def step(self, n: int, seconds: float) -> None:
+        self.steps.append((n, seconds))
+
+    def count(self, name: str, n: int = 1) -> None:
+        pass
+
+    def ttft(self, source: str, seconds: float) -> None:
+        pass
+
+
+async def _turn(sched: BatchScheduler, job: Job) -> tuple[str, float, float]:
+    stream = Stream(asyncio.get_running_loop())
+    t0 = time.perf_counter()
+    done = asyncio.wrap_future(sched.submit(job, stream, t0))
+    text, first = "", 0.0
+    async for e in stream.events():
+        if isinstance(e, Delta):
+            first = first or time.perf_counter()
+            text += e.text
+        elif isinstance(e, Finished):
+            pass
+    await done
+    return text, first, time.perf_counter()
+
+
+def run(
+    args: argparse.Namespace, served: Any, book: GrammarBook, constrained: bool
+) -> dict[str, Any]:
+    steps = Steps()
+    cfg = ServerConfig(chunk_tokens=256).as_dict()
+    cfg.update(max_concurrency=args.batch + 1, batch_kv_bytes=args.pool_gib << 30, l3_root="")
+    sched = BatchScheduler(served, RecomputeBackend(served.model), SimpleNamespace(**cfg), steps)
+    g = torch.Generator().manual_seed(1)
+    prompts = [
+        torch.randint(32, 127, (args.prompt,), generator=g).tolist() for _ in range(args.batch)
+    ]
+    jobs = [
+        Job(f"s{i}", "t", tuple(p), args.tokens, temperature=0.0) for i, p in enumerate(prompts)
+    ]
+    extra = []
+    if constrained:
+        compiled = book.compile(GrammarSpec("json"))
+        extra.append(
+            Job(
+                "json",
+                "t",
+                tuple(prompts[0]),
+                args.tokens * 4,
+                temperature=1.0,
+                seed=3,
+                grammar=lambda: book.matcher(compiled),
+            )
+        )
+
+    async def main() -> list[tuple[str, float, float]]:
+        return list(await asyncio.gather(*(_turn(sched, j) for j in jobs + extra)))
+
+    try:
+        t0 = time.perf_counter()
+        out = asyncio.run(main())
+    finally:
+        sched.close()
+    plain = out[: args.batch]
+    start = max(first for _, first, _ in plain)  # every session decoding from here
+    end = min(last for _, _, last in plain)
+    full = [s for n, s in steps.steps if n >= args.batch]
+    decode = sorted(full[len(full) // 5 :])  # past the prompts' steps
+    toks = sum(len(t.encode()) for t, _, _ in plain)
+    return {
+        "step_p50_ms": statistics.median(decode) * 1e3 if decode else float("nan"),
+        "toks": toks / (time.perf_counter() - t0),
+        "window_s": end - start,
+        "json": out[-1][0] if constrained else None,
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--shape", default="qwen2-7b")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--prompt", type=int, default=512)
+    p.add_argument("--tokens", type=int, default=128)
+    p.add_argument("--pool-gib", type=int, default=16)
+    p.add_argument("--repeats", type=int, default=2)
+    args = p.parse_args()
+    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+    model = build(args.shape, args.device, dtype).eval()
+    served = _wrap(model, byte_tokenizer(), name=f"random-{args.shape}")
+    book = GrammarBook(served.tokenizer, model.config.vocab_size, served.eos_ids)
+    run(args, served, book, False)  # warm-up: graphs, allocator
+    rows = {"without": [], "with one constrained row": []}
+    for _ in range(args.repeats):
+        rows["without"].append(run(args, served, book, False))
+        rows["with one constrained row"].append(run(args, served, book, True))
+    base = statistics.median(r["step_p50_ms"] for r in rows["without"])
+    base_t = statistics.median(r["toks"] for r in rows["without"])
+    print(
+        f"\n{args.shape} on {args.device}, {args.batch} sessions x {args.tokens} tokens, "
+        f"{args.prompt}-token prompts, vocab {model.config.vocab_size}"
+    )
+    print(
+        f"{'run':<26} {'step P50 ms':>12} {'ceiling ms':>11} {'ratio':>6} "
+        f"{'tok/s':>8} {'ceiling':>8} {'ratio':>6}"
+    )
+    for name, rs in rows.items():
+        step = statistics.median(r["step_p50_ms"] for r in rs)
+        toks = statistics.median(r["toks"] for r in rs)
+        print(
+            f"{name:<26} {step:>12.2f} {base:>11.2f} {base / step:>6.2f} "
+            f"{toks:>8.0f} {base_t:>8.0f} {toks / base_t:>6.2f}"
+        )
+    sample = rows["with one constrained row"][-1]["json"]
+    print(f"the constrained reply ({len(sample)} chars): {sample[:120]!r}")
+
+
+if __name__ == "__main__":
+    main()
