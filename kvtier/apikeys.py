@@ -2,9 +2,10 @@
 
 A key is `kvt_<id>_<secret>`: an 8-hex-digit id that names the key in listings and revocations,
 and 256 random bits from `secrets`. The keys file stores, per key, its id, tenant, admin flag,
-creation time and the SHA-256 of the whole key, never the key itself: whoever reads the file
-cannot present any key in it. A fast hash suffices because the key is random (nothing to guess
-from a dictionary); a slow one (scrypt) would only slow every request.
+gateway flag, creation time and the SHA-256 of the whole key, never the key itself: whoever reads
+the file cannot present any key in it. A fast hash suffices because the key is random (nothing
+to guess from a dictionary); a slow one (scrypt) would only slow every request. A file written
+before gateway keys (no "gateway" field) reads as it did: none of its keys is a gateway's.
 
 The file is JSON, written atomically (a private temporary file, fsync, rename, fsync of the
 directory) with mode 0600. A file that group or other users can read or write is refused: the
@@ -50,6 +51,9 @@ class Principal:
     tenant: str
     admin: bool
     key_id: str
+    # A gateway's key: with --trust-tenant-header its requests may name any tenant in X-Tenant
+    # (the gateway in front authenticated the client). No other key may name another tenant.
+    gateway: bool = False
 
 
 @dataclass(frozen=True)
@@ -61,15 +65,17 @@ class KeyRecord:
     admin: bool
     sha256: str
     created: float  # unix seconds
+    gateway: bool = False  # absent from files written before gateway keys: not a gateway's
 
     def principal(self) -> Principal:
-        return Principal(self.tenant, self.admin, self.id)
+        return Principal(self.tenant, self.admin, self.id, self.gateway)
 
     def as_json(self) -> dict[str, Any]:
         return {
             "id": self.id,
             "tenant": self.tenant,
             "admin": self.admin,
+            "gateway": self.gateway,
             "sha256": self.sha256,
             "created": self.created,
         }
@@ -175,6 +181,7 @@ def parse(raw: bytes, path: Path) -> KeyRing:
                 admin=item["admin"],
                 sha256=item["sha256"],
                 created=float(item["created"]),
+                gateway=item.get("gateway", False),
             )
         except (TypeError, KeyError, ValueError) as exc:
             raise bad(f"key #{i} lacks or mangles a field: {exc}") from None
@@ -184,6 +191,8 @@ def parse(raw: bytes, path: Path) -> KeyRing:
             raise bad(f"key {rec.id} has no valid sha256")
         if not isinstance(rec.admin, bool) or not isinstance(rec.tenant, str):
             raise bad(f"key {rec.id} has a non-boolean admin or a non-string tenant")
+        if not isinstance(rec.gateway, bool):
+            raise bad(f"key {rec.id} has a non-boolean gateway")
         try:
             check_tenant(rec.tenant)
         except KeysFileError as exc:
@@ -248,15 +257,18 @@ def new_key() -> tuple[str, str]:
     return key_id, f"{PREFIX}{key_id}_{secrets.token_urlsafe(_SECRET_BYTES)}"
 
 
-def add(path: str | os.PathLike[str], tenant: str, admin: bool = False) -> tuple[KeyRecord, str]:
-    """Create a key for `tenant`; returns its record and the key (to print once)."""
+def add(
+    path: str | os.PathLike[str], tenant: str, admin: bool = False, gateway: bool = False
+) -> tuple[KeyRecord, str]:
+    """Create a key for `tenant` (a gateway's with `gateway`: see Principal); returns its record
+    and the key (to print once)."""
     check_tenant(tenant)
     with editing(path) as ring:
         taken = {r.id for r in ring.records}
         key_id, key = new_key()
         while key_id in taken:  # 1 in 4 billion per key; never two keys with one id
             key_id, key = new_key()
-        rec = KeyRecord(key_id, tenant, admin, _digest(key), round(time.time(), 3))
+        rec = KeyRecord(key_id, tenant, admin, _digest(key), round(time.time(), 3), gateway)
         ring.records.append(rec)
     return rec, key
 

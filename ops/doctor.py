@@ -104,6 +104,8 @@ class Facts:
     swaps: tuple[tuple[str, str], ...] | None = (
         None  # active swap areas (name, type); None: unknown
     )
+    mem_total: int | None = None  # /proc/meminfo MemTotal, bytes
+    mem_available: int | None = None  # MemAvailable: what L2 may take now, bytes
 
 
 # ---- collection (I/O) ---------------------------------------------------------------------------
@@ -319,6 +321,8 @@ def collect(
         gpus=len(pcie.gpus(sys_root)),
         cap_ipc_lock=cap_ipc_lock,
         swaps=None if swaps_text is None else parse_swaps(swaps_text),
+        mem_total=info.mem_total,
+        mem_available=info.mem_available,
     )
 
 
@@ -388,7 +392,7 @@ def check_sysctl(facts: Facts) -> Iterator[Finding]:
 def _l2_unknown(check_id: str, why: str) -> Finding:
     return Finding(
         check_id, "info", "L2 size not given", "pass the L2 size", why,
-        "kvtier doctor --l2-size SIZE (or KVTIER_L2_BYTES), the server's --l2-bytes",
+        "kvtier doctor --l2-bytes SIZE (or KVTIER_L2_BYTES), as the server's --l2-bytes",
     )  # fmt: skip
 
 
@@ -442,6 +446,37 @@ def check_memory(facts: Facts) -> Iterator[Finding]:
         "echo madvise > /sys/kernel/mm/transparent_hugepage/enabled; "
         "kernel command line transparent_hugepage=madvise to keep it",
     )  # fmt: skip
+
+
+def check_l2_ram(facts: Facts) -> Iterator[Finding]:
+    """The L2 size against the host's memory, by L2's own rule (kvtier.tiers.l2): L2 plus
+    headroom within MemAvailable, or the server refuses to start; past MemTotal it never can."""
+    l2 = facts.l2_bytes
+    if l2 is None:
+        yield _l2_unknown("l2.ram", tuning.L2_RAM_WHY)
+        return
+    need = l2 + tuning.L2_RAM_HEADROOM_BYTES
+    total, available = facts.mem_total, facts.mem_available
+    observed = f"MemTotal {_size(total)}, MemAvailable {_size(available)}"
+    recommended = f"MemAvailable >= {_size(need)} (L2 {_size(l2)} + headroom)"
+    where = f"the server's --l2-bytes ({tuning.ROLE}_l2_bytes)"
+    if total is not None and need > total:
+        sev = "critical"
+        fix = (
+            f"lower {where} well below this host's {_size(total)} of memory, leaving room for "
+            "the model's weights and the rest of the host, or serve on a host with more memory"
+        )
+    elif available is not None and need > available:
+        sev = "warning"
+        fix = (
+            f"lower {where} to at most {_size(max(0, available - tuning.L2_RAM_HEADROOM_BYTES))}"
+            ", or free host memory first (a kvtier serve running now holds its own L2: check "
+            "before it starts)"
+        )
+    else:
+        sev = "ok" if total is not None or available is not None else "info"
+        fix = "none needed" if sev == "ok" else "check /proc/meminfo on the host"
+    yield Finding("l2.ram", sev, observed, recommended, tuning.L2_RAM_WHY, fix)
 
 
 SWAP_WHY = (
@@ -596,7 +631,9 @@ def check_pcie(facts: Facts) -> Iterator[Finding]:
         )  # fmt: skip
 
 
-CHECKS = (check_sysctl, check_memory, check_swap, check_fstrim, check_l3, check_pcie)
+CHECKS = (
+    check_sysctl, check_memory, check_l2_ram, check_swap, check_fstrim, check_l3, check_pcie,
+)  # fmt: skip
 
 
 def check(facts: Facts) -> list[Finding]:

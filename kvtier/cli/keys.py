@@ -38,9 +38,10 @@ def command() -> None:
     """Create, list and revoke API keys (the server's tenants and admins).
 
     \b
-    kvtier keys add TENANT [--admin] --file PATH   print a new key (shown this once)
-    kvtier keys list --file PATH                   ids, tenants, admin flags; never keys
-    kvtier keys revoke KEY_ID --file PATH          or --tenant TENANT: all of its keys
+    kvtier keys add TENANT [--admin] [--gateway] --file PATH
+                                       print a new key (shown this once)
+    kvtier keys list --file PATH       ids, tenants, admin and gateway flags; never keys
+    kvtier keys revoke KEY_ID --file PATH   or --tenant TENANT: all of its keys
     The file holds only a SHA-256 of each key, mode 0600. A running server reloads it on SIGHUP.
     """
 
@@ -48,13 +49,20 @@ def command() -> None:
 @command.command("add")
 @click.argument("tenant")
 @click.option("--admin", is_flag=True, help="The key may also run the admin endpoints.")
+@click.option(
+    "--gateway",
+    is_flag=True,
+    help="A gateway's key: with `kvtier serve --trust-tenant-header` its requests may name any "
+    "tenant in X-Tenant (no other key may name another tenant). Give it only to a gateway that "
+    "authenticates its clients itself.",
+)
 @file_option
-def add(tenant: str, admin: bool, path: Path) -> None:
+def add(tenant: str, admin: bool, gateway: bool, path: Path) -> None:
     """Create a key for TENANT and print it; only its hash is stored, so it is shown once."""
     with _failing_cleanly():
-        rec, key = apikeys.add(path, tenant, admin=admin)
+        rec, key = apikeys.add(path, tenant, admin=admin, gateway=gateway)
     click.echo(key)
-    what = "admin key" if admin else "key"
+    what = " ".join([*(["admin"] if admin else []), *(["gateway"] if gateway else []), "key"])
     click.echo(
         f"kvtier keys: {what} {rec.id} for tenant {tenant!r} added to {path}; store the key "
         f"now, it is not shown again; {RELOAD}",
@@ -66,11 +74,18 @@ def add(tenant: str, admin: bool, path: Path) -> None:
 @file_option
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
 def list_(path: Path, as_json: bool) -> None:
-    """The keys in the file: id, tenant, admin flag, creation time (never the keys)."""
+    """The keys in the file: id, tenant, admin and gateway flags, creation time (never the
+    keys)."""
     with _failing_cleanly():
         ring = apikeys.load(path)
     rows: list[dict[str, Any]] = [
-        {"id": r.id, "tenant": r.tenant, "admin": r.admin, "created": r.created}
+        {
+            "id": r.id,
+            "tenant": r.tenant,
+            "admin": r.admin,
+            "gateway": r.gateway,
+            "created": r.created,
+        }
         for r in ring.records
     ]
     if as_json:
@@ -80,11 +95,11 @@ def list_(path: Path, as_json: bool) -> None:
         click.echo(f"no keys in {path}; add one with `kvtier keys add TENANT --file {path}`")
         return
     width = max(6, *(len(r["tenant"]) for r in rows))
-    click.echo(f"{'ID':<8}  {'TENANT':<{width}}  {'ADMIN':<5}  CREATED (UTC)")
+    click.echo(f"{'ID':<8}  {'TENANT':<{width}}  {'ADMIN':<5}  {'GATEWAY':<7}  CREATED (UTC)")
     for r in rows:
         created = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(r["created"]))
-        admin = "yes" if r["admin"] else "no"
-        click.echo(f"{r['id']:<8}  {r['tenant']:<{width}}  {admin:<5}  {created}")
+        admin, gateway = ("yes" if r[flag] else "no" for flag in ("admin", "gateway"))
+        click.echo(f"{r['id']:<8}  {r['tenant']:<{width}}  {admin:<5}  {gateway:<7}  {created}")
 
 
 @command.command("revoke")

@@ -3,6 +3,8 @@
 With an API keys file (`--api-keys`, kvtier.apikeys) every request but /healthz, /readyz and
 /metrics must present `Authorization: Bearer <key>`; the key names the tenant, and `X-Tenant`
 is ignored unless `--trust-tenant-header` (a gateway in front authenticates and names tenants).
+Even then only a gateway key (`kvtier keys add NAME --gateway`) may name another tenant in it:
+any other key that does gets 403, so a tenant's key never acts as another tenant.
 Admin routes call `require_admin(request)`; session routes ask `session_scope(request)` which
 tenant's sessions the caller may see. The file is read again on SIGHUP; a file that cannot be
 used then keeps the keys already loaded.
@@ -58,8 +60,9 @@ class Auth:
                 "no API keys file (--api-keys): single-tenant and local; every client is "
                 "trusted, X-Tenant names the tenant, admin routes answer only loopback peers"
             )
+        gateways = sum(1 for r in self.ring.records if r.gateway)
         header = (
-            "X-Tenant is trusted (--trust-tenant-header)"
+            f"X-Tenant is trusted from the {gateways} gateway key(s) (--trust-tenant-header)"
             if self.trust_tenant_header
             else "each key's tenant; X-Tenant is ignored"
         )
@@ -163,9 +166,22 @@ def tenant_of(request: Request) -> str:
     if is_warm_up(request.scope):
         return WARM_UP_TENANT
     header = request.headers.get("x-tenant")
-    if auth.ring is None or (auth.trust_tenant_header and header):
+    if auth.ring is None:
         return check_id(header or DEFAULT_TENANT, "X-Tenant", MAX_TENANT)
-    return _authenticated(request).tenant
+    p = _authenticated(request)
+    if not (auth.trust_tenant_header and header) or header == p.tenant:
+        return p.tenant
+    if not p.gateway:  # a tenant's own key naming another tenant: never act as that tenant
+        raise ApiError(
+            403,
+            f"this key belongs to tenant {p.tenant!r} and may not name another tenant in "
+            "X-Tenant; leave the header out (the key names the tenant), or send it through the "
+            "gateway, whose key the operator creates with `kvtier keys add NAME --gateway`",
+            "permission_error",
+            param="X-Tenant",
+            code="gateway_key_required",
+        )
+    return check_id(header, "X-Tenant", MAX_TENANT)
 
 
 def require_admin(request: Request) -> None:

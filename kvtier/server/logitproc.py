@@ -91,7 +91,11 @@ def process(logits: torch.Tensor, decodings: list[Decoding | None]) -> list[int]
     for i, d in enumerate(decodings):
         if d is not None and d.penalized:
             _penalize(logits[i], d)
-    masked = [(i, d.matcher) for i, d in enumerate(decodings) if d is not None and d.matcher]
+    masked = [
+        (i, d.matcher)
+        for i, d in enumerate(decodings)
+        if d is not None and d.matcher is not None and not d.matcher.is_terminated()
+    ]
     if not masked:
         return []
     from kvtier.server.grammar import apply_masks

@@ -7,6 +7,7 @@ import os
 
 import click
 
+from kvtier.cli.options import aliased_option
 from kvtier.errors import ConfigError
 from kvtier.units import parse_size
 from ops import doctor, tuning
@@ -30,7 +31,7 @@ def _l2_size(ctx: click.Context, param: click.Parameter, value: str | None) -> i
     if value is None:
         return None
     try:
-        return parse_size(value, "--l2-size")
+        return parse_size(value, "--l2-bytes")
     except ConfigError as exc:
         raise click.BadParameter(str(exc)) from None
 
@@ -44,8 +45,10 @@ def _l2_size(ctx: click.Context, param: click.Parameter, value: str | None) -> i
     help="The L3 directory to check [default: KVTIER_L3_ROOT, else /var/lib/kvtier/l3 when it "
     "exists, else the server's default].",
 )
-@click.option(
+@aliased_option(
+    "--l2-bytes",
     "--l2-size",
+    "l2_size",
     envvar="KVTIER_L2_BYTES",
     callback=_l2_size,
     default=None,

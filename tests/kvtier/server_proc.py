@@ -43,7 +43,8 @@ class Server:
         self.log = l3_root.parent / f"server-{self.port}.log"
 
     def start(self, timeout: float = 90.0) -> Server:
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+        path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+        env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
         env = {k: v for k, v in env.items() if not k.startswith("KVTIER_")}
         cmd = [sys.executable, "-m", *self.module.split(), "--port", str(self.port)]
         cmd += ["--l3-root", str(self.l3_root), "--log-level", "warning", *self.args]

@@ -133,6 +133,7 @@ BAD_FILES = {
     "short hash": _file([{**GOOD, "sha256": "ab"}]),
     "bad id": _file([{**GOOD, "id": "xyz"}]),
     "admin not a bool": _file([{**GOOD, "admin": "yes"}]),
+    "gateway not a bool": _file([{**GOOD, "gateway": "yes"}]),
     "reserved tenant": _file([{**GOOD, "tenant": "#kvtier"}]),
     "duplicate id": _file([GOOD, {**GOOD, "tenant": "beta"}]),
 }
@@ -147,6 +148,35 @@ def test_a_mangled_file_is_refused_with_its_reason(tmp_path: Path, case: str) ->
         apikeys.load(path)
     code, _, err = keys("list", "--file", str(path))
     assert code == 1 and "not a kvtier keys file" in err
+
+
+def test_gateway_keys_are_marked_and_older_files_read_as_before(tmp_path: Path) -> None:
+    """`kvtier keys add NAME --gateway` marks the key a gateway's (the only kind whose X-Tenant
+    the server honours with --trust-tenant-header); a file written before gateway keys existed
+    has no such field, reads as it did (no gateway key) and stays readable after an add."""
+    path = tmp_path / "keys.json"
+    path.write_bytes(_file([GOOD]))  # the format as kvtier wrote it before gateway keys
+    path.chmod(0o600)
+    assert [(r.id, r.gateway) for r in apikeys.load(path).records] == [("0123abcd", False)]
+    code, key, err = keys("add", "edge", "--gateway", "--file", str(path))
+    assert code == 0 and "gateway key" in err, err
+    key = key.strip()
+    ring = apikeys.load(path)
+    assert [(r.tenant, r.admin, r.gateway) for r in ring.records] == [
+        ("acme", False, False),
+        ("edge", False, True),
+    ]
+    assert ring.lookup(key) == apikeys.Principal("edge", False, key[4:12], gateway=True)
+    tenant_key = add(path, "beta")  # a key without --gateway is not a gateway's
+    principal = apikeys.load(path).lookup(tenant_key)
+    assert principal == apikeys.Principal("beta", False, tenant_key[4:12], gateway=False)
+    code, out, _ = keys("list", "--file", str(path))
+    lines = out.splitlines()
+    assert lines[0].split()[:4] == ["ID", "TENANT", "ADMIN", "GATEWAY"]
+    assert lines[2].split()[:4] == [key[4:12], "edge", "no", "yes"]
+    assert lines[3].split()[:4] == [tenant_key[4:12], "beta", "no", "no"]
+    code, out, _ = keys("list", "--json", "--file", str(path))
+    assert [r["gateway"] for r in json.loads(out)["keys"]] == [False, True, False]
 
 
 def test_missing_file_and_bad_tenant_say_what_to_do(tmp_path: Path) -> None:

@@ -397,9 +397,14 @@ def test_sighup_reloads_the_keys_and_a_bad_file_keeps_them(server: Server, keys:
 
 
 def test_trusted_tenant_header_behind_a_gateway(tmp_path: Path) -> None:
+    """With --trust-tenant-header only a gateway key names the tenant in X-Tenant; a tenant's
+    own key naming another tenant gets 403, so it neither learns that tenant's cached prefixes
+    nor writes to its sessions (issue 40: alpha's key with `X-Tenant: beta` did both)."""
     path = tmp_path / "keys.json"
-    gateway = apikeys.add(path, "gateway")[1]
-    srv = Server(tmp_path / "l3", "--api-keys", str(path), "--trust-tenant-header", *SMALL).start()
+    gateway = apikeys.add(path, "gateway", gateway=True)[1]
+    alpha, beta = apikeys.add(path, "alpha")[1], apikeys.add(path, "beta")[1]
+    srv = Server(tmp_path / "l3", "--api-keys", str(path), "--trust-tenant-header", *SMALL)
+    srv.start()
     try:
         text = text_of("gateway-tenant")
         assert cached(chat(srv.url, gateway, "g1", text, **{"X-Tenant": "t1"}))[0] == 0
@@ -409,6 +414,26 @@ def test_trusted_tenant_header_behind_a_gateway(tmp_path: Path) -> None:
         assert chat(srv.url, None, "g1", text, **{"X-Tenant": "t1"}).status_code == 401
         r = chat(srv.url, gateway, "g1", text, **{"X-Tenant": "bad tenant"})
         assert r.status_code == 400 and r.json()["error"]["param"] == "X-Tenant"
+        # beta's prefix, cached in beta's session b1
+        secret = text_of("beta-private-prefix")
+        assert cached(chat(srv.url, beta, "b1", secret))[0] == 0
+        # alpha's key naming beta: 403, whatever the session, and nothing about beta's cache
+        for sid in ("b1", "a1"):
+            r = chat(srv.url, alpha, sid, secret, **{"X-Tenant": "beta"})
+            assert r.status_code == 403, r.text
+            err = r.json()["error"]
+            assert (err["type"], err["code"], err["param"]) == (
+                "permission_error", "gateway_key_required", "X-Tenant"
+            )  # fmt: skip
+            assert "--gateway" in err["message"] and "beta" not in err["message"]
+            assert "x-kvtier-cached-tokens" not in r.headers
+        # alpha naming itself is its own tenant, as without the header: a miss on beta's prefix
+        assert cached(chat(srv.url, alpha, "a1", secret, **{"X-Tenant": "alpha"})) == (
+            0, "recompute", 0
+        )  # fmt: skip
+        # beta's session is untouched: its next turn restores its own prefix
+        assert cached(chat(srv.url, beta, "b1", secret))[0] >= 1024
+        assert session_ids(srv.url, alpha) == {("alpha", "a1")}
     finally:
         assert srv.stop() == 0, srv.output()
 

@@ -200,7 +200,7 @@ def test_memlock_against_l2(host: Path, memlock: int, severity: str) -> None:
 
 def test_without_l2_size_the_l2_checks_say_how(host: Path) -> None:
     found = _by_id(_facts(host, l2=None))
-    assert found["memlock"].severity == "info" and "--l2-size" in found["memlock"].fix
+    assert found["memlock"].severity == "info" and "--l2-bytes" in found["memlock"].fix
     assert found["hugepages"].severity == "info"
 
 
