@@ -116,4 +116,11 @@ def install_admin_routes(app: FastAPI, state: State) -> None:
             done = await asyncio.to_thread(engine.backend.shred_tenant, tenant)
         except SessionError as exc:  # one of its requests is running: retry after it
             raise ApiError(409, str(exc), headers={"Retry-After": "1"}) from None
+        if not (done["sessions"] or done["keys"] or done["chunks"]):
+            raise ApiError(
+                404,
+                f"tenant {tenant!r} has no sessions, keys or chunks here; nothing was deleted",
+                param="tenant",
+                code="tenant_not_found",
+            )
         return {"id": tenant, "object": "tenant", "deleted": True, **done}

@@ -169,7 +169,7 @@ class Engine:
         if self.waiting >= self.config.max_queue:
             self._count("rejected")
             raise Overloaded(
-                f"{self.waiting} requests are already queued (max_queue); retry later",
+                f"the queue is full ({self.waiting} waiting, max_queue); retry later",
                 self._retry_after(),
             )
         loop = asyncio.get_running_loop()

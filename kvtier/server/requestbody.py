@@ -16,6 +16,13 @@ from kvtier.server.http import ApiError
 async def read_body(request: Request, model: type[BaseModel], limit: int, timeout: float) -> Any:
     """The body as `model`: 413 past `limit` bytes, 408 when no piece of it comes for `timeout`
     seconds (the connection is then closed), 400 when it is not UTF-8 JSON of that shape."""
+    kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if kind and kind != "application/json" and not kind.endswith("+json"):
+        raise ApiError(
+            415,
+            f"request body is {kind!r}; send JSON with Content-Type: application/json",
+            code="unsupported_media_type",
+        )
     raw = bytearray()
     stream = request.stream()
     try:

@@ -237,3 +237,20 @@ def test_an_assistant_tool_call_with_arguments_that_are_not_json(server: Server)
     }
     r = httpx.post(server.url + "/v1/chat/completions", json=body)
     assert r.status_code == 400 and "arguments" in r.json()["error"]["message"]
+
+
+def test_frictions_a_new_user_met(server: Server) -> None:
+    """The errors name what was sent: the `user` field, a tenant with nothing stored, a body
+    that is not JSON."""
+    body = {"model": "default", "messages": [{"role": "user", "content": "x"}], "user": "u" * 200}
+    r = httpx.post(server.url + "/v1/chat/completions", json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "user", r.text
+    assert "X-Session-ID" not in r.json()["error"]["message"]
+    gone = httpx.delete(server.url + "/v1/tenants/nobody")
+    assert gone.status_code == 404 and gone.json()["error"]["code"] == "tenant_not_found"
+    plain = httpx.post(
+        server.url + "/v1/chat/completions",
+        content=json.dumps(body),
+        headers={"Content-Type": "text/plain"},
+    )
+    assert plain.status_code == 415 and "application/json" in plain.json()["error"]["message"]
