@@ -109,6 +109,12 @@ def run(
     end = min(last for _, _, last in plain)
     full = [s for n, s in steps.steps if n >= args.batch]
     decode = sorted(full[len(full) // 5 :])  # past the prompts' steps
+    wall = time.perf_counter() - t0
+    print(
+        f"  {'with' if constrained else 'without'}: {len(steps.steps)} steps, "
+        f"{sum(x for _, x in steps.steps):.2f} s in steps, {wall:.2f} s wall, "
+        f"mean batch {statistics.mean(n for n, _ in steps.steps):.1f}"
+    )
     return {
         "step_p50_ms": statistics.median(decode) * 1e3 if decode else float("nan"),
         # the unconstrained sessions' tokens over the run (each has exactly args.tokens)
