@@ -95,6 +95,9 @@ class _Pending:
     due: list[tuple[_Seq, int, int | None]] = field(default_factory=list)
     sampled: list[int] = field(default_factory=list)  # tokens sampled on the host, `due` order
     ticket: Ticket | None = None  # greedy tokens still on their way to the host (overlapped)
+    # an overlapped step's rows that the host samples once the ticket is read (a grammar,
+    # penalties, logprobs: `kvtier.server.logitproc`), copied out of the step's logits
+    later: torch.Tensor | None = None
 
 
 # A step with at least this many prompt tokens times a prefill for the cost model (shorter ones
@@ -189,11 +192,16 @@ class Stepping:
         due = [(k, s) for k, (s, _) in enumerate(items) if s.fed == len(s.tokens)]
         if not due:
             return p
+        # Overlapped when every row is greedy but those with a Decoding (a grammar, penalties,
+        # logprobs): their logits are copied out now and sampled on the host when the step's
+        # tokens are read. They sit the next step out (their token is not known when it is
+        # launched) and join the one after: the other rows keep their pace (bench/grammar_step.py).
         ahead = (
             self.overlap_steps
             and not timed
             and self.served.devices is None
-            and all(s.job.temperature <= 0 and s.decoding is None for _, s in due)
+            and all(s.job.temperature <= 0 or s.decoding is not None for _, s in due)
+            and any(s.decoding is None for _, s in due)
         )
         if ahead or len(due) == len(items):
             # every row: an index of rows would go to the device by a copy that waits for it
@@ -204,27 +212,17 @@ class Stepping:
         if allowed is not None:  # one call (each torch call gives the GIL up and back)
             chosen = torch.where(allowed, chosen, float("-inf"))
         if not ahead:
-            decodings = [s.decoding for _, s in due]
-            processed = any(d is not None for d in decodings)
-            dead: list[int] = []
-            if processed:
-                chosen = chosen.float().clone()  # the rows' penalties and masks go on a copy
-                dead = process(chosen, decodings)
-            sampled = sample_rows(
-                chosen.float(),
-                [s.job.temperature for _, s in due],
-                [s.job.top_p for _, s in due],
-                [s.gen for _, s in due],
-            )
-            if processed:
-                record(chosen, decodings, sampled)
-            for j in dead:  # its grammar allows no token of this model: the turn fails
-                self._fail(due[j][1], NoTokenAllowed())
-            p.due = [(s, j, None) for j, (_, s) in enumerate(due) if j not in dead]
-            p.sampled = [t for j, t in enumerate(sampled) if j not in dead]
+            p.sampled = self._sample_host(chosen, [s for _, s in due])
+            p.due = [(s, j, None) for j, (_, s) in enumerate(due)]
             return p
+        later = [k for k, s in due if s.decoding is not None]
+        if later:  # a copy made now, before the next step writes the logits again
+            p.later = chosen[later].float()
         tokens, p.ticket = self._readback.start(chosen)  # argmax in the model's dtype: exact
         for k, s in due:
+            if s.decoding is not None:
+                p.due.append((s, k, None))  # sampled on the host once the ticket is read
+                continue
             if s.job.max_tokens <= 0 or len(s.reply.ids) + 1 >= s.job.max_tokens:
                 p.due.append((s, k, None))  # its last token: nothing more to feed
                 continue
@@ -233,11 +231,38 @@ class Stepping:
             s.feed = (tokens, k)
         return p
 
+    def _sample_host(self, logits: torch.Tensor, seqs: list[_Seq]) -> list[int]:
+        """One token for each row of `logits` (`seqs` in order), drawn on the host after the
+        rows' penalties and grammar masks. A row whose grammar allows no token fails its turn
+        (its token is then never taken: the turn is gone)."""
+        decodings = [s.decoding for s in seqs]
+        processed = any(d is not None for d in decodings)
+        dead: list[int] = []
+        if processed:
+            logits = logits.float().clone()  # the rows' penalties and masks go on a copy
+            dead = process(logits, decodings)
+        sampled = sample_rows(
+            logits.float(),
+            [s.job.temperature for s in seqs],
+            [s.job.top_p for s in seqs],
+            [s.gen for s in seqs],
+        )
+        if processed:
+            record(logits, decodings, sampled)
+        for j in dead:  # its grammar allows no token of this model: the turn fails
+            self._fail(seqs[j], NoTokenAllowed())
+        return sampled
+
     def _complete(self, p: _Pending) -> None:
         """The host side of a launched step: its tokens streamed, finished turns ended."""
         if p.ticket is not None:
             host = p.ticket.wait()
             sampled = [host[row] for _, row, _ in p.due]
+            if p.later is not None:
+                rows = [j for j, (s, _, _) in enumerate(p.due) if s.decoding is not None]
+                drawn = self._sample_host(p.later, [p.due[j][0] for j in rows])
+                for j, token in zip(rows, drawn, strict=True):
+                    sampled[j] = token
         else:
             sampled = p.sampled
         now = time.perf_counter()
