@@ -20,6 +20,7 @@ from typing import Any
 import httpx
 
 from kvtier.loadgen_hosts import by_host, fleet_ttft, host_of, merge_tiers
+from kvtier.loadgen_metrics import server_ttft
 from kvtier.loadgen_report import (
     RESTORED,
     compare_pairs,
@@ -27,7 +28,6 @@ from kvtier.loadgen_report import (
     percentile,
     plot,
     report,
-    server_ttft,
     summarize,
     tiers_during,
 )

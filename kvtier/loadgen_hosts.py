@@ -13,7 +13,7 @@ from collections import Counter
 from typing import Any
 
 from kvtier.humanize import plural
-from kvtier.loadgen_report import _source_key, ttft_deltas, ttft_summary
+from kvtier.loadgen_metrics import _source_key, ttft_deltas, ttft_summary
 
 
 def host_of(session: int, turn: int, hosts: int) -> int:

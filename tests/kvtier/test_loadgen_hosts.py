@@ -14,7 +14,8 @@ from server_proc import ROOT, Server
 
 from kvtier.loadgen import LoadConfig, Sample
 from kvtier.loadgen_hosts import by_host, fleet_ttft, host_lines, host_of, merge_tiers
-from kvtier.loadgen_report import format_report, report, server_ttft, tiers_during, tiers_now
+from kvtier.loadgen_metrics import server_ttft
+from kvtier.loadgen_report import format_report, report, tiers_during, tiers_now
 
 SCRAPES = Path(__file__).resolve().parents[1] / "fixtures" / "metrics"
 

@@ -11,13 +11,12 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from kvtier.loadgen import LoadConfig, Sample
+from kvtier.loadgen_metrics import histogram_quantile, server_ttft
 from kvtier.loadgen_report import (
     compare_pairs,
     format_report,
-    histogram_quantile,
     plot,
     report,
-    server_ttft,
     tiers_now,
 )
 from kvtier.server.metrics import ServerMetrics
