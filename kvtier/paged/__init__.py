@@ -8,7 +8,8 @@
 See docs/paged.md.
 """
 
-from kvtier.paged.attention import ATTN_NAME, PagedContext, paged_context, register
+from kvtier.paged.attention import register
+from kvtier.paged.context import ATTN_NAME, PagedContext, paged_context
 from kvtier.paged.pool import CHUNK_TOKENS, PagedSequence, PagePool, PoolExhausted
 from kvtier.paged.runner import BatchRunner, Feed, SeqInput
 

@@ -32,98 +32,24 @@ Backends (`PagedContext.backend`):
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import inspect
 import os
-from collections.abc import Iterator
-from contextvars import ContextVar
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
-from kvtier.errors import ConfigError, KvtierError
-from kvtier.paged.pool import PagePool, to_device
+from kvtier.errors import KvtierError
+from kvtier.paged.context import (
+    ATTN_NAME,
+    PagedContext,
+    current_context,
+)
+from kvtier.paged.pool import to_device
+from kvtier.paged.reference import _reference_one, reference_paged
 
-ATTN_NAME = "kvtier_paged"
-BACKENDS = ("auto", "reference", "triton", "split", "rows", "varlen")
 VARLEN_PAGE = 256  # FlashAttention 2's paged KV takes page sizes that are multiples of this
-
-
-@dataclass
-class PagedContext:
-    """What every attention layer of one forward needs to find its sequences in the pool.
-
-    Device tensors (on the pool's device):
-      cu_seqlens_q  int32 [B + 1]  query offsets of each sequence in the flattened batch
-      cu_seqlens_k  int32 [B + 1]  running sum of context_lens (what varlen kernels take)
-      context_lens  int32 [B]      tokens of each sequence after this step (old + new)
-      slot_mapping  int64 [T]      flat slot (page * page_size + offset) of every new token
-      block_table   int32 [B, max_pages]  each sequence's page table, padded
-    Host copies (Python ints) drive the reference path without device syncs.
-    """
-
-    pool: PagePool
-    cu_seqlens_q: torch.Tensor
-    cu_seqlens_k: torch.Tensor
-    context_lens: torch.Tensor
-    slot_mapping: torch.Tensor
-    block_table: torch.Tensor
-    query_lens: list[int]
-    seq_lens: list[int]
-    page_counts: list[int]
-    backend: str = "auto"
-    # Triton decode splits per sequence; None: chosen from the batch (a CUDA graph fixes it)
-    num_splits: int | None = None
-    # the "rows" backend: per new token its block-table row and its context (position + 1),
-    # and the whole table (its last row is the padding row of graph steps)
-    row_seq: torch.Tensor | None = None
-    row_lens: torch.Tensor | None = None
-    row_table: torch.Tensor | None = None
-    # the rows' blocks (first row, rows; kvtier.paged.rowblocks): a prompt chunk's rows read
-    # their K/V together. None: every row on its own
-    row_blocks: tuple[torch.Tensor, torch.Tensor] | None = None
-    capturing: bool = False  # recorded in a CUDA graph: only the "rows" path may run
-    # the decode rows of a mixed step, made once per forward (see `_decode_rows`)
-    _rows: tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor] | None = field(
-        default=None, repr=False
-    )
-
-    @property
-    def num_seqs(self) -> int:
-        return len(self.query_lens)
-
-    @property
-    def decode_only(self) -> bool:
-        return all(n == 1 for n in self.query_lens)
-
-
-_CONTEXT: ContextVar[PagedContext | None] = ContextVar("kvtier_paged_context", default=None)
-
-
-@contextlib.contextmanager
-def paged_context(ctx: PagedContext) -> Iterator[PagedContext]:
-    """Set the forward context for the forward run inside the `with` block."""
-    if ctx.backend not in BACKENDS:
-        raise ConfigError(f"paged attention backend {ctx.backend!r} is not one of {BACKENDS}")
-    token = _CONTEXT.set(ctx)
-    try:
-        yield ctx
-    finally:
-        _CONTEXT.reset(token)
-
-
-def current_context() -> PagedContext:
-    ctx = _CONTEXT.get()
-    if ctx is None:
-        raise KvtierError(
-            f"attention implementation {ATTN_NAME!r} was called outside a paged forward: run the "
-            "model through kvtier.paged.BatchRunner, or set a PagedContext with paged_context()"
-        )
-    return ctx
 
 
 @functools.cache
@@ -267,50 +193,6 @@ def _triton_available() -> bool:
     return True
 
 
-def reference_paged(
-    ctx: PagedContext,
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    scale: float,
-    sliding_window: int | None = None,
-) -> torch.Tensor:
-    """Gather each sequence's pages and run SDPA with an end-aligned causal mask."""
-    if ctx.decode_only and sliding_window is None and ctx.num_seqs > 1:
-        return _decode_batched(ctx, q, k_cache, v_cache, scale)
-    outs = []
-    start = 0
-    for i, n_q in enumerate(ctx.query_lens):
-        outs.append(
-            _reference_one(ctx, i, q[start : start + n_q], k_cache, v_cache, scale, sliding_window)
-        )
-        start += n_q
-    return torch.cat(outs, dim=0)
-
-
-def _decode_batched(
-    ctx: PagedContext, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float
-) -> torch.Tensor:
-    """A decode-only step in one SDPA call: every sequence's pages gathered into one padded
-    `[B, kv_heads, pages * page_size, dim]` block, the padding masked out. Where no kernel reads
-    the page table (the CPU), one call for the batch costs less than one per sequence."""
-    b, width = ctx.num_seqs, max(ctx.page_counts)
-    table = ctx.block_table[:b, :width]  # entries past a row's pages: any valid page, masked
-    k = k_cache[table].flatten(1, 2).transpose(1, 2)  # [B, kv_heads, width * page, dim]
-    v = v_cache[table].flatten(1, 2).transpose(1, 2)
-    span = torch.arange(k.shape[2], device=q.device)
-    mask = (span[None, :] < ctx.context_lens[:, None].to(span.dtype))[:, None, None, :]
-    o = F.scaled_dot_product_attention(
-        q[:, :, None, :],  # [B, heads, 1, dim]
-        k.to(q.dtype),
-        v.to(q.dtype),
-        attn_mask=mask,
-        scale=scale,
-        enable_gqa=q.shape[1] != k_cache.shape[2],
-    )
-    return o[:, :, 0, :]
-
-
 def _rows(ctx: PagedContext) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if ctx.row_seq is None or ctx.row_lens is None or ctx.row_table is None:
         raise KvtierError(
@@ -410,65 +292,6 @@ def _decode_rows(
             ctx.context_lens.index_select(0, index),
         )
     return ctx._rows
-
-
-def _reference_one(
-    ctx: PagedContext,
-    i: int,
-    qi: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    scale: float,
-    sliding_window: int | None = None,
-) -> torch.Tensor:
-    """Sequence i's queries `[n_q, heads, dim]` over its gathered pages (end-aligned causal)."""
-    heads, kv_heads = qi.shape[1], k_cache.shape[2]
-    if heads % kv_heads:
-        raise KvtierError(f"{heads} query heads are not a multiple of {kv_heads} KV heads")
-    n_q, n_k = qi.shape[0], ctx.seq_lens[i]
-    pages = ctx.block_table[i, : ctx.page_counts[i]]
-    k = k_cache.index_select(0, pages).flatten(0, 1)[:n_k]  # [n_k, kv_heads, dim]
-    v = v_cache.index_select(0, pages).flatten(0, 1)[:n_k]
-    mask: Any = None
-    if sliding_window is not None:
-        q_pos = torch.arange(n_k - n_q, n_k, device=qi.device)[:, None]
-        k_pos = torch.arange(n_k, device=qi.device)[None, :]
-        mask = (k_pos <= q_pos) & (k_pos > q_pos - sliding_window)
-    elif n_q > 1:
-        # causal, aligned to the end of the context: a bias SDPA's flash and memory-efficient
-        # kernels take as such, where a boolean mask would send it to the math kernel
-        mask = causal_lower_right(n_q, n_k)
-        if qi.is_cuda:
-            return _flash_lower_right(qi, k, v, mask, scale)
-    o = F.scaled_dot_product_attention(
-        qi.transpose(0, 1),
-        k.transpose(0, 1).to(qi.dtype),
-        v.transpose(0, 1).to(qi.dtype),
-        attn_mask=mask,
-        scale=scale,
-        enable_gqa=heads != kv_heads,
-    )
-    return o.transpose(0, 1)
-
-
-def _flash_lower_right(
-    qi: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any, scale: float
-) -> torch.Tensor:
-    """A prompt chunk `[n_q, heads, dim]` over its context `[n_k, kv_heads, dim]` with the
-    end-aligned causal bias, through SDPA's flash kernel. That kernel takes the bias only for
-    4-D inputs with as many K/V heads as query heads: given 3-D inputs or grouped K/V heads, SDPA
-    falls back to its math kernel in float32 (on an H200, 1.5 ms a layer for a 512-token chunk
-    over 3,000 tokens). So the K/V heads are repeated for their query groups here."""
-    group = qi.shape[1] // k.shape[1]
-    kk = k.transpose(0, 1).to(qi.dtype)
-    vv = v.transpose(0, 1).to(qi.dtype)
-    if group > 1:
-        kk = kk.repeat_interleave(group, dim=0)
-        vv = vv.repeat_interleave(group, dim=0)
-    o = F.scaled_dot_product_attention(
-        qi.transpose(0, 1)[None], kk[None], vv[None], attn_mask=mask, scale=scale
-    )
-    return o[0].transpose(0, 1)
 
 
 def varlen_paged(

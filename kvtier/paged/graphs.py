@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvtier.paged.attention import PagedContext, paged_context
+from kvtier.paged.context import PagedContext, paged_context
 
 if TYPE_CHECKING:
     from kvtier.paged.runner import BatchRunner

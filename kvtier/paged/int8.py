@@ -15,8 +15,9 @@ import dataclasses
 import torch
 
 from kvtier.errors import KvtierError
-from kvtier.paged.attention import PagedContext, reference_paged
+from kvtier.paged.context import PagedContext
 from kvtier.paged.quant import dequantize_kv
+from kvtier.paged.reference import reference_paged
 
 
 def _step_pages(ctx: PagedContext) -> tuple[torch.Tensor, PagedContext]:

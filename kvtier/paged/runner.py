@@ -22,7 +22,8 @@ import numpy as np
 import torch
 
 from kvtier.errors import ConfigError
-from kvtier.paged.attention import PagedContext, paged_context, register
+from kvtier.paged.attention import register
+from kvtier.paged.context import PagedContext, paged_context
 from kvtier.paged.pool import PagedSequence, PagePool, PoolExhausted
 from kvtier.paged.rowblocks import row_blocks, rows_per_block
 

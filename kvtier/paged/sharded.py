@@ -23,7 +23,7 @@ import torch
 
 from kvtier.errors import ConfigError
 from kvtier.geometry import KVGeometry
-from kvtier.paged.attention import PagedContext
+from kvtier.paged.context import PagedContext
 from kvtier.paged.pool import PagePool
 from kvtier.paged.quant import SCALE_DTYPE, dequantize_kv, quantize_kv
 from kvtier.placement import Placement

@@ -21,7 +21,8 @@ from transformers.models.llama.modeling_llama import eager_attention_forward
 from kvtier.errors import KvtierError
 from kvtier.geometry import KVGeometry
 from kvtier.paged import BatchRunner, PagedSequence, PagePool, PoolExhausted, SeqInput
-from kvtier.paged.attention import paged_attention_forward, paged_context
+from kvtier.paged.attention import paged_attention_forward
+from kvtier.paged.context import paged_context
 
 
 def _paged(

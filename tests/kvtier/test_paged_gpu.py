@@ -20,12 +20,8 @@ pytestmark = [
 
 def test_varlen_paged_matches_reference() -> None:
     """A mixed step (fresh prefill, prefill after a prefix, decode) through varlen_attn, bf16."""
-    from kvtier.paged.attention import (
-        attend,
-        reference_paged,
-        varlen_block_table_supported,
-        write_kv,
-    )
+    from kvtier.paged.attention import attend, varlen_block_table_supported, write_kv
+    from kvtier.paged.reference import reference_paged
 
     if not varlen_block_table_supported():
         pytest.skip(f"torch {torch.__version__} has no varlen_attn(block_table=)")

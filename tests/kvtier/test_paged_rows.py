@@ -11,7 +11,7 @@ from conftest import MODELS
 from test_paged import _greedy_alone, _paged, _prompts, _serve, _Session
 
 from kvtier.paged import PagedSequence, SeqInput
-from kvtier.paged.attention import paged_context
+from kvtier.paged.context import paged_context
 from kvtier.paged.graphs import default_buckets, padded_context
 
 
