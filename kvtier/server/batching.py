@@ -50,7 +50,7 @@ from kvtier.server.backend import Backend, PagedBackend, RecomputeBackend
 from kvtier.server.committing import TurnCommits
 from kvtier.server.eventpost import EventPost
 from kvtier.server.failover import make_pool
-from kvtier.server.jobs import ContextExceeded, Delta, Job, Stream
+from kvtier.server.jobs import Delta, Job, Stream, pool_too_small
 from kvtier.server.loading import StagedLoader
 from kvtier.server.logitproc import decoding_of
 from kvtier.server.lookahead import TokenReadback
@@ -135,10 +135,8 @@ class BatchScheduler(Stepping):
         # Prefix pages shared between a tenant's running sequences; not with a lossy codec (a
         # session restored from L1 would read another's approximate prefix, not its own).
         self.share_prefixes = str(getattr(config, "codec", "native")) == "native"
-        # Parked pages (`park_pages`): a finished turn's pages stay in the pool as its
-        # session's, least recently parked first out, while nothing else needs them; the next
-        # turn of that session, restored from L1, starts from them instead of a copy of its
-        # prefix (docs/architecture.md, "Parked pages")
+        # Parked pages (`park_pages`): a finished turn's pages stay as its session's, the least
+        # recently parked going first; its next turn starts from them (architecture.md)
         self.park_pages = bool(getattr(config, "park_pages", False)) and self._keep_kv
         # Paged L1 (`paged_l1`): the pool is the sessions' L1. A finished turn stores its new
         # chunks in L2 straight from its pages and parks them; the cache keeps no L1 copy.
@@ -329,17 +327,25 @@ class BatchScheduler(Stepping):
         self._iterations += 1
         idle = not (self.running or self.waiting)  # and when it goes idle, for an exact figure
         if idle or self._iterations % POOL_GAUGE_EVERY == 1:
-            self._pool_gauges()
+            self.tables.report(self.metrics)
 
-    def _pool_gauges(self) -> None:
-        """The pool's pages by state for /metrics (a page parked tables share counts once),
-        where the metrics take them (a bench's step log may not)."""
-        pages = getattr(self.metrics, "pages", None)
-        if pages is None:
-            return
-        pool = self.pool
-        parked = self.tables.pages()
-        pages(parked, pool.num_free, pool.num_pages, pool.page_bytes)
+    def settled(self, timeout: float) -> list[_Seq]:
+        """Running, waiting and arrived sequences, once restores holding L1 have handed theirs
+        over (at most `timeout` s): for a device failover (kvtier.server.rehome)."""
+
+        def over() -> bool:
+            return self.restores.holding <= len(self.running + list(self.waiting) + self._arrived)
+
+        with self._cond:
+            self._cond.wait_for(over, timeout=timeout)
+            return [*self.running, *self.waiting, *self._arrived]
+
+    def fail_queued(self, s: _Seq, exc: BaseException) -> None:
+        """Fail a sequence that may still be in the arrived list."""
+        with self._cond:
+            if s in self._arrived:
+                self._arrived.remove(s)
+        self._fail(s, exc)
 
     def _post(self, s: _Seq, event: Any) -> None:
         self._events.post(s.stream, event)
@@ -395,7 +401,7 @@ class BatchScheduler(Stepping):
             pages = pool.pages_for(len(s.tokens))
             if pages > pool.num_pages:
                 self.waiting.popleft()
-                self._fail(s, self._too_long(len(s.tokens)))
+                self._fail(s, pool_too_small(len(s.tokens), pool.num_pages * pool.page_size))
                 continue
             own = self.tables.own_pages(s)
             if s.held is not None and own is None:  # a device failover rebuilt the pool
@@ -422,13 +428,6 @@ class BatchScheduler(Stepping):
 
     def _decoding(self) -> list[_Seq]:
         return [s for s in self.running if s.unfed == 1 and s.loading is None]
-
-    def _too_long(self, tokens: int) -> ContextExceeded:
-        cap = self.pool.num_pages * self.pool.page_size
-        return ContextExceeded(
-            f"the conversation has {tokens} tokens but the batch KV pool holds {cap}; shorten "
-            "it, or raise batch_kv_bytes (or turn batching off)"
-        )
 
     def _admit(self, s: _Seq, shared: list[int] | None = None, own: Parked | None = None) -> bool:
         """Give a waiting sequence pages for all its known tokens and copy in its cached K/V;

@@ -133,3 +133,11 @@ def check_fits(served: Any, config: Any, prompt_tokens: int, max_tokens: int | N
             f"prompt {prompt_tokens} tokens, server limit {config.max_tokens_limit})"
         )
     return max_tokens
+
+
+def pool_too_small(tokens: int, capacity: int) -> ContextExceeded:
+    """A conversation longer than the batch's page pool holds (`capacity` tokens)."""
+    return ContextExceeded(
+        f"the conversation has {tokens} tokens but the batch KV pool holds {capacity}; shorten "
+        "it, or raise batch_kv_bytes (or turn batching off)"
+    )

@@ -89,6 +89,14 @@ class PageTables:
         """Pages the parked tables hold (a page tables share counts once)."""
         return len({p for t in self.parked.values() for p in t.table.pages})
 
+    def report(self, metrics: Any) -> None:
+        """The pool's pages by state for /metrics (a page parked tables share counts once),
+        where the metrics take them (a bench's step log may not)."""
+        pages = getattr(metrics, "pages", None)
+        if pages is not None:
+            pool = self.pool
+            pages(self.pages(), pool.num_free, pool.num_pages, pool.page_bytes)
+
     def park(self, s: Any) -> bool:
         """Keep a finished turn's pages as its session's; False where they may not stay: parking
         off, an ephemeral session, an int8 pool (its pages are approximate, and the session's

@@ -66,28 +66,16 @@ def rehome(failover: Any, sched: Any, lost: bool) -> None:
     _reload(sched, cache)
 
 
-def _settle(sched: Any) -> list[Any]:
-    """The scheduler's sequences whose restore finished: running, waiting and arrived.
-    A restore that took its L1 hold but has not handed its sequence over yet is waited
-    for (briefly), so no sequence with a Cache on the old primary is missed."""
-    with sched._cond:
-        sched._cond.wait_for(
-            lambda: (
-                sched.restores.holding
-                <= len(sched.running) + len(sched.waiting) + len(sched._arrived)
-            ),
-            timeout=SETTLE_S,
-        )
-        return [*sched.running, *sched.waiting, *sched._arrived]
-
-
 def _reload(sched: Any, cache: Any) -> None:
     """Each queued sequence whose Cache lived on the old primary restores its session's
     stored prefix on the new one (`cached` is then what that covers; the tokens after it
     are recomputed at admission). One that cannot is failed (its session survives)."""
     from kvtier.server.backend import Restored
 
-    for s in _settle(sched):
+    # the sequences whose restore finished; a restore that took its L1 hold but has not
+    # handed its sequence over yet is waited for (briefly), so none with a Cache on the old
+    # primary is missed
+    for s in sched.settled(SETTLE_S):
         if s.restored is None or isinstance(s.restored.kv, StagedPrefix):
             continue  # a staged prefix is in L2: the new pool's pages take it at admission
         if s.restored.kv is None:  # nothing restored, or parked pages of the old pool
@@ -105,7 +93,4 @@ def _reload(sched: Any, cache: Any) -> None:
             s.cached = s.restored.covered
         except BaseException as exc:
             log.error("session %s: no restore after the failover: %s", s.job.session_id, exc)
-            with sched._cond:
-                if s in sched._arrived:
-                    sched._arrived.remove(s)
-            sched._fail(s, exc)
+            sched.fail_queued(s, exc)
