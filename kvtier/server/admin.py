@@ -19,7 +19,7 @@ from kvtier.server.http import MAX_SESSION_ID, MAX_TENANT, ApiError, check_id
 from kvtier.server.jobs import Overloaded
 
 if TYPE_CHECKING:  # pragma: no cover
-    from kvtier.server.app import State
+    from kvtier.server.state import State
 
 
 def install_admin_routes(app: FastAPI, state: State) -> None:

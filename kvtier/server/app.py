@@ -24,7 +24,7 @@ from kvtier.errors import (
     StoreError,
 )
 from kvtier.server.admin import install_admin_routes
-from kvtier.server.auth import Auth, authenticate
+from kvtier.server.auth import authenticate
 from kvtier.server.backend import make_backend
 from kvtier.server.completions import respond
 from kvtier.server.config import ServerConfig
@@ -34,84 +34,15 @@ from kvtier.server.engine import Engine
 from kvtier.server.failover import place_configured
 from kvtier.server.http import ApiError
 from kvtier.server.memplan import backend_device_bytes, build_plan, planned_config, startup_peaks
-from kvtier.server.metrics import ServerMetrics
 from kvtier.server.model import ServedModel, build_default, load_dummy, load_local
 from kvtier.server.prompting import chat_ids, completion_ids
 from kvtier.server.reqmetrics import RequestMetrics
 from kvtier.server.requestbody import read_body
 from kvtier.server.schema import ChatRequest, CompletionRequest
+from kvtier.server.state import State
 from kvtier.server.warm_request import warm_request
-from kvtier.snapshot import CacheSnapshot
 
 log = logging.getLogger("kvtier.server")
-
-# How long /v1/sessions waits for a fresh snapshot before it answers the previous one.
-SNAPSHOT_WAIT_S = 0.05
-
-
-class State:
-    """What the routes share: config, the engine once the model is loaded, metrics."""
-
-    def __init__(self, config: ServerConfig, registry: CollectorRegistry) -> None:
-        self.config = config
-        self.registry = registry
-        self.metrics = ServerMetrics(registry)
-        self.auth = Auth.from_config(config)  # reads the API keys file, if any
-        self.engine: Engine | None = None
-        self.warming = False  # the in-process warm-up request runs: not ready yet
-        self.load_error: BaseException | None = None
-        self.fatal_error: BaseException | None = None
-        self._snap_task: asyncio.Future[CacheSnapshot | None] | None = None
-        self._last_snap: CacheSnapshot | None = None
-        self.started = time.time()
-        # Set by whatever runs the app (run.run_app): stop serving, the process is to exit.
-        self.stop: Callable[[], None] | None = None
-
-    def fatal(self, exc: BaseException) -> None:
-        """An error no retry can fix: record it and stop the server, which then exits non-zero
-        with the error's message (run.run_app)."""
-        self.fatal_error = exc
-        if self.stop is not None:
-            self.stop()
-
-    def snapshot(self) -> CacheSnapshot | None:
-        """The cache's snapshot for exporters (None before the model is loaded or with no cache).
-        Blocking (it takes the cache's lock): call it from a thread, never on the event loop."""
-        return self.engine.backend.snapshot() if self.engine is not None else None
-
-    async def recent_snapshot(self, wait_s: float = SNAPSHOT_WAIT_S) -> tuple[Any, bool]:
-        """(snapshot, fresh) for the admin listing without blocking the event loop.
-
-        The snapshot is taken in a thread; it waits for the cache's lock, which a restore holds
-        while it loads from L3. After `wait_s` the previous snapshot is answered instead (fresh
-        False), and the one in flight is shared by later calls rather than piling up threads.
-        """
-        if self._snap_task is None or self._snap_task.done():
-            self._snap_task = asyncio.ensure_future(asyncio.to_thread(self.snapshot))
-        task = self._snap_task
-        if self._last_snap is not None:
-            done, _ = await asyncio.wait({task}, timeout=wait_s)
-            if not done:
-                return self._last_snap, False
-        snap = await task
-        self._last_snap = snap
-        return snap, True
-
-    def ready_engine(self) -> Engine:
-        if self.engine is None:
-            if self.load_error is not None:
-                raise ApiError(503, f"the model failed to load: {self.load_error}", "server_error")
-            raise ApiError(
-                503,
-                "the model is still loading; retry shortly",
-                "server_error",
-                headers={"Retry-After": "1"},
-            )
-        if self.engine.fatal is not None:  # the device is lost: the process exits
-            raise ApiError(503, f"{self.engine.fatal}; retry later", "server_error")
-        if self.engine.draining:
-            raise ApiError(503, "the server is shutting down; retry later", "server_error")
-        return self.engine
 
 
 def _load(config: ServerConfig) -> ServedModel:

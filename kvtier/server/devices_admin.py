@@ -25,8 +25,8 @@ from kvtier.server.auth import require_admin
 from kvtier.server.http import ApiError
 
 if TYPE_CHECKING:  # pragma: no cover
-    from kvtier.server.app import State
     from kvtier.server.failover import DeviceFailover
+    from kvtier.server.state import State
 
 # Longest wait for a failover or restore to be applied (it waits for the current step).
 APPLY_TIMEOUT_S = 120.0
