@@ -64,7 +64,7 @@ from kvtier import CacheConfig, TieredCache
 from kvtier.errors import L1BudgetExceeded
 from kvtier.geometry import KVGeometry
 from kvtier.integrations.hf import set_cudnn_attention
-from kvtier.tiers.l3_io import isolate_caller
+from kvtier.tiers.l3.io import isolate_caller
 
 
 @dataclass

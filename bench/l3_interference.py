@@ -11,7 +11,7 @@ geometry) are written to L3 in the background the way write-through writes them:
   writer-process kvtier's L3 writer process (`l3_writer="process"`, the default): the engine
                  in this process, the file writes in a child reading L2 from shared memory
   MODE-pinned    MODE with the decode thread on a core of its own and the background work on
-                 the other CPUs (`kvtier.tiers.l3_io.isolate_caller`)
+                 the other CPUs (`kvtier.tiers.l3.io.isolate_caller`)
 
 Comparing the rows separates CPU contention, the shared interpreter (GIL) and the disk I/O.
 A step is one real decode forward of a Qwen2-shaped model with random weights (`--step model`,
@@ -41,9 +41,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from kvtier.codecs import make_codec
 from kvtier.geometry import KVGeometry
-from kvtier.tiers import l3_io
 from kvtier.tiers.l2 import HostArena
 from kvtier.tiers.l3 import L3Store
+from kvtier.tiers.l3 import io as l3_io
 from kvtier.transfer import TransferEngine
 
 GEOMETRY = KVGeometry(28, 4, 128, 128, "bfloat16", "gqa")

@@ -46,8 +46,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvtier import kvbin
 from kvtier.kvbin import ChunkHeader
-from kvtier.tiers import l3_io
 from kvtier.tiers.l3 import L3Store
+from kvtier.tiers.l3 import io as l3_io
 
 FP = bytes(range(16))
 O_DIRECT = getattr(os, "O_DIRECT", 0)

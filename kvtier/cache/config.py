@@ -48,7 +48,7 @@ class CacheConfig:
     l3_threads: int = 4
     inflight_bytes_max: int | None = None  # device bytes of copies in flight (see above)
     # "threads": L3 file writes from threads of this process; "process": from a child
-    # process reading L2 from shared memory (Linux; see kvtier.tiers.l3_writer); "auto":
+    # process reading L2 from shared memory (Linux; see kvtier.tiers.l3.writer); "auto":
     # process with a CUDA model (whose decode loop is bound by this interpreter launching
     # kernels, which writer threads slow down), threads on the CPU
     l3_writer: str = "auto"

@@ -23,7 +23,7 @@ from kvtier.cache.keys import SHARED_TENANT, ZERO_KEY, chunk_key
 from kvtier.cache.restore import common_prefix
 from kvtier.cache.session import Ids, Session, as_ids
 from kvtier.errors import SessionError
-from kvtier.tiers.l3_keys import tenant_chunk_keys
+from kvtier.tiers.l3.keys import tenant_chunk_keys
 from kvtier.types import SessionState
 
 if TYPE_CHECKING:  # pragma: no cover

@@ -18,7 +18,7 @@ from kvtier.errors import EncryptionError, StoreError
 from kvtier.humanize import plural
 from kvtier.humanize import size as _human
 from kvtier.tiers.l3 import L3Store
-from kvtier.tiers.l3_maint import Progress
+from kvtier.tiers.l3.maint import Progress
 from kvtier.units import size_arg
 
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
@@ -278,7 +278,7 @@ def fsck_command(
       4  problems left: found with --check, or not repairable; see LEFT
       8  operational error: the check could not run (store in use, unsafe root)
     """
-    from kvtier.tiers.l3_maint import fsck
+    from kvtier.tiers.l3.maint import fsck
 
     with (
         _open(
@@ -323,7 +323,7 @@ def migrate_command(
 
     The cold root is recorded in the store, so the cache and later commands find the chunks
     there without being told."""
-    from kvtier.tiers.l3_maint import migrate
+    from kvtier.tiers.l3.maint import migrate
 
     seconds = parse_duration(older_than)
     with (
@@ -362,7 +362,7 @@ def gc_command(
 ) -> None:
     """Delete chunks no session references: idle past --older-than, then LRU down to --max-bytes.
     Expired unpinned sessions (past their TTL) are dropped first."""
-    from kvtier.tiers.l3_maint import gc
+    from kvtier.tiers.l3.maint import gc
 
     seconds = parse_duration(older_than)
     cap = size_arg(max_bytes, "--max-bytes") if max_bytes else None

@@ -63,7 +63,7 @@ from kvtier.server.restoring import RestoreWorkers, helper_threads
 from kvtier.server.sampling import ReplyText, make_generator
 from kvtier.server.schedthread import tune_interpreter
 from kvtier.server.stepping import Stepping, _Pending, _Seq
-from kvtier.tiers import l3_io
+from kvtier.tiers.l3 import io as l3_io
 
 log = logging.getLogger("kvtier.server")
 

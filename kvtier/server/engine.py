@@ -41,7 +41,7 @@ from kvtier.server.model import ServedModel, cache_kwarg
 from kvtier.server.reqmetrics import TurnClock
 from kvtier.server.sampling import ReplyText, make_generator, sample
 from kvtier.server.streaming import degrade
-from kvtier.tiers import l3_io
+from kvtier.tiers.l3 import io as l3_io
 
 if TYPE_CHECKING:  # pragma: no cover
     from kvtier.server.batching import BatchScheduler

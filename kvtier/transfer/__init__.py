@@ -8,7 +8,7 @@ See docs/architecture.md, "Movement and policy".
   (`kvtier.transfer.staging`: `Handle`, the staging buffers; `kvtier.transfer.layout`: the
   L1 views a copy moves and the checks of a range);
 - `kvtier.transfer.disk.DiskMover`: L2 <-> L3, the thread pools, the writer child process
-  (kvtier.tiers.l3_writer), the bounded write queue and its shedding;
+  (kvtier.tiers.l3.writer), the bounded write queue and its shedding;
 - `kvtier.transfer.accounting`: bytes, seconds and copies per direction, `EngineStats`;
 - `kvtier.transfer.inflight`: the device bytes copies in flight hold outside the L1 pool's
   budget (released L1 blocks still going down, chunks gathered from pages), under one bound
@@ -32,7 +32,7 @@ from kvtier.errors import ConfigError
 from kvtier.geometry import KVGeometry
 from kvtier.kvbin import ChunkHeader
 from kvtier.tiers.l2 import HostArena
-from kvtier.tiers.l3_writer import WriterProcess
+from kvtier.tiers.l3.writer import WriterProcess
 from kvtier.transfer.accounting import DIRECTIONS, Accounts, EngineStats
 from kvtier.transfer.device import GROUP_BYTES, MAX_GROUP, DeviceMover
 from kvtier.transfer.disk import DiskMover

@@ -4,7 +4,7 @@ See docs/architecture.md, "Movement and policy".
 
 Two thread pools (writes, reads) call the L3 store, whose O_DIRECT I/O goes straight between
 the pinned slots and the .kvbin files. With a `WriterProcess` the writes' file work runs in a
-child process that maps the same (shared) L2 slabs (kvtier.tiers.l3_writer). The write queue
+child process that maps the same (shared) L2 slabs (kvtier.tiers.l3.writer). The write queue
 is bounded: when it is full, `write_l3` sheds the write (returns None and counts it) instead
 of stalling decode. A job first waits for the device copy still using its slot (`last_copy`,
 from the device mover). A restore settles each slot's L3 read just before that chunk's copy
@@ -21,9 +21,9 @@ from typing import Any
 
 from kvtier.errors import ConfigError
 from kvtier.kvbin import ChunkHeader
-from kvtier.tiers import l3_io
 from kvtier.tiers.l2 import HostArena
-from kvtier.tiers.l3_writer import WriterProcess
+from kvtier.tiers.l3 import io as l3_io
+from kvtier.tiers.l3.writer import WriterProcess
 from kvtier.transfer.accounting import Accounts
 from kvtier.transfer.staging import Handle
 

@@ -15,7 +15,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Literal
 
-from kvtier.tiers import l3_io  # the one cachestat/mincore binding, shared with the L3 store
+from kvtier.tiers.l3 import (
+    io as l3_io,  # the one cachestat/mincore binding, shared with the L3 store
+)
 
 SUFFIX = ".kvbin"
 PAGE = mmap.PAGESIZE

@@ -374,8 +374,8 @@ def test_a_plain_store_works_where_cryptography_is_missing(tmp_path: Path) -> No
 def test_a_large_payload_is_sealed_and_written_in_pieces(tmp_path: Path, pool: bool) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
-    from kvtier.tiers import l3_io
-    from kvtier.tiers.l3_write import SEAL_PIECE, write_chunk_file
+    from kvtier.tiers.l3 import io as l3_io
+    from kvtier.tiers.l3.write import SEAL_PIECE, write_chunk_file
 
     size = 2 * SEAL_PIECE + 5000  # three pieces, the last one short
     h = replace(header(size=size), checksum="crc32")

@@ -27,9 +27,9 @@ from kvtier.errors import (
     UnsafeRootError,
     UnsupportedVersion,
 )
-from kvtier.tiers import l3_io
 from kvtier.tiers.l3 import L3Store, SessionRecord
-from kvtier.tiers.l3_index import SCHEMA_VERSION
+from kvtier.tiers.l3 import io as l3_io
+from kvtier.tiers.l3.index import SCHEMA_VERSION
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ from kvtier.cli.l3 import command
 from kvtier.errors import ChunkNotFound, StoreError
 from kvtier.server.config import ServerConfig
 from kvtier.tiers.l3 import L3Store
-from kvtier.tiers.l3_maint import fsck
+from kvtier.tiers.l3.maint import fsck
 
 SIZE = 9000
 

@@ -15,7 +15,7 @@ import pytest
 from l3_helpers import FP, payload_for
 
 from kvtier.tiers.l3 import L3Store
-from kvtier.tiers.l3_maint import fsck
+from kvtier.tiers.l3.maint import fsck
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]

@@ -13,7 +13,7 @@ from l3_helpers import FP, header, payload_for
 from kvtier import kvbin
 from kvtier.errors import ChunkNotFound
 from kvtier.tiers.l3 import L3Store, SessionRecord
-from kvtier.tiers.l3_maint import gc
+from kvtier.tiers.l3.maint import gc
 
 SIZE = 8192
 ONE = kvbin.file_size(SIZE)

@@ -14,9 +14,9 @@ from l3_helpers import FP, header, payload_for
 
 from kvtier import kvbin
 from kvtier.errors import UnsafeRootError
-from kvtier.tiers import l3_index
 from kvtier.tiers.l3 import L3Store
-from kvtier.tiers.l3_index import ChunkRow
+from kvtier.tiers.l3 import index as l3_index
+from kvtier.tiers.l3.index import ChunkRow
 
 SIZE = 4096
 ONE = kvbin.file_size(SIZE)

@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from kvtier.tiers import l3_io
+from kvtier.tiers.l3 import io as l3_io
 
 
 def test_parse_cpu_list() -> None:

@@ -13,7 +13,7 @@ from l3_helpers import FP, header, payload_for
 
 from kvtier.cli.l3 import command, parse_duration, parse_size
 from kvtier.tiers.l3 import L3Store, SessionRecord
-from kvtier.tiers.l3_maint import fsck, gc, migrate
+from kvtier.tiers.l3.maint import fsck, gc, migrate
 
 
 def fill(store: L3Store, n: int, size: int = 9000) -> list[tuple[bytes, bytes]]:

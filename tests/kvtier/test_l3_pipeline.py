@@ -13,7 +13,7 @@ from kvtier import kvbin
 from kvtier.errors import ChecksumMismatch, FingerprintMismatch, KvbinFormatError, StoreError
 from kvtier.kvbin import HEADER_SIZE
 from kvtier.tiers.l3 import L3Store
-from kvtier.tiers.l3_commit import GroupCommit
+from kvtier.tiers.l3.commit import GroupCommit
 
 PIECE = 8192  # small pieces so that small files take the multi-piece path
 
@@ -215,7 +215,7 @@ def test_write_threads_run_at_background_priority(tmp_path: Path) -> None:
     import os
     import threading
 
-    from kvtier.tiers import l3_io
+    from kvtier.tiers.l3 import io as l3_io
 
     store = L3Store(tmp_path / "l3")
     seen: dict[str, int] = {}

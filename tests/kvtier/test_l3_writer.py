@@ -24,7 +24,7 @@ from kvtier.errors import ConfigError, StoreIOError
 from kvtier.geometry import KVGeometry
 from kvtier.kvbin import ChunkHeader
 from kvtier.tiers.l2 import HostArena
-from kvtier.tiers.l3_writer import WriterProcess
+from kvtier.tiers.l3.writer import WriterProcess
 
 pytestmark = pytest.mark.skipif(
     not hasattr(os, "memfd_create"), reason="the writer process maps memfd slabs"

@@ -23,8 +23,8 @@ from kvtier.cli.l3 import command as l3_command
 from kvtier.errors import MasterKeyRequired, TenantKeyShredded
 from kvtier.integrations.hf import cache_kwarg
 from kvtier.tiers.l3 import L3Store
-from kvtier.tiers.l3_keys import tenant_chunk_keys
-from kvtier.tiers.l3_maint import gc
+from kvtier.tiers.l3.keys import tenant_chunk_keys
+from kvtier.tiers.l3.maint import gc
 
 CHUNK = 16
 

@@ -99,7 +99,7 @@ def test_doctor_reads_sizes_the_same_way(tmp_path: Path, monkeypatch: pytest.Mon
 
 def test_l3_gc_reads_sizes_the_same_way(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from kvtier.cli.l3 import command
-    from kvtier.tiers import l3_maint
+    from kvtier.tiers.l3 import maint as l3_maint
 
     seen: list[Any] = []
     real = l3_maint.gc

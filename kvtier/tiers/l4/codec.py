@@ -25,7 +25,7 @@ from typing import Any
 from kvtier import kvbin
 from kvtier.errors import FingerprintMismatch, KvbinFormatError
 from kvtier.kvbin import HEADER_SIZE, ChunkHeader
-from kvtier.tiers.l3_index import SessionRecord
+from kvtier.tiers.l3.index import SessionRecord
 
 RECORD_MAGIC = b"KVTSREC1"
 

@@ -28,7 +28,7 @@ from kvtier.sealing import DataKey, MasterKey, PayloadOpener
 from kvtier.tiers.l4 import keys
 
 if TYPE_CHECKING:  # pragma: no cover
-    from kvtier.tiers.l3_keys import Keyring
+    from kvtier.tiers.l3.keys import Keyring
     from kvtier.tiers.l4.store import L4Store
 
 log = logging.getLogger("kvtier.tiers.l4")

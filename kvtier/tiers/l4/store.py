@@ -40,7 +40,7 @@ from kvtier.errors import (
     TenantKeyShredded,
 )
 from kvtier.kvbin import ChunkHeader
-from kvtier.tiers.l3_index import SessionRecord
+from kvtier.tiers.l3.index import SessionRecord
 from kvtier.tiers.l4 import codec, keys, wire
 from kvtier.tiers.l4.breaker import CLOSED, Breaker
 from kvtier.tiers.l4.wire import Dest

@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 
 from kvtier import kvbin
-from kvtier.tiers.l3_root import check_safe
+from kvtier.tiers.l3.root import check_safe
 
 TIERS = ("hot", "cold")
 

@@ -31,13 +31,13 @@ from kvtier.errors import (
 )
 from kvtier.kvbin import HEADER_SIZE, ChunkHeader
 from kvtier.sealing import PayloadOpener
-from kvtier.tiers import l3_io
-from kvtier.tiers.l3_access import AccessTimes
-from kvtier.tiers.l3_index import ChunkRow, Index
-from kvtier.tiers.l3_keys import Keyring
-from kvtier.tiers.l3_layout import TIERS, Layout, hex_key, tier_of
-from kvtier.tiers.l3_pools import IOPools
-from kvtier.tiers.l3_stats import Counters
+from kvtier.tiers.l3 import io as l3_io
+from kvtier.tiers.l3.access import AccessTimes
+from kvtier.tiers.l3.index import ChunkRow, Index
+from kvtier.tiers.l3.keys import Keyring
+from kvtier.tiers.l3.layout import TIERS, Layout, hex_key, tier_of
+from kvtier.tiers.l3.pools import IOPools
+from kvtier.tiers.l3.stats import Counters
 
 log = logging.getLogger("kvtier.tiers.l3")  # the store logs under one name
 READ_PIECE = 4 << 20  # reads go in pieces this big, each checksummed while later ones are read

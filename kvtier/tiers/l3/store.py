@@ -26,20 +26,20 @@ from typing import Any
 from kvtier import kvbin, sealing
 from kvtier.errors import AuthenticationFailed, StoreError, TenantKeyShredded
 from kvtier.kvbin import HEADER_SIZE, ChunkHeader
-from kvtier.tiers import l3_io
-from kvtier.tiers.l3_access import AccessTimes
-from kvtier.tiers.l3_cap import EvictListener, SizeCap
-from kvtier.tiers.l3_index import ChunkRow, Index, SessionRecord
-from kvtier.tiers.l3_keys import Keyring, check_master_key, shred_records, tenant_chunk_keys
-from kvtier.tiers.l3_layout import TIERS, Layout, subdirs
-from kvtier.tiers.l3_pools import IOPools
-from kvtier.tiers.l3_read import READ_PIECE as READ_PIECE
-from kvtier.tiers.l3_read import READ_WINDOW as READ_WINDOW
-from kvtier.tiers.l3_read import ChunkReader, Quarantine
-from kvtier.tiers.l3_root import COLD_ROOT_KEY, StoreInUse, check_safe, resolve_cold_root, take_lock
-from kvtier.tiers.l3_stats import Counters, L3Stats
-from kvtier.tiers.l3_write import ChunkWriter, TempWriter
-from kvtier.tiers.l3_write import write_chunk_file as write_chunk_file
+from kvtier.tiers.l3 import io as l3_io
+from kvtier.tiers.l3.access import AccessTimes
+from kvtier.tiers.l3.cap import EvictListener, SizeCap
+from kvtier.tiers.l3.index import ChunkRow, Index, SessionRecord
+from kvtier.tiers.l3.keys import Keyring, check_master_key, shred_records, tenant_chunk_keys
+from kvtier.tiers.l3.layout import TIERS, Layout, subdirs
+from kvtier.tiers.l3.pools import IOPools
+from kvtier.tiers.l3.read import READ_PIECE as READ_PIECE
+from kvtier.tiers.l3.read import READ_WINDOW as READ_WINDOW
+from kvtier.tiers.l3.read import ChunkReader, Quarantine
+from kvtier.tiers.l3.root import COLD_ROOT_KEY, StoreInUse, check_safe, resolve_cold_root, take_lock
+from kvtier.tiers.l3.stats import Counters, L3Stats
+from kvtier.tiers.l3.write import ChunkWriter, TempWriter
+from kvtier.tiers.l3.write import write_chunk_file as write_chunk_file
 
 __all__ = ["L3Stats", "L3Store", "SessionRecord", "ShredReport", "StoreInUse"]
 log = logging.getLogger("kvtier.tiers.l3")

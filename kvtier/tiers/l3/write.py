@@ -24,14 +24,14 @@ from typing import Any
 from kvtier import kvbin, sealing
 from kvtier.errors import KvbinFormatError, StoreError, StoreFullError, StoreIOError
 from kvtier.kvbin import HEADER_SIZE, ChunkHeader
-from kvtier.tiers import l3_io
-from kvtier.tiers.l3_cap import SizeCap
-from kvtier.tiers.l3_commit import GroupCommit
-from kvtier.tiers.l3_index import ChunkRow, Index
-from kvtier.tiers.l3_keys import Keyring
-from kvtier.tiers.l3_layout import Layout, hex_key
-from kvtier.tiers.l3_pools import IOPools
-from kvtier.tiers.l3_stats import Counters
+from kvtier.tiers.l3 import io as l3_io
+from kvtier.tiers.l3.cap import SizeCap
+from kvtier.tiers.l3.commit import GroupCommit
+from kvtier.tiers.l3.index import ChunkRow, Index
+from kvtier.tiers.l3.keys import Keyring
+from kvtier.tiers.l3.layout import Layout, hex_key
+from kvtier.tiers.l3.pools import IOPools
+from kvtier.tiers.l3.stats import Counters
 
 _CRC_BESIDE_WRITE = 1 << 20  # payloads from this size are checksummed on a worker during the write
 _tmp_seq = itertools.count()

@@ -12,7 +12,7 @@ import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
-from kvtier.tiers import l3_io
+from kvtier.tiers.l3 import io as l3_io
 
 
 class IOPools:

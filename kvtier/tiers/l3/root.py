@@ -16,7 +16,7 @@ import stat
 from pathlib import Path
 
 from kvtier.errors import StoreError, UnsafeRootError
-from kvtier.tiers.l3_index import Index
+from kvtier.tiers.l3.index import Index
 
 COLD_ROOT_KEY = "cold_root"  # meta value: "" = <root>/cold, else an absolute path
 _READ_ONLY_COMMANDS = "`kvtier l3 stat`, `kvtier l3 ls` and `kvtier l3 fsck --check`"

@@ -12,8 +12,8 @@ import threading
 from collections.abc import Callable
 
 from kvtier.errors import StoreFullError
-from kvtier.tiers.l3_index import ChunkRow, Index
-from kvtier.tiers.l3_stats import Counters
+from kvtier.tiers.l3.index import ChunkRow, Index
+from kvtier.tiers.l3.stats import Counters
 
 log = logging.getLogger("kvtier.tiers.l3")  # the store logs under one name
 

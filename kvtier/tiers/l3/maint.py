@@ -17,10 +17,10 @@ from pathlib import Path
 from kvtier import kvbin
 from kvtier.errors import KvbinFormatError, StoreError
 from kvtier.kvbin import HEADER_SIZE
-from kvtier.tiers import l3_io
-from kvtier.tiers.l3 import TIERS, L3Store, _subdirs
-from kvtier.tiers.l3_index import ChunkRow
-from kvtier.tiers.l3_keys import shredded_chunks
+from kvtier.tiers.l3 import io as l3_io
+from kvtier.tiers.l3.index import ChunkRow
+from kvtier.tiers.l3.keys import shredded_chunks
+from kvtier.tiers.l3.store import TIERS, L3Store, _subdirs
 
 Progress = Callable[[int, int], None]
 

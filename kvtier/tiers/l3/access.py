@@ -14,8 +14,8 @@ import threading
 import time
 
 from kvtier.errors import StoreError
-from kvtier.tiers.l3_index import Index
-from kvtier.tiers.l3_pools import IOPools
+from kvtier.tiers.l3.index import Index
+from kvtier.tiers.l3.pools import IOPools
 
 log = logging.getLogger("kvtier.tiers.l3")  # the store logs under one name
 TOUCH_BATCH = 256

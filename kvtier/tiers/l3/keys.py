@@ -20,7 +20,7 @@ from kvtier.errors import (
     TenantKeyShredded,
 )
 from kvtier.sealing import DataKey, MasterKey
-from kvtier.tiers.l3_index import _ROW_COLS, ChunkRow, Index, _row
+from kvtier.tiers.l3.index import _ROW_COLS, ChunkRow, Index, _row
 
 MASTER_KEY_ID = "master_key_id"  # meta row: the id of the master key the store was made with
 

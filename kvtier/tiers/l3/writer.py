@@ -20,7 +20,7 @@ killed), every write in flight fails with `StoreIOError`, later writes fail at o
 nothing stored is lost (a put that failed left no file and no index row). A child whose
 construction fails part-way is killed and reaped before the error is raised.
 
-    python3 -m kvtier.tiers.l3_writer --rx FD --tx FD   # started by WriterProcess only
+    python3 -m kvtier.tiers.l3.writer --rx FD --tx FD   # started by WriterProcess only
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ from typing import Any
 
 from kvtier.errors import ConfigError, StoreIOError
 from kvtier.kvbin import ChunkHeader
-from kvtier.tiers import l3_io
-from kvtier.tiers.l3 import write_chunk_file
+from kvtier.tiers.l3 import io as l3_io
+from kvtier.tiers.l3.store import write_chunk_file
 
 # A write is one chunk's file and one fdatasync; a child that has not answered one in two
 # minutes is stuck (stopped, deadlocked, or hung in the kernel), not merely slow.
@@ -70,7 +70,7 @@ class WriterProcess:
         fds = [fd for fd, _ in slabs]
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)  # find this kvtier
-        cmd = [sys.executable, "-m", "kvtier.tiers.l3_writer"]
+        cmd = [sys.executable, "-m", "kvtier.tiers.l3.writer"]
         cmd += ["--rx", str(to_child_r), "--tx", str(from_child_w)]
         try:
             self._proc = subprocess.Popen(
