@@ -54,7 +54,7 @@ def model():
     return tiny_llama()
 
 
-def config(root: Path, url: str, **kw) -> CacheConfig:
+def config(root: Path, url: str | None = None, **kw) -> CacheConfig:
     base = dict(
         l3_root=root,
         l1_bytes=64 << 20,

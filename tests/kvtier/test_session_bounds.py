@@ -10,27 +10,13 @@ import pytest
 import torch
 from conftest import tiny_llama
 from test_cache_exact import greedy, reference
+from test_cache_lifecycle import cfg
 
-from kvtier import CacheConfig, TieredCache
+from kvtier import TieredCache
 from kvtier.geometry import KVGeometry
 from kvtier.integrations.hf import cache_kwarg
 from kvtier.paged import PagePool
 from kvtier.types import SessionState
-
-CHUNK = 16
-
-
-def cfg(root: Path, **kw) -> CacheConfig:
-    base = dict(
-        l3_root=root,
-        l1_bytes=8 << 20,
-        l2_bytes=4 << 20,
-        chunk_tokens=CHUNK,
-        cost_model=False,
-        pin_memory=False,
-    )
-    base.update(kw)
-    return CacheConfig(**base)
 
 
 def ids_of(n: int, seed: int) -> torch.Tensor:
