@@ -54,8 +54,10 @@ class Decoding:
     repetition: float = 1.0
     logprobs: int | None = None  # top ids to report with each token; None: no logprobs
     matcher: Any = None  # an xgrammar GrammarMatcher
-    prompt: tuple[int, ...] = ()
     counts: dict[int, int] = field(default_factory=dict)  # the reply's ids so far
+    # the ids of the prompt and the reply so far (repetition_penalty), kept as tokens come:
+    # not the prompt's set made again at every step
+    seen: set[int] = field(default_factory=set)
     pending: list[TokenLogprob] = field(default_factory=list)
 
     @property
@@ -75,7 +77,7 @@ def decoding_of(job: Any) -> Decoding | None:
         repetition=float(job.repetition_penalty),
         logprobs=job.logprobs,
         matcher=job.grammar() if job.grammar is not None else None,
-        prompt=job.prompt_ids,
+        seen=set(job.prompt_ids) if float(job.repetition_penalty) != 1.0 else set(),
     )
     if not d.penalized and d.logprobs is None and d.matcher is None:
         return None
@@ -111,7 +113,7 @@ def process(logits: torch.Tensor, decodings: list[Decoding | None]) -> list[int]
 
 def _penalize(row: torch.Tensor, d: Decoding) -> None:
     if d.repetition != 1.0:
-        seen = torch.tensor(sorted(set(d.prompt) | set(d.counts)), device=row.device)
+        seen = torch.tensor(list(d.seen), device=row.device)
         if len(seen):
             vals = row[seen]
             row[seen] = torch.where(vals > 0, vals / d.repetition, vals * d.repetition)
@@ -139,5 +141,7 @@ def record(logits: torch.Tensor, decodings: list[Decoding | None], tokens: list[
         if d is None:
             continue
         d.counts[token] = d.counts.get(token, 0) + 1
+        if d.repetition != 1.0:
+            d.seen.add(token)
         if d.matcher is not None and not d.matcher.is_terminated():
             d.matcher.accept_token(token)
