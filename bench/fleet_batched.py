@@ -61,7 +61,7 @@ class StepLog:
     def watch_scheduler(self, sched: Any) -> None:
         """Count the scheduler's admissions (copy into the pages) and finished turns (copy out,
         commit queued) between step completions. Observes; changes nothing."""
-        admit, finish = sched._admit, sched._finish
+        admit, finish = sched.pages.admit, sched.finish
 
         def admitted(*a: Any, **k: Any) -> Any:
             self._admits += 1
@@ -71,14 +71,14 @@ class StepLog:
             self._finishes += 1
             return finish(*a, **k)
 
-        sched._admit, sched._finish = admitted, finished
-        start = sched._readback.start
+        sched.pages.admit, sched.finish = admitted, finished
+        start = sched.steps.readback.start
 
         def started(logits: Any) -> Any:  # time the wait for each step's tokens
             tokens, ticket = start(logits)
             return tokens, _TimedTicket(ticket, self)
 
-        sched._readback.start = started
+        sched.steps.readback.start = started
 
     def count(self, name: str, n: int = 1) -> None:
         return None
@@ -166,7 +166,7 @@ def run_batched(
     async def client(sid: int, slots: asyncio.Semaphore) -> None:
         # tuples, as `kvtier serve` keeps a prompt: a real client holds its context in another
         # process, and lists here would give the collector millions of references to walk
-        # that no server has (docs/benchmarks.md, "What the collector walks")
+        # that no server has (docs/benchmarks-history.md, "What the collector walks")
         ctx = tuple(fleet.contexts[sid])
         conv, turn = 0, 1
         while True:
@@ -273,7 +273,7 @@ def run_batched(
     ]
     m.extra["mixed_prompt_tokens_p50"] = _median([float(p) for p in chunks])
     m.extra["step_tail"] = step_tail(log, win)
-    m.extra["preemptions"] = sched.preemptions
+    m.extra["preemptions"] = sched.pages.preemptions
     m.extra["graph_steps"] = sched.runner.graph_steps
     m.extra["eager_steps"] = sched.runner.eager_steps
     m.extra["server_ttft_p50"] = _median([s for _, s in log.ttfts])
@@ -358,7 +358,7 @@ def trace_phases(sched: BatchScheduler) -> list[tuple[float, tuple[Any, ...]]]:
     seconds), recorded as
     the scheduler observes the first token. Observes; changes nothing."""
     out: list[tuple[float, tuple[Any, ...]]] = []
-    observe = sched._observe_ttft
+    observe = sched.observe_ttft
 
     def observed(s: Any, seconds: float) -> None:
         t = s.trace
@@ -380,7 +380,7 @@ def trace_phases(sched: BatchScheduler) -> list[tuple[float, tuple[Any, ...]]]:
         )
         observe(s, seconds)
 
-    sched._observe_ttft = observed  # type: ignore[method-assign]
+    sched.observe_ttft = observed  # type: ignore[method-assign]
     return out
 
 

@@ -204,13 +204,13 @@ class HostWeights:
         for module in model.modules():
             if id(module) in inside:
                 continue
-            for name, p in module._parameters.items():
-                if p is not None and id(p) not in seen:
+            # the module's own (recurse=False), None entries skipped, in registration order
+            for name, p in module.named_parameters(recurse=False, remove_duplicate=False):
+                if id(p) not in seen:
                     seen.add(id(p))
                     self.rest.append((module, name, True, _host(p, pin)))
-            for name, b in module._buffers.items():
-                if b is not None:
-                    self.rest.append((module, name, False, _host(b, pin)))
+            for name, b in module.named_buffers(recurse=False, remove_duplicate=False):
+                self.rest.append((module, name, False, _host(b, pin)))
 
     @property
     def nbytes(self) -> int:
@@ -225,11 +225,10 @@ class HostWeights:
         with torch.no_grad():
             for module, name, is_param, host in self.rest:
                 if is_param:
-                    p = module._parameters[name]
-                    assert p is not None
+                    p = module.get_parameter(name)
                     p.data = host.to(device, non_blocking=nb, copy=True)
-                else:
-                    module._buffers[name] = host.to(device, non_blocking=nb, copy=True)
+                else:  # a registered buffer's name: setattr replaces it, persistence kept
+                    setattr(module, name, host.to(device, non_blocking=nb, copy=True))
         if nb:
             torch.cuda.synchronize(device)
 

@@ -23,6 +23,8 @@ def _tree_with(tmp_path: Path, rel: str, source: str) -> Path:
     shutil.copy(REPO / ".importlinter", tmp_path / ".importlinter")
     bad = tmp_path / rel
     bad.parent.mkdir(parents=True, exist_ok=True)
+    if source.startswith("+"):  # one more import in an existing module
+        source = bad.read_text() + source[1:]
     bad.write_text(source)
     return tmp_path
 
@@ -49,6 +51,11 @@ def test_clean_tree_passes() -> None:
         ("kvtier/bad_upward2.py", "from ops import cli\n", "kvtier never imports ops"),
         ("ops/parsers/bad_torch.py", "import torch\n", "stay pure"),
         ("ops/parsers/bad_io.py", "import os\n", "stay pure"),
+        ("kvtier/cache/bad_up.py", "import kvtier.server.app\n", "never imports the server"),
+        ("kvtier/cache/guard.py", "+import kvtier.cache.core\n", "call down only"),
+        ("kvtier/cache/restoreplan.py", "+import torch\n", "import no torch"),
+        ("kvtier/cache/catalog.py", "+import kvtier.tiers.l2\n", "import no tier"),
+        ("kvtier/server/stepping.py", "+import kvtier.server.batching\n", "scheduler's parts"),
     ],
 )
 def test_violation_fails(tmp_path: Path, rel: str, source: str, contract: str) -> None:

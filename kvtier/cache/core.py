@@ -7,10 +7,17 @@ Data model
 - A session's tail (tokens after its last full chunk) is written as a partial chunk only when
   the session leaves L1 (hibernate or eviction), so the session resumes whole.
 
-Threading: one re-entrant lock guards the metadata (sessions, directory, counters). It is held
-only for bookkeeping and for starting transfers, never across a wait for the disk: restore
-(`kvtier.cache.restore`) and hibernate plan under the lock, wait for reads, throttle sleeps,
-copies and fsyncs outside it, and publish under it again; `stats()` copies numbers under the
+The class is a facade: it wires the parts below and each public method is one call into a
+part. The parts own their state and call each other only downward (docs/architecture.md):
+`Restorer` (restore), `PoolSessions` (sessions in a caller's page pool), `L1Relocator`,
+`TenantShredder` > `SessionLifecycle` (commit, hibernate, close) > `ChunkWriter` >
+`ChunkCatalog` (keys, where a chunk is) > `SharedTier` (L4) > `SessionTable`, `SessionRecords`,
+`L1Room` (L1 and its eviction) > `ChunkDirectory`, `CacheIdentity`, `CacheGuard`.
+
+Threading: one re-entrant lock (`CacheGuard`) guards the metadata (sessions, directory,
+counters). It is held only for bookkeeping and for starting transfers, never across a wait for
+the disk: restore and hibernate plan under the lock, wait for reads, throttle sleeps, copies
+and fsyncs outside it, and publish under it again; `stats()` copies numbers under the
 lock and asks the store and the engine outside it. The model's forward runs outside it; a
 session is never evicted while a request is running on it (state ACTIVE).
 
@@ -28,84 +35,63 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import logging
-import threading
 import time
-from array import array
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
 
-from kvtier.cache import pages as _pages
-from kvtier.cache import restore as _restore
+from kvtier.cache.catalog import ChunkCatalog
 from kvtier.cache.config import CacheConfig
 from kvtier.cache.costmodel import CostModel
-from kvtier.cache.directory import Chunk, ChunkDirectory
-from kvtier.cache.keys import SHARED_TENANT, TENANT_MAX_BYTES, chunk_key, namespace
+from kvtier.cache.directory import ChunkDirectory
+from kvtier.cache.guard import CacheGuard
+from kvtier.cache.identity import CacheIdentity
+from kvtier.cache.keys import SHARED_TENANT, TENANT_MAX_BYTES
+from kvtier.cache.l1room import L1Room
 from kvtier.cache.l4 import SharedTier
-from kvtier.cache.lifecycle import LifecycleMixin
-from kvtier.cache.restore import StagedPrefix, common_prefix
-from kvtier.cache.session import Ids, Session
+from kvtier.cache.lifecycle import SessionLifecycle
+from kvtier.cache.pages import PoolSessions
+from kvtier.cache.records import SessionRecords
+from kvtier.cache.relocate import L1Relocator
+from kvtier.cache.restore import Restorer
+from kvtier.cache.restoreplan import StagedPrefix
+from kvtier.cache.session import Ids, Session, as_ids
 from kvtier.cache.sessiontable import SessionTable, from_record
+from kvtier.cache.shred import TenantShredder
 from kvtier.cache.stats import Counters, SnapshotInputs, build_snapshot
 from kvtier.cache.tierset import open_tiers
 from kvtier.cache.upkeep import Upkeep
-from kvtier.codecs import make_codec
-from kvtier.errors import L1BudgetExceeded, SessionError
-from kvtier.geometry import KVGeometry, model_fingerprint, normalize_dtype
+from kvtier.cache.writes import ChunkSource, ChunkWriter
+from kvtier.codecs import Codec
+from kvtier.errors import SessionError
+from kvtier.geometry import KVGeometry
 from kvtier.integrations.hf import KvtierCache
 from kvtier.integrations.paged_cache import PagedCache
-from kvtier.kvbin import ChunkHeader
 from kvtier.paged.pool import PagePool
 from kvtier.policy import make_policy
-from kvtier.snapshot import RESTORE_BUCKETS, CacheSnapshot
-from kvtier.tiers.l3 import SessionRecord
+from kvtier.snapshot import CacheSnapshot
+from kvtier.tiers.l1 import L1Pool
+from kvtier.tiers.l3 import SessionRecord, ShredReport
 from kvtier.transfer.staging import Handle
 from kvtier.types import SessionState
-from kvtier.weights import weights_digest
-
-log = logging.getLogger("kvtier.cache")
 
 
-class TieredCache(LifecycleMixin):
+class TieredCache:
     """KV cache of many sessions across GPU memory (L1), pinned host RAM (L2) and SSD (L3)."""
 
     def __init__(self, config: CacheConfig, model: Any) -> None:
         config.__post_init__()  # settings changed after construction are checked again
         self.config = config
-        self.chunk_tokens = config.chunk_tokens
         self.model = model
-        self.device = torch.device(getattr(model, "device", "cpu"))
-        dtype = normalize_dtype(getattr(model, "dtype", torch.float32))
-        self.geometry = KVGeometry.from_config(model.config, dtype=dtype)
-        model_id = config.model_id or getattr(model.config, "_name_or_path", "") or "unnamed"
-        self.fingerprint = model_fingerprint(
-            model.config,
-            self.geometry,
-            model_id=model_id,
-            codec=config.codec,
-            weights_digest=weights_digest(model),
-        )
-        self.codec = make_codec(config.codec, self.geometry)
-        self._lock = threading.RLock()
-        self._idle = threading.Condition(self._lock)  # notified when a restore publishes
-        self._restoring = 0  # restores between their plan and their publish
-        self._closed = False
-        self._sessions = SessionTable(
-            config.session_idle_s,
-            config.max_sessions,
-            hibernate=functools.partial(self.hibernate_session, wait=False),
-            record=self._record,
-            save=lambda rec: self._submit_record(self.l3.save_session, rec),
-            barrier=lambda: self._bg.submit(lambda: None),
-        )
-        self.counters = Counters()
+        self.identity = ident = CacheIdentity.of(config, model)
+        self.guard = guard = CacheGuard()
+        self.counters = counters = Counters()
+        device = torch.device(getattr(model, "device", "cpu"))
         # Every resource is released again if a later step fails (reopening the root works).
         with contextlib.ExitStack() as undo:
-            self.l1, self.l3, self.l2, self.engine = open_tiers(
-                config, self.geometry, self.codec, self.device, self.counters, undo
+            l1, self.l3, self.l2, self.engine = open_tiers(
+                config, ident.geometry, ident.codec, device, counters, undo
             )
             self.cost = CostModel(
                 {"l4": 1e9, **config.initial_bandwidth},
@@ -115,32 +101,142 @@ class TieredCache(LifecycleMixin):
             # Keys (-> token count) of this model's chunks in L3, loaded once: the hot path
             # never queries the SQLite index, whose writers hold its lock across a commit.
             l3_tokens: dict[bytes, int] = {}
-            self._published = False  # some prefix is published to every tenant
+            published = False  # some prefix is published to every tenant
             for row in self.l3.index.iter_chunks():
-                if row.header.fingerprint == self.fingerprint:
+                if row.header.fingerprint == ident.fingerprint:
                     l3_tokens[row.header.key] = row.header.tokens
-                    self._published |= row.header.tenant == SHARED_TENANT
+                    published |= row.header.tenant == SHARED_TENANT
             self.directory = ChunkDirectory(
                 self.l2,
                 self.engine,
                 make_policy(config.l2_policy),
                 l3_tokens,
-                self._header,
-                self.counters,
+                ident.header,
+                counters,
             )
             # the store reports what its size cap and gc delete; see ChunkDirectory
             self.l3.add_evict_listener(self.directory.on_l3_evicted)
-            self._bg = ThreadPoolExecutor(1, thread_name_prefix="kvtier-records")
-            undo.callback(self._bg.shutdown, wait=True)
+            self.records = SessionRecords(ident.fingerprint, self.l3, counters)
+            undo.callback(self.records.close)
+            self.table = SessionTable(
+                config.session_idle_s,
+                config.max_sessions,
+                hibernate=functools.partial(self.hibernate_session, wait=False),
+                record=self.records.record,
+                save=self.records.save_record,
+                barrier=self.records.barrier,
+            )
+            self.room = L1Room(l1, device, self.engine, counters, guard)
             self.l4: SharedTier | None = None
             if config.l4_url is not None:  # the shared tier; Redis may be down: it degrades
-                self.l4 = SharedTier(self)
+                self.l4 = SharedTier(
+                    identity=ident,
+                    guard=guard,
+                    directory=self.directory,
+                    table=self.table,
+                    records=self.records,
+                    cost=self.cost,
+                    l2=self.l2,
+                    l3=self.l3,
+                    engine=self.engine,
+                )
                 undo.callback(self.l4.close)
+            self.catalog = ChunkCatalog(
+                ident, self.directory, self.l4, counters, published=published
+            )
+            writer = ChunkWriter(ident, self.directory, self.engine, counters, self.catalog)
+            self.lifecycle = SessionLifecycle(
+                guard=guard,
+                directory=self.directory,
+                l4=self.l4,
+                table=self.table,
+                identity=ident,
+                counters=counters,
+                cost=self.cost,
+                engine=self.engine,
+                l2=self.l2,
+                l3=self.l3,
+                records=self.records,
+                room=self.room,
+                writer=writer,
+                catalog=self.catalog,
+            )
+            self.room.evictor = self.lifecycle.evict_one
+            self.restorer = Restorer(
+                guard=guard,
+                directory=self.directory,
+                l4=self.l4,
+                table=self.table,
+                identity=ident,
+                counters=counters,
+                cost=self.cost,
+                engine=self.engine,
+                catalog=self.catalog,
+                room=self.room,
+                lifecycle=self.lifecycle,
+            )
+            self.pools = PoolSessions(
+                guard=guard,
+                identity=ident,
+                counters=counters,
+                table=self.table,
+                records=self.records,
+                catalog=self.catalog,
+                restorer=self.restorer,
+                lifecycle=self.lifecycle,
+            )
+            self.relocator = L1Relocator(
+                guard=guard,
+                identity=ident,
+                directory=self.directory,
+                engine=self.engine,
+                table=self.table,
+                records=self.records,
+                room=self.room,
+                lifecycle=self.lifecycle,
+            )
+            self.shredder = TenantShredder(
+                guard=guard,
+                directory=self.directory,
+                l4=self.l4,
+                table=self.table,
+                engine=self.engine,
+                l3=self.l3,
+                records=self.records,
+                room=self.room,
+                lifecycle=self.lifecycle,
+            )
             self._load_hibernated()
             self.directory.retry_shed = config.write_policy != "write_back"
             bound = config.l3_write_bound_s
-            self._upkeep = Upkeep(min(1.0, max(0.05, (bound or 4.0) / 4)), self._housekeep)
+            self.upkeep = Upkeep(min(1.0, max(0.05, (bound or 4.0) / 4)), self.lifecycle.housekeep)
             undo.pop_all()
+
+    # -- what the parts know, read-only ---------------------------------------------------------
+
+    @property
+    def chunk_tokens(self) -> int:
+        return self.identity.chunk_tokens
+
+    @property
+    def geometry(self) -> KVGeometry:
+        return self.identity.geometry
+
+    @property
+    def fingerprint(self) -> bytes:
+        return self.identity.fingerprint
+
+    @property
+    def codec(self) -> Codec:
+        return self.identity.codec
+
+    @property
+    def device(self) -> torch.device:
+        return self.room.device
+
+    @property
+    def l1(self) -> L1Pool:
+        return self.room.l1
 
     # -- sessions -------------------------------------------------------------------------------
 
@@ -151,22 +247,22 @@ class TieredCache(LifecycleMixin):
             raise SessionError("session_id must be a non-empty string")
         _check_tenant(tenant)
         key = (tenant, session_id)
-        with self._lock:
-            self._check_open()
-            s = self._sessions.get(key)  # hibernated sessions of earlier processes: from L3
-            stored = s is None and self._sessions.partial  # forgotten (sessiontable): in L3
+        with self.guard:
+            self.guard.check_open()
+            s = self.table.get(key)  # hibernated sessions of earlier processes: from L3
+            stored = s is None and self.table.partial  # forgotten (sessiontable): in L3
             if s is not None and (self.l4 is None or s.state is not SessionState.HIBERNATED):
                 return s
             if s is None and not stored and self.l4 is None:
                 return self._add_session(Session(self, session_id, tenant))
         # outside the lock: an SQLite read of the index, a Redis round trip
         load = self.l3.load_session
-        found = [self._sessions.pending(key) or load(session_id, tenant)] if stored else []
+        found = [self.table.pending(key) or load(session_id, tenant)] if stored else []
         if self.l4 is not None:
             found.append(self.l4.lookup(tenant, session_id))
-        with self._lock:
-            self._check_open()
-            s = self._sessions.get(key)
+        with self.guard:
+            self.guard.check_open()
+            s = self.table.get(key)
             recs = [r for r in found if r is not None and r.fingerprint == self.fingerprint]
             rec = max(recs, key=lambda r: r.last_active, default=None)
             if s is None:
@@ -177,20 +273,49 @@ class TieredCache(LifecycleMixin):
             return s
 
     def _add_session(self, s: Session) -> Session:
-        self._sessions[(s.tenant, s.session_id)] = s
-        if self._sessions.over():  # forget the least recently active (sessiontable)
-            self._sessions.forget_due(time.time(), keep=s)
+        self.table[(s.tenant, s.session_id)] = s
+        if self.table.over():  # forget the least recently active (sessiontable)
+            self.table.forget_due(time.time(), keep=s)
         return s
 
     def sessions(self) -> list[Session]:
-        with self._lock:
-            return list(self._sessions.values())
+        with self.guard:
+            return list(self.table.values())
+
+    def find_session(self, session_id: str, tenant: str) -> Session | None:
+        """The session if it is in memory; never reads L3 or L4 (None once forgotten)."""
+        with self.guard:
+            return self.table.get((tenant, session_id))
+
+    def find_sessions(self, session_id: str, tenant: str | None = None) -> list[Session]:
+        """The sessions of this id (of `tenant`, else of every tenant) in memory, and those
+        forgotten from it whose record L3 holds, which come back (an admin's calls)."""
+        with self.guard:
+            found = [
+                s
+                for s in self.table.values()
+                if s.session_id == session_id and tenant in (None, s.tenant)
+            ]
+            if not self.table.partial:
+                return found
+        stored = set(self.l3.index.session_tenants(session_id))  # outside the lock: SQLite
+        known = {s.tenant for s in found}
+        for t in sorted(stored) if tenant is None else [tenant]:
+            if t not in known and (t in stored or self.table.pending((t, session_id))):
+                found.append(self.session(session_id, t))
+        return found
+
+    def on_forget(self, fn: Callable[[str, str], object]) -> None:
+        """`fn(session_id, tenant)` hears of each session forgotten from memory (idle past
+        `session_idle_s`, or past `max_sessions`), under the cache's lock: it must neither
+        wait nor call the cache."""
+        self.table.listen(fn)
 
     def _load_hibernated(self) -> None:
         """The hibernated sessions in L3: in memory as far as the bounds of sessiontable keep
         them (the most recently active first), the others found in L3 at their next turn."""
         recs = [r for r in self.l3.list_sessions() if r.fingerprint == self.fingerprint]
-        self._sessions.load(recs, self._from_record)
+        self.table.load(recs, self._from_record)
         if self.l4 is not None:  # chunks this host's L3 lost may still be in L4
             for rec in recs:
                 self.l4.note_record(rec)
@@ -200,64 +325,18 @@ class TieredCache(LifecycleMixin):
         s = Session(self, rec.session_id, rec.tenant) if s is None else s
         return from_record(s, rec, self.chunk_tokens)
 
-    def _record(self, s: Session) -> SessionRecord:
-        keys = tuple(s.chunk_keys) + ((s.tail_key,) if s.tail_key else ())
-        return SessionRecord(
-            session_id=s.session_id,
-            tenant=s.tenant,
-            fingerprint=self.fingerprint,
-            token_ids=array("i", s.tokens).tobytes(),
-            chunk_keys=keys,
-            pinned=s.pinned,
-            ttl_s=s.ttl_s,
-            last_active=s.last_active,
-            state=s.state.value,
-        )
-
-    def _submit_record(self, fn: Any, *args: Any) -> Future[Any]:
-        """Save or delete a record on the record thread (in order); a failure is logged and
-        counted (`CacheSnapshot.record_errors`), never lost."""
-        fut = self._bg.submit(fn, *args)
-        fut.add_done_callback(self._record_done)
-        return fut
-
-    def _record_done(self, fut: Future[Any]) -> None:
-        if fut.cancelled():
-            return
-        exc = fut.exception()
-        if exc is not None:
-            log.error("session record write failed: %s", exc)
-            with self.counters.guard:
-                self.counters.record_errors += 1
-
-    # -- the host API that `Session` calls (session.SessionHost) --------------------------------
+    # -- restore (kvtier.cache.restore) and the host API that `Session` calls -----------------
 
     def restore_session(self, s: Session, ids: Ids) -> KvtierCache:
-        cache = self._restore(s, ids, stage=False)
-        assert isinstance(cache, KvtierCache)
-        return cache
+        return self.restorer.restore_session(s, ids)
 
     def restore_into(self, s: Session, ids: Ids, pool: PagePool) -> PagedCache:
         """`Session.restore(ids, pool=pool)` (kvtier.cache.pages)."""
-        return _pages.restore(self, s, ids, pool)
+        return self.pools.restore(s, ids, pool)
 
     def reserve_pages(self, view: PagedCache, tokens: int) -> None:
-        """Room for `tokens` tokens in a session's pages (`PagedCache`'s owner; see
-        `kvtier.cache.pages.reserve`)."""
-        _pages.reserve(self, view, tokens)
-
-    def _check_restorable(self, s: Session) -> None:
-        self._check_open()
-        key = (s.tenant, s.session_id)  # a handle on a forgotten session: back in the table
-        if s.state is not SessionState.CLOSED and self._sessions.setdefault(key, s) is not s:
-            raise SessionError("this handle's session was forgotten and opened again since")
-        if s.state is SessionState.ACTIVE:
-            raise SessionError(
-                f"session {s.session_id[:64]!r} already has a request running; "
-                "requests of one session must be served in order"
-            )
-        if s.state is SessionState.CLOSED:
-            raise SessionError("session is closed; open it again with cache.session()")
+        """Room for `tokens` tokens in a session's pages (`PoolSessions.reserve_pages`)."""
+        self.pools.reserve_pages(view, tokens)
 
     def restore_staged(self, s: Session, ids: Ids) -> KvtierCache | StagedPrefix | None:
         """Restore for a batch whose page pool is the sessions' L1 (`paged_l1`): the longest
@@ -265,45 +344,7 @@ class TieredCache(LifecycleMixin):
         `s.staged` (`kvtier.cache.restore.StagedPrefix`), and no L1 is taken. The batch copies
         it into its pages with `load_staged` and then calls `release_staged`. None: no prefix
         (compute it all); a `KvtierCache`: the session was resident in L1, as `restore`."""
-        out = self._restore(s, ids, stage=True)
-        return s.staged if out is None else out
-
-    def _restore(self, s: Session, ids: Ids, *, stage: bool) -> KvtierCache | None:
-        if not ids:
-            raise SessionError("restore needs at least one input token")
-        t0 = time.perf_counter()
-        with self._lock:
-            self._check_restorable(s)
-            self._reap(keep=s)
-            s.state = SessionState.ACTIVE
-            s.last_active = time.time()
-            try:
-                # leave the last token to compute
-                plan = _restore.plan(self, s, ids[:-1], staged=stage)
-            except BaseException:
-                s.state = SessionState.IDLE if s.resident else SessionState.HIBERNATED
-                raise
-            if plan is None:
-                return self._restored(s, "l1", t0)
-            self._restoring += 1
-        try:
-            _restore.load(self, s, plan)  # reads, throttle and copies: outside the lock
-        except BaseException:
-            with self._lock:
-                self._restoring -= 1
-                self._idle.notify_all()
-                plan.usable = 0
-                _restore.publish(self, s, plan)
-                s.state = SessionState.IDLE if s.resident else SessionState.HIBERNATED
-            raise
-        with self._lock:
-            self._restoring -= 1
-            self._idle.notify_all()
-            source = _restore.publish(self, s, plan, stage=stage)
-            if stage:
-                self._count_restore(s, source, t0)
-                return None
-            return self._restored(s, source, t0)
+        return self.restorer.restore_staged(s, ids)
 
     def load_staged(
         self, s: Session, staged: StagedPrefix, write: Callable[[int, torch.Tensor], None]
@@ -311,16 +352,12 @@ class TieredCache(LifecycleMixin):
         """Copy a staged prefix (`restore_staged`) from its L2 slots for `write`
         (`TransferEngine.restore_chunks`: one copy per chunk over PCIe, on a side stream on a
         GPU); order the reads after the returned handle, then `release_staged`."""
-        if s.staged is not staged:
-            raise SessionError("that staged prefix is not the session's (released already?)")
-        return self.engine.restore_chunks(staged.slots, staged.tokens, write)
+        return self.restorer.load_staged(s, staged, write)
 
     def release_staged(self, s: Session, staged: StagedPrefix | None = None) -> None:
         """Unpin the session's staged prefix (`staged`, when given: only if it is still that
         one): its chunks may leave L2 again. Call once the copies of `load_staged` are done."""
-        with self._lock:
-            if staged is None or s.staged is staged:
-                self._unstage(s)
+        self.restorer.release_staged(s, staged)
 
     def resume_pages(self, s: Session, ids: Ids, held: int) -> int:
         """Start a turn whose first `held` tokens' K/V a batch's page pool holds (`paged_l1`:
@@ -328,191 +365,100 @@ class TieredCache(LifecycleMixin):
         of `ids` (never the last) the turn may take from those pages: the part of `held` that
         the session's stored tokens also cover, so that the commit that follows continues a
         prefix the cache knows. 0: none; the session is then left as it was, for `restore`."""
-        t0 = time.perf_counter()
-        with self._lock:
-            self._check_open()
-            if s.state in (SessionState.ACTIVE, SessionState.CLOSED):
-                return 0
-            self._check_restorable(s)
-            want = ids[:-1]
-            n = min(held, common_prefix(s.tokens, want))
-            if n <= 0 or _restore.tiers_extend(self, s, want, n, whole=True):
-                return 0  # L2/L3 hold more of ids (a history edit): a staged restore
-            self._release_l1(s)  # the pages hold the same tokens' K/V
-            self.truncate(s, n)
-            s.in_pages = False
-            s.state = SessionState.ACTIVE
-            s.last_active = time.time()
-            self.counters.hits["l1"] += 1
-            self.counters.restored_tokens["l1"] += n
-            self._count_restore(s, "l1", t0)
-            return n
-
-    def _count_restore(self, s: Session, source: str, t0: float) -> None:
-        s.restore_source = source
-        self.counters.decisions[source] += 1
-        self._record_latency(source, time.perf_counter() - t0)
-
-    def _restored(self, s: Session, source: str, t0: float) -> KvtierCache:
-        self._count_restore(s, source, t0)
-        return KvtierCache(s)  # type: ignore[arg-type]  # resident: bufs is set
+        return self.restorer.resume_pages(s, ids, held)
 
     def prefetch_session(self, s: Session) -> None:
-        with self._lock:
-            _restore.prefetch(self, s)
+        with self.guard:
+            self.catalog.prefetch(s)
 
     def grow_session(self, s: Session, tokens: int) -> None:
         """More L1 room during a forward (evicts idle sessions under the lock if needed)."""
-        assert s.bufs is not None
-        bufs = s.bufs
-        need = self.l1.bytes_for(self.l1.round_up(tokens))
-        keep = max(s.lengths) if s.lengths else 0  # layers already written in this forward
-        if tokens > bufs.capacity and bufs.copy is not None:
-            # The old block leaves L1's budget once the new one holds its tokens: counted in
-            # flight from now until its copy down is done (waited for at the bound).
-            self.engine.inflight.retire(bufs.copy, bufs.nbytes)
-        old_layers = bufs.layers
-        self._with_room(need, lambda: self.l1.grow(bufs, tokens, keep), exclude=s)
-        if bufs.layers is not old_layers:
-            bufs.copy = None  # no copy has read the new block yet
+        self.room.grow(s, tokens)
+
+    def alloc_l1(self, s: Session, tokens: int) -> None:
+        self.room.alloc(s, tokens)
 
     def chunk_counts(self, keys: list[bytes]) -> tuple[int, int]:
         """(chunks in L2, chunks in L3) among `keys` (for `Session.info`)."""
-        with self._lock:
+        with self.guard:
             return self.directory.count(keys)
 
     def key_for(self, parent: bytes, toks: Sequence[int], s: Session) -> bytes:
         """Key of a full chunk: the shared namespace's if that prefix was published."""
-        return self.keyed(parent, toks, s)[0]
+        return self.catalog.key_for(parent, toks, s)
 
     def keyed(self, parent: bytes, toks: Sequence[int], s: Session) -> tuple[bytes, bool]:
-        """`key_for`, and whether the key is the shared namespace's. A shared key is looked for
-        only where one can exist: something was published into this store (`_published`, also
-        set from L3 at start), or another host's may be in L4. Otherwise the session's own key
-        is the only one, and one hash instead of two (a restore hashes every chunk)."""
-        if self._published or self.l4 is not None:
-            shared = chunk_key(parent, toks, self._shared_ns)
-            d = self.directory
-            if d.get(shared) is not None or (self._published and d.in_l3(shared)):
-                return shared, True
-            if self.l4 is not None and shared in self.l4.known:  # published on another host
-                return shared, True
-        return chunk_key(parent, toks, s.ns), False
-
-    @functools.cached_property
-    def _shared_ns(self) -> bytes:
-        return namespace(self.fingerprint, SHARED_TENANT)
-
-    def _header(self, entry: Chunk) -> ChunkHeader:
-        return self.codec.header(
-            entry.key,
-            entry.tokens,
-            fingerprint=self.fingerprint,
-            tenant=entry.tenant,
-            parent=entry.parent,
-        )
-
-    def _reap(self, keep: Session | None = None) -> None:
-        """Harvest finished writes, L3 evictions and expired sessions; queue shed L3 writes
-        again; forget idle sessions past the bounds; reclaim dead entries."""
-        self.directory.reap_writes()
-        if self.directory.unwritten:
-            self.directory.retry_unwritten()
-        now = time.time()
-        self._sessions.forget_due(now, keep)
-        for s in list(self._sessions.values()):
-            if (
-                s is not keep
-                and s.ttl_s is not None
-                and s.state is not SessionState.ACTIVE
-                and now - s.last_active > s.ttl_s
-            ):
-                self.close_session(s)
-        self.directory.sweep(self._live_keys)
-
-    def _live_keys(self) -> set[bytes]:
-        live: set[bytes] = set()
-        for s in self._sessions.values():
-            live.update(s.chunk_keys)
-            if s.tail_key is not None:
-                live.add(s.tail_key)
-        return live
-
-    # -- L1 admission and eviction (the only places that allocate L1) --------------------------
-
-    def alloc_l1(self, s: Session, tokens: int) -> None:
-        if s.bufs is not None:
-            self.grow_session(s, tokens)
-            return
-        need = self.l1.bytes_for(self.l1.round_up(tokens))
-        s.bufs = self._with_room(need, lambda: self.l1.allocate(tokens), exclude=s)
-        s.lengths = [0] * self.geometry.num_layers
-
-    def _release_l1(self, s: Session) -> None:
-        """Free the session's L1. A copy down still reading it keeps its bytes counted, in
-        flight (`TransferEngine.inflight`), until it is done: at the bound this waits."""
-        if s.bufs is not None:
-            self.engine.inflight.retire(s.bufs.copy, s.bufs.nbytes)
-            self.l1.release(s.bufs)
-            s.bufs, s.lengths = None, []
-
-    def _with_room(self, need: int, alloc: Any, exclude: Session) -> Any:
-        """Run `alloc`, evicting idle sessions (unpinned first, LRU) while L1 is short."""
-        with self._lock:
-            while True:
-                try:
-                    if self.l1.free_bytes >= need:
-                        return alloc()
-                except torch.cuda.OutOfMemoryError:
-                    self.counters.oom_retries += 1
-                    if not self._evict_one(exclude):
-                        raise L1BudgetExceeded(
-                            "the GPU ran out of memory for L1 and no idle session is left to "
-                            "evict; lower l1_bytes or the concurrency"
-                        ) from None
-                    torch.cuda.empty_cache()
-                    continue
-                except L1BudgetExceeded:
-                    pass
-                if not self._evict_one(exclude):
-                    raise L1BudgetExceeded(
-                        f"L1 budget of {self.l1.budget_bytes} bytes cannot hold {need} more bytes "
-                        "even after evicting every idle session; raise l1_bytes or lower the "
-                        "number of concurrent requests"
-                    )
-
-    def _evict_one(self, exclude: Session) -> bool:
-        candidates = [
-            s
-            for s in self._sessions.values()
-            if s.resident and s is not exclude and s.state is not SessionState.ACTIVE
-        ]
-        if not candidates:
-            return False
-        victim = min(candidates, key=lambda s: (s.pinned, s.last_active))
-        self.hibernate_session(victim, wait=False)
-        self.counters.evictions["l1"] += 1
-        return True
-
-    # -- stats ------------------------------------------------------------------------------------
+        """`key_for`, and whether the key is the shared namespace's (`ChunkCatalog.keyed`)."""
+        return self.catalog.keyed(parent, toks, s)
 
     def truncate(self, s: Session, n: int) -> None:
-        """Keep the first `n` of the session's tokens. Its stored partial tail stays its own
-        when nothing is cut (a turn that then fails still restores it)."""
-        if n < len(s.tokens):
-            s.tail_key = None
-        s.tokens = s.tokens[:n]
-        s.lengths[:] = [n] * len(s.lengths)
-        del s.chunk_keys[n // self.chunk_tokens :]
-        s.flushed = min(s.flushed, len(s.chunk_keys))
+        """Keep the first `n` of the session's tokens (`Session.truncate`)."""
+        s.truncate(n)
 
-    def _record_latency(self, src: str, seconds: float) -> None:
-        counts = self.counters.latency[src]
-        for i, bound in enumerate(RESTORE_BUCKETS):
-            if seconds <= bound:
-                counts[i] += 1
-        self.counters.latency_sum[src] += seconds
-        self.counters.latency_count[src] += 1
+    # -- commit, hibernate, close (kvtier.cache.lifecycle) --------------------------------------
+
+    def commit_session(self, s: Session, ids: Ids) -> None:
+        if s.pages is not None:  # restored into a caller's page pool
+            self.pools.commit(s, ids)
+        else:
+            self.lifecycle.commit(s, ids)
+
+    def commit_pages(self, s: Session, ids: Ids, start: int, chunks: Sequence[ChunkSource]) -> None:
+        """See `SessionLifecycle.commit_pages`."""
+        self.lifecycle.commit_pages(s, ids, start, chunks)
+
+    def pages_dropped(self, s: Session) -> None:
+        """A batch freed the pages of an idle `in_pages` session (`commit_pages`): it is
+        hibernated now, in L2/L3 alone."""
+        self.lifecycle.pages_dropped(s)
+
+    def abort_session(self, s: Session) -> None:
+        self.lifecycle.abort(s)
+
+    def hibernate_session(self, s: Session, *, wait: bool = True) -> None:
+        self.lifecycle.hibernate(s, wait=wait)
+
+    def close_session(self, s: Session) -> None:
+        self.lifecycle.close_session(s)
+
+    def publish_shared(self, input_ids: torch.Tensor | Sequence[int], session: Session) -> int:
+        """Publish the full chunks of a resident session's prefix to every tenant.
+
+        Returns the number of chunks published. Use it for system prompts and tool schemas
+        that are not secret; everything else stays per tenant. Published chunks are written to
+        L3 under the shared tenant, so a restarted cache serves them too.
+        """
+        return self.lifecycle.publish_shared(as_ids(input_ids), session)
+
+    def evict_l2(self) -> int:
+        """Drop every L2 copy that is durable in L3 (frees host RAM); returns chunks dropped."""
+        return self.lifecycle.evict_l2()
+
+    def shred_tenant(self, tenant: str) -> ShredReport:
+        """Forget every session and chunk of `tenant` in every tier, and destroy its data key.
+
+        L1 and L2 copies are dropped now and its sessions closed without a record; in L3 the
+        tenant's data key and session records are destroyed in one transaction
+        (`L3Store.shred_tenant`), so its chunk files are unreadable at once and the next gc
+        removes them (a plain store deletes them now). Its next request recomputes. Raises
+        SessionError while one of its sessions has a request running (retry after it).
+
+        With L4, the tenant's data keys, session records and the chunks this host knows of
+        leave Redis as well (best effort: `SharedTier.shred`); a sealed value left there names
+        a destroyed key and is a miss on every host."""
+        return self.shredder.shred(tenant)
+
+    # -- moving L1 to another device (device failover, kvtier.cache.relocate) -------------------
+
+    def move_l1(self, device: torch.device, budget: int | None = None, lost: bool = True) -> int:
+        """A new, empty L1 on `device`; returns the old budget (`L1Relocator.move_l1`)."""
+        return self.relocator.move_l1(device, budget, lost)
+
+    def reload_session(self, s: Session, ids: Ids) -> KvtierCache:
+        """After `move_l1`: restore a running request's session into the new L1."""
+        return self.restorer.reload(s, ids)
+
+    # -- device memory and stats ----------------------------------------------------------------
 
     def device_bytes(self) -> dict[str, int]:
         """The most device memory kvtier holds, by part, in bytes (for a server's GPU memory
@@ -535,30 +481,44 @@ class TieredCache(LifecycleMixin):
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         """Teach the cost model a prefill timed outside a session's Cache (a batched forward of
         `tokens` prompt tokens that took `seconds`): restores weigh loading against that."""
-        with self._lock:
+        with self.guard:
             self.cost.observe_prefill(tokens, seconds)
 
     def stats(self) -> CacheSnapshot:
         """A frozen snapshot of every tier, session and counter. Never waits for I/O: the
         numbers are copied under the lock; the store and the engine are asked outside it."""
-        with self._lock:
-            self._reap()
+        with self.guard:
+            self.lifecycle.reap()
             C = self.chunk_tokens
             inputs = SnapshotInputs(
                 counters=self.counters.copy(),
                 l1_budget=self.l1.budget_bytes,
                 l1_used=self.l1.used_bytes,
-                l1_chunks=sum(
-                    -(-len(s.tokens) // C) for s in self._sessions.values() if s.resident
-                ),
+                l1_chunks=sum(-(-len(s.tokens) // C) for s in self.table.values() if s.resident),
                 l2_slots=self.l2.n_slots,
                 l2_free=self.l2.free_slots,
                 l2_slot_bytes=self.l2.slot_bytes,
-                sessions=tuple(s.info() for s in self._sessions.values()),
+                sessions=tuple(s.info() for s in self.table.values()),
                 l4_chunks=len(self.l4.known) if self.l4 is not None else 0,
             )
         l4 = self.l4.stats() if self.l4 is not None else None
         return build_snapshot(inputs, self.l3.stats(), self.engine.stats(), l4)
+
+    # -- lifetime -------------------------------------------------------------------------------
+
+    def flush(self) -> None:
+        """Wait for every queued L3 write."""
+        self.lifecycle.flush()
+
+    def close(self) -> None:
+        """Hibernate every resident session to L3, then release every resource. Idempotent."""
+        self.lifecycle.close_all(self.upkeep.stop)
+
+    def __enter__(self) -> TieredCache:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def _check_tenant(tenant: str) -> None:

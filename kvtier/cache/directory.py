@@ -143,6 +143,17 @@ class ChunkDirectory:
             e.seen = self._seen.pop(key, 0)
         return e
 
+    @staticmethod
+    def pin(chunks: Iterable[Chunk]) -> None:
+        """Keep the chunks' L2 slots: a pinned chunk's slot is neither freed nor reused."""
+        for e in chunks:
+            e.pins += 1
+
+    @staticmethod
+    def unpin(chunks: Iterable[Chunk]) -> None:
+        for e in chunks:
+            e.pins -= 1
+
     def stored(self, e: Chunk) -> bool:
         """Some tier holds (or is writing) the chunk."""
         return e.l2_slot is not None or e.key in self.l3_tokens or e.l3_write is not None

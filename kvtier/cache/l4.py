@@ -2,7 +2,7 @@
 
 - Which chunks L4 is believed to hold (`known`, key -> tokens): the keys of session records
   read from L4 and of chunks this process wrote there. A restore plans L4 after L2 and L3
-  (`kvtier.cache.restore.locate`); a chunk that Redis evicted or let expire is a miss there.
+  (`ChunkCatalog.locate`); a chunk that Redis evicted or let expire is a miss there.
 - Restores: the L4 chunks of a plan get L2 slots like L3 reads do, and one `get_chunks` call
   fetches them all (pipelined, several connections); each payload is verified and copied into
   its slot on the L4 read threads, then the restore copies L2 -> L1 as for any other chunk.
@@ -48,9 +48,16 @@ from kvtier.tiers.l4.sealed import TenantKeys
 from kvtier.types import SessionState
 
 if TYPE_CHECKING:  # pragma: no cover
-    from kvtier.cache.core import TieredCache
-    from kvtier.cache.directory import Chunk
+    from kvtier.cache.costmodel import CostModel
+    from kvtier.cache.directory import Chunk, ChunkDirectory
+    from kvtier.cache.guard import CacheGuard
+    from kvtier.cache.identity import CacheIdentity
+    from kvtier.cache.records import SessionRecords
     from kvtier.cache.session import Session
+    from kvtier.cache.sessiontable import SessionTable
+    from kvtier.tiers.l2 import HostArena
+    from kvtier.tiers.l3 import L3Store
+    from kvtier.transfer import TransferEngine
 
 log = logging.getLogger("kvtier.cache")
 KNOWN_MAX = 1 << 20  # chunk keys remembered as L4 candidates (about 100 MB at most)
@@ -76,10 +83,30 @@ class PendingReads:
 
 
 class SharedTier:
-    def __init__(self, cache: TieredCache) -> None:
-        cfg = cache.config
+    def __init__(
+        self,
+        *,
+        identity: CacheIdentity,
+        guard: CacheGuard,
+        directory: ChunkDirectory,
+        table: SessionTable,
+        records: SessionRecords,
+        cost: CostModel,
+        l2: HostArena,
+        l3: L3Store,
+        engine: TransferEngine,
+    ) -> None:
+        cfg = identity.config
         assert cfg.l4_url is not None
-        self.cache = cache
+        self.identity = identity
+        self.guard = guard
+        self.directory = directory
+        self.table = table
+        self.records = records
+        self.cost = cost
+        self.l2 = l2
+        self.l3 = l3
+        self.engine = engine
         self.store = L4Store(
             cfg.l4_url,
             ttl_s=cfg.l4_ttl_s,
@@ -87,7 +114,7 @@ class SharedTier:
             streams=cfg.l4_read_streams,
             breaker=Breaker(backoff_s=cfg.l4_backoff_s),
         )
-        keyring = cache.l3.keyring
+        keyring = l3.keyring
         if keyring is not None and not keyring.locked and cfg.master_key_file is not None:
             master = load_master_key(cfg.master_key_file)
             self.store.sealer = TenantKeys(self.store, keyring, master)
@@ -115,7 +142,7 @@ class SharedTier:
         """The session's record in L4 (outside the cache's lock); None on a miss or trouble."""
         t0 = time.perf_counter()
         try:
-            rec = self.store.get_record(self.cache.fingerprint, tenant, session_id)
+            rec = self.store.get_record(self.identity.fingerprint, tenant, session_id)
         except StoreError as exc:
             log.info("L4 session lookup skipped: %s", exc)
             return None
@@ -125,7 +152,7 @@ class SharedTier:
         return rec
 
     def note_record(self, rec: SessionRecord) -> None:
-        C = self.cache.chunk_tokens
+        C = self.identity.chunk_tokens
         n_tokens = len(rec.token_ids) // 4
         for i, key in enumerate(rec.chunk_keys):
             self.remember(key, min(C, n_tokens - i * C))
@@ -142,7 +169,7 @@ class SharedTier:
         """A closed session: its record leaves L4 too, through the write queue (after a write
         of it being written; never shed). Its writes still queued are dropped: one of a session
         forgotten from memory would find its record in L3 until the delete lands there."""
-        rec = SessionRecord(s.session_id, s.tenant, self.cache.fingerprint, b"", (), False,
+        rec = SessionRecord(s.session_id, s.tenant, self.identity.fingerprint, b"", (), False,
                             None, 0.0, "closed")  # fmt: skip
         with self._cv:
             if self._stop:
@@ -174,19 +201,19 @@ class SharedTier:
     def _expected(self, key: bytes, tokens: int | None = None) -> ChunkHeader:
         """The header a value of chunk `key` must have: as the cache writes its directory
         entry; given `tokens` (the write-behind, off the lock), that many, whatever tenant."""
-        cache = self.cache
+        ident = self.identity
         if tokens is None:  # a restore's read, under the cache's lock: the entry is there
-            e = cache.directory.get(key)
+            e = self.directory.get(key)
             if e is not None:
-                return cache._header(e)
+                return ident.header(e)
             tokens = 0  # no value matches: a miss
-        return cache.codec.header(key, tokens, fingerprint=cache.fingerprint, tenant="")
+        return ident.codec.header(key, tokens, fingerprint=ident.fingerprint, tenant="")
 
     def launch(self, p: PendingReads, tenant: str) -> None:
         """Start the plan's L4 reads (one pipelined, multi-stream `get_chunks`)."""
         if not p.keys:
             return
-        arena = self.cache.l2
+        arena = self.l2
         slots = p.slots
 
         def dest(i: int, header: ChunkHeader) -> memoryview:
@@ -197,7 +224,7 @@ class SharedTier:
 
         p.batch = self.store.get_chunks(
             p.keys,
-            self.cache.fingerprint,
+            self.identity.fingerprint,
             dest,
             tenants=(tenant, SHARED_TENANT),
             expect=p.expect,
@@ -221,11 +248,11 @@ class SharedTier:
         """Feed the cost model with the plan's L4 bytes and time (under the cache's lock)."""
         if p is None or p.batch is None or usable_bytes <= 0 or not p.batch.finished:
             return
-        self.cache.cost.observe_load("l4", usable_bytes, p.batch.seconds + t_copy)
+        self.cost.observe_load("l4", usable_bytes, p.batch.seconds + t_copy)
 
     def _observe_latency(self, seconds: float) -> None:
-        with self.cache._lock:
-            self.cache.cost.observe_latency("l4", seconds)
+        with self.guard:
+            self.cost.observe_latency("l4", seconds)
 
     # -- write-behind ----------------------------------------------------------------------------
 
@@ -235,7 +262,7 @@ class SharedTier:
 
     def _enqueue(self, rec: SessionRecord) -> bool:
         """Queue the record's session (under the cache's lock); False if shed or closing."""
-        d = self.cache.directory
+        d = self.directory
         chunks = []
         for key in rec.chunk_keys:
             e = d.get(key)
@@ -288,7 +315,7 @@ class SharedTier:
         if self.store.sealer is not None:
             self.store.sealer.forget(tenant)
         try:
-            n = self.store.shred_tenant(tenant, self.cache.fingerprint, chunk_keys, session_ids)
+            n = self.store.shred_tenant(tenant, self.identity.fingerprint, chunk_keys, session_ids)
         except StoreError as exc:
             log.warning("L4 shred of tenant %r skipped (%s): its wrapped data keys, records "
                         "and chunks stay in Redis until their TTL; shred the tenant again once "
@@ -304,12 +331,12 @@ class SharedTier:
         if not self._lock_cache():
             return  # closing
         try:
-            for s in list(self.cache._sessions.values()):
+            for s in list(self.table.values()):
                 if s.state is SessionState.HIBERNATED:
-                    self.enqueue(s, self.cache._record(s))
-            stored = self.cache._sessions.partial  # some sessions are in L3 alone
+                    self.enqueue(s, self.records.record(s))
+            stored = self.table.partial  # some sessions are in L3 alone
         finally:
-            self.cache._lock.release()
+            self.guard.release()
         if stored:
             try:
                 self._requeue_stored()
@@ -320,12 +347,12 @@ class SharedTier:
         """Queue the sessions whose records only L3 holds (forgotten from memory, or left there
         by an earlier process): L3's index a page of records at a time, read outside the
         cache's lock; stops at the first one shed (the queue is full)."""
-        cache, l3 = self.cache, self.cache.l3
+        l3, table = self.l3, self.table
         after = 0
-        while rows := l3.index.session_keys(cache.fingerprint, after, page):
+        while rows := l3.index.session_keys(self.identity.fingerprint, after, page):
             after = rows[-1][0]
             # a record on its way to L3 is newer than the one there (sessiontable)
-            recs = [cache._sessions.pending((t, sid)) or l3.load_session(sid, t)
+            recs = [table.pending((t, sid)) or l3.load_session(sid, t)
                     for _, sid, t in rows]  # fmt: skip
             if not self._lock_cache():
                 return  # closing
@@ -333,14 +360,14 @@ class SharedTier:
                 for rec in recs:
                     if rec is None or rec.key_id is not None:
                         continue  # closed since, or sealed under a key this process lacks
-                    if (rec.tenant, rec.session_id) in cache._sessions:
+                    if (rec.tenant, rec.session_id) in table:
                         continue  # in memory: queued above if hibernated
                     if not self._enqueue(rec):
                         log.warning("L4 write queue full: sessions forgotten from memory past "
                                     "%r are not written again", rec.session_id[:64])  # fmt: skip
                         return
             finally:
-                cache._lock.release()
+                self.guard.release()
 
     def _write_loop(self) -> None:
         while True:
@@ -378,15 +405,15 @@ class SharedTier:
             return rec  # closing: every session is hibernated now
         key = (rec.tenant, rec.session_id)
         try:
-            s = self.cache._sessions.get(key)
+            s = self.table.get(key)
             if s is not None:
                 same = s.state is SessionState.HIBERNATED and s.last_active == rec.last_active
                 return rec if same else None
-            saved = self.cache._sessions.pending(key)  # forgotten, its save not landed yet
+            saved = self.table.pending(key)  # forgotten, its save not landed yet
         finally:
-            self.cache._lock.release()
+            self.guard.release()
         if saved is None:  # outside the lock: an SQLite read (None: closed)
-            saved = self.cache.l3.load_session(rec.session_id, rec.tenant)
+            saved = self.l3.load_session(rec.session_id, rec.tenant)
         if saved is None or saved.key_id is not None or not _same_session(saved, rec):
             return None
         same = (saved.last_active, saved.chunk_keys) == (rec.last_active, rec.chunk_keys)
@@ -396,7 +423,7 @@ class SharedTier:
         """Take the cache's lock, unless the cache is closing (close holds it while it waits
         for this thread)."""
         while not self._closing:
-            if self.cache._lock.acquire(timeout=0.05):
+            if self.guard.acquire(timeout=0.05):
                 return True
         return False
 
@@ -426,13 +453,13 @@ class SharedTier:
         """Put one chunk of `tokens` tokens from an idle L2 copy (pinned meanwhile), else from
         L3 (verified, its header too: a forged file is not spread to other hosts); False if
         neither holds it any more."""
-        cache = self.cache
+        d = self.directory
         pinned: Chunk | None = None
         write: Future[Any] | None = None
         if self._lock_cache():
             try:
-                cache.directory.reap_writes()
-                e = cache.directory.get(key)
+                d.reap_writes()
+                e = d.get(key)
                 if e is not None and e.l3_write is not None:
                     write = e.l3_write
                 elif (
@@ -440,31 +467,32 @@ class SharedTier:
                     and e.tenant  # known for chunks written from L1 (else L3's header says)
                     and e.l2_slot is not None
                     and e.l3_read is None
-                    and not cache.engine.busy(e.l2_slot)
+                    and not self.engine.busy(e.l2_slot)
                 ):
-                    e.pins += 1  # nobody frees or reuses the slot while it is read
+                    d.pin([e])  # nobody frees or reuses the slot while it is read
                     pinned = e
             finally:
-                cache._lock.release()
+                self.guard.release()
         if write is not None:
             write.exception()  # the L3 write lands first; the chunk is read back from there
         if pinned is not None:
             try:
-                header = cache._header(pinned)
+                header = self.identity.header(pinned)
                 assert pinned.l2_slot is not None
-                view = memoryview(cache.l2.buffer(pinned.l2_slot)).cast("B")
+                view = memoryview(self.l2.buffer(pinned.l2_slot)).cast("B")
                 self.store.put_chunk(header, view[: header.payload_len])
             finally:
                 locked = self._lock_cache()
-                pinned.pins -= 1  # unlocked only while the cache closes (it waits for us)
+                d.unpin([pinned])  # unlocked only while the cache closes (it waits for us)
                 if locked:
-                    cache._lock.release()
+                    self.guard.release()
             return True
         if self._buf is None:
-            self._buf = cache.l3.aligned_buffer(cache.l2.slot_bytes + 4096)
+            self._buf = self.l3.aligned_buffer(self.l2.slot_bytes + 4096)
         try:
             expect = self._expected(key, tokens)
-            header = cache.l3.get(key, self._buf, fingerprint=cache.fingerprint, expect=expect)
+            fp = self.identity.fingerprint
+            header = self.l3.get(key, self._buf, fingerprint=fp, expect=expect)
         except StoreError as exc:
             log.info("L4 write-behind: chunk %s not readable from L3 (%s)", key.hex(), exc)
             return False
@@ -488,9 +516,9 @@ class SharedTier:
                 else:
                     if self._lock_cache():
                         try:
-                            self.cache.cost.observe_latency("l4", rtt)
+                            self.cost.observe_latency("l4", rtt)
                         finally:
-                            self.cache._lock.release()
+                            self.guard.release()
                     run = self.store.run_id
                     if last_run is not None and run != last_run:
                         log.warning("L4 Redis restarted (run_id changed); writing sessions again")

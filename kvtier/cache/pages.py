@@ -28,100 +28,178 @@ import functools
 import time
 from typing import TYPE_CHECKING
 
-from kvtier.cache.restore import StagedPrefix, common_prefix, tiers_extend
+from kvtier.cache.restoreplan import StagedPrefix, common_prefix
 from kvtier.errors import ConfigError, SessionError
 from kvtier.integrations.paged_cache import PagedCache
 from kvtier.paged.pool import PagedSequence, PagePool, PoolExhausted
 from kvtier.types import SessionState
 
 if TYPE_CHECKING:  # pragma: no cover
-    from kvtier.cache.core import TieredCache
+    from kvtier.cache.catalog import ChunkCatalog
+    from kvtier.cache.guard import CacheGuard
+    from kvtier.cache.identity import CacheIdentity
+    from kvtier.cache.lifecycle import SessionLifecycle
+    from kvtier.cache.records import SessionRecords
+    from kvtier.cache.restore import Restorer
     from kvtier.cache.session import Ids, Session
+    from kvtier.cache.sessiontable import SessionTable
+    from kvtier.cache.stats import Counters
 
 
-def check_pool(cache: TieredCache, pool: PagePool) -> None:
-    """Refuse a pool the session's K/V cannot live in."""
-    if not isinstance(pool, PagePool):
-        raise ConfigError(f"pool must be a kvtier.paged.PagePool, got {type(pool).__name__}")
-    if pool.quantized:
-        raise ConfigError(
-            "an int8 page pool holds approximate K/V; restore into a pool with kv_dtype='native'"
-        )
-    # the shape must be the model's; the dtype is the pool's (`dtype`, checked next), whatever
-    # the config says (a model moved to bfloat16 keeps a float32 config)
-    if dataclasses.replace(pool.geometry, dtype=cache.geometry.dtype) != cache.geometry:
-        raise ConfigError(
-            f"the pool's geometry ({pool.geometry}) is not the model's ({cache.geometry}); "
-            "build the pool with KVGeometry.from_config(model.config)"
-        )
-    if pool.dtype != cache.geometry.torch_dtype():
-        raise ConfigError(
-            f"the pool holds {pool.dtype}, the model computes {cache.geometry.dtype}; build the "
-            "pool with dtype=<the model's parameter dtype>"
-        )
-    if not cache.codec.lossless:
-        raise ConfigError(
-            f"codec {cache.config.codec!r} stores approximate K/V; a session in a page pool "
-            "commits its pages as they are: use codec='native'"
-        )
+class PoolSessions:
+    """The sessions restored into callers' page pools; the owner of their `PagedCache`s."""
 
+    def __init__(
+        self,
+        *,
+        guard: CacheGuard,
+        identity: CacheIdentity,
+        counters: Counters,
+        table: SessionTable,
+        records: SessionRecords,
+        catalog: ChunkCatalog,
+        restorer: Restorer,
+        lifecycle: SessionLifecycle,
+    ) -> None:
+        self.guard = guard
+        self.identity = identity
+        self.counters = counters
+        self.table = table
+        self.records = records
+        self.catalog = catalog
+        self.restorer = restorer
+        self.lifecycle = lifecycle
 
-def restore(cache: TieredCache, s: Session, ids: Ids, pool: PagePool) -> PagedCache:
-    """`Session.restore(ids, pool=pool)`: see the module doc."""
-    check_pool(cache, pool)
-    if not ids:
-        raise SessionError("restore needs at least one input token")
-    t0 = time.perf_counter()
-    with cache._lock:
-        cache._check_restorable(s)
+    def check_pool(self, pool: PagePool) -> None:
+        """Refuse a pool the session's K/V cannot live in."""
+        ident = self.identity
+        if not isinstance(pool, PagePool):
+            raise ConfigError(f"pool must be a kvtier.paged.PagePool, got {type(pool).__name__}")
+        if pool.quantized:
+            raise ConfigError(
+                "an int8 page pool holds approximate K/V; restore into a pool with "
+                "kv_dtype='native'"
+            )
+        # the shape must be the model's; the dtype is the pool's (`dtype`, checked next),
+        # whatever the config says (a model moved to bfloat16 keeps a float32 config)
+        if dataclasses.replace(pool.geometry, dtype=ident.geometry.dtype) != ident.geometry:
+            raise ConfigError(
+                f"the pool's geometry ({pool.geometry}) is not the model's ({ident.geometry}); "
+                "build the pool with KVGeometry.from_config(model.config)"
+            )
+        if pool.dtype != ident.geometry.torch_dtype():
+            raise ConfigError(
+                f"the pool holds {pool.dtype}, the model computes {ident.geometry.dtype}; build "
+                "the pool with dtype=<the model's parameter dtype>"
+            )
+        if not ident.codec.lossless:
+            raise ConfigError(
+                f"codec {ident.config.codec!r} stores approximate K/V; a session in a page pool "
+                "commits its pages as they are: use codec='native'"
+            )
+
+    def restore(self, s: Session, ids: Ids, pool: PagePool) -> PagedCache:
+        """`Session.restore(ids, pool=pool)`: see the module doc."""
+        self.check_pool(pool)
+        if not ids:
+            raise SessionError("restore needs at least one input token")
+        t0 = time.perf_counter()
+        with self.guard:
+            self.restorer.check_restorable(s)
+            view = s.pages
+            if view is not None and view.pool is pool and s.state is SessionState.IDLE:
+                n = min(view.table.length, common_prefix(s.tokens, ids[:-1]))
+                if n > 0 and not self.catalog.tiers_extend(s, ids[:-1], n, whole=True):
+                    s.truncate(n)
+                    s.state = SessionState.ACTIVE
+                    s.last_active = time.time()
+                    self.counters.hits["l1"] += 1
+                    self.counters.restored_tokens["l1"] += n
+                    self.restorer.count(s, "l1", t0)
+                    _trim(pool, view.table, n)
+                    return self._view(s, pool, view.table)
+            s.drop_pages()
+            if s.resident:  # in L1 buffers from a restore without a pool: store it, free them
+                self.lifecycle.hibernate(s, wait=False)
+        out = self.restorer.restore_staged(s, ids)  # active from here; the prefix pinned in L2
+        assert not s.resident
+        staged = out if isinstance(out, StagedPrefix) else None
+        table = PagedSequence()
+        try:
+            covered = staged.tokens if staged is not None else 0
+            view = self._view(s, pool, table)
+            self.reserve_pages(view, covered)
+            if staged is not None:
+
+                def write(first: int, chunks: object) -> None:
+                    pool.write_chunks(table.pages, first, chunks)  # type: ignore[arg-type]
+
+                self.restorer.load_staged(s, staged, write).wait(spin=True)
+                table.length = covered
+                view.lengths[:] = [covered] * len(view.lengths)
+        except BaseException:
+            with self.guard:
+                pool.release(table)
+                s.pages = None
+            self.lifecycle.abort(s)
+            raise
+        finally:
+            self.restorer.release_staged(s, staged)
+        return view
+
+    def _view(self, s: Session, pool: PagePool, table: PagedSequence) -> PagedCache:
+        """The session's Cache over `table`; the chunk its commit starts storing from."""
+        view = PagedCache(self, pool, table)
+        s.pages = view
+        C = self.identity.chunk_tokens
+        s.pages_start = table.length // C * C
+        return view
+
+    def reserve_pages(self, view: PagedCache, tokens: int) -> None:
+        """Room in `view`'s table for `tokens` tokens in all (`PageOwner.reserve_pages`): free
+        pages first, then the pages of other idle sessions in the pool, least recently active
+        first; `PoolExhausted` when that is not enough."""
+        pool, table = view.pool, view.table
+        with self.guard:
+            while not pool.reserve(table, max(0, tokens - table.length)):
+                idle = [
+                    o
+                    for o in self.table.values()
+                    if o.pages is not None
+                    and o.pages is not view
+                    and o.pages.pool is pool
+                    and o.state is SessionState.IDLE
+                ]
+                if not idle:
+                    raise PoolExhausted(
+                        pool.pages_needed(table, tokens - table.length), pool.num_free
+                    )
+                victim = min(idle, key=lambda o: (o.pinned, o.last_active))
+                victim.drop_pages()
+                victim.state = SessionState.HIBERNATED  # committed with commit_pages: stored
+                self.counters.evictions["l1"] += 1
+                self.records.save(victim)
+
+    def commit(self, s: Session, ids: Ids) -> None:
+        """`Session.commit(ids)` of a session restored into a pool: its new chunks go from the
+        pages to L2 (`commit_pages`), the pages stay its own."""
         view = s.pages
-        if view is not None and view.pool is pool and s.state is SessionState.IDLE:
-            n = min(view.table.length, common_prefix(s.tokens, ids[:-1]))
-            if n > 0 and not tiers_extend(cache, s, ids[:-1], n, whole=True):
-                cache.truncate(s, n)
-                s.state = SessionState.ACTIVE
-                s.last_active = time.time()
-                cache.counters.hits["l1"] += 1
-                cache.counters.restored_tokens["l1"] += n
-                cache._count_restore(s, "l1", t0)
-                _trim(pool, view.table, n)
-                return _view(cache, s, pool, view.table)
-        drop(s)
-        if s.resident:  # in L1 buffers from a restore without a pool: store it, free them
-            cache.hibernate_session(s, wait=False)
-    out = cache.restore_staged(s, ids)  # active from here; the prefix pinned in L2
-    assert not s.resident
-    staged = out if isinstance(out, StagedPrefix) else None
-    table = PagedSequence()
-    try:
-        covered = staged.tokens if staged is not None else 0
-        view = _view(cache, s, pool, table)
-        reserve(cache, view, covered)
-        if staged is not None:
-
-            def write(first: int, chunks: object) -> None:
-                pool.write_chunks(table.pages, first, chunks)  # type: ignore[arg-type]
-
-            cache.load_staged(s, staged, write).wait(spin=True)
-            table.length = covered
-            view.lengths[:] = [covered] * len(view.lengths)
-    except BaseException:
-        with cache._lock:
-            pool.release(table)
-            s.pages = None
-        cache.abort_session(s)
-        raise
-    finally:
-        cache.release_staged(s, staged)
-    return view
-
-
-def _view(cache: TieredCache, s: Session, pool: PagePool, table: PagedSequence) -> PagedCache:
-    """The session's Cache over `table`; the chunk its commit starts storing from."""
-    view = PagedCache(cache, pool, table)
-    s.pages = view
-    s.pages_start = table.length // cache.chunk_tokens * cache.chunk_tokens
-    return view
+        assert view is not None
+        C = self.identity.chunk_tokens
+        with self.guard:
+            if s.state is not SessionState.ACTIVE:
+                raise SessionError("commit() must follow restore() on the same session")
+            n = min(min(view.lengths), len(ids))
+            start = min(s.pages_start, n // C * C)
+            pages = view.table.pages
+            # gathered one at a time as each is stored, never all of a long turn's at once
+            gather = view.pool.gather
+            chunks = [
+                functools.partial(gather, pages, a, min(a + C, n)) for a in range(start, n, C)
+            ]
+            self.lifecycle.commit_pages(s, ids[:n], start, chunks)
+            _trim(view.pool, view.table, n)
+            view.lengths[:] = [n] * len(view.lengths)
 
 
 def _trim(pool: PagePool, table: PagedSequence, n: int) -> None:
@@ -131,56 +209,3 @@ def _trim(pool: PagePool, table: PagedSequence, n: int) -> None:
         pool.free(table.pages[keep:])
         del table.pages[keep:]
     table.length = min(table.length, n)
-
-
-def reserve(cache: TieredCache, view: PagedCache, tokens: int) -> None:
-    """Room in `view`'s table for `tokens` tokens in all (`PageOwner.reserve_pages`): free
-    pages first, then the pages of other idle sessions in the pool, least recently active
-    first; `PoolExhausted` when that is not enough."""
-    pool, table = view.pool, view.table
-    with cache._lock:
-        while not pool.reserve(table, max(0, tokens - table.length)):
-            idle = [
-                o
-                for o in cache._sessions.values()
-                if o.pages is not None
-                and o.pages is not view
-                and o.pages.pool is pool
-                and o.state is SessionState.IDLE
-            ]
-            if not idle:
-                raise PoolExhausted(pool.pages_needed(table, tokens - table.length), pool.num_free)
-            victim = min(idle, key=lambda o: (o.pinned, o.last_active))
-            drop(victim)
-            victim.state = SessionState.HIBERNATED  # committed with commit_pages: stored
-            cache.counters.evictions["l1"] += 1
-            cache._submit_record(cache.l3.save_session, cache._record(victim))
-
-
-def commit(cache: TieredCache, s: Session, ids: Ids) -> None:
-    """`Session.commit(ids)` of a session restored into a pool: its new chunks go from the
-    pages to L2 (`commit_pages`), the pages stay its own."""
-    view = s.pages
-    assert view is not None
-    C = cache.chunk_tokens
-    with cache._lock:
-        if s.state is not SessionState.ACTIVE:
-            raise SessionError("commit() must follow restore() on the same session")
-        n = min(min(view.lengths), len(ids))
-        start = min(s.pages_start, n // C * C)
-        pages = view.table.pages
-        # gathered one at a time as each is stored, never all of a long turn's at once
-        gather = view.pool.gather
-        chunks = [functools.partial(gather, pages, a, min(a + C, n)) for a in range(start, n, C)]
-        cache.commit_pages(s, ids[:n], start, chunks)
-        _trim(view.pool, view.table, n)
-        view.lengths[:] = [n] * len(view.lengths)
-
-
-def drop(s: Session) -> None:
-    """The session's pages in a caller's pool, if any, go back to it (under the lock)."""
-    view = s.pages
-    if view is not None:
-        view.pool.release(view.table)
-        s.pages = None
-        s.in_pages = False

@@ -16,7 +16,7 @@ from kvtier.types import RestoreSource, SessionState
 
 if TYPE_CHECKING:  # pragma: no cover
     from kvtier.cache.config import CacheConfig
-    from kvtier.cache.restore import StagedPrefix
+    from kvtier.cache.restoreplan import StagedPrefix
     from kvtier.geometry import KVGeometry
     from kvtier.integrations.hf import KvtierCache
     from kvtier.integrations.paged_cache import PagedCache
@@ -28,16 +28,20 @@ Ids = tuple[int, ...]
 change under a session, and Python's cyclic garbage collector stops walking a tuple of ints
 after its first collection (it untracks it); a list of a session's 3,000 ids stayed tracked,
 and every collection that reached it visited each id: 256 such sessions are 768,000 references
-for each full collection (docs/benchmarks.md, "What the collector walks")."""
+for each full collection (docs/benchmarks-history.md, "What the collector walks")."""
 
 
 class SessionHost(Protocol):
     """What a `Session` needs from its cache (`TieredCache` implements it)."""
 
     config: CacheConfig
-    fingerprint: bytes
-    chunk_tokens: int
-    geometry: KVGeometry
+
+    @property
+    def fingerprint(self) -> bytes: ...
+    @property
+    def chunk_tokens(self) -> int: ...
+    @property
+    def geometry(self) -> KVGeometry: ...
 
     def restore_session(self, s: Session, ids: Ids) -> KvtierCache: ...
     def restore_into(self, s: Session, ids: Ids, pool: PagePool) -> PagedCache: ...
@@ -176,6 +180,39 @@ class Session:
     def close(self) -> None:
         """Forget the session: free its L1 and its record (shared chunks stay cached)."""
         self._cache.close_session(self)
+
+    # -- the cache's changes to the session (under the cache's guard) ----------------------------
+
+    def truncate(self, n: int) -> None:
+        """Keep the first `n` tokens. The stored partial tail stays its own when nothing is
+        cut (a turn that then fails still restores it)."""
+        if n < len(self.tokens):
+            self.tail_key = None
+        self.tokens = self.tokens[:n]
+        self.lengths[:] = [n] * len(self.lengths)
+        del self.chunk_keys[n // self._cache.chunk_tokens :]
+        self.flushed = min(self.flushed, len(self.chunk_keys))
+
+    def cut(self, n: int) -> None:
+        """Keep only the first `n` tokens (a multiple of the chunk size), its tail dropped."""
+        self.tokens = self.tokens[:n]
+        del self.chunk_keys[n // self._cache.chunk_tokens :]
+        self.flushed = min(self.flushed, len(self.chunk_keys))
+        self.lengths[:] = [n] * len(self.lengths)
+        self.tail_key = None
+
+    def drop_pages(self) -> None:
+        """Its pages in a caller's pool, if any, go back to the pool."""
+        view = self.pages
+        if view is not None:
+            view.pool.release(view.table)
+            self.pages = None
+            self.in_pages = False
+
+    def take_prefill(self) -> _PrefillTimer | None:
+        """The timer of the forward since the last commit, if any (cleared)."""
+        timer, self._prefill = self._prefill, None
+        return timer
 
     @property
     def resident(self) -> bool:

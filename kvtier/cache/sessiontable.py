@@ -74,6 +74,15 @@ class SessionTable(dict[Key, "Session"]):
         it must not wait, nor call the cache."""
         self._listeners.append(fn)
 
+    def live_keys(self) -> set[bytes]:
+        """The chunk keys some session in the table stands on."""
+        live: set[bytes] = set()
+        for s in self.values():
+            live.update(s.chunk_keys)
+            if s.tail_key is not None:
+                live.add(s.tail_key)
+        return live
+
     def over(self) -> bool:
         return self.max_sessions is not None and len(self) > self.max_sessions
 

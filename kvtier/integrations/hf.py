@@ -39,7 +39,7 @@ class _Plane:
         self.plane = plane
 
     def __get__(self, layer: KvtierLayer | None, kind: type | None = None) -> Any:
-        return self if layer is None else layer._filled(self.plane)
+        return self if layer is None else layer.filled(self.plane)
 
     def __set__(self, layer: KvtierLayer, value: torch.Tensor | None) -> None:
         if value is not None:
@@ -111,7 +111,7 @@ class KvtierLayer(ListedLayer):
         self.owner = owner
         self.layer_idx = layer_idx
         self.is_initialized = True
-        self._refresh_views()
+        self.refresh_views()
 
     # `keys` and `values` are views of the filled part of the layer's buffers, made when read.
     # Attention takes `update`'s return and the batched server copies a session's L1 block
@@ -120,13 +120,13 @@ class KvtierLayer(ListedLayer):
     keys = _Plane(0)  # type: ignore[assignment]
     values = _Plane(1)  # type: ignore[assignment]
 
-    def _filled(self, plane: int) -> torch.Tensor | None:
+    def filled(self, plane: int) -> torch.Tensor | None:
         bufs = self.owner.bufs
         if bufs.released:
             return None
         return bufs.layers[self.layer_idx][plane][:, :, : self.owner.lengths[self.layer_idx]]
 
-    def _refresh_views(self) -> None:
+    def refresh_views(self) -> None:
         """Keep `device` that of the layer's buffers (the views follow the buffers by
         themselves)."""
         if not self.owner.bufs.released:
@@ -136,7 +136,7 @@ class KvtierLayer(ListedLayer):
         return self.owner.lengths
 
     def _resized(self) -> None:
-        self._refresh_views()
+        self.refresh_views()
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
@@ -185,7 +185,7 @@ class KvtierCache(Cache):
                 v[:, :, start:end].copy_(new[1])
         owner.lengths[:] = [end] * len(owner.lengths)
         for layer in self._own_layers:
-            layer._refresh_views()
+            layer.refresh_views()
 
 
 def set_cudnn_attention(enabled: bool) -> None:

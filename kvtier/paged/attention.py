@@ -277,7 +277,7 @@ def _decode_rows(
 ) -> tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor]:
     """The sequences of this step with one query token, their rows in the flattened batch,
     page tables and lengths on the device; made by the first layer, reused by the rest."""
-    if ctx._rows is None:
+    if ctx.decode_rows is None:
         starts = [0]
         for n in ctx.query_lens:
             starts.append(starts[-1] + n)
@@ -285,13 +285,13 @@ def _decode_rows(
         device = ctx.block_table.device
         index = to_device(torch.tensor(decode, dtype=torch.long), device)
         rows = to_device(torch.tensor([starts[i] for i in decode], dtype=torch.long), device)
-        ctx._rows = (
+        ctx.decode_rows = (
             decode,
             rows,
             ctx.block_table.index_select(0, index),
             ctx.context_lens.index_select(0, index),
         )
-    return ctx._rows
+    return ctx.decode_rows
 
 
 def varlen_paged(

@@ -53,7 +53,7 @@ class PagedContext:
     row_blocks: tuple[torch.Tensor, torch.Tensor] | None = None
     capturing: bool = False  # recorded in a CUDA graph: only the "rows" path may run
     # the decode rows of a mixed step, made once per forward (see `_decode_rows`)
-    _rows: tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor] | None = field(
+    decode_rows: tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor] | None = field(
         default=None, repr=False
     )
 

@@ -33,7 +33,7 @@ def _step_pages(ctx: PagedContext) -> tuple[torch.Tensor, PagedContext]:
         renumbered = local[table].to(ctx.block_table.dtype)
         hit = (
             used,
-            dataclasses.replace(ctx, block_table=renumbered, backend="reference", _rows=None),
+            dataclasses.replace(ctx, block_table=renumbered, backend="reference", decode_rows=None),
         )
         ctx.__dict__["_int8"] = hit
     return hit

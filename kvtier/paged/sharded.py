@@ -231,6 +231,8 @@ def context_on(ctx: PagedContext, device: torch.device) -> PagedContext:
         for name in ("row_seq", "row_lens", "row_table"):  # the "rows" backend's, when set
             if getattr(ctx, name) is not None:
                 move[name] = getattr(ctx, name).to(device, non_blocking=True)
-        hit = dataclasses.replace(ctx, block_table=ctx.block_table.to(device), _rows=None, **move)
+        hit = dataclasses.replace(
+            ctx, block_table=ctx.block_table.to(device), decode_rows=None, **move
+        )
         cache[device] = hit
     return hit

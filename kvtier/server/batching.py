@@ -41,28 +41,24 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import torch
-
-from kvtier.cache.restore import StagedPrefix
 from kvtier.errors import KvtierError
-from kvtier.paged import BatchRunner, PagedSequence, PagePool
+from kvtier.paged import BatchRunner, PagePool
 from kvtier.server.backend import Backend, PagedBackend, RecomputeBackend
 from kvtier.server.committing import TurnCommits
 from kvtier.server.eventpost import EventPost
 from kvtier.server.failover import make_pool
 from kvtier.server.jobs import Delta, Job, Stream, pool_too_small
+from kvtier.server.kvpages import TurnPages
 from kvtier.server.loading import StagedLoader
 from kvtier.server.logitproc import decoding_of
-from kvtier.server.lookahead import TokenReadback
 from kvtier.server.memplan import model_kv, page_size, pool_bytes
 from kvtier.server.model import ServedModel
-from kvtier.server.pagecopy import append_kv, copy_in, copy_out
 from kvtier.server.parking import PageTables, Parked
 from kvtier.server.promptorder import PromptOrder
 from kvtier.server.restoring import RestoreWorkers, helper_threads
 from kvtier.server.sampling import ReplyText, make_generator
 from kvtier.server.schedthread import tune_interpreter
-from kvtier.server.stepping import Stepping, _Pending, _Seq
+from kvtier.server.stepping import StepRunner, _Seq
 from kvtier.tiers.l3 import io as l3_io
 
 log = logging.getLogger("kvtier.server")
@@ -74,8 +70,8 @@ DEFAULT_DECODING_PROMPT_TOKENS = 192
 POOL_GAUGE_EVERY = 64
 
 
-class BatchScheduler(Stepping):
-    """Owns the model (paged attention), the page pool and the scheduler thread."""
+class BatchScheduler:
+    """Owns the page pool and the scheduler thread; its steps run on `steps` (`StepRunner`)."""
 
     def __init__(
         self,
@@ -116,7 +112,7 @@ class BatchScheduler(Stepping):
             page_size(served.device, dtype),
             dtype,
         )
-        self.runner = BatchRunner(
+        runner = BatchRunner(
             model,
             self.pool,
             max_batch=self.max_batch,
@@ -131,7 +127,6 @@ class BatchScheduler(Stepping):
         self._closed = False
         self.waiting: deque[_Seq] = deque()
         self.running: list[_Seq] = []
-        self.preemptions = 0  # sequences moved out of the pool to make room
         # Prefix pages shared between a tenant's running sequences; not with a lossy codec (a
         # session restored from L1 would read another's approximate prefix, not its own).
         self.share_prefixes = str(getattr(config, "codec", "native")) == "native"
@@ -185,16 +180,31 @@ class BatchScheduler(Stepping):
         )
         # paged L1: issues the copies of staged prefixes into their pages
         self.loader = StagedLoader(self._pages, self.tables.register)
-        self.parked_turns = 0  # turns admitted from their session's parked pages
+        # the page manager: admissions into the pool, preemptions out of it, the way out
+        self.pages = TurnPages(
+            lambda: self.pool,
+            self.tables,
+            self.loader,
+            self.running,
+            self.waiting,
+            self.fail,
+            self._count,
+            paged_l1=self.paged_l1,
+            chunk_tokens=self.chunk_tokens,
+        )
         self._dropping: list[tuple[str, str]] = []  # parked tables to free (`drop_parked`)
         self._iterations = 0  # scheduler iterations, for the pool's gauges
-        self.shared_pages = 0  # pages taken from a running sequence at admission, in all
         self._events = EventPost()  # this iteration's events, handed over together
-        # overlapped steps (kvtier.server.lookahead): the step in flight, its tokens not taken
-        self.overlap_steps = bool(getattr(config, "overlap_steps", True))
-        self._readback = TokenReadback(self.pool.device, self.max_batch)
-        self._pending: _Pending | None = None
-        self._last_done = 0.0
+        # the model runner; overlapped steps (kvtier.server.lookahead) unless turned off
+        self.steps = StepRunner(
+            runner,
+            served,
+            backend,
+            self,
+            max_batch=self.max_batch,
+            overlap_steps=bool(getattr(config, "overlap_steps", True)),
+            metrics=metrics,
+        )
         isolate = bool(getattr(config, "isolate_cpus", False)) and served.device.type == "cuda"
         self._switch_interval = tune_interpreter(config, served.device)  # given back at close
         if served.devices is not None:
@@ -281,7 +291,7 @@ class BatchScheduler(Stepping):
                     or self._dropping
                     or self.waiting
                     or self.running
-                    or self._pending
+                    or self.steps.pending
                     or self._closed
                     or self._devices()
                 ):
@@ -290,7 +300,7 @@ class BatchScheduler(Stepping):
                 self._arrived.clear()
                 dropping, self._dropping = self._dropping, []
                 self.tables.drop(dropping)
-                if self._closed and not (self.waiting or self.running or self._pending):
+                if self._closed and not (self.waiting or self.running or self.steps.pending):
                     if self._restoring == 0:
                         return
                     self._cond.wait()
@@ -299,9 +309,9 @@ class BatchScheduler(Stepping):
                 self._iterate()
             except BaseException as exc:  # a bug here must not leave clients hanging
                 log.exception("batch scheduler iteration failed")
-                self._pending = None
+                self.steps.pending = None
                 for s in [*self.running, *self.waiting]:
-                    self._fail(s, exc)
+                    self.fail(s, exc)
 
     def _devices(self) -> bool:
         """A device failover or restore waits to run (kvtier.server.failover)."""
@@ -309,19 +319,19 @@ class BatchScheduler(Stepping):
 
     def _iterate(self) -> None:
         if self.served.devices is not None:
-            self._drain()
+            self.steps.drain()
             self.served.devices.poll(self)  # between steps: fail over or restore a device
         cancelled = [s for s in [*self.running, *self.waiting] if s.stream.cancelled.is_set()]
         if cancelled:
-            self._drain()  # their tokens of the step in flight first
+            self.steps.drain()  # their tokens of the step in flight first
             for s in cancelled:
                 if not s.gone:
-                    self._finish(s, "cancelled")
+                    self.finish(s, "cancelled")
         items = self._schedule()
         if items:
-            self._step(items)
+            self.steps.step(items)
         else:
-            self._drain()
+            self.steps.drain()
             self.loader.wait_first(self.running)
         self._deliver()
         self._iterations += 1
@@ -345,9 +355,58 @@ class BatchScheduler(Stepping):
         with self._cond:
             if s in self._arrived:
                 self._arrived.remove(s)
-        self._fail(s, exc)
+        self.fail(s, exc)
 
-    def _post(self, s: _Seq, event: Any) -> None:
+    # ---- device failover's port (kvtier.server.failover.SchedulerPort) ------------------------
+
+    def locked(self) -> threading.Condition:
+        """The scheduler's lock (its condition), as a context manager: what another thread
+        hands over to this one is changed under it. Re-entrant: `wakeup` may run inside."""
+        return self._cond
+
+    def wakeup(self) -> None:
+        """Wake the scheduler thread: there is work for it (a device request)."""
+        with self._cond:
+            self._cond.notify_all()
+
+    def evacuate(self, keep: bool) -> None:
+        """Every running sequence leaves the pool and waits at the head of the queue, in its
+        order. With `keep` its K/V first moves to its session's Cache (`_preempt`); without,
+        its pages are dropped unread (they go with the pool) and the tokens they held are
+        recomputed when it is admitted again. On the scheduler's thread, between steps."""
+        for s in reversed(list(self.running)):
+            if keep:
+                self.pages.preempt(s)
+            else:
+                self.running.remove(s)
+                s.paged = None  # its pages go with the old pool; `cached` is what its Cache holds
+                self.waiting.appendleft(s)
+
+    def detach_pool(self) -> PagePool:
+        """Let go of the page pool and the runner; returns the pool. No step may run until
+        `install_pool` gives new ones."""
+        pool = self.pool
+        self.pool = self.steps.runner = None  # type: ignore[assignment]  # until install_pool
+        return pool
+
+    def install_pool(self, pool: PagePool, runner: BatchRunner) -> None:
+        """A new page pool and its runner (after `detach_pool`)."""
+        self.pool = pool
+        self.steps.replace_runner(runner)
+
+    @property
+    def runner(self) -> BatchRunner:
+        """The model runner's `BatchRunner` (its inputs and CUDA graphs)."""
+        return self.steps.runner
+
+    # ---- what the step runner needs (stepping.TurnEnds) ---------------------------------------
+
+    def lost_in_step(self, exc: BaseException, items: list[Any]) -> bool:
+        """A failed step: whether a device was lost (its sequences wait for the survivors)."""
+        devices = self.served.devices
+        return devices is not None and devices.lost_in_step(self, exc, items)
+
+    def post(self, s: _Seq, event: Any) -> None:
         self._events.post(s.stream, event)
 
     def _deliver(self) -> None:
@@ -358,21 +417,21 @@ class BatchScheduler(Stepping):
         for s in [s for s in self.running if s.loading is not None and self.loader.done(s)]:
             failed = self.loader.finish(s)  # its prefix is in its pages
             if failed is not None:
-                self._fail(s, failed)
+                self.fail(s, failed)
         # Decoding sequences first, one token each; free pages for the ones whose page is full.
         need = 0
         while self.running:
             need = sum(pool.pages_needed(s.paged, 1) for s in self._decoding() if s.paged)
             if need <= pool.num_free or self._unpark(need - pool.num_free):
                 break
-            if self._pending is not None:  # its finished turns may free pages; and a preempted
-                self._drain()  # sequence must hold its real tokens, not placeholders
+            if self.steps.pending is not None:  # its finished turns may free pages; and a preempted
+                self.steps.drain()  # sequence must hold its real tokens, not placeholders
                 continue
             victim = self.running[-1]
             if len(self.running) == 1:
                 self._out_of_room(victim)
             else:
-                self._preempt(victim)
+                self.pages.preempt(victim)
             need = 0
         items: list[tuple[_Seq, Sequence[int]]] = [(s, s.tokens[-1:]) for s in self._decoding()]
         decoding = bool(items)
@@ -401,12 +460,12 @@ class BatchScheduler(Stepping):
             pages = pool.pages_for(len(s.tokens))
             if pages > pool.num_pages:
                 self.waiting.popleft()
-                self._fail(s, pool_too_small(len(s.tokens), pool.num_pages * pool.page_size))
+                self.fail(s, pool_too_small(len(s.tokens), pool.num_pages * pool.page_size))
                 continue
             own = self.tables.own_pages(s)
             if s.held is not None and own is None:  # a device failover rebuilt the pool
                 self.waiting.popleft()
-                self._fail(s, KvtierError("the session's K/V pages were lost; send it again"))
+                self.fail(s, KvtierError("the session's K/V pages were lost; send it again"))
                 continue
             want, shared = self.tables.pages_wanted(s, own, bool(self.running))  # shared: held
             if want > pool.num_free - need:  # the decoders' new pages come first
@@ -416,7 +475,7 @@ class BatchScheduler(Stepping):
                 if want > pool.num_free - need:
                     break
             self.waiting.popleft()
-            if not self._admit(s, shared, own):
+            if not self.pages.admit(s, shared, own):
                 continue
             admitted += 1
             if s.loading is not None:  # its first chunk waits for its prefix's copies
@@ -429,95 +488,9 @@ class BatchScheduler(Stepping):
     def _decoding(self) -> list[_Seq]:
         return [s for s in self.running if s.unfed == 1 and s.loading is None]
 
-    def _admit(self, s: _Seq, shared: list[int] | None = None, own: Parked | None = None) -> bool:
-        """Give a waiting sequence pages for all its known tokens and copy in its cached K/V;
-        `shared` (from `PageTables.shareable`) are full pages of its cached prefix that it
-        shares; `own` (from `PageTables.own_pages`) its session's parked pages, which hold that
-        K/V already."""
-        s.trace.admitting(self.pool.device, s.stream.clock)
-        stale = self.tables.current().pop((s.job.tenant, s.job.session_id), None)
-        if own is not None:
-            assert stale is own
-            seq, stale = own.table, None
-            self.tables.trim(seq, s.cached)
-            s.held = None
-            self.parked_turns += 1
-            self._count("parked_turns")
-        else:
-            seq = PagedSequence()
-            if shared:
-                seq.pages = self.pool.share(shared)
-                seq.length = len(shared) * self.pool.page_size
-        ok = self.pool.reserve(seq, len(s.tokens) - seq.length)
-        assert ok, "free pages were counted above"
-        if stale is not None:  # a new turn of the session: its older pages go
-            self.tables.free(stale.table)
-        try:
-            if s.cached > seq.length:
-                assert s.restored is not None
-                if s.spilled is not None:  # preempted (paged L1): its K/V comes back
-                    self.pool.scatter(seq.pages, seq.length, s.spilled[:, :, seq.length :])
-                elif isinstance(s.restored.kv, StagedPrefix):  # paged L1: L2 -> pages
-                    self.loader.start(s, seq, self.pool)
-                else:
-                    copy_in(self.pool, s.restored.kv, seq, seq.length, s.cached)
-                s.trace.copied_in()
-            s.spilled = None
-        except BaseException as exc:
-            self.tables.free(seq)
-            self._fail(s, exc)
-            return False
-        seq.length = s.cached
-        s.paged = seq
-        self.running.append(s)
-        if shared:
-            self.shared_pages += len(shared)
-            self._count("shared_kv_pages", len(shared))
-        if s.loading is None:  # else once it is loaded
-            self.tables.register(s, seq)
-        return True
-
     def _unpark(self, pages: int, keep: Parked | None = None) -> bool:
         """Free parked tables until `pages` more pages are free (`PageTables.unpark`)."""
         return self.tables.unpark(pages, self.waiting, keep)
-
-    def _release(self, s: _Seq) -> None:
-        """`s` leaves the pool: drop its reference to each page (a shared page stays)."""
-        if s.loading is not None:
-            self.loader.finish(s)
-        if s.paged is not None:
-            self.tables.free(s.paged)
-            s.paged = None
-
-    def _copy_out(self, s: _Seq) -> torch.Tensor | None:
-        """K/V of tokens [cached, fed) from the pages (nothing from an int8 pool)."""
-        assert s.paged is not None
-        return copy_out(self.pool, s.paged, s.cached)
-
-    def _preempt(self, s: _Seq) -> None:
-        """Move a running sequence's K/V into its session's Cache, free its pages, requeue it."""
-        self.running.remove(s)
-        failed = self.loader.finish(s) if s.loading is not None else None  # the gather reads it
-        if failed is not None:
-            self._fail(s, failed)
-            return
-        try:
-            assert s.restored is not None and s.paged is not None
-            if self.paged_l1:  # no Cache to take it: it waits beside the pool
-                s.spilled = self.pool.gather(s.paged.pages, 0, s.paged.length)
-            else:
-                new = self._copy_out(s)
-                if new is not None:
-                    append_kv(s.restored.kv, new)
-        except BaseException as exc:
-            self._fail(s, exc)
-            return
-        assert s.paged is not None
-        if not self.pool.quantized or s.spilled is not None:  # an int8 pool's: not in a Cache
-            s.cached = s.paged.length
-        self.preemptions += 1
-        self._release(s)
-        self.waiting.appendleft(s)
 
     def _out_of_room(self, s: _Seq) -> None:
         """Alone in a full pool: the reply ends here, as at the end of the context."""
@@ -527,7 +500,7 @@ class BatchScheduler(Stepping):
             s.job.session_id[:64],
             s.fed,
         )
-        self._finish(s, "length", flush=True)
+        self.finish(s, "length", flush=True)
 
     # ---- leaving ------------------------------------------------------------------------------
 
@@ -536,7 +509,7 @@ class BatchScheduler(Stepping):
         # its pages are read (a commit) or freed next; if its prefix never reached them, they
         # go now, so that nothing of them is committed
         if s.loading is not None and self.loader.finish(s) is not None:
-            self._release(s)
+            self.pages.release(s)
         if s in self.running:
             self.running.remove(s)
         elif s in self.waiting:
@@ -546,44 +519,32 @@ class BatchScheduler(Stepping):
                 s.held.claimed = False
             s.held = None
 
-    def _finish(self, s: _Seq, reason: str, flush: bool = False) -> None:
+    def finish(self, s: _Seq, reason: str, flush: bool = False) -> None:
         """End the turn: copy its new K/V out of the pages, free them, commit off this thread."""
         self._leave(s)
         if flush:
             rest = s.reply.rest()
             if rest:
-                self._post(s, Delta(rest))
+                self.post(s, Delta(rest))
         fed = s.fed
         try:
             if self.paged_l1:
-                new: Any = self._chunks_out(s)
+                new: Any = self.pages.chunks_out(s)
             else:
-                new = self._copy_out(s) if (self._keep_kv and s.paged is not None) else None
+                new = self.pages.copy_out(s) if (self._keep_kv and s.paged is not None) else None
         except BaseException as exc:
-            self._fail(s, exc)
+            self.fail(s, exc)
             return
         if reason == "cancelled" or not self.tables.park(s):  # a client gone: its L1 is freed too
-            self._release(s)
+            self.pages.release(s)
         self._deliver()  # its deltas reach the client before Finished
         self.commits.submit(self.commits.commit, s, reason, fed, new)
 
-    def _chunks_out(self, s: _Seq) -> tuple[int, list[torch.Tensor]] | None:
-        """Paged L1: the chunks a finished turn's commit stores, from the one its restored
-        prefix ends in to its last fed token, each gathered from the pages in the chunk layout
-        (`[layer, k|v, token, head, dim]`): (first token, chunks). None from an int8 pool."""
-        if s.paged is None or self.pool.quantized:
-            return None
-        assert s.restored is not None
-        start = s.restored.covered // self.chunk_tokens * self.chunk_tokens
-        return start, self.pool.gather_chunks(
-            s.paged.pages, start, s.paged.length, self.chunk_tokens
-        )
-
-    def _fail(self, s: _Seq, exc: BaseException) -> None:
+    def fail(self, s: _Seq, exc: BaseException) -> None:
         """The request fails: free its pages, and abort its session off this thread."""
         self.commits.error(exc)
         self._leave(s)
-        self._release(s)
+        self.pages.release(s)
         self._deliver()
         self.commits.submit(self.commits.abort, s, exc)
 
@@ -593,6 +554,6 @@ class BatchScheduler(Stepping):
         if self.metrics is not None:
             self.metrics.count(name, n)
 
-    def _observe_ttft(self, s: _Seq, seconds: float) -> None:
+    def observe_ttft(self, s: _Seq, seconds: float) -> None:
         if self.metrics is not None and s.restored is not None and not s.job.internal:
             self.metrics.ttft(s.restored.source, seconds)

@@ -122,7 +122,7 @@ class ServerConfig:
     batch_tokens: int = 1024  # new tokens in one batched forward: decode tokens + prompt chunks
     # prompt tokens in a step that also decodes: short, even steps for the decoding sessions
     # (0: up to batch_tokens, as a step without decoders). 192 on the H200 fleet bench: 7 %
-    # more tok/s than 128 with 64 sessions, 4 % more with 256 (docs/benchmarks.md)
+    # more tok/s than 128 with 64 sessions, 4 % more with 256 (docs/benchmarks-history.md)
     decoding_prompt_tokens: int = 192
     # with batching: the order in which prompts that one decoding step's budget takes whole
     # get it: "arrival" (oldest first: the slowest first tokens are shortest when no turn
@@ -141,7 +141,7 @@ class ServerConfig:
     # new chunks go from its pages to L2, the cache keeps no L1 copy of the session, and a
     # returning turn starts from its parked pages or restores from L2/L3 (docs/architecture.md,
     # "Paged L1"). Native codec, one device (else off). On an H200 the 256-session fleet served
-    # 3,480-3,765 tok/s with it against 2,685-3,371 without (docs/benchmarks.md, "Paged L1")
+    # 3,480-3,765 tok/s with it against 2,685-3,371 without (docs/benchmarks-history.md, "Paged L1")
     paged_l1: bool = True
     batch_kv_bytes: int = 0  # the batch's KV page pool; 0 = room for max_concurrency contexts
     max_body_bytes: int = 4 * 2**20

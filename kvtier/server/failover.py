@@ -45,8 +45,9 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -106,6 +107,37 @@ class _PoolShape:
     page_bytes: int
 
 
+class SchedulerPort(Protocol):
+    """What failover asks of the batch scheduler that owns the model
+    (`kvtier.server.batching.BatchScheduler`); nothing else of it is touched."""
+
+    config: Any
+    served: Any
+    max_batch: int
+    batch_tokens: int
+
+    def locked(self) -> AbstractContextManager[Any]:
+        """The scheduler's lock (re-entrant), held while a request is queued for its thread."""
+        ...
+
+    def wakeup(self) -> None:
+        """Wake its thread: a request waits."""
+        ...
+
+    def evacuate(self, keep: bool) -> None:
+        """Every running sequence back to the head of the queue (`keep`: its K/V first goes to
+        its session's Cache; else its pages are dropped unread)."""
+        ...
+
+    def detach_pool(self) -> PagePool:
+        """Let go of the page pool and the runner; returns the pool."""
+        ...
+
+    def install_pool(self, pool: PagePool, runner: BatchRunner) -> None:
+        """A new page pool and runner."""
+        ...
+
+
 LAST_DEVICE = (
     "it is the last device left (the primary: embeddings, LM head, the batch, the session "
     "L1); restore another device first, or restart the server"
@@ -128,7 +160,7 @@ class DeviceFailover:
         self.history: list[str] = [HEALTHY]
         self.last_failover_s: float | None = None  # fault seen -> serving again, seconds
         self.failovers = 0
-        self.scheduler: Any = None
+        self.scheduler: SchedulerPort | None = None
         self.watch: NvmlWatch | None = None  # set where GPUs are watched (place_configured)
         self.allowed: torch.Tensor | None = None  # host copy of the sampler's mask (place)
         self.served: Any = None  # the ServedModel placed (place)
@@ -143,7 +175,7 @@ class DeviceFailover:
     def pending(self) -> bool:
         return bool(self._requests)
 
-    def attach(self, scheduler: Any) -> None:
+    def attach(self, scheduler: SchedulerPort) -> None:
         """The batch scheduler that owns the model; transitions run on its thread from now on."""
         self.scheduler = scheduler
 
@@ -181,18 +213,18 @@ class DeviceFailover:
                 self._apply(None, op, device, reason, time.perf_counter())
             fut.set_result(self.status())
             return fut
-        with sched._cond:
+        with sched.locked():
             self._requests.append((op, device, reason, fut))
-            sched._cond.notify_all()
+            sched.wakeup()
         return fut
 
     # ---- the scheduler's thread ----------------------------------------------------------------
 
-    def poll(self, sched: Any) -> None:
+    def poll(self, sched: SchedulerPort) -> None:
         """Apply the queued requests (called by the scheduler between steps)."""
         if not self._requests:
             return
-        with sched._cond:
+        with sched.locked():
             todo, self._requests = self._requests, []
         for op, device, reason, fut in todo:
             try:
@@ -203,7 +235,7 @@ class DeviceFailover:
             else:
                 fut.set_result(self.status())
 
-    def lost_in_step(self, sched: Any, exc: BaseException, items: list[Any]) -> bool:
+    def lost_in_step(self, sched: SchedulerPort, exc: BaseException, items: list[Any]) -> bool:
         """A forward failed: when a device is lost, fail over and requeue the step's sequences
         (True); any other error is the step's own (False: the caller fails its requests)."""
         device, reason = self._which(exc)
@@ -235,7 +267,9 @@ class DeviceFailover:
                 return d, f"{type(exc).__name__} in a forward; probe: {why}"
         return None, ""
 
-    def _apply(self, sched: Any, op: str, device: int, reason: str, since: float) -> None:
+    def _apply(
+        self, sched: SchedulerPort | None, op: str, device: int, reason: str, since: float
+    ) -> None:
         self.placed.make_primary_current()
         if op == "fail" and device in self.placed.lost:
             return
@@ -251,7 +285,9 @@ class DeviceFailover:
                 self._set(FAILED, f"{what} device {device} failed ({why}); restart the server")
             raise
 
-    def _fail_over(self, sched: Any, device: int, reason: str, since: float) -> None:
+    def _fail_over(
+        self, sched: SchedulerPort | None, device: int, reason: str, since: float
+    ) -> None:
         self._set(DRAINING, f"device {device} lost: {reason}")
         moves = device == self.placed.placement.primary
         self._re_place(sched, moves, lambda: self.placed.replace(device), lost=True)
@@ -264,7 +300,7 @@ class DeviceFailover:
         )
         log.warning("degraded: %s (failover took %.3f s)", self.reason, self.last_failover_s)
 
-    def _bring_back(self, sched: Any, device: int) -> None:
+    def _bring_back(self, sched: SchedulerPort | None, device: int) -> None:
         self._set(RESTORING, f"device {device} returning")
         primary = self.placed.placement.primary
         moves = self.placed.home.primary == device and primary != device
@@ -279,7 +315,7 @@ class DeviceFailover:
 
     def _re_place(
         self,
-        sched: Any,
+        sched: SchedulerPort | None,
         moves: bool,
         change: Callable[[], object],
         lost: bool = False,
@@ -296,7 +332,7 @@ class DeviceFailover:
             rehome.rehome(self, sched, lost=lost)
         self._build(sched, old)
 
-    def _drop(self, sched: Any, keep_pages: bool) -> _PoolShape | None:
+    def _drop(self, sched: SchedulerPort | None, keep_pages: bool) -> _PoolShape | None:
         """Drain, then let go of the page pool and the runner (their memory is freed before the
         layers move). Every running sequence leaves the pool and waits at the head of the
         queue, in its order. With `keep_pages` its K/V first moves to its session's Cache (the
@@ -304,17 +340,10 @@ class DeviceFailover:
         are recomputed when it is admitted again."""
         if sched is None:
             return None
-        for s in reversed(list(sched.running)):
-            if keep_pages:
-                sched._preempt(s)
-            else:
-                sched.running.remove(s)
-                s.paged = None  # its pages go with the old pool; `cached` is what its Cache holds
-                sched.waiting.appendleft(s)
-        pool = sched.pool
+        sched.evacuate(keep=keep_pages)
+        pool = sched.detach_pool()
         shape = _PoolShape(pool.geometry, pool.page_size, pool.dtype, pool.native_page_bytes)
         self.home_budget = self.home_budget or pool.num_pages * pool.page_bytes
-        sched.pool = sched.runner = None
         del pool
         if any(d.type == "cuda" for d in self.placed.home.devices):
             try:
@@ -323,7 +352,7 @@ class DeviceFailover:
                 log.warning("emptying the CUDA cache failed (%s); going on", exc)
         return shape
 
-    def _build(self, sched: Any, shape: _PoolShape | None) -> None:
+    def _build(self, sched: SchedulerPort | None, shape: _PoolShape | None) -> None:
         """A new page pool and runner for the current placement."""
         if sched is None or shape is None:
             return
@@ -337,14 +366,14 @@ class DeviceFailover:
             dtype=shape.dtype,
             kv_dtype=pool_kv(sched.config, bool(self.placed.lost)),  # int8 while degraded
         )
-        sched.pool = pool
-        sched.runner = BatchRunner(
+        runner = BatchRunner(
             self.placed.model,
             pool,
             max_batch=sched.max_batch,
             max_tokens=sched.batch_tokens,
             max_seq_len=sched.served.context_tokens,
         )
+        sched.install_pool(pool, runner)
         log.info(
             "page pool rebuilt: %d pages of %d tokens (%s K/V) on %s",
             pool.num_pages,

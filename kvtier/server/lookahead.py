@@ -3,7 +3,7 @@
 A step's sampled tokens are needed twice: on the device, as the next step's input, and on the
 host, to stream text and decide who stops. Read back synchronously, the GPU idles while the
 scheduler thread reads them, streams them, and builds and launches the next step: about a fifth
-of every step in the 64-session fleet on an H200 (docs/benchmarks.md). With every sequence due a
+of every step in the 64-session fleet on an H200 (docs/benchmarks-history.md). With every sequence due a
 token greedy, the scheduler instead picks the tokens on the device, starts their copy to pinned
 host memory, and launches the next step right away, feeding those tokens from the device
 (`kvtier.paged.Feed`); only then does it wait for the copy and do the host side of the step

@@ -227,7 +227,7 @@ def profile_activations(model: Any, tokens: int, logits_rows: int, device: torch
 
     vocab = int(model.get_input_embeddings().num_embeddings)
     ids = (torch.arange(tokens, device=device) % vocab).unsqueeze(0)
-    previous = model.config._attn_implementation
+    previous = model.config._attn_implementation  # noqa: SLF001  # transformers' field, no public getter
     if previous == ATTN_NAME:  # a batch runner took the model over: profile the plain path
         model.set_attn_implementation("sdpa")
     try:
@@ -329,7 +329,7 @@ def profile_graphs(
     from kvtier.paged import BatchRunner, PagePool
 
     device = next(model.parameters()).device
-    previous = model.config._attn_implementation
+    previous = model.config._attn_implementation  # noqa: SLF001  # transformers' field, no public getter
     size = page_size(device, dtype)
     max_batch = int(config.max_concurrency)
     torch.cuda.synchronize(device)

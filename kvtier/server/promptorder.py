@@ -5,7 +5,7 @@ go before long ones (a new conversation's thousands, whose own first token is fa
 so a turn's first token does not queue behind another turn's long prefill. Short ones go oldest
 first (`prompt_order` "arrival"): shortest first among them too cut an admitted prompt whenever
 a shorter newcomer took the budget first, and that made the slowest first tokens on an H200
-(docs/benchmarks.md). Shortest first ("shortest") gives a lower mean where turns queue for
+(docs/benchmarks-history.md). Shortest first ("shortest") gives a lower mean where turns queue for
 slots (the CPU demo). Long ones go shortest left first. A prompt passed over for
 `PASSED_OVER_STEPS` steps in a row goes first from then on, with at most half of each step's
 budget while others wait, so a stream of short ones cannot starve a long one, nor a long one

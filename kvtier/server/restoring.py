@@ -24,7 +24,7 @@ from kvtier.server.turntrace import TurnTrace
 # Restore threads, and as many commit threads, on a CUDA device. A restore from L2 spends most
 # of its time waiting (for locks, the GIL, its copies), so more threads admit more returning
 # turns: in the 256-session fleet on an H200, 4 threads served 2,266 tok/s and 8 served
-# 2,577-2,679 (docs/benchmarks.md, "The restore threads' waits").
+# 2,577-2,679 (docs/benchmarks-history.md, "The restore threads' waits").
 HELPER_THREADS_CUDA = 8
 
 

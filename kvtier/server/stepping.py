@@ -1,9 +1,9 @@
-"""The batch scheduler's step: one forward, its sampling, and its tokens handed to the requests.
+"""The model runner of the batch: one forward, its sampling, and its tokens handed to the requests.
 
-Split from kvtier/server/batching.py, whose `BatchScheduler` inherits `Stepping`: this module
-runs what `_schedule` chose (`_launch`: the forward, then sampling on the host, or for an
-all-greedy step on the device only) and takes the tokens (`_complete`: stream the text, end the
-replies that are done). With overlapped steps (`overlap_steps`, kvtier.server.lookahead) the
+`StepRunner` runs what the scheduler (kvtier/server/batching.py) chose (`_launch`: the forward,
+then sampling on the host, or for an all-greedy step on the device only) and takes the tokens
+(`_complete`: stream the text, end the replies that are done). It decides nothing about what
+runs: how a turn ends (its events, its commit) is the scheduler's, reached through `TurnEnds`. With overlapped steps (`overlap_steps`, kvtier.server.lookahead) the
 tokens of a step are taken after the next step was launched, so the GPU never waits for this
 thread; a reply that ended meanwhile drops the row it had in the running step (`_unplace`).
 Everything else (admission, restores, pages, the end of a turn) stays in batching.py.
@@ -17,7 +17,7 @@ import time
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -105,53 +105,70 @@ class _Pending:
 PREFILL_SAMPLE_TOKENS = 512
 
 
-class Stepping:
-    """The step methods of `BatchScheduler` (kvtier.server.batching), which sets these."""
+class TurnEnds(Protocol):
+    """What the step runner needs of its scheduler: how a turn fails, ends and streams."""
 
-    runner: BatchRunner
-    pool: PagePool
-    served: ServedModel
-    backend: Backend
-    metrics: Any
-    overlap_steps: bool  # an all-greedy step's tokens stay on the device for the next step
-    _readback: TokenReadback
-    _pending: _Pending | None  # the step in flight whose tokens are not taken yet
-    _last_done: float  # when the last step's tokens were taken
+    def fail(self, s: _Seq, exc: BaseException) -> None: ...
+    def finish(self, s: _Seq, reason: str, flush: bool = False) -> None: ...
+    def post(self, s: _Seq, event: Any) -> None: ...
+    def observe_ttft(self, s: _Seq, seconds: float) -> None: ...
+    def lost_in_step(self, exc: BaseException, items: list[Any]) -> bool: ...
 
-    # ---- kept in batching.py (the end of a turn, events, metrics) -----------------------------
 
-    def _fail(self, s: _Seq, exc: BaseException) -> None:
-        raise NotImplementedError
+class StepRunner:
+    """Runs the scheduler's steps on `runner` (kvtier.paged.BatchRunner: inputs, CUDA graphs)."""
 
-    def _finish(self, s: _Seq, reason: str, flush: bool = False) -> None:
-        raise NotImplementedError
+    def __init__(
+        self,
+        runner: BatchRunner,
+        served: ServedModel,
+        backend: Backend,
+        ends: TurnEnds,
+        *,
+        max_batch: int,
+        overlap_steps: bool,
+        metrics: Any = None,
+    ) -> None:
+        self.runner = runner
+        self.served = served
+        self.backend = backend
+        self.ends = ends
+        self.metrics = metrics
+        # an all-greedy step's tokens stay on the device for the next step (kvtier.server.lookahead)
+        self.overlap_steps = overlap_steps
+        self.readback = TokenReadback(runner.pool.device, max_batch)
+        self.pending: _Pending | None = None  # the step in flight whose tokens are not taken yet
+        self._last_done = 0.0  # when the last step's tokens were taken
 
-    def _post(self, s: _Seq, event: Any) -> None:
-        raise NotImplementedError
+    @property
+    def pool(self) -> PagePool:
+        return self.runner.pool
 
-    def _observe_ttft(self, s: _Seq, seconds: float) -> None:
-        raise NotImplementedError
+    def replace_runner(self, runner: BatchRunner) -> None:
+        """A new runner (a device failover's new pool); no step may be in flight."""
+        assert self.pending is None
+        self.runner = runner
 
     # ---- the step -----------------------------------------------------------------------------
 
-    def _step(self, items: list[tuple[_Seq, Sequence[int]]]) -> None:
+    def step(self, items: list[tuple[_Seq, Sequence[int]]]) -> None:
         """Launch a step; then take the tokens of the step before it (overlapped: the GPU runs
         this one meanwhile), then this step's own unless they may wait (`kvtier.server.
         lookahead`)."""
-        before, self._pending = self._pending, None
+        before, self.pending = self.pending, None
         launched = self._launch(items)
         if before is not None:
             self._complete(before)
         if launched is not None:
             if launched.ticket is not None:
-                self._pending = launched
+                self.pending = launched
             else:
                 self._complete(launched)
 
-    def _drain(self) -> None:
+    def drain(self) -> None:
         """Take the tokens of the step in flight, if any (before anything that needs every
         sequence's tokens on the host: preemption, cancellation, a device failover)."""
-        before, self._pending = self._pending, None
+        before, self.pending = self.pending, None
         if before is not None:
             self._complete(before)
 
@@ -179,12 +196,11 @@ class Stepping:
                     torch.cuda.synchronize(self.pool.device)
                 self.backend.observe_prefill(prompt, time.perf_counter() - start)
         except BaseException as exc:
-            devices = self.served.devices
-            if devices is not None and devices.lost_in_step(self, exc, items):
+            if self.ends.lost_in_step(exc, items):
                 return None  # a device was lost: its sequences wait to run on the survivors
             log.exception("batched forward failed (%d sequences)", len(items))
             for s, _ in items:
-                self._fail(s, exc)
+                self.ends.fail(s, exc)
             return None
         for s, _ in items:
             s.feed = None  # fed now (its placeholder's value arrives with the step before)
@@ -218,7 +234,7 @@ class Stepping:
         later = [k for k, s in due if s.decoding is not None]
         if later:  # a copy made now, before the next step writes the logits again
             p.later = chosen[later].float()
-        tokens, p.ticket = self._readback.start(chosen)  # argmax in the model's dtype: exact
+        tokens, p.ticket = self.readback.start(chosen)  # argmax in the model's dtype: exact
         for k, s in due:
             if s.decoding is not None:
                 p.due.append((s, k, None))  # sampled on the host once the ticket is read
@@ -250,7 +266,7 @@ class Stepping:
         if processed:
             record(logits, decodings, sampled)
         for j in dead:  # its grammar allows no token of this model: the turn fails
-            self._fail(seqs[j], NoTokenAllowed())
+            self.ends.fail(seqs[j], NoTokenAllowed())
         return sampled
 
     def _complete(self, p: _Pending) -> None:
@@ -280,7 +296,7 @@ class Stepping:
                     s.feed = None  # not fed yet (no step ran since): the host has it now
             if not s.first:
                 s.first = True
-                self._observe_ttft(s, now - s.admitted)
+                self.ends.observe_ttft(s, now - s.admitted)
                 assert s.restored is not None
                 s.trace.log_first(
                     s.job.session_id,
@@ -293,7 +309,7 @@ class Stepping:
                 )
             if s.job.max_tokens <= 0:
                 self._unplace(s, placed)
-                self._finish(s, "length", flush=True)
+                self.ends.finish(s, "length", flush=True)
             else:
                 s.stream.clock.token(now)
                 self._take(s, token, placed)
@@ -308,18 +324,18 @@ class Stepping:
         d = s.decoding
         ends = reply.stopped or reply.eos or len(reply.ids) >= s.job.max_tokens
         if d is not None and d.logprobs is not None and (delta or ends):
-            self._post(s, Delta(delta, d.take_pending()))
+            self.ends.post(s, Delta(delta, d.take_pending()))
         elif delta:
-            self._post(s, Delta(delta))
+            self.ends.post(s, Delta(delta))
         if reply.stopped:
             self._unplace(s, placed)
-            self._finish(s, "stop")
+            self.ends.finish(s, "stop")
         elif reply.eos or len(reply.ids) >= s.job.max_tokens or s.stream.cancelled.is_set():
             self._unplace(s, placed)
             if s.stream.cancelled.is_set():
-                self._finish(s, "cancelled")
+                self.ends.finish(s, "cancelled")
             else:
-                self._finish(s, "stop" if reply.eos else "length", flush=True)
+                self.ends.finish(s, "stop" if reply.eos else "length", flush=True)
         elif placed is None:
             s.tokens.append(token)
 

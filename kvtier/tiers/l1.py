@@ -17,10 +17,10 @@ instead of growing the pool one cudaMalloc (a device-wide synchronization) at a 
 budget the GPU cannot hold fails at start. The segment can still fragment: when many resident
 sessions grow (each growth takes a larger block while the old one is alive) and no hole is large
 enough, the allocator maps another segment for the pool (57 in a 9 s window of the 64-session
-fleet on an H200, docs/benchmarks.md, "The restore threads' waits"). Carving the blocks from a
+fleet on an H200, docs/benchmarks-history.md, "The restore threads' waits"). Carving the blocks from a
 slab of exactly the budget instead was measured and reverted: under a hard budget, the holes of
 blocks of varying sizes were too short so often that the 256-session fleet evicted its batch down
-to 34 sessions (docs/benchmarks.md, "L1 out of one slab"). Fixed-size pages are the fix. On the
+to 34 sessions (docs/benchmarks-history.md, "L1 out of one slab"). Fixed-size pages are the fix. On the
 CPU the same code uses ordinary tensors.
 """
 
@@ -80,7 +80,7 @@ class SessionBuffers:
     def block(self) -> torch.Tensor | None:
         """The one ``[layer, k|v, 1, H, capacity, D]`` tensor behind `layers`, or None when the
         session got per-layer tensors (no contiguous block was free)."""
-        base = self.layers[0][0]._base if self.layers else None
+        base = self.layers[0][0]._base if self.layers else None  # noqa: SLF001  # torch's view base
         return base if base is not None and base.dim() == 6 else None
 
 
@@ -265,14 +265,14 @@ def block_of(layers: Sequence[Sequence[torch.Tensor]]) -> torch.Tensor | None:
     are layer i's K and V (as `L1Pool` allocates them), or None for any other layout."""
     if not layers:
         return None
-    base = layers[0][0]._base
+    base = layers[0][0]._base  # noqa: SLF001  # torch's view base (no public getter)
     if base is None or base.dim() != 6 or base.shape[0] != len(layers) or base.shape[2] != 1:
         return None
     offset, (s0, s1) = base.storage_offset(), base.stride()[:2]
     for i, pair in enumerate(layers):
         for j, t in enumerate(pair[:2]):
             if (
-                t._base is not base
+                t._base is not base  # noqa: SLF001
                 or t.storage_offset() != offset + i * s0 + j * s1
                 or t.shape != base.shape[2:]
                 or t.stride() != base.stride()[2:]

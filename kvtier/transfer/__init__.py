@@ -132,10 +132,40 @@ class TransferEngine:
     def _settle_io(self, slot: int, strict: bool = False) -> None:
         self._disk.settle_io(slot, strict)
 
+    def move_device(self, device: torch.device, *, lost: bool) -> tuple[int, set[int]]:
+        """Move the device side (streams, staging buffers) to `device`, after the old device
+        was lost (`lost`) or before it is given up. Returns the old device's staging bytes (0
+        off a GPU) and the L2 slots whose last copy down from a lost device did not complete
+        (their bytes may be partial; empty when not `lost`). The copies in flight of a lost
+        device held its memory: their accounting is dropped."""
+        old = self._device
+        if not lost:
+            old.synchronize()  # the copies down have left the old device
+        staging = old.staging_bytes if old.cuda else 0
+        suspect = old.unfinished_copies() if lost else set()
+        if lost:
+            self.inflight.clear()
+        mover = DeviceMover(
+            old.geometry,
+            old.chunk_tokens,
+            device,
+            old.arena,
+            old.codec,
+            self._accounts,
+            self._settle_io,
+            group_chunks=old.group_chunks,
+        )
+        old.abandon()
+        self._device = mover
+        self.device = mover.device
+        self.cuda = mover.cuda
+        self._disk.follow(mover.last_copy)
+        return staging, suspect
+
     @property
     def _proc(self) -> WriterProcess | None:
         """The writer child, when L3 file writes run in one."""
-        return self._disk._proc
+        return self._disk.proc
 
     @property
     def l3_writer(self) -> str:

@@ -467,8 +467,8 @@ class DeviceMover:
     def _after(self, slot: int, direction: tuple[str, str], stream: torch.cuda.Stream) -> None:
         """Order `stream` after the last copy of the other direction on `slot` (GPU-side)."""
         handle = self._slot_copy.get(slot)
-        if handle is not None and handle.direction == direction and handle._event is not None:
-            stream.wait_event(handle._event)
+        if handle is not None and handle.direction == direction:
+            handle.wait_stream(stream)
 
     def _slot_chunk(self, slot: int, length: int) -> torch.Tensor:
         shape = self.geometry.chunk_shape(length)
@@ -532,6 +532,26 @@ class DeviceMover:
         """Drop the slots' tracking and the staging buffers (after `close`)."""
         self._slot_copy.clear()
         self._stages = {_DOWN: [], _UP: []}
+
+    def abandon(self) -> None:
+        """A lost device: never wait for its streams again, and drop what it held."""
+        self._closed = True
+        self.free()
+
+    def unfinished_copies(self) -> set[int]:
+        """L2 slots whose last device-to-host copy did not complete (the device failed under
+        it): their bytes may be partial. On a device that still works every copy completes
+        here. Forgets every slot's copy."""
+        out = set()
+        for slot, handle in list(self._slot_copy.items()):
+            if handle.direction != ("l1", "l2"):
+                continue
+            try:
+                handle.wait()
+            except Exception:  # a lost GPU raises from its events
+                out.add(slot)
+        self._slot_copy.clear()
+        return out
 
 
 def _record_use(layers: Layers, block: torch.Tensor | None, stream: torch.cuda.Stream) -> None:

@@ -65,7 +65,11 @@ class DiskMover:
             initargs=(False,),  # a restore waits for reads: normal priority, off the serving core
         )
         self.l3_write_queue = int(l3_write_queue)
-        self._proc = proc
+        self.proc = proc
+
+    def follow(self, last_copy: Callable[[int], Handle | None]) -> None:
+        """Order L3 writes after the copies of another device mover (`TransferEngine.move_device`)."""
+        self._last_copy = last_copy
 
     def counts(self) -> tuple[int, int, int, int, int]:
         """(writes queued, reads queued, writes shed, writes failed, reads failed); the
@@ -132,7 +136,7 @@ class DiskMover:
 
     def _temp_writer(self, slot: int) -> Any:
         """For `L3Store.put`: the writer process writes the slot's bytes, or None (threads)."""
-        proc = self._proc
+        proc = self.proc
         if proc is None:
             return None
         slab, offset = self.arena.locate(slot)
@@ -219,6 +223,6 @@ class DiskMover:
         """Finish queued L3 writes and reads (never drop stored data), then stop."""
         self._writer.shutdown(wait=True)
         self._reader.shutdown(wait=True)
-        if self._proc is not None:
-            self._proc.close()
+        if self.proc is not None:
+            self.proc.close()
         self._slot_io.clear()

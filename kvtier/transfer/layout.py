@@ -75,8 +75,8 @@ def check_range(
         if not (
             block.dim() == 6
             and block.shape[0] == g.num_layers
-            and layers[0][0]._base is block
-            and layers[-1][g.kv_planes - 1]._base is block
+            and layers[0][0]._base is block  # noqa: SLF001  # torch's view base
+            and layers[-1][g.kv_planes - 1]._base is block  # noqa: SLF001
         ):
             raise ConfigError("block is not the L1Pool block these layers are views of")
         tensors: Sequence[torch.Tensor] = [block[0, 0]]

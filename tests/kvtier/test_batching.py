@@ -310,7 +310,7 @@ def test_full_pool_queues_and_preempts_then_completes(tmp_path: Path) -> None:
         for p, r in zip(prompts, results, strict=False):
             assert r.text == _greedy_alone(ref, p, 40)
             assert r.finished.finish_reason == "length"
-        assert sched.preemptions > 0  # the decoders outgrew the pool and took turns
+        assert sched.pages.preemptions > 0  # the decoders outgrew the pool and took turns
         # Alone in a full pool, a reply ends with "length" where the pool ends.
         big = next(
             p
@@ -435,7 +435,7 @@ def test_admission_leaves_the_decoders_their_next_page(tmp_path: Path) -> None:
 
     a, b = seq(32), seq(30)
     sched.waiting.append(a)
-    sched._step(sched._schedule())  # a's prompt fills 2 pages exactly; one token sampled
+    sched.steps.step(sched._schedule())  # a's prompt fills 2 pages exactly; one token sampled
     assert (a.fed, len(a.tokens), sched.pool.num_free) == (32, 33, 2)
     sched.waiting.append(b)  # needs 2 pages; a needs 1 for its next token
     items = sched._schedule()
@@ -476,13 +476,13 @@ def test_a_step_that_decodes_takes_few_prompt_tokens(tmp_path: Path) -> None:
     short, long_ = _prompts(21, [6, 100])
     a, b = seq(short), seq(long_)
     sched.waiting.append(a)
-    sched._step(sched._schedule())  # a alone: its whole prompt, then it decodes
+    sched.steps.step(sched._schedule())  # a alone: its whole prompt, then it decodes
     assert a.fed == 6 and len(a.tokens) == 7
     sched.waiting.append(b)
     for _ in range(3):
         items = sched._schedule()
         assert [len(t) for _, t in items] == [1, 8]  # a's token, 8 of b's prompt
-        sched._step(items)
+        sched.steps.step(items)
     sched._leave(a)  # a is done: nothing decodes
     sched.pool.release(a.paged)
     items = sched._schedule()
@@ -531,7 +531,7 @@ def test_admissions_per_step_spreads_arrivals_over_steps(tmp_path: Path) -> None
         sched.close()  # no scheduler thread: the test drives the steps
         for p in prompts[:1] if decoder else []:  # admitted and prefilled: it decodes next
             sched.waiting.append(_waiting(p, loop, served))
-            sched._step(sched._schedule())
+            sched.steps.step(sched._schedule())
         for p in prompts:
             sched.waiting.append(_waiting(p, loop, served))
         counts = []
@@ -539,7 +539,7 @@ def test_admissions_per_step_spreads_arrivals_over_steps(tmp_path: Path) -> None
             before = len(sched.running)
             items = sched._schedule()
             counts.append(len(sched.running) - before)
-            sched._step(items)
+            sched.steps.step(items)
         return counts
 
     assert admitted_per_step(0) == [5]
@@ -715,13 +715,13 @@ def test_restores_wait_for_l1_room_held_by_running_turns(tmp_path: Path) -> None
     backend = TieredBackend(served.model, config, served.name)
     sched = BatchScheduler(served, backend, config)
     waits: list[float] = []  # each turn's wait for L1 room, as its trace has it
-    observe = sched._observe_ttft
+    observe = sched.observe_ttft
 
     def observed(s: Any, seconds: float) -> None:
         waits.append(s.trace.room_wait_s)
         observe(s, seconds)
 
-    sched._observe_ttft = observed  # type: ignore[method-assign]
+    sched.observe_ttft = observed  # type: ignore[method-assign]
     try:
         prompts = _prompts(21, [40, 41, 42, 43, 44])
         results = _run(sched, *(_one(sched, _job(f"w{i}", p, 10)) for i, p in enumerate(prompts)))

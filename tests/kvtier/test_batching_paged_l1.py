@@ -66,7 +66,7 @@ def test_turns_start_from_their_pages_and_the_cache_keeps_no_l1_copy(
         assert all(s.restored is not None and s.restored.kv is None for s in turns)  # no copy
         assert backend.cache.l1.used_bytes == 0
         starts = _run_recording_starts(sched, turns)
-        assert sched.parked_turns == 3
+        assert sched.pages.parked_turns == 3
         for s in turns:  # each began on its own parked pages, as far as its prefix reaches
             sid = s.job.session_id
             kept = sched.pool.pages_for(s.cached)
@@ -154,9 +154,9 @@ def test_a_preempted_turn_keeps_its_kv_beside_the_pool(tmp_path: Path) -> None:
     try:
         nexts = _next_prompts(firsts, replies, 53)
         turns = [_restored(sched, loop, _job(f"v{i}", p, 40)) for i, p in enumerate(nexts)]
-        before = sched.preemptions
+        before = sched.pages.preemptions
         _drive(sched, lambda step: sched.waiting.extend(turns) if step == 0 else None)
-        assert sched.preemptions > before
+        assert sched.pages.preemptions > before
         for p, s in zip(nexts, turns, strict=True):
             assert _reply(served, s) == _greedy_alone(ref, p, 40)
             assert s.spilled is None
@@ -180,7 +180,7 @@ def test_an_edited_conversation_takes_only_the_common_part_of_its_pages(tmp_path
         assert turn.restored is not None and turn.restored.source == "l1"
         assert turn.cached == edit
         _run_alone(sched, turn)
-        assert sched.parked_turns == 1
+        assert sched.pages.parked_turns == 1
         assert _reply(served, turn) == _greedy_alone(ref, second, 10)
         _no_l1(backend)
         _accounted(sched)
@@ -246,13 +246,13 @@ def test_a_turn_that_fails_before_admission_lets_its_claimed_pages_go(tmp_path: 
         assert parked.claimed and turn.held is parked
         assert not sched._unpark(1)  # claimed: nothing to free
         sched.waiting.append(turn)
-        sched._fail(turn, KvtierError("the client went away"))
+        sched.fail(turn, KvtierError("the client went away"))
         assert turn.done.result(60) is None  # failed and aborted
         assert not parked.claimed and turn.held is None
         again = _restored(sched, loop, _job("f0", second, 6))
         assert again.restored is not None and again.restored.source == "l1"
         _run_alone(sched, again)
-        assert sched.parked_turns == 1
+        assert sched.pages.parked_turns == 1
         assert _reply(served, again) == _greedy_alone(ref, second, 6)
         _no_l1(backend)
     finally:

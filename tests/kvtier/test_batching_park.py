@@ -91,7 +91,7 @@ def test_a_returning_turn_starts_from_its_parked_pages(kind: str, tmp_path: Path
         turns = [_restored(sched, loop, _job(f"p{i}", p, 16)) for i, p in enumerate(nexts)]
         assert all(s.restored is not None and s.restored.source == "l1" for s in turns)
         starts = _run_recording_starts(sched, turns)
-        assert sched.parked_turns == 3
+        assert sched.pages.parked_turns == 3
         for sid, pages in tables.items():  # each began on its own parked pages
             assert starts[sid][: len(pages)] == pages
         for p, s in zip(nexts, turns, strict=True):
@@ -129,9 +129,9 @@ def test_parked_pages_make_room_least_recent_first(tmp_path: Path) -> None:
         i = int(newest[1][1:])
         nxt = _next_prompts([firsts[i]], [replies[i]], 41)[0]
         turn = _restored(sched, loop, _job(newest[1], nxt, 8))
-        before = sched.parked_turns
+        before = sched.pages.parked_turns
         _run_alone(sched, turn)
-        assert sched.parked_turns == before + 1
+        assert sched.pages.parked_turns == before + 1
         assert _reply(served, turn) == _greedy_alone(ref, nxt, 8)
         _accounted(sched)
     finally:
@@ -156,7 +156,7 @@ def test_a_turn_restored_from_l2_copies_in_and_frees_the_old_parked_pages(tmp_pa
 
         _drive(sched, hook)
         assert seen == [False]
-        assert sched.parked_turns == 0 and turn.trace.copy_in_s > 0  # copied from its Cache
+        assert sched.pages.parked_turns == 0 and turn.trace.copy_in_s > 0  # copied from its Cache
         assert _reply(served, turn) == _greedy_alone(ref, nxt, 16)
         assert ("t", "h0") in sched.tables.parked  # parked again, with this turn's pages
         _accounted(sched)
@@ -187,7 +187,7 @@ def test_a_diverging_turn_reuses_its_pages_and_its_written_pages_lose_their_keys
         turn = _restored(sched, loop, _job("d0", third, 12))
         assert turn.cached == edit
         _run_alone(sched, turn)
-        assert sched.parked_turns == 2
+        assert sched.pages.parked_turns == 2
         assert _reply(served, turn) == _greedy_alone(ref, third, 12)
         # page `edit // 16` on were written: their old keys are gone
         assert len(sched.tables.index().lookup(registered)) <= edit // 16
@@ -240,7 +240,7 @@ def test_a_turn_that_would_write_a_page_another_table_holds_copies_in_instead(
         _drive(sched, lambda step: sched.waiting.extend(turns) if step == 0 else None)
         for p, s in zip(seconds, turns, strict=True):
             assert _reply(served, s) == _greedy_alone(ref, p, 8)
-        assert sched.shared_pages == FULL  # the second took the first's common pages
+        assert sched.pages.shared_pages == FULL  # the second took the first's common pages
         shared = sched.tables.parked[("t", "w0")].table.pages[:FULL]
         assert shared == sched.tables.parked[("t", "w1")].table.pages[:FULL]
         assert all(sched.pool.refcount(p) == 2 for p in shared)
@@ -249,15 +249,15 @@ def test_a_turn_that_would_write_a_page_another_table_holds_copies_in_instead(
         third = seconds[0][:edit] + [35] * 5 + seconds[0][edit + 5 :]
         turn = _restored(sched, loop, _job("w0", third, 8), check=False)
         assert turn.cached == edit
-        before = sched.parked_turns
+        before = sched.pages.parked_turns
         _run_alone(sched, turn)
-        assert sched.parked_turns == before  # not from its parked pages
+        assert sched.pages.parked_turns == before  # not from its parked pages
         assert _reply(served, turn) == _greedy_alone(ref, third, 8)
 
         other = _next_prompts([seconds[1]], [_reply(served, turns[1])], 45)[0]
         turn = _restored(sched, loop, _job("w1", other, 8))
         _run_alone(sched, turn)
-        assert sched.parked_turns == before + 1  # from its own parked pages
+        assert sched.pages.parked_turns == before + 1  # from its own parked pages
         assert _reply(served, turn) == _greedy_alone(ref, other, 8)
         _accounted(sched)
     finally:

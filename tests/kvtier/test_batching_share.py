@@ -80,9 +80,9 @@ def _drive(sched: BatchScheduler, hook: Callable[[int], None]) -> None:
             return
         items = sched._schedule()
         if items:
-            sched._step(items)
+            sched.steps.step(items)
         else:  # as the scheduler's thread does
-            sched._drain()
+            sched.steps.drain()
             sched.loader.wait_first(sched.running)
         sched._deliver()
     raise AssertionError("the turns did not finish")
@@ -139,7 +139,7 @@ def test_one_tenants_sessions_share_their_common_prefix_pages(kind: str, tmp_pat
         _drive(sched, hook)
         # The three held the common prefix's full pages once, with three references each.
         assert seen["refs"] == 3
-        assert sched.shared_pages == 2 * FULL
+        assert sched.pages.shared_pages == 2 * FULL
         assert seen["used"] == seen["tables"] - 2 * FULL  # fewer pages than three copies
         for p, s in zip(nexts, turns, strict=True):
             assert _reply(served, s) == _greedy_alone(ref, p, 16)
@@ -177,7 +177,7 @@ def test_sessions_of_different_tenants_never_share_a_page(tmp_path: Path) -> Non
 
         _drive(sched, hook)
         assert refs and all(r == [2, 2, 1] for r in refs)  # tenant u's pages are its own
-        assert sched.shared_pages == FULL  # t1 shared t0's pages; u2 shared none
+        assert sched.pages.shared_pages == FULL  # t1 shared t0's pages; u2 shared none
         for p, s in zip(nexts, turns, strict=True):
             assert _reply(served, s) == _greedy_alone(ref, p, 16)
         assert pool.num_free == pool.num_pages
@@ -223,7 +223,7 @@ def test_a_holder_leaving_first_leaves_the_sharers_pages(tmp_path: Path) -> None
 
         _drive(sched, hook)
         assert joined[0]
-        assert sched.shared_pages == 2 * FULL  # the sharer's and the late turn's
+        assert sched.pages.shared_pages == 2 * FULL  # the sharer's and the late turn's
         for p, n, s in zip(nexts, lengths, (holder, sharer, late), strict=True):
             assert _reply(served, s) == _greedy_alone(ref, p, n)
         assert pool.num_free == pool.num_pages
@@ -245,15 +245,15 @@ def test_shared_pages_survive_preemption_in_a_full_pool(tmp_path: Path) -> None:
     try:
         nexts = _next_prompts(firsts, replies, 35)
         turns = [_restored(sched, loop, _job(f"p{i}", p, 40)) for i, p in enumerate(nexts)]
-        before = sched.preemptions
+        before = sched.pages.preemptions
 
         def hook(step: int) -> None:
             if step == 0:
                 sched.waiting.extend(turns)
 
         _drive(sched, hook)
-        assert sched.preemptions > before  # the decoders outgrew the pool
-        assert sched.shared_pages >= 3 * FULL  # the preempted turn shared again on return
+        assert sched.pages.preemptions > before  # the decoders outgrew the pool
+        assert sched.pages.shared_pages >= 3 * FULL  # the preempted turn shared again on return
         for p, s in zip(nexts, turns, strict=True):
             assert _reply(served, s) == _greedy_alone(ref, p, 40)
         assert sched.pool.num_free == sched.pool.num_pages
@@ -295,8 +295,8 @@ def test_a_device_lost_while_pages_are_shared(tmp_path: Path) -> None:
             if step == 0:
                 sched.waiting.extend(turns)
             elif step == 3:
-                assert len(sched.running) == 3 and sched.shared_pages == 2 * FULL
-                shared_before.append(sched.shared_pages)
+                assert len(sched.running) == 3 and sched.pages.shared_pages == 2 * FULL
+                shared_before.append(sched.pages.shared_pages)
                 _poison(served, sched, 1)  # what the lost device's pages are worth
                 done = failover.fail(1)
                 failover.poll(sched)  # as the scheduler does between steps
@@ -304,7 +304,7 @@ def test_a_device_lost_while_pages_are_shared(tmp_path: Path) -> None:
                 assert sched.pool is not old and not sched.running  # all wait to run again
 
         _drive(sched, hook)
-        assert shared_before and sched.shared_pages == 4 * FULL  # shared again after it
+        assert shared_before and sched.pages.shared_pages == 4 * FULL  # shared again after it
         for p, s in zip(nexts, turns, strict=True):
             assert _reply(served, s) == _greedy_alone(ref, p, 16)
         assert sched.pool.num_free == sched.pool.num_pages

@@ -219,7 +219,8 @@ STEPS = [
     (core, "CostModel"),
     (core, "make_policy"),
     (core, "ChunkDirectory"),
-    (core, "ThreadPoolExecutor"),
+    (core, "SessionRecords"),
+    (core, "Restorer"),
     (tierset, "claim_l1"),
     (core.TieredCache, "_load_hibernated"),
 ]
@@ -284,7 +285,7 @@ def test_failed_record_writes_are_counted(tmp_path: Path, model, monkeypatch):
     monkeypatch.setattr(cache.l3, "delete_session", fail)
     s.hibernate()
     cache.session("b", tenant="t").close()
-    cache._bg.submit(lambda: None).result()  # the record thread has run both
+    cache.records.barrier().result()  # the record thread has run both
     assert cache.stats().record_errors == 2
     monkeypatch.undo()
     cache.close()

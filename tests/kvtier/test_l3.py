@@ -385,7 +385,7 @@ def test_size_cap_evicts_unreferenced_lru(tmp_path: Path) -> None:
     with L3Store(tmp_path / "l3", max_bytes=3 * one) as store:
         keys = [put_one(store, size=8192)[0] for _ in range(3)]
         store.get_bytes(keys[0], fingerprint=FP)  # keys[0] is now the most recently used
-        store._flush_touches()
+        store.flush_touches()
         store.save_session(
             SessionRecord("s", "t", FP, b"", (keys[1],), False, None, 0.0, "hibernated")
         )

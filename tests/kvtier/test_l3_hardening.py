@@ -179,7 +179,7 @@ def test_a_read_does_not_wait_for_a_commit_on_the_writing_connection(tmp_path: P
         busy, release = threading.Event(), threading.Event()
 
         def committing() -> None:  # holds the writing connection as a commit's fsync would
-            with store.index._lock:
+            with store.index.locked():
                 busy.set()
                 release.wait(10)
 

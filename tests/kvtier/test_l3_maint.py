@@ -91,7 +91,7 @@ def test_migrate_moves_idle_chunks_to_cold(tmp_path: Path) -> None:
     with L3Store(tmp_path / "l3", cold_dir=cold) as store:
         chunks = fill(store, 3)
         store.get_bytes(chunks[0][0], fingerprint=FP)
-        store._flush_touches()
+        store.flush_touches()
         report = migrate(store, 60, now=time.time() + 3600)
         assert report.chunks == 3
         assert migrate(store, 60, now=time.time() + 3600).chunks == 0
@@ -114,7 +114,7 @@ def test_gc_ttl_size_cap_and_sessions(tmp_path: Path) -> None:
         store.save_session(SessionRecord("old", "t", FP, b"", (keys[1],), False, 10.0, 0.0, "idle"))
         for k in keys[2:4]:
             store.get_bytes(k, fingerprint=FP)
-        store._flush_touches()
+        store.flush_touches()
         later = time.time() + 100
         # Nothing is older than a day yet; the expired session is dropped, freeing keys[1].
         report = gc(store, older_than_s=86400, now=later)

@@ -12,7 +12,6 @@ from kvtier.tiers.l3.store import (
     SessionRecord,
     ShredReport,
     StoreInUse,
-    _subdirs,
     write_chunk_file,
 )
 
@@ -22,6 +21,5 @@ __all__ = [
     "SessionRecord",
     "ShredReport",
     "StoreInUse",
-    "_subdirs",
     "write_chunk_file",
 ]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import sqlite3
 import threading
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -269,6 +270,11 @@ class Index:
                 except BaseException:
                     self.db.rollback()
                     raise
+
+    def locked(self) -> AbstractContextManager[bool]:
+        """The index's lock (re-entrant) around the writing connection, for a statement run on
+        `db` outside this class (the tenant keys of l3_keys): `with index.locked(): ...`."""
+        return self._lock
 
     def close(self) -> None:
         with self._lock, self._lookup_lock:

@@ -139,7 +139,7 @@ class Keyring:
 
 def _tenant_key(index: Index, tenant: str) -> tuple[bytes, bytes] | None:
     """(key id, wrapped key) of the tenant's live data key, or None."""
-    with index._lock:
+    with index.locked():
         row = index.db.execute(
             "SELECT key_id, wrapped FROM tenant_keys WHERE tenant = ?", (tenant,)
         ).fetchone()
@@ -147,7 +147,7 @@ def _tenant_key(index: Index, tenant: str) -> tuple[bytes, bytes] | None:
 
 
 def _tenant_key_by_id(index: Index, key_id: bytes) -> tuple[str, bytes] | None:
-    with index._lock:
+    with index.locked():
         row = index.db.execute(
             "SELECT tenant, wrapped FROM tenant_keys WHERE key_id = ?", (bytes(key_id),)
         ).fetchone()
@@ -155,7 +155,7 @@ def _tenant_key_by_id(index: Index, key_id: bytes) -> tuple[str, bytes] | None:
 
 
 def _add_tenant_key(index: Index, key_id: bytes, tenant: str, wrapped: bytes, at: float) -> None:
-    with index._lock, index.db:
+    with index.locked(), index.db:
         index.db.execute(
             "INSERT INTO tenant_keys (key_id, tenant, wrapped, created) VALUES (?, ?, ?, ?) "
             "ON CONFLICT (tenant) DO NOTHING",
@@ -164,7 +164,7 @@ def _add_tenant_key(index: Index, key_id: bytes, tenant: str, wrapped: bytes, at
 
 
 def shred_records(index: Index, tenant: str) -> tuple[int, int]:
-    with index._lock:
+    with index.locked():
         with index.db:
             keys = index.db.execute("DELETE FROM tenant_keys WHERE tenant = ?", (tenant,))
             recs = index.db.execute("DELETE FROM sessions WHERE tenant = ?", (tenant,))
@@ -175,7 +175,7 @@ def shred_records(index: Index, tenant: str) -> tuple[int, int]:
 def checkpoint(index: Index) -> bool:
     """Copy the WAL into the database file and truncate it, so deleted rows survive in
     neither; True when it completed (a reader holding an old snapshot is waited for briefly)."""
-    with index._lock:
+    with index.locked():
         for _ in range(100):
             busy, _log, _done = index.db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
             if not busy:
@@ -185,7 +185,7 @@ def checkpoint(index: Index) -> bool:
 
 
 def tenant_chunk_keys(index: Index, tenant: str) -> list[bytes]:
-    with index._lock:
+    with index.locked():
         rows = index.db.execute("SELECT key FROM chunks WHERE tenant = ?", (tenant,)).fetchall()
     return [bytes(r[0]) for r in rows]
 
@@ -193,7 +193,7 @@ def tenant_chunk_keys(index: Index, tenant: str) -> list[bytes]:
 def shredded_chunks(index: Index) -> list[ChunkRow]:
     """Sealed chunks whose data key is gone: unreadable for good, garbage for gc."""
     cols = ", ".join(f"c.{c.strip()}" for c in _ROW_COLS.split(","))
-    with index._lock:
+    with index.locked():
         rows = index.db.execute(
             f"SELECT {cols} FROM chunks c WHERE c.encryption != 'none' AND NOT EXISTS "
             "(SELECT 1 FROM tenant_keys k WHERE k.key_id = c.key_id)"

@@ -20,7 +20,8 @@ from kvtier.kvbin import HEADER_SIZE
 from kvtier.tiers.l3 import io as l3_io
 from kvtier.tiers.l3.index import ChunkRow
 from kvtier.tiers.l3.keys import shredded_chunks
-from kvtier.tiers.l3.store import TIERS, L3Store, _subdirs
+from kvtier.tiers.l3.layout import subdirs
+from kvtier.tiers.l3.store import TIERS, L3Store
 
 Progress = Callable[[int, int], None]
 
@@ -72,7 +73,7 @@ class FsckReport:
 def _files(store: L3Store) -> list[tuple[str, Path]]:
     out: list[tuple[str, Path]] = []
     for tier in TIERS:
-        for sub in _subdirs(store.dir(tier)):
+        for sub in subdirs(store.dir(tier)):
             out.extend((tier, sub / name) for name in sorted(os.listdir(sub)))
     return out
 
@@ -225,9 +226,9 @@ def migrate(
 ) -> MoveReport:
     """Move chunks not used for `older_than_s` from hot to cold: copy, fsync, rename, then unlink
     (cold may be another filesystem). A crash leaves the chunk in hot, cold, or both, never none."""
-    store._check_writable()
+    store.check_writable()
     store.record_cold_root()  # from now on reads and later runs look for them there
-    store._flush_touches()
+    store.flush_touches()
     cutoff = (time.time() if now is None else now) - older_than_s
     rows = [r for r in store.index.iter_chunks() if r.tier == "hot" and r.last_access < cutoff]
     report = MoveReport()
@@ -301,8 +302,8 @@ def gc(
     """Drop expired unpinned sessions, then delete chunks that no session references: those unused
     for `older_than_s`, then the least recently used until the store fits `max_bytes`. Chunks
     whose data key was destroyed (crypto-shred) are deleted first, whatever their age."""
-    store._check_writable()
-    store._flush_touches()
+    store.check_writable()
+    store.flush_touches()
     now = time.time() if now is None else now
     report = GcReport()
     for session_id, tenant in store.index.expired_sessions(now):
@@ -325,11 +326,11 @@ def gc(
     rows = list(victims.values())
     for start in range(0, len(rows), 256):
         batch = rows[start : start + 256]
-        store._delete_rows(batch)
-        store._notify_evicted([r.header.key for r in batch])
+        store.delete_rows(batch)
+        store.notify_evicted([r.header.key for r in batch])
         if progress:
             progress(start + len(batch), len(rows))
     report.chunks = len(rows)
     report.bytes = sum(r.size for r in rows)
-    store._count("evictions", len(rows))
+    store.count("evictions", len(rows))
     return report

@@ -31,7 +31,7 @@ from kvtier.tiers.l3.access import AccessTimes
 from kvtier.tiers.l3.cap import EvictListener, SizeCap
 from kvtier.tiers.l3.index import ChunkRow, Index, SessionRecord
 from kvtier.tiers.l3.keys import Keyring, check_master_key, shred_records, tenant_chunk_keys
-from kvtier.tiers.l3.layout import TIERS, Layout, subdirs
+from kvtier.tiers.l3.layout import TIERS, Layout
 from kvtier.tiers.l3.pools import IOPools
 from kvtier.tiers.l3.read import READ_PIECE as READ_PIECE
 from kvtier.tiers.l3.read import READ_WINDOW as READ_WINDOW
@@ -55,9 +55,6 @@ class ShredReport:
     sessions: int
     chunks: int
     encrypted: bool
-
-
-_subdirs = subdirs  # l3_maint imports it from here, like write_chunk_file (l3_writer)
 
 
 class L3Store:
@@ -140,7 +137,7 @@ class L3Store:
         self._threads = IOPools(self.io_threads, lock)
         self._counters = Counters(lock)
         self._access = AccessTimes(index, self._threads, lock)
-        self._cap = SizeCap(self.max_bytes, index, self._counters, lock, self._delete_rows)
+        self._cap = SizeCap(self.max_bytes, index, self._counters, lock, self.delete_rows)
         self._writer = ChunkWriter(
             layout,
             index,
@@ -165,13 +162,10 @@ class L3Store:
             direct_io=self.direct_io,
             keyring=self.keyring,
         )
-        # What maintenance (l3_maint), tests and benchmarks reach for on the store itself.
+        # What tests and benchmarks reach for on the store itself.
         self._room_lock = self._cap.room_lock
         self._commit = self._writer.commit
         self._pool = self._threads.pool
-        self._count = self._counters.count
-        self._notify_evicted = self._cap.notify
-        self._flush_touches = self._access.flush
 
     # ---- setup -------------------------------------------------------------------------------
 
@@ -185,7 +179,7 @@ class L3Store:
 
     def record_cold_root(self) -> None:
         """Record the cold root in use unless one is (before chunks are moved there)."""
-        self._check_writable()
+        self.check_writable()
         if self.index.get_meta(COLD_ROOT_KEY) is None:
             cold = self._layout.dirs["cold"]
             default = os.path.realpath(self.root / "cold") == os.path.realpath(cold)
@@ -218,7 +212,8 @@ class L3Store:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _check_writable(self) -> None:
+    def check_writable(self) -> None:
+        """Raise StoreError unless the store is open and writable (before any change)."""
         if self.read_only:
             raise StoreError(f"L3 store at {self.root} was opened read_only; open it writable")
         if self._closed:
@@ -265,7 +260,7 @@ class L3Store:
         cover the whole batch, shared with any put running concurrently (group commit). Returns
         only when every file, its directory entry and its index row are durable.
         """
-        self._check_writable()
+        self.check_writable()
         return self._writer.put_many(items, writer)
 
     # ---- reads (l3_read) ---------------------------------------------------------------------
@@ -332,7 +327,7 @@ class L3Store:
 
     def delete(self, key: bytes) -> bool:
         """Remove a chunk (file and index row); True if it existed."""
-        self._check_writable()
+        self.check_writable()
         row = self.index.get_chunk(key)
         existed = False
         for tier in TIERS:
@@ -347,7 +342,9 @@ class L3Store:
         self._access.forget(key)
         return existed or row is not None
 
-    def _delete_rows(self, rows: Iterable[ChunkRow]) -> None:
+    def delete_rows(self, rows: Iterable[ChunkRow]) -> None:
+        """Remove the chunks of `rows` (files, then index rows) without telling the evict
+        listeners: a caller that deleted on the store's own account calls `notify_evicted`."""
         dirs = set()
         keys = []
         for row in rows:
@@ -360,6 +357,21 @@ class L3Store:
             l3_io.fsync_dir(d)
         self.index.delete_chunks(keys)
 
+    def notify_evicted(self, keys: list[bytes]) -> None:
+        """Tell the evict listeners (`add_evict_listener`) that the store deleted `keys` on its
+        own (gc); call it outside the store's locks."""
+        self._cap.notify(keys)
+
+    # ---- maintenance hooks (l3_maint) --------------------------------------------------------
+
+    def flush_touches(self) -> None:
+        """Write the access times recorded since the last flush to the index now."""
+        self._access.flush()
+
+    def count(self, name: str, n: int = 1) -> None:
+        """Add `n` to the counter `name` of `stats()` (e.g. "evictions")."""
+        self._counters.count(name, n)
+
     # ---- sessions ----------------------------------------------------------------------------
 
     @property
@@ -370,7 +382,7 @@ class L3Store:
     def save_session(self, record: SessionRecord) -> None:
         """Persist a session (replacing any with the same id and tenant) in one commit; in an
         encrypted store its token ids are sealed with the tenant's data key."""
-        self._check_writable()
+        self.check_writable()
         if self.keyring is not None:
             key = self.keyring.for_tenant(record.tenant)
             sealed = sealing.seal_record(
@@ -399,7 +411,7 @@ class L3Store:
         except TenantKeyShredded:
             return None
         except AuthenticationFailed as exc:
-            self._count("checksum_failures")
+            self.count("checksum_failures")
             log.warning("%s", exc)
             if not self.read_only:
                 self.index.delete_session(rec.session_id, rec.tenant)
@@ -411,18 +423,18 @@ class L3Store:
         transaction, secure_delete, WAL checkpointed). Every chunk of the tenant is unreadable
         from then on; `gc` deletes the files. A plain store has no key to destroy: the
         tenant's chunk files and records are deleted now instead."""
-        self._check_writable()
+        self.check_writable()
         keys = tenant_chunk_keys(self.index, tenant)
         if self.keyring is not None:
             n_keys, n_sessions = self.keyring.shred(tenant)
             return ShredReport(tenant, n_keys, n_sessions, len(keys), True)
         rows = [r for r in (self.index.get_chunk(k) for k in keys) if r is not None]
-        self._delete_rows(rows)
+        self.delete_rows(rows)
         _, n_sessions = shred_records(self.index, tenant)
         return ShredReport(tenant, 0, n_sessions, len(rows), False)
 
     def delete_session(self, session_id: str, tenant: str) -> bool:
-        self._check_writable()
+        self.check_writable()
         return self.index.delete_session(session_id, tenant)
 
     # ---- stats -------------------------------------------------------------------------------

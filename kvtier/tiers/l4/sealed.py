@@ -25,7 +25,6 @@ from kvtier import sealing
 from kvtier.errors import AuthenticationFailed, KvbinFormatError, TenantKeyShredded
 from kvtier.kvbin import KEY_ID_SIZE, NONCE_SIZE, TAG_SIZE, ChunkHeader
 from kvtier.sealing import DataKey, MasterKey, PayloadOpener
-from kvtier.tiers.l4 import keys
 
 if TYPE_CHECKING:  # pragma: no cover
     from kvtier.tiers.l3.keys import Keyring
@@ -71,21 +70,10 @@ class TenantKeys:
     def _put(self, tenant: str, key_id: bytes, value: bytes) -> None:
         """HSET the wrapped key into the tenant's hash (its TTL renewed), through the store's
         breaker (L4Unavailable on trouble)."""
-        store, name = self._store, keys.tenant_keys(tenant)
-
-        def go() -> None:
-            with store._r.pipeline(transaction=True) as p:
-                p.hset(name, key_id.hex(), value)
-                if store.ttl_ms is not None:
-                    p.pexpire(name, store.ttl_ms)
-                p.execute()
-
-        store._call("key put", go)
+        self._store.put_tenant_key(tenant, key_id, value)
 
     def _get(self, tenant: str, key_id: bytes) -> bytes | None:
-        store, name = self._store, keys.tenant_keys(tenant)
-        value: Any = store._call("key get", lambda: store._r.hget(name, key_id.hex()))
-        return None if value is None else bytes(value)
+        return self._store.get_tenant_key(tenant, key_id)
 
     def seal(self, header: ChunkHeader, payload: Any) -> tuple[ChunkHeader, memoryview]:
         """A chunk sealed for L4 under its tenant's key, into this thread's buffer (valid until

@@ -97,8 +97,11 @@ class L4Store:
         self.url = url
         self.shown_url = keys.redact(url)
         try:
+            # the connection class the URL asks for (TCP, TLS, Unix), giving `wire` its socket
+            conn_class = redis.connection.parse_url(url).get("connection_class", redis.Connection)
             self._pool = redis.ConnectionPool.from_url(
                 url,
+                connection_class=wire.with_socket(conn_class),
                 socket_timeout=timeout_s,
                 socket_connect_timeout=connect_timeout_s,
                 health_check_interval=0,
@@ -391,6 +394,29 @@ class L4Store:
                 continue
             self.count("hits")
             fut.set_result(rep.header)
+
+    # -- tenant data keys (sealed.TenantKeys) -----------------------------------------------------
+
+    def put_tenant_key(self, tenant: str, key_id: bytes, value: bytes) -> None:
+        """HSET `value` (a wrapped data key) as `key_id` in the tenant's hash and renew the
+        hash's TTL, in one MULTI/EXEC; through the breaker (L4Unavailable on trouble)."""
+        name = keys.tenant_keys(tenant)
+
+        def go() -> None:
+            with self._r.pipeline(transaction=True) as p:
+                p.hset(name, key_id.hex(), value)
+                if self.ttl_ms is not None:
+                    p.pexpire(name, self.ttl_ms)
+                p.execute()
+
+        self._call("key put", go)
+
+    def get_tenant_key(self, tenant: str, key_id: bytes) -> bytes | None:
+        """The value `put_tenant_key` stored for `key_id` of `tenant`, or None; through the
+        breaker (L4Unavailable on trouble)."""
+        name = keys.tenant_keys(tenant)
+        value: Any = self._call("key get", lambda: self._r.hget(name, key_id.hex()))
+        return None if value is None else bytes(value)
 
     # -- session records -------------------------------------------------------------------------
 

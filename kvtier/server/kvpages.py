@@ -1,0 +1,149 @@
+"""The pages of the batch's turns: admission into the pool, preemption out of it, the way out.
+
+`TurnPages` is the scheduler's page manager: it gives an admitted turn pages for all its known
+tokens and copies its cached K/V in (or takes its session's parked pages, or shares a running
+turn's prefix pages: `kvtier.server.parking.PageTables`), moves a preempted turn's K/V out of
+the pool, and gathers a finished turn's new K/V for its commit. What runs, and when a turn is
+admitted or preempted, is the scheduler's decision (kvtier/server/batching.py); this module
+only carries it out on the pages.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+
+import torch
+
+from kvtier.cache.restore import StagedPrefix
+from kvtier.paged import PagedSequence, PagePool
+from kvtier.server.loading import StagedLoader
+from kvtier.server.pagecopy import append_kv, copy_in, copy_out
+from kvtier.server.parking import PageTables, Parked
+from kvtier.server.stepping import _Seq
+
+
+class TurnPages:
+    def __init__(
+        self,
+        pool: Callable[[], PagePool],
+        tables: PageTables,
+        loader: StagedLoader,
+        running: list[_Seq],
+        waiting: deque[_Seq],
+        fail: Callable[[_Seq, BaseException], None],
+        count: Callable[[str, int], None],
+        *,
+        paged_l1: bool,
+        chunk_tokens: int,
+    ) -> None:
+        self.pool = pool  # the scheduler's pool (a device failover replaces it)
+        self.tables = tables
+        self.loader = loader
+        self.running = running
+        self.waiting = waiting
+        self._fail = fail
+        self._count = count
+        self.paged_l1 = paged_l1
+        self.chunk_tokens = chunk_tokens
+        self.preemptions = 0  # sequences moved out of the pool to make room
+        self.parked_turns = 0  # turns admitted from their session's parked pages
+        self.shared_pages = 0  # pages taken from a running sequence at admission, in all
+
+    def admit(self, s: _Seq, shared: list[int] | None = None, own: Parked | None = None) -> bool:
+        """Give a waiting sequence pages for all its known tokens and copy in its cached K/V;
+        `shared` (from `PageTables.shareable`) are full pages of its cached prefix that it
+        shares; `own` (from `PageTables.own_pages`) its session's parked pages, which hold that
+        K/V already."""
+        s.trace.admitting(self.pool().device, s.stream.clock)
+        stale = self.tables.current().pop((s.job.tenant, s.job.session_id), None)
+        if own is not None:
+            assert stale is own
+            seq, stale = own.table, None
+            self.tables.trim(seq, s.cached)
+            s.held = None
+            self.parked_turns += 1
+            self._count("parked_turns", 1)
+        else:
+            seq = PagedSequence()
+            if shared:
+                seq.pages = self.pool().share(shared)
+                seq.length = len(shared) * self.pool().page_size
+        ok = self.pool().reserve(seq, len(s.tokens) - seq.length)
+        assert ok, "free pages were counted above"
+        if stale is not None:  # a new turn of the session: its older pages go
+            self.tables.free(stale.table)
+        try:
+            if s.cached > seq.length:
+                assert s.restored is not None
+                if s.spilled is not None:  # preempted (paged L1): its K/V comes back
+                    self.pool().scatter(seq.pages, seq.length, s.spilled[:, :, seq.length :])
+                elif isinstance(s.restored.kv, StagedPrefix):  # paged L1: L2 -> pages
+                    self.loader.start(s, seq, self.pool())
+                else:
+                    copy_in(self.pool(), s.restored.kv, seq, seq.length, s.cached)
+                s.trace.copied_in()
+            s.spilled = None
+        except BaseException as exc:
+            self.tables.free(seq)
+            self._fail(s, exc)
+            return False
+        seq.length = s.cached
+        s.paged = seq
+        self.running.append(s)
+        if shared:
+            self.shared_pages += len(shared)
+            self._count("shared_kv_pages", len(shared))
+        if s.loading is None:  # else once it is loaded
+            self.tables.register(s, seq)
+        return True
+
+    def release(self, s: _Seq) -> None:
+        """`s` leaves the pool: drop its reference to each page (a shared page stays)."""
+        if s.loading is not None:
+            self.loader.finish(s)
+        if s.paged is not None:
+            self.tables.free(s.paged)
+            s.paged = None
+
+    def copy_out(self, s: _Seq) -> torch.Tensor | None:
+        """K/V of tokens [cached, fed) from the pages (nothing from an int8 pool)."""
+        assert s.paged is not None
+        return copy_out(self.pool(), s.paged, s.cached)
+
+    def preempt(self, s: _Seq) -> None:
+        """Move a running sequence's K/V into its session's Cache, free its pages, requeue it."""
+        self.running.remove(s)
+        failed = self.loader.finish(s) if s.loading is not None else None  # the gather reads it
+        if failed is not None:
+            self._fail(s, failed)
+            return
+        try:
+            assert s.restored is not None and s.paged is not None
+            if self.paged_l1:  # no Cache to take it: it waits beside the pool
+                s.spilled = self.pool().gather(s.paged.pages, 0, s.paged.length)
+            else:
+                new = self.copy_out(s)
+                if new is not None:
+                    append_kv(s.restored.kv, new)
+        except BaseException as exc:
+            self._fail(s, exc)
+            return
+        assert s.paged is not None
+        if not self.pool().quantized or s.spilled is not None:  # an int8 pool's: not in a Cache
+            s.cached = s.paged.length
+        self.preemptions += 1
+        self.release(s)
+        self.waiting.appendleft(s)
+
+    def chunks_out(self, s: _Seq) -> tuple[int, list[torch.Tensor]] | None:
+        """Paged L1: the chunks a finished turn's commit stores, from the one its restored
+        prefix ends in to its last fed token, each gathered from the pages in the chunk layout
+        (`[layer, k|v, token, head, dim]`): (first token, chunks). None from an int8 pool."""
+        if s.paged is None or self.pool().quantized:
+            return None
+        assert s.restored is not None
+        start = s.restored.covered // self.chunk_tokens * self.chunk_tokens
+        return start, self.pool().gather_chunks(
+            s.paged.pages, start, s.paged.length, self.chunk_tokens
+        )
