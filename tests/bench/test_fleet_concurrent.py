@@ -64,7 +64,11 @@ def test_concurrent_fleet_cpu_smoke(tmp_path: Path) -> None:
         assert phases["total"] >= phases["steps"] > 0, phases
         assert sum(fit[name]["extra_restore_sources"].values()) > 0, fit[name]
         tail = fit[name]["extra_step_tail"]  # what the slowest steps had in common
-        assert tail["tail"]["mean_ms"] >= tail["body"]["mean_ms"] > 0, tail
+        steps = fit[name]["extra_decode_only_steps"] + fit[name]["extra_mixed_steps"]
+        if steps < 20:  # a loaded machine may fit fewer steps in the window: none drawn
+            assert tail == {}, (steps, tail)
+        else:
+            assert tail["tail"]["mean_ms"] >= tail["body"]["mean_ms"] > 0, tail
         assert tail["tail"]["steps"] > 0 and tail["body"]["steps"] > 0, tail
         admits = tail["tail"]["admissions"] * tail["tail"]["steps"]
         admits += tail["body"]["admissions"] * tail["body"]["steps"]
