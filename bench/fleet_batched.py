@@ -148,7 +148,8 @@ def run_batched(
     sched = BatchScheduler(served_model(model), backend, sched_config, log)
     if getattr(sched_config, "cuda_graphs", False) and sched.pool.device.type == "cuda":
         t0 = time.perf_counter()  # as `kvtier serve`'s warm-up: before the first request
-        m.extra["graphs"] = sched.runner.capture_graphs()
+        decode_graphs = bool(getattr(sched_config, "decode_graphs", False))
+        m.extra["graphs"] = sched.runner.capture_graphs(decode_graphs=decode_graphs)
         m.extra["graph_capture_s"] = round(time.perf_counter() - t0, 2)
     log.watch(sched.runner)  # before the first submit: the scheduler thread is idle until then
     log.watch_scheduler(sched)

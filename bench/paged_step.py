@@ -173,7 +173,16 @@ def main() -> None:
     for backend in ("rows", "split", "reference"):
         runner.backend = backend
         rows.append((f"{mixed}, eager {backend}", timed(mixed_step, args.reps // 2), ceil_mixed))
-    runner.backend, runner.graphs = "auto", graphs
+    runner.backend = "auto"
+    # the same steps with a decode-only graph per bucket (the one-row kernel, no row blocks
+    # compiled in) beside the batched one: what a step without prompt rows gains from it
+    runner.capture_graphs([args.batch, mixed_tokens], decode_graphs=True)
+    one_row = timed(decode_step, args.reps)
+    rows.append(("decode-only step, decode-only CUDA graph", one_row, ceil_decode))
+    rows.append(
+        (f"{mixed}, CUDA graph (decode graphs on)", timed(mixed_step, args.reps), ceil_mixed)
+    )
+    runner.graphs = graphs
 
     print(
         f"qwen2-7b bf16 on {torch.cuda.get_device_name()}, torch {torch.__version__}, "

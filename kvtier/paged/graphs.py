@@ -12,6 +12,11 @@ launches of one step once and replays them as one. What makes that possible here
   graph serves any mix of decode tokens and prompt chunks of that many tokens;
 - no mask is built and nothing in the forward reads a value back to the host.
 
+With `decode_graphs`, every bucket of at most `max_batch` tokens gets a second graph for steps
+with no prompt rows: there each row is one program of the one-row kernel (no row blocks), which
+reads a decode row's K/V without the unused rows of a block's tile. A step that is all decode
+replays that graph; any step with a prompt chunk the "rows" one.
+
 A step of `T` new tokens from `b` sequences replays the graph of the smallest bucket `B >= T`:
 tokens `T..B-1` are padding (position 0, K/V written to a page kept out of the pool for them)
 and so are sequence rows `b..min(B, max_batch)-1`, whose logits are dropped. A step above the
@@ -50,9 +55,12 @@ def default_buckets(max_batch: int, max_tokens: int | None = None) -> list[int]:
     return sorted(set(sizes))
 
 
-def padded_context(runner: BatchRunner, size: int, *, capturing: bool = False) -> PagedContext:
+def padded_context(
+    runner: BatchRunner, size: int, *, capturing: bool = False, decode_only: bool = False
+) -> PagedContext:
     """The forward context of a `size`-token bucket over the runner's fixed buffers ("rows"
-    attention; `runner.prepare(batch, pad_to=size)` fills them)."""
+    attention; `runner.prepare(batch, pad_to=size)` fills them). `decode_only`: every row on
+    its own (the one-row kernel), for steps without prompt rows."""
     rows = min(size, runner.max_batch)
     return PagedContext(
         pool=runner.pool,
@@ -69,7 +77,7 @@ def padded_context(runner: BatchRunner, size: int, *, capturing: bool = False) -
         row_seq=runner.row_seq[:size],
         row_lens=runner.row_lens[:size],
         row_table=runner.block_table,
-        row_blocks=(runner.block_first[:size], runner.block_rows[:size]),
+        row_blocks=None if decode_only else (runner.block_first[:size], runner.block_rows[:size]),
         capturing=capturing,
     )
 
@@ -77,7 +85,13 @@ def padded_context(runner: BatchRunner, size: int, *, capturing: bool = False) -
 class DecodeGraphs:
     """The captured steps of one `BatchRunner` (CUDA only)."""
 
-    def __init__(self, runner: BatchRunner, buckets: Sequence[int] | None = None) -> None:
+    def __init__(
+        self,
+        runner: BatchRunner,
+        buckets: Sequence[int] | None = None,
+        *,
+        decode_graphs: bool = False,
+    ) -> None:
         if runner.pool.device.type != "cuda":
             raise ValueError("CUDA graphs need the page pool on a CUDA device")
         sizes = sorted(set(buckets or default_buckets(runner.max_batch, runner.max_tokens)))
@@ -85,12 +99,19 @@ class DecodeGraphs:
             raise ValueError(f"graph buckets {sizes} must lie in 1..max_tokens={runner.max_tokens}")
         self.runner = runner
         self.buckets = sizes
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.decode_graphs = decode_graphs
+        # (bucket, decode only) -> the graph and its logits
+        self._graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool: Any = None
 
     @property
     def captured(self) -> list[int]:
-        return sorted(self._graphs)
+        return sorted({size for size, _ in self._graphs})
+
+    @property
+    def captured_decode(self) -> list[int]:
+        """The buckets with a decode-only graph (`decode_graphs`)."""
+        return sorted(size for size, decode in self._graphs if decode)
 
     def bucket(self, tokens: int) -> int | None:
         """The captured bucket a step of `tokens` new tokens replays; None: run eager."""
@@ -98,10 +119,15 @@ class DecodeGraphs:
         if i == len(self.buckets):
             return None
         size = self.buckets[i]
-        return size if size in self._graphs else None
+        return size if (size, False) in self._graphs else None
 
-    def context(self, size: int) -> PagedContext:
-        return padded_context(self.runner, size, capturing=True)
+    def context(self, size: int, decode_only: bool = False) -> PagedContext:
+        return padded_context(self.runner, size, capturing=True, decode_only=decode_only)
+
+    def _kinds(self, size: int) -> list[bool]:
+        """The graphs of a bucket: the "rows" one, and a decode-only one where it applies."""
+        decode = self.decode_graphs and size <= self.runner.max_batch
+        return [False, True] if decode else [False]
 
     def capture(self) -> list[int]:
         """Capture every bucket, largest first (they share one memory pool); the sizes captured.
@@ -110,9 +136,11 @@ class DecodeGraphs:
         """
         r = self.runner
         self._pool = torch.cuda.graph_pool_handle()
-        for size in sorted(self.buckets, reverse=True):
+        for size, decode in [
+            (n, d) for n in sorted(self.buckets, reverse=True) for d in self._kinds(n)
+        ]:
             r.fill_padding(size)
-            ctx = self.context(size)
+            ctx = self.context(size, decode)
             keep = r.last_index[: min(size, r.max_batch)]
             try:
                 side = torch.cuda.Stream(device=r.pool.device)
@@ -129,19 +157,21 @@ class DecodeGraphs:
                 ):
                     logits = r.forward(size, logits_to_keep=keep)
             except Exception as exc:  # a model the capture cannot take runs eager
-                log.warning("CUDA graph of a %d-sequence decode step not captured: %s", size, exc)
+                kind = "decode-only" if decode else "batched"
+                log.warning("CUDA graph of a %d-token %s step not captured: %s", size, kind, exc)
                 continue
             # A graph's first launch uploads it to the device (milliseconds for a whole
             # model's step): paid here, not by the first request after a start. The padding
             # rows the capture ran with are still in place, so this writes the padding page.
             graph.replay()
-            self._graphs[size] = (graph, logits)
+            self._graphs[size, decode] = (graph, logits)
         torch.cuda.synchronize(r.pool.device)
         return self.captured
 
-    def replay(self, size: int) -> torch.Tensor:
-        """Run the captured step of bucket `size`; its logits `[min(size, max_batch), vocab]`,
-        one row per sequence row (valid until the next replay)."""
-        graph, logits = self._graphs[size]
+    def replay(self, size: int, decode_only: bool = False) -> torch.Tensor:
+        """Run the captured step of bucket `size` (its decode-only graph, when asked and
+        captured); its logits `[min(size, max_batch), vocab]`, one row per sequence row (valid
+        until the next replay)."""
+        graph, logits = self._graphs.get((size, decode_only)) or self._graphs[size, False]
         graph.replay()
         return logits

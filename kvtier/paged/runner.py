@@ -144,10 +144,14 @@ class BatchRunner:
         self.graph_steps = 0  # forwards replayed from a CUDA graph
         self.eager_steps = 0
 
-    def capture_graphs(self, buckets: Sequence[int] | None = None) -> list[int]:
+    def capture_graphs(
+        self, buckets: Sequence[int] | None = None, *, decode_graphs: bool = False
+    ) -> list[int]:
         """Record the step as CUDA graphs, one per bucket of new tokens (default: 1, 2, 4, 8,
         16, then every 16 up to max_batch, then coarser up to max_tokens); the sizes captured.
-        CUDA only. Takes one page of the pool for the padding rows."""
+        `decode_graphs`: a second graph per bucket up to max_batch for steps without prompt
+        rows, on the one-row kernel (kvtier.paged.graphs). CUDA only. Takes one page of the
+        pool for the padding rows."""
         from kvtier.paged.graphs import DecodeGraphs
 
         if self.pool.quantized:
@@ -155,7 +159,7 @@ class BatchRunner:
                 "an int8 page pool (degraded_kv = int8) runs its steps eager: CUDA graphs record "
                 "the Triton 'rows' kernel, which reads native K/V"
             )
-        graphs = DecodeGraphs(self, buckets)
+        graphs = DecodeGraphs(self, buckets, decode_graphs=decode_graphs)
         self.reserve_padding_page()
         graphs.capture()
         self.graphs = graphs
@@ -289,7 +293,8 @@ class BatchRunner:
     ) -> torch.Tensor:
         assert self.graphs is not None
         self.prepare(batch, pad_to=size, feed=feed)
-        logits = self.graphs.replay(size)[: len(batch)]
+        decode_only = all(len(item.tokens) == 1 for item in batch)
+        logits = self.graphs.replay(size, decode_only)[: len(batch)]
         self.graph_steps += 1
         self.advance(batch)
         return logits

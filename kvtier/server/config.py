@@ -117,6 +117,9 @@ class ServerConfig:
     prefill_step: int = 512  # prompt tokens per forward, so other sessions interleave
     batching: bool = True  # one forward per step for every running session (off: one thread each)
     cuda_graphs: bool = True  # with batching on CUDA: decode steps replayed as CUDA graphs
+    # with cuda_graphs: a second graph per decode bucket for steps without prompt rows, on the
+    # one-row attention kernel (kvtier.paged.graphs); off until measured on the fleet
+    decode_graphs: bool = False
     # with batching: an all-greedy step starts before the last one's tokens reach the host
     overlap_steps: bool = True
     batch_tokens: int = 1024  # new tokens in one batched forward: decode tokens + prompt chunks

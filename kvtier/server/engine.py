@@ -396,7 +396,7 @@ class Engine:
             device = sched.pool.device
             self._peak("batch_first_steps")
             before = torch.cuda.memory_reserved(device)
-            sizes = sched.runner.capture_graphs()
+            sizes = sched.runner.capture_graphs(decode_graphs=self.config.decode_graphs)
             torch.cuda.synchronize(device)
             torch.cuda.empty_cache()  # the capture's eager passes cached blocks on a side stream
             # the graphs' one shared pool, measured (the plan measured a capture like it)

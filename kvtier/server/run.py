@@ -179,6 +179,13 @@ def options(f: Callable[..., Any]) -> Callable[..., Any]:
             "(one per batch-size bucket) and replay them (default on).",
         ),
         click.option(
+            "--decode-graphs/--no-decode-graphs",
+            default=None,
+            help="With CUDA graphs: also record, for each decode bucket, a graph of a step "
+            "without prompt rows on the one-row attention kernel, replayed when no prompt "
+            "chunk rides along (default off; it doubles the decode buckets' capture time).",
+        ),
+        click.option(
             "--overlap-steps/--no-overlap-steps",
             default=None,
             help="With batching: when every running request samples greedily, start the next "

@@ -19,14 +19,22 @@ pytestmark = [
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
-@pytest.mark.parametrize("buckets", [None, [1, 2, 4, 8, 16]])
-def test_graph_greedy_equals_each_session_alone(name: str, buckets: list[int] | None) -> None:
+@pytest.mark.parametrize(
+    ("buckets", "decode_graphs"), [(None, False), ([1, 2, 4, 8, 16], False), (None, True)]
+)
+def test_graph_greedy_equals_each_session_alone(
+    name: str, buckets: list[int] | None, decode_graphs: bool
+) -> None:
     """Sessions joining and leaving mid-run, prompt chunks beside decode tokens, steps between
     buckets (padding); with the default buckets every step replays, with small ones the steps
-    of more than 16 tokens run eager."""
+    of more than 16 tokens run eager. With decode graphs, the steps without prompt rows replay
+    the one-row kernel's graph of their bucket, and the replies are the same."""
     runner = _paged(name, device="cuda")
-    captured = runner.capture_graphs(buckets)
+    captured = runner.capture_graphs(buckets, decode_graphs=decode_graphs)
     assert captured == (buckets or [1, 2, 4, 8, 16, 32, 48, 64])
+    assert runner.graphs is not None
+    decode = [b for b in captured if b <= runner.max_batch] if decode_graphs else []
+    assert runner.graphs.captured_decode == decode
     reference = MODELS[name]().cuda()
     lengths, news, joins = [5, 16, 17, 33, 50], [8, 12, 6, 10, 9], [0, 0, 2, 3, 5]
     sessions = [

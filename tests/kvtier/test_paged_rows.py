@@ -42,6 +42,30 @@ def test_rows_greedy_equals_each_session_alone(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
+def test_padded_decode_only_step_equals_the_plain_step(name: str) -> None:
+    """A step of decode tokens alone, run as its decode-only CUDA graph would run it (every row
+    on its own: no row blocks in the context), gives the plain step's logits."""
+    runner = _paged(name)
+    twin = _paged(name)
+    twin.model.load_state_dict(runner.model.state_dict())
+    runner.reserve_padding_page()
+    seqs, twins = [PagedSequence() for _ in range(3)], [PagedSequence() for _ in range(3)]
+    prompts = _prompts(5, [9, 20, 3])
+    for group, r in ((seqs, runner), (twins, twin)):
+        r.step([SeqInput(s, p) for s, p in zip(group, prompts, strict=True)])
+    want = twin.step([SeqInput(s, [7]) for s in twins])
+    batch = [SeqInput(s, [7]) for s in seqs]
+    size = 4  # 3 decode tokens padded to the bucket of 4
+    runner.prepare(batch, pad_to=size)
+    ctx = padded_context(runner, size, decode_only=True)
+    assert ctx.row_blocks is None and padded_context(runner, size).row_blocks is not None
+    with torch.inference_mode(), paged_context(ctx):
+        got = runner.forward(size, logits_to_keep=runner.last_index[:size])
+    runner.advance(batch)
+    torch.testing.assert_close(got[:3], want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
 def test_padded_step_equals_the_plain_step(name: str) -> None:
     """A step run as its CUDA graph would run it (padding tokens and sequence rows up to the
     bucket, the "rows" context over the runner's fixed buffers) gives the plain step's logits,
