@@ -56,6 +56,7 @@ def test_clean_tree_passes() -> None:
         ("kvtier/cache/restoreplan.py", "+import torch\n", "import no torch"),
         ("kvtier/cache/catalog.py", "+import kvtier.tiers.l2\n", "import no tier"),
         ("kvtier/server/stepping.py", "+import kvtier.server.batching\n", "scheduler's parts"),
+        ("kvtier/server/scheduler.py", "+import torch\n", "scheduler's policy"),
     ],
 )
 def test_violation_fails(tmp_path: Path, rel: str, source: str, contract: str) -> None:

@@ -38,7 +38,7 @@ import sys
 import threading
 from array import array
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 from kvtier.errors import KvtierError
@@ -47,17 +47,18 @@ from kvtier.server.backend import Backend, PagedBackend, RecomputeBackend
 from kvtier.server.committing import TurnCommits
 from kvtier.server.eventpost import EventPost
 from kvtier.server.failover import make_pool
-from kvtier.server.jobs import Delta, Job, Stream, pool_too_small
+from kvtier.server.jobs import Delta, Job, Stream
 from kvtier.server.kvpages import TurnPages
 from kvtier.server.loading import StagedLoader
 from kvtier.server.logitproc import decoding_of
 from kvtier.server.memplan import model_kv, page_size, pool_bytes
 from kvtier.server.model import ServedModel
-from kvtier.server.parking import PageTables, Parked
+from kvtier.server.parking import PageTables
 from kvtier.server.promptorder import PromptOrder
 from kvtier.server.restoring import RestoreWorkers, helper_threads
 from kvtier.server.sampling import ReplyText, make_generator
 from kvtier.server.schedthread import tune_interpreter
+from kvtier.server.scheduler import TurnScheduler
 from kvtier.server.stepping import StepRunner, _Seq
 from kvtier.tiers.l3 import io as l3_io
 
@@ -205,6 +206,24 @@ class BatchScheduler:
             overlap_steps=bool(getattr(config, "overlap_steps", True)),
             metrics=metrics,
         )
+        # the policy: what runs each step, what is admitted, what is preempted
+        self.turns = TurnScheduler(
+            pool=lambda: self.pool,
+            running=self.running,
+            waiting=self.waiting,
+            pages=self.pages,
+            tables=self.tables,
+            loader=self.loader,
+            steps=self.steps,
+            prompts=self.prompts,
+            fail=self.fail,
+            out_of_room=self._out_of_room,
+            max_batch=self.max_batch,
+            batch_tokens=self.batch_tokens,
+            prefill_step=self.prefill_step,
+            decoding_prompt_tokens=self.decoding_prompt_tokens,
+            admissions_per_step=self.admissions_per_step,
+        )
         isolate = bool(getattr(config, "isolate_cpus", False)) and served.device.type == "cuda"
         self._switch_interval = tune_interpreter(config, served.device)  # given back at close
         if served.devices is not None:
@@ -327,7 +346,7 @@ class BatchScheduler:
             for s in cancelled:
                 if not s.gone:
                     self.finish(s, "cancelled")
-        items = self._schedule()
+        items = self.turns.schedule()
         if items:
             self.steps.step(items)
         else:
@@ -371,7 +390,7 @@ class BatchScheduler:
 
     def evacuate(self, keep: bool) -> None:
         """Every running sequence leaves the pool and waits at the head of the queue, in its
-        order. With `keep` its K/V first moves to its session's Cache (`_preempt`); without,
+        order. With `keep` its K/V first moves to its session's Cache (`TurnPages.preempt`); without,
         its pages are dropped unread (they go with the pool) and the tokens they held are
         recomputed when it is admitted again. On the scheduler's thread, between steps."""
         for s in reversed(list(self.running)):
@@ -411,86 +430,6 @@ class BatchScheduler:
 
     def _deliver(self) -> None:
         self._events.send()
-
-    def _schedule(self) -> list[tuple[_Seq, Sequence[int]]]:
-        pool = self.pool
-        for s in [s for s in self.running if s.loading is not None and self.loader.done(s)]:
-            failed = self.loader.finish(s)  # its prefix is in its pages
-            if failed is not None:
-                self.fail(s, failed)
-        # Decoding sequences first, one token each; free pages for the ones whose page is full.
-        need = 0
-        while self.running:
-            need = sum(pool.pages_needed(s.paged, 1) for s in self._decoding() if s.paged)
-            if need <= pool.num_free or self._unpark(need - pool.num_free):
-                break
-            if self.steps.pending is not None:  # its finished turns may free pages; and a preempted
-                self.steps.drain()  # sequence must hold its real tokens, not placeholders
-                continue
-            victim = self.running[-1]
-            if len(self.running) == 1:
-                self._out_of_room(victim)
-            else:
-                self.pages.preempt(victim)
-            need = 0
-        items: list[tuple[_Seq, Sequence[int]]] = [(s, s.tokens[-1:]) for s in self._decoding()]
-        decoding = bool(items)
-        budget = self.batch_tokens - len(items)
-        if items and self.decoding_prompt_tokens:
-            # Sessions decode in this step: a few prompt tokens ride along, so each of their
-            # tokens waits one short step. On an H200 (7B, 64 decoding over 3,000-token
-            # contexts) a step took 14 ms alone, 26 ms with 196 prompt tokens and 125 ms with
-            # 930, i.e. prompt tokens cost half as much in small pieces. 192 rather than 128:
-            # turns then wait less for their prompt's turn and the batch runs fuller (the
-            # fleet bench on an H200: 3,140 tok/s against 2,924 with 64 sessions).
-            budget = min(budget, self.decoding_prompt_tokens)
-        prefilling = [s for s in self.running if s.loading is None and s.unfed > 1]
-        # A long prompt (a new conversation) does not hold back admissions: room is what the
-        # budget leaves after the prompts that finish in one chunk, which go first anyway.
-        room = budget - sum(
-            min(s.unfed, self.prefill_step) for s in prefilling if s.unfed <= budget
-        )
-        admitted = 0
-        # the cap protects decoding sequences from a long step; with none, admit freely
-        cap = self.admissions_per_step if decoding else 0
-        while self.waiting and room > 0 and len(self.running) < self.max_batch:
-            if cap and admitted >= cap:
-                break
-            s = self.waiting[0]
-            pages = pool.pages_for(len(s.tokens))
-            if pages > pool.num_pages:
-                self.waiting.popleft()
-                self.fail(s, pool_too_small(len(s.tokens), pool.num_pages * pool.page_size))
-                continue
-            own = self.tables.own_pages(s)
-            if s.held is not None and own is None:  # a device failover rebuilt the pool
-                self.waiting.popleft()
-                self.fail(s, KvtierError("the session's K/V pages were lost; send it again"))
-                continue
-            want, shared = self.tables.pages_wanted(s, own, bool(self.running))  # shared: held
-            if want > pool.num_free - need:  # the decoders' new pages come first
-                if not self._unpark(want - (pool.num_free - need), keep=own):
-                    break  # the pool is full: it waits for a sequence to finish
-                want, shared = self.tables.pages_wanted(s, own, bool(self.running))  # freed?
-                if want > pool.num_free - need:
-                    break
-            self.waiting.popleft()
-            if not self.pages.admit(s, shared, own):
-                continue
-            admitted += 1
-            if s.loading is not None:  # its first chunk waits for its prefix's copies
-                continue
-            prefilling.append(s)
-            room -= min(s.unfed, self.prefill_step)
-        items += self.prompts.chunks(prefilling, budget)
-        return items
-
-    def _decoding(self) -> list[_Seq]:
-        return [s for s in self.running if s.unfed == 1 and s.loading is None]
-
-    def _unpark(self, pages: int, keep: Parked | None = None) -> bool:
-        """Free parked tables until `pages` more pages are free (`PageTables.unpark`)."""
-        return self.tables.unpark(pages, self.waiting, keep)
 
     def _out_of_room(self, s: _Seq) -> None:
         """Alone in a full pool: the reply ends here, as at the end of the context."""

@@ -7,7 +7,7 @@ of every step in the 64-session fleet on an H200 (docs/benchmarks-history.md). W
 token greedy, the scheduler instead picks the tokens on the device, starts their copy to pinned
 host memory, and launches the next step right away, feeding those tokens from the device
 (`kvtier.paged.Feed`); only then does it wait for the copy and do the host side of the step
-before (`Stepping._complete`, kvtier/server/stepping.py). A sequence that turns out to have
+before (`StepRunner._complete`, kvtier/server/stepping.py). A sequence that turns out to have
 stopped had one row in the step already running: its K/V and output are dropped.
 """
 

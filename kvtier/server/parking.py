@@ -141,7 +141,7 @@ class PageTables:
 
     def pages_wanted(self, s: Any, own: Parked | None, running: bool) -> tuple[int, list[int]]:
         """Free pages `s`'s admission takes, and the pages it shares (see the scheduler's
-        `_admit`); `running`: whether any sequence runs (holds pages to share)."""
+        `TurnPages.admit`); `running`: whether any sequence runs (holds pages to share)."""
         if own is not None:  # pages past `cached` go; a shared page at `cached` is copied
             self.trim(own.table, s.cached)
             return self.pool.pages_needed(own.table, len(s.tokens) - s.cached), []

@@ -90,7 +90,7 @@ def test_once_its_pages_went_a_turn_restores_from_l2_and_after_a_restart_from_l3
     try:
         sessions = [backend.cache.session(f"r{i}", "t") for i in range(2)]
         assert all(s.state is SessionState.IDLE and s.in_pages for s in sessions)
-        assert sched._unpark(sched.pool.num_pages - sched.pool.num_free)  # every page goes
+        assert sched.turns.unpark(sched.pool.num_pages - sched.pool.num_free)  # every page goes
         assert not sched.tables.parked
         sched.commits.executor.submit(
             lambda: None
@@ -217,7 +217,7 @@ def test_pages_through_l2_and_back_are_bit_identical(device: str, tmp_path: Path
     try:
         parked = sched.tables.parked[("t", "b0")].table
         before = sched.pool.gather(parked.pages, 0, parked.length).clone()
-        assert sched._unpark(sched.pool.num_pages - sched.pool.num_free)
+        assert sched.turns.unpark(sched.pool.num_pages - sched.pool.num_free)
         second = _next_prompts([firsts[0]], [replies[0]], 55)[0]
         turn = _restored(sched, loop, _job("b0", second, 4))
         assert turn.restored is not None and turn.restored.source == "l2"
@@ -244,7 +244,7 @@ def test_a_turn_that_fails_before_admission_lets_its_claimed_pages_go(tmp_path: 
         turn = _restored(sched, loop, _job("f0", second, 6))
         parked = sched.tables.parked[("t", "f0")]
         assert parked.claimed and turn.held is parked
-        assert not sched._unpark(1)  # claimed: nothing to free
+        assert not sched.turns.unpark(1)  # claimed: nothing to free
         sched.waiting.append(turn)
         sched.fail(turn, KvtierError("the client went away"))
         assert turn.done.result(60) is None  # failed and aborted
@@ -270,7 +270,7 @@ def test_a_staged_prefix_that_never_reaches_its_pages_fails_its_turn_and_loses_n
     )
     loop = asyncio.new_event_loop()
     try:
-        assert sched._unpark(sched.pool.num_pages - sched.pool.num_free)
+        assert sched.turns.unpark(sched.pool.num_pages - sched.pool.num_free)
         sched.commits.executor.submit(lambda: None).result()  # the session is in L2/L3 alone now
         second = _next_prompts(firsts, replies, 57)[0]
         turn = _restored(sched, loop, _job("x0", second, 6))

@@ -78,7 +78,7 @@ def _drive(sched: BatchScheduler, hook: Callable[[int], None]) -> None:
         hook(step)
         if not (sched.running or sched.waiting):
             return
-        items = sched._schedule()
+        items = sched.turns.schedule()
         if items:
             sched.steps.step(items)
         else:  # as the scheduler's thread does
