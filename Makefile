@@ -46,7 +46,8 @@ unit:
 
 # The Triton kernels' tests need CUDA, so `unit` skips them on a machine without a GPU; here a
 # subset of them (the `interpret` mark) runs in Triton's CPU interpreter instead, so the kernels'
-# logic is checked on every change: about a minute on 2 cores (tests/kvtier/test_paged_triton.py).
+# logic is checked on every change: about a minute on 2 cores (tests/kvtier/test_paged_triton.py,
+# and the fused norm and activation kernels of tests/kvtier/test_fused.py).
 kernels:
 	CUDA_VISIBLE_DEVICES= TRITON_INTERPRET=1 $(PY) -m pytest -q -p no:cacheprovider -m interpret \
-	  tests/kvtier/test_paged_triton.py
+	  tests/kvtier/test_paged_triton.py tests/kvtier/test_fused.py

@@ -28,6 +28,7 @@ Configurations:
                where finished turns park their pages
   kvtier-int8  (e) the same with the int8 codec
   kvtier-eager (d) without CUDA graphs: every step eager (what graphs add, in the same run)
+  kvtier-fused (d) with `fused_kernels`: every RMSNorm and SiLU-and-multiply one Triton kernel
   kvtier-dg    (d) with `decode_graphs`: steps without prompt rows replay a graph of the
                one-row attention kernel (what it adds, in the same run)
   kvtier-sync  (d) without overlapped steps: each step's tokens read back before the next
@@ -273,6 +274,7 @@ def run_scenario(args, model, dev: str, scen: str, n: int, fleet_ceiling, fit_st
                     cfg.cuda_graphs = name != "kvtier-eager"
                     cfg.overlap_steps = name != "kvtier-sync"
                     cfg.decode_graphs = name == "kvtier-dg"
+                    cfg.fused_kernels = name == "kvtier-fused"
                     if name == "kvtier-gil5":  # the interpreter's default GIL switch interval
                         cfg.switch_interval_s = 0.005
                     if name == "kvtier-gil01":  # a 0.1 ms switch interval (the default 0.5)

@@ -38,7 +38,7 @@ for step in $STEPS; do
       # the batched serving's GPU tests (about 50 s on an H200)
       timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kvtier/test_batching.py \
         tests/kvtier/test_batching_paged_l1.py tests/kvtier/test_cache_pages.py \
-        tests/kvtier/test_paged_graphs.py 2>&1 | tail -30 >"$OUT/gpu_tests_batching.txt" ;;
+        tests/kvtier/test_paged_graphs.py tests/kvtier/test_fused.py 2>&1 | tail -30 >"$OUT/gpu_tests_batching.txt" ;;
     transfer)
       mkdir -p "$OUT/transfer"
       timeout 150 python3 bench/transfer.py --out "$OUT/transfer" --groups "${XFER_GROUPS:-8}" >"$OUT/transfer.txt" 2>&1 ;;

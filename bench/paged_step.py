@@ -183,6 +183,20 @@ def main() -> None:
         (f"{mixed}, CUDA graph (decode graphs on)", timed(mixed_step, args.reps), ceil_mixed)
     )
     runner.graphs = graphs
+    # every RMSNorm and SiLU-and-multiply as one kernel (kvtier.paged.fused), graphs again
+    from kvtier.paged.fused import fuse_model
+
+    fused_modules = fuse_model(model)
+    runner.capture_graphs([args.batch, mixed_tokens], decode_graphs=True)
+    rows.append(
+        (
+            f"decode-only step, both, {fused_modules} modules fused",
+            timed(decode_step, args.reps),
+            ceil_decode,
+        )
+    )
+    rows.append((f"{mixed}, CUDA graph, fused", timed(mixed_step, args.reps), ceil_mixed))
+    runner.graphs = graphs
 
     print(
         f"qwen2-7b bf16 on {torch.cuda.get_device_name()}, torch {torch.__version__}, "

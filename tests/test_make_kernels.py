@@ -11,6 +11,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 KERNELS = "tests/kvtier/test_paged_triton.py"
+FUSED = "tests/kvtier/test_fused.py"
 
 
 def test_make_test_runs_the_kernels_in_the_interpreter() -> None:
@@ -18,7 +19,7 @@ def test_make_test_runs_the_kernels_in_the_interpreter() -> None:
     test = next(line for line in make.splitlines() if line.startswith("test:"))
     assert "kernels" in test.split()[1:]
     recipe = make.split("\nkernels:\n", 1)[1].split("\n\n", 1)[0]
-    for part in ("TRITON_INTERPRET=1", "CUDA_VISIBLE_DEVICES=", "-m interpret", KERNELS):
+    for part in ("TRITON_INTERPRET=1", "CUDA_VISIBLE_DEVICES=", "-m interpret", KERNELS, FUSED):
         assert part in recipe, part
 
 

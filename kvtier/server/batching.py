@@ -87,6 +87,10 @@ class BatchScheduler:
         self.config = config
         self.metrics = metrics
         model = served.model
+        if bool(getattr(config, "fused_kernels", False)) and served.device.type == "cuda":
+            from kvtier.paged.fused import fuse_model  # Triton: imported only when asked for
+
+            log.info("fused kernels: %d norms and MLPs run as one kernel each", fuse_model(model))
         geometry, dtype, per_token = model_kv(model)
         self.max_batch = int(config.max_concurrency)
         self.batch_tokens = max(

@@ -120,6 +120,9 @@ class ServerConfig:
     # with cuda_graphs: a second graph per decode bucket for steps without prompt rows, on the
     # one-row attention kernel (kvtier.paged.graphs); off until measured on the fleet
     decode_graphs: bool = False
+    # with batching on CUDA: every RMSNorm and gated-SiLU MLP of the model runs as one Triton
+    # kernel each (kvtier.paged.fused); off until measured on the fleet
+    fused_kernels: bool = False
     # with batching: an all-greedy step starts before the last one's tokens reach the host
     overlap_steps: bool = True
     batch_tokens: int = 1024  # new tokens in one batched forward: decode tokens + prompt chunks

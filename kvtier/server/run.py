@@ -186,6 +186,13 @@ def options(f: Callable[..., Any]) -> Callable[..., Any]:
             "chunk rides along (default off; it doubles the decode buckets' capture time).",
         ),
         click.option(
+            "--fused-kernels/--no-fused-kernels",
+            default=None,
+            help="With batching on a CUDA model: run every RMSNorm and gated-SiLU MLP "
+            "activation as one Triton kernel each, rounded as transformers rounds (default "
+            "off).",
+        ),
+        click.option(
             "--overlap-steps/--no-overlap-steps",
             default=None,
             help="With batching: when every running request samples greedily, start the next "
