@@ -13,6 +13,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvtier.cache.keys import SHARED_TENANT, ZERO_KEY, chunk_key
@@ -40,39 +41,22 @@ if TYPE_CHECKING:  # pragma: no cover
 log = logging.getLogger("kvtier.cache")
 
 
+@dataclass(eq=False, kw_only=True)
 class SessionLifecycle:
-    def __init__(
-        self,
-        *,
-        guard: CacheGuard,
-        identity: CacheIdentity,
-        directory: ChunkDirectory,
-        counters: Counters,
-        cost: CostModel,
-        engine: TransferEngine,
-        l2: HostArena,
-        l3: L3Store,
-        l4: SharedTier | None,
-        table: SessionTable,
-        records: SessionRecords,
-        room: L1Room,
-        writer: ChunkWriter,
-        catalog: ChunkCatalog,
-    ) -> None:
-        self.guard = guard
-        self.identity = identity
-        self.directory = directory
-        self.counters = counters
-        self.cost = cost
-        self.engine = engine
-        self.l2 = l2
-        self.l3 = l3
-        self.l4 = l4
-        self.table = table
-        self.records = records
-        self.room = room
-        self.writer = writer
-        self.catalog = catalog
+    guard: CacheGuard
+    identity: CacheIdentity
+    directory: ChunkDirectory
+    counters: Counters
+    cost: CostModel
+    engine: TransferEngine
+    l2: HostArena
+    l3: L3Store
+    l4: SharedTier | None
+    table: SessionTable
+    records: SessionRecords
+    room: L1Room
+    writer: ChunkWriter
+    catalog: ChunkCatalog
 
     # -- commit and the write policies ----------------------------------------------------------
 

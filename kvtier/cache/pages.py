@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvtier.cache.restoreplan import StagedPrefix, common_prefix
@@ -46,29 +47,18 @@ if TYPE_CHECKING:  # pragma: no cover
     from kvtier.cache.stats import Counters
 
 
+@dataclass(eq=False, kw_only=True)
 class PoolSessions:
     """The sessions restored into callers' page pools; the owner of their `PagedCache`s."""
 
-    def __init__(
-        self,
-        *,
-        guard: CacheGuard,
-        identity: CacheIdentity,
-        counters: Counters,
-        table: SessionTable,
-        records: SessionRecords,
-        catalog: ChunkCatalog,
-        restorer: Restorer,
-        lifecycle: SessionLifecycle,
-    ) -> None:
-        self.guard = guard
-        self.identity = identity
-        self.counters = counters
-        self.table = table
-        self.records = records
-        self.catalog = catalog
-        self.restorer = restorer
-        self.lifecycle = lifecycle
+    guard: CacheGuard
+    identity: CacheIdentity
+    counters: Counters
+    table: SessionTable
+    records: SessionRecords
+    catalog: ChunkCatalog
+    restorer: Restorer
+    lifecycle: SessionLifecycle
 
     def check_pool(self, pool: PagePool) -> None:
         """Refuse a pool the session's K/V cannot live in."""

@@ -21,6 +21,7 @@ without it fails, and the abort leaves the session hibernated over the stored pr
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -44,27 +45,16 @@ if TYPE_CHECKING:  # pragma: no cover
 log = logging.getLogger("kvtier.cache")
 
 
+@dataclass(eq=False, kw_only=True)
 class L1Relocator:
-    def __init__(
-        self,
-        *,
-        guard: CacheGuard,
-        identity: CacheIdentity,
-        directory: ChunkDirectory,
-        engine: TransferEngine,
-        table: SessionTable,
-        records: SessionRecords,
-        room: L1Room,
-        lifecycle: SessionLifecycle,
-    ) -> None:
-        self.guard = guard
-        self.identity = identity
-        self.directory = directory
-        self.engine = engine
-        self.table = table
-        self.records = records
-        self.room = room
-        self.lifecycle = lifecycle
+    guard: CacheGuard
+    identity: CacheIdentity
+    directory: ChunkDirectory
+    engine: TransferEngine
+    table: SessionTable
+    records: SessionRecords
+    room: L1Room
+    lifecycle: SessionLifecycle
 
     def move_l1(self, device: torch.device, budget: int | None = None, lost: bool = True) -> int:
         """Give the cache a new, empty L1 and device mover on `device`, of `budget` bytes (its

@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -36,6 +37,7 @@ from kvtier.types import RestoreSource, SessionState
 
 if TYPE_CHECKING:  # pragma: no cover
     from kvtier.cache.catalog import ChunkCatalog
+    from kvtier.cache.config import CacheConfig
     from kvtier.cache.costmodel import CostModel
     from kvtier.cache.directory import Chunk, ChunkDirectory
     from kvtier.cache.guard import CacheGuard
@@ -54,34 +56,23 @@ __all__ = ["RestorePlan", "Restorer", "StagedPrefix", "common_prefix"]
 log = logging.getLogger("kvtier.cache")
 
 
+@dataclass(eq=False, kw_only=True)
 class Restorer:
-    def __init__(
-        self,
-        *,
-        guard: CacheGuard,
-        identity: CacheIdentity,
-        directory: ChunkDirectory,
-        counters: Counters,
-        cost: CostModel,
-        engine: TransferEngine,
-        l4: SharedTier | None,
-        table: SessionTable,
-        catalog: ChunkCatalog,
-        room: L1Room,
-        lifecycle: SessionLifecycle,
-    ) -> None:
-        self.guard = guard
-        self.identity = identity
-        self.config = identity.config
-        self.directory = directory
-        self.counters = counters
-        self.cost = cost
-        self.engine = engine
-        self.l4 = l4
-        self.table = table
-        self.catalog = catalog
-        self.room = room
-        self.lifecycle = lifecycle
+    guard: CacheGuard
+    identity: CacheIdentity
+    directory: ChunkDirectory
+    counters: Counters
+    cost: CostModel
+    engine: TransferEngine
+    l4: SharedTier | None
+    table: SessionTable
+    catalog: ChunkCatalog
+    room: L1Room
+    lifecycle: SessionLifecycle
+
+    @property
+    def config(self) -> CacheConfig:
+        return self.identity.config
 
     # -- entry points ------------------------------------------------------------------------------
 

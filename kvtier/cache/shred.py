@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvtier.cache.keys import SHARED_TENANT
@@ -22,29 +23,17 @@ if TYPE_CHECKING:  # pragma: no cover
     from kvtier.transfer import TransferEngine
 
 
+@dataclass(eq=False, kw_only=True)
 class TenantShredder:
-    def __init__(
-        self,
-        *,
-        guard: CacheGuard,
-        directory: ChunkDirectory,
-        engine: TransferEngine,
-        l3: L3Store,
-        l4: SharedTier | None,
-        table: SessionTable,
-        records: SessionRecords,
-        room: L1Room,
-        lifecycle: SessionLifecycle,
-    ) -> None:
-        self.guard = guard
-        self.directory = directory
-        self.engine = engine
-        self.l3 = l3
-        self.l4 = l4
-        self.table = table
-        self.records = records
-        self.room = room
-        self.lifecycle = lifecycle
+    guard: CacheGuard
+    directory: ChunkDirectory
+    engine: TransferEngine
+    l3: L3Store
+    l4: SharedTier | None
+    table: SessionTable
+    records: SessionRecords
+    room: L1Room
+    lifecycle: SessionLifecycle
 
     def shred(self, tenant: str) -> ShredReport:
         """See `TieredCache.shred_tenant`."""
