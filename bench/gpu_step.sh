@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# The GPU runs of the restructured step (the cache and scheduler as parts; decode-only graphs;
+# fused norms and activations), for a machine with a CUDA GPU. Each step has its own time
+# limit (each fits one 10-minute call) and writes under OUT (default ./gpu-out); STEPS= picks.
+#
+#   bash bench/gpu_step.sh [OUT]                  # every step: about 30 minutes
+#   STEPS="breakdown" bash bench/gpu_step.sh      # one batched step by kernel kind (1 minute)
+#
+# Steps:
+#   tests      every gpu-marked test of tests/kvtier (graphs with decode-only graphs, the
+#              fused kernels compiled, batching, failover on one device, the cache on CUDA)
+#   breakdown  bench/paged_step.py --breakdown: the decode-only and mixed steps, replayed with
+#              and without decode-only graphs and fused kernels, against their floors
+#   fleet      bench/agent_fleet.py --concurrent: fit with kvtier, kvtier-dg and kvtier-fused;
+#              hibernate (256 sessions, L1 for 64) with kvtier-b96-p256
+#   grammar    bench/grammar_step.py: 64 sessions with and without one constrained row
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${1:-${OUT:-gpu-out}}"
+mkdir -p "$OUT"
+export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+STEPS="${STEPS:-tests breakdown fleet grammar}"
+quiet() { grep -v -E "FutureWarning|forward_call|return func|past_key_values"; }
+
+for step in $STEPS; do
+  echo "== $step $(date +%T)"
+  case "$step" in
+    tests)
+      timeout 560 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kvtier tests/ops \
+        2>&1 | tail -40 >"$OUT/gpu_tests_all.txt" ;;
+    breakdown)
+      timeout 300 python3 bench/paged_step.py --chunk 64 --breakdown 2>&1 | quiet \
+        >"$OUT/paged_step.txt" ;;
+    fleet)
+      mkdir -p "$OUT/step_fleet"
+      timeout 580 python3 bench/agent_fleet.py --concurrent --out "$OUT/step_fleet" \
+        --time-limit "${CONC_SECONDS:-20}" --configs ceiling,kvtier,kvtier-dg,kvtier-fused \
+        --hibernate-configs kvtier-b96-p256 2>&1 | quiet >"$OUT/step_fleet.txt" ;;
+    grammar)
+      timeout 400 python3 bench/grammar_step.py --shape qwen2-7b --batch 64 >"$OUT/grammar.txt" 2>&1 ;;
+    *) echo "unknown step $step" ;;
+  esac
+  echo "   rc=$? $(date +%T)"
+done
