@@ -7,7 +7,6 @@ session answers 404, as one that does not exist); without keys, loopback peers o
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
@@ -59,22 +58,11 @@ def install_admin_routes(app: FastAPI, state: State) -> None:
         elif tenant is not None:
             tenants = [tenant]
         else:  # every tenant's session of that id
-            tenants = await asyncio.to_thread(engine.backend.tenants_of, session_id)
-        fn = getattr(engine.backend, op)
-        found = False
-        for name in tenants:
-            try:
-                lock = await engine.session_exclusive(session_id, name)
-            except Overloaded as exc:
-                raise ApiError(
-                    409, str(exc), headers={"Retry-After": str(exc.retry_after)}
-                ) from None
-            try:
-                found |= bool(await asyncio.to_thread(fn, session_id, name))
-                if op in ("hibernate", "forget"):
-                    engine.drop_pages(session_id, name)  # paged L1: its pages are its L1
-            finally:
-                engine.release(session_id, lock, name)
+            tenants = await engine.tenants_of(session_id)
+        try:
+            found = await engine.session_admin(session_id, tenants, op)
+        except Overloaded as exc:
+            raise ApiError(409, str(exc), headers={"Retry-After": str(exc.retry_after)}) from None
         if not found:
             raise ApiError(
                 404,
@@ -113,7 +101,7 @@ def install_admin_routes(app: FastAPI, state: State) -> None:
         check_id(tenant, "tenant", MAX_TENANT)
         engine = state.ready_engine()
         try:
-            done = await asyncio.to_thread(engine.backend.shred_tenant, tenant)
+            done = await engine.shred_tenant(tenant)
         except SessionError as exc:  # one of its requests is running: retry after it
             raise ApiError(409, str(exc), headers={"Retry-After": "1"}) from None
         if not (done["sessions"] or done["keys"] or done["chunks"]):

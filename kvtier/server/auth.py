@@ -25,8 +25,8 @@ from fastapi import Request
 from kvtier import apikeys
 from kvtier.apikeys import KeyRing, Principal
 from kvtier.errors import KeysFileError
-from kvtier.server.engine import WARM_UP_TENANT
 from kvtier.server.http import MAX_TENANT, ApiError, check_id, local_only
+from kvtier.server.jobs import WARM_UP_TENANT
 from kvtier.server.warm_request import is_warm_up
 
 log = logging.getLogger("kvtier.server")

@@ -101,7 +101,7 @@ def install_device_routes(app: FastAPI, state: State) -> None:
     def failover(request: Request) -> DeviceFailover:
         require_admin(request)
         engine = state.ready_engine()
-        devices = engine.served.devices
+        devices = engine.devices
         if devices is None:
             raise ApiError(
                 404,

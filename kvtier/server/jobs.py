@@ -12,6 +12,11 @@ from typing import Any
 from kvtier.errors import InvalidRequest, KvtierError
 from kvtier.server.reqmetrics import TurnClock
 
+# The warm-up's session: '#' is outside what clients may send as a session id or tenant
+# (kvtier.server.http._ID), so no client's session can ever be this one.
+WARM_UP_SESSION = "#warm-up"
+WARM_UP_TENANT = "#kvtier"
+
 
 class Overloaded(KvtierError):
     """No generation slot is free within the queue timeout; retry after `retry_after` seconds."""
