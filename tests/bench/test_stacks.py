@@ -11,7 +11,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
 from stacks import StackSampler
 
-from kvtier.cache.restore import common_prefix  # a kvtier frame for a helper thread
+from kvtier.cache.restoreplan import common_prefix  # a kvtier frame for a helper thread
 
 
 def _spin(stop: threading.Event) -> None:
@@ -83,7 +83,7 @@ def test_helper_pools_are_sampled_by_their_kvtier_frame_and_idle_threads_apart()
     assert sampler.helper_samples["kvtier-restore"] > 5
     assert lines["idle"] > 0, lines  # the executor's thread, waiting for work
     top = [k for k in lines if k != "idle"]
-    assert top and all("restore.py" in k and "common_prefix" in k for k in top), lines
+    assert top and all("restoreplan.py" in k and "common_prefix" in k for k in top), lines
     assert "kvtier-restore threads" in sampler.report()
 
 
