@@ -133,7 +133,7 @@ class SessionTable(dict[Key, "Session"]):
 
     def forget(self, s: Session) -> None:
         """Hibernate `s` unless it is, and drop it from the table. A handle on it stays
-        usable: its next restore puts it back (`TieredCache._check_restorable`)."""
+        usable: its next restore puts it back (`Restorer.check_restorable`)."""
         hibernated = s.state is SessionState.HIBERNATED
         if not hibernated:  # resident, in pages: stored now, its record save queued
             self._hibernate(s)

@@ -168,7 +168,7 @@ class Inflight:
                 _wait(h)
 
     def clear(self) -> None:
-        """Forget every ticket (the device they were on is gone: `relocate_l1`)."""
+        """Forget every ticket (the device they were on is gone: `TransferEngine.move_device`)."""
         with self._cond:
             self._tickets = []
             self._bytes = 0
