@@ -4,6 +4,7 @@ fleet in-process, one asyncio client per session."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import threading
 import time
 from array import array
@@ -40,20 +41,32 @@ class StepLog:
         # 0 means the GPU had finished first: the host set that step's pace, not the GPU.
         self.thread: list[tuple[float, float]] = []
         self._launch_s = self._wait_s = 0.0
+        # on CUDA, each forward's (host time after its launch, event before it, event after
+        # it) on the stream: the GPU's idle time between two steps (`gpu_gaps`)
+        self.gpu_marks: list[tuple[float, Any, Any]] = []
 
     def watch(self, runner: Any) -> None:
         """Note, before each forward, whether the step is decode-only (one token per sequence:
         the Triton kernel on CUDA) or mixes prompt chunks in (the reference path on torch
         without paged varlen attention). Observes; changes nothing."""
         step = runner.step
+        cuda = runner.pool.device.type == "cuda"
 
         def observed(batch: Any, *feed: Any) -> Any:
             self.decode_only = all(len(item.tokens) == 1 for item in batch)
             self.prompt_tokens = sum(len(item.tokens) for item in batch if len(item.tokens) > 1)
             t0 = time.perf_counter()
+            before = after = None
+            if cuda:
+                before = torch.cuda.Event(enable_timing=True)
+                before.record()
             try:
                 return step(batch, *feed)
             finally:
+                if cuda:
+                    after = torch.cuda.Event(enable_timing=True)
+                    after.record()
+                    self.gpu_marks.append((time.perf_counter(), before, after))
                 self._launch_s += time.perf_counter() - t0
 
         runner.step = observed
@@ -274,6 +287,7 @@ def run_batched(
     ]
     m.extra["mixed_prompt_tokens_p50"] = _median([float(p) for p in chunks])
     m.extra["step_tail"] = step_tail(log, win)
+    m.extra["gpu_gaps"] = gpu_gaps(log, win)
     m.extra["preemptions"] = sched.pages.preemptions
     m.extra["graph_steps"] = sched.runner.graph_steps
     m.extra["eager_steps"] = sched.runner.eager_steps
@@ -311,6 +325,29 @@ def resident_sessions(sched: BatchScheduler) -> int:
         except RuntimeError:  # changed size during iteration
             time.sleep(0.001)
     return -1
+
+
+def gpu_gaps(log: StepLog, win: Any) -> dict[str, float]:
+    """The GPU's idle time between consecutive forwards inside the window: from the event
+    after one step's work to the event before the next step's (a timestamp taken when the GPU
+    reaches it: 0 when the next step was queued before the last one finished). P50, P90, mean,
+    and the share of gaps over 0.3 ms, in ms. Empty off CUDA or with fewer than 2 steps."""
+    marks = [(b, a) for t, b, a in log.gpu_marks if win.inside(t)]
+    if len(marks) < 2:
+        return {}
+    torch.cuda.synchronize()
+    gaps = sorted(
+        max(0.0, prev_after.elapsed_time(next_before))
+        for (_, prev_after), (next_before, _) in itertools.pairwise(marks)
+    )
+    n = len(gaps)
+    return {
+        "gaps": n,
+        "p50_ms": round(gaps[n // 2], 3),
+        "p90_ms": round(gaps[int(n * 0.9)], 3),
+        "mean_ms": round(sum(gaps) / n, 3),
+        "over_0_3_ms": round(sum(g > 0.3 for g in gaps) / n, 3),
+    }
 
 
 def step_tail(log: StepLog, win: Any) -> dict[str, dict[str, float]]:

@@ -87,6 +87,13 @@ def table(title: str, rows: list[dict[str, Any]]) -> str:
                 f"{r.get('extra_graph_steps', 0)} graph / {r.get('extra_eager_steps', 0)} eager "
                 "forwards"
             )
+        gaps = r.get("extra_gpu_gaps") or {}
+        if gaps:
+            lines.append(
+                f"{'':>14}  the GPU idle between steps: P50 {gaps['p50_ms']} ms, P90 "
+                f"{gaps['p90_ms']} ms, mean {gaps['mean_ms']} ms over {gaps['gaps']} gaps, "
+                f"{gaps['over_0_3_ms']:.0%} of them over 0.3 ms (target: under 0.3 ms)"
+            )
         tail = r.get("extra_step_tail") or {}
         if tail:
             lines.append(

@@ -63,6 +63,7 @@ def test_concurrent_fleet_cpu_smoke(tmp_path: Path) -> None:
         assert phases["restore"] >= phases["of which L1 room"] >= 0, phases
         assert phases["total"] >= phases["steps"] > 0, phases
         assert sum(fit[name]["extra_restore_sources"].values()) > 0, fit[name]
+        assert fit[name]["extra_gpu_gaps"] == {}  # the GPU's idle between steps: CUDA only
         tail = fit[name]["extra_step_tail"]  # what the slowest steps had in common
         steps = fit[name]["extra_decode_only_steps"] + fit[name]["extra_mixed_steps"]
         if steps < 20:  # a loaded machine may fit fewer steps in the window: none drawn
