@@ -3,12 +3,13 @@
 # fused norms and activations), for a machine with a CUDA GPU. Each step has its own time
 # limit (each fits one 10-minute call) and writes under OUT (default ./gpu-out); STEPS= picks.
 #
-#   bash bench/gpu_step.sh [OUT]                  # every step: about 30 minutes
+#   bash bench/gpu_step.sh [OUT]                  # every step: at most 40 minutes
 #   STEPS="breakdown" bash bench/gpu_step.sh      # one batched step by kernel kind (1 minute)
 #
 # Steps:
-#   tests      every gpu-marked test of tests/kvtier (graphs with decode-only graphs, the
-#              fused kernels compiled, batching, failover on one device, the cache on CUDA)
+#   tests      the gpu-marked tests of the kernels, graphs (decode-only ones too), fused
+#              kernels compiled, the cache and the transfers on CUDA
+#   tests2     every other gpu-marked test (batching, the server, failover on one device, ops)
 #   breakdown  bench/paged_step.py --breakdown: the decode-only and mixed steps, replayed with
 #              and without decode-only graphs and fused kernels, against their floors
 #   fleet      bench/agent_fleet.py --concurrent: fit with kvtier, kvtier-dg and kvtier-fused;
@@ -19,15 +20,19 @@ cd "$(dirname "$0")/.."
 OUT="${1:-${OUT:-gpu-out}}"
 mkdir -p "$OUT"
 export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-STEPS="${STEPS:-tests breakdown fleet grammar}"
+STEPS="${STEPS:-tests tests2 breakdown fleet grammar}"
+FIRST="paged or fused or cache or transfer or l2 or soak"
 quiet() { grep -v -E "FutureWarning|forward_call|return func|past_key_values"; }
 
 for step in $STEPS; do
   echo "== $step $(date +%T)"
   case "$step" in
     tests)
-      timeout 560 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kvtier tests/ops \
-        2>&1 | tail -40 >"$OUT/gpu_tests_all.txt" ;;
+      timeout 560 python3 -m pytest -q -p no:cacheprovider -m gpu -k "$FIRST" tests/kvtier \
+        2>&1 | tail -40 >"$OUT/gpu_tests_kernels.txt" ;;
+    tests2)
+      timeout 560 python3 -m pytest -q -p no:cacheprovider -m gpu -k "not ($FIRST)" tests/kvtier \
+        tests/ops 2>&1 | tail -40 >"$OUT/gpu_tests_serving.txt" ;;
     breakdown)
       timeout 300 python3 bench/paged_step.py --chunk 64 --breakdown 2>&1 | quiet \
         >"$OUT/paged_step.txt" ;;
