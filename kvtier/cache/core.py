@@ -10,7 +10,7 @@ Data model
 The class is a facade: it wires the parts below and each public method is one call into a
 part. The parts own their state and call each other only downward (docs/architecture.md):
 `Restorer` (restore), `PoolSessions` (sessions in a caller's page pool), `L1Relocator`,
-`TenantShredder` > `SessionLifecycle` (commit, hibernate, close) > `ChunkWriter` >
+`TenantShredder`, `SessionFinder` (opening and finding sessions) > `SessionLifecycle` (commit, hibernate, close) > `ChunkWriter` >
 `ChunkCatalog` (keys, where a chunk is) > `SharedTier` (L4) > `SessionTable`, `SessionRecords`,
 `L1Room` (L1 and its eviction) > `ChunkDirectory`, `CacheIdentity`, `CacheGuard`.
 
@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -45,9 +44,10 @@ from kvtier.cache.catalog import ChunkCatalog
 from kvtier.cache.config import CacheConfig
 from kvtier.cache.costmodel import CostModel
 from kvtier.cache.directory import ChunkDirectory
+from kvtier.cache.finder import SessionFinder
 from kvtier.cache.guard import CacheGuard
 from kvtier.cache.identity import CacheIdentity
-from kvtier.cache.keys import SHARED_TENANT, TENANT_MAX_BYTES
+from kvtier.cache.keys import SHARED_TENANT
 from kvtier.cache.l1room import L1Room
 from kvtier.cache.l4 import SharedTier
 from kvtier.cache.lifecycle import SessionLifecycle
@@ -57,14 +57,13 @@ from kvtier.cache.relocate import L1Relocator
 from kvtier.cache.restore import Restorer
 from kvtier.cache.restoreplan import StagedPrefix
 from kvtier.cache.session import Ids, Session, as_ids
-from kvtier.cache.sessiontable import SessionTable, from_record
+from kvtier.cache.sessiontable import SessionTable
 from kvtier.cache.shred import TenantShredder
 from kvtier.cache.stats import Counters, SnapshotInputs, build_snapshot
 from kvtier.cache.tierset import open_tiers
 from kvtier.cache.upkeep import Upkeep
 from kvtier.cache.writes import ChunkSource, ChunkWriter
 from kvtier.codecs import Codec
-from kvtier.errors import SessionError
 from kvtier.geometry import KVGeometry
 from kvtier.integrations.hf import KvtierCache
 from kvtier.integrations.paged_cache import PagedCache
@@ -72,9 +71,8 @@ from kvtier.paged.pool import PagePool
 from kvtier.policy import make_policy
 from kvtier.snapshot import CacheSnapshot
 from kvtier.tiers.l1 import L1Pool
-from kvtier.tiers.l3 import SessionRecord, ShredReport
+from kvtier.tiers.l3 import ShredReport
 from kvtier.transfer.staging import Handle
-from kvtier.types import SessionState
 
 
 class TieredCache:
@@ -206,7 +204,15 @@ class TieredCache:
                 room=self.room,
                 lifecycle=self.lifecycle,
             )
-            self._load_hibernated()
+            self.finder = SessionFinder(
+                guard=guard,
+                identity=ident,
+                table=self.table,
+                l3=self.l3,
+                l4=self.l4,
+                make=lambda sid, tenant: Session(self, sid, tenant),
+            )
+            self.finder.load_hibernated()
             self.directory.retry_shed = config.write_policy != "write_back"
             bound = config.l3_write_bound_s
             self.upkeep = Upkeep(min(1.0, max(0.05, (bound or 4.0) / 4)), self.lifecycle.housekeep)
@@ -243,87 +249,25 @@ class TieredCache:
     def session(self, session_id: str, tenant: str = "default") -> Session:
         """Open a session, or find it again (after a restart from L3; hibernated on another
         host, or hibernated here and resumed elsewhere since, from L4)."""
-        if not isinstance(session_id, str) or not session_id:
-            raise SessionError("session_id must be a non-empty string")
-        _check_tenant(tenant)
-        key = (tenant, session_id)
-        with self.guard:
-            self.guard.check_open()
-            s = self.table.get(key)  # hibernated sessions of earlier processes: from L3
-            stored = s is None and self.table.partial  # forgotten (sessiontable): in L3
-            if s is not None and (self.l4 is None or s.state is not SessionState.HIBERNATED):
-                return s
-            if s is None and not stored and self.l4 is None:
-                return self._add_session(Session(self, session_id, tenant))
-        # outside the lock: an SQLite read of the index, a Redis round trip
-        load = self.l3.load_session
-        found = [self.table.pending(key) or load(session_id, tenant)] if stored else []
-        if self.l4 is not None:
-            found.append(self.l4.lookup(tenant, session_id))
-        with self.guard:
-            self.guard.check_open()
-            s = self.table.get(key)
-            recs = [r for r in found if r is not None and r.fingerprint == self.fingerprint]
-            rec = max(recs, key=lambda r: r.last_active, default=None)
-            if s is None:
-                s = self._from_record(rec) if rec else Session(self, session_id, tenant)
-                self._add_session(s)
-            elif rec and s.state is SessionState.HIBERNATED and rec.last_active > s.last_active:
-                self._from_record(rec, s)  # hibernated here, resumed elsewhere since
-            return s
-
-    def _add_session(self, s: Session) -> Session:
-        self.table[(s.tenant, s.session_id)] = s
-        if self.table.over():  # forget the least recently active (sessiontable)
-            self.table.forget_due(time.time(), keep=s)
-        return s
+        return self.finder.open(session_id, tenant)
 
     def sessions(self) -> list[Session]:
-        with self.guard:
-            return list(self.table.values())
+        return self.finder.all()
 
     def find_session(self, session_id: str, tenant: str) -> Session | None:
         """The session if it is in memory; never reads L3 or L4 (None once forgotten)."""
-        with self.guard:
-            return self.table.get((tenant, session_id))
+        return self.finder.find(session_id, tenant)
 
     def find_sessions(self, session_id: str, tenant: str | None = None) -> list[Session]:
         """The sessions of this id (of `tenant`, else of every tenant) in memory, and those
         forgotten from it whose record L3 holds, which come back (an admin's calls)."""
-        with self.guard:
-            found = [
-                s
-                for s in self.table.values()
-                if s.session_id == session_id and tenant in (None, s.tenant)
-            ]
-            if not self.table.partial:
-                return found
-        stored = set(self.l3.index.session_tenants(session_id))  # outside the lock: SQLite
-        known = {s.tenant for s in found}
-        for t in sorted(stored) if tenant is None else [tenant]:
-            if t not in known and (t in stored or self.table.pending((t, session_id))):
-                found.append(self.session(session_id, t))
-        return found
+        return self.finder.find_all(session_id, tenant)
 
     def on_forget(self, fn: Callable[[str, str], object]) -> None:
         """`fn(session_id, tenant)` hears of each session forgotten from memory (idle past
         `session_idle_s`, or past `max_sessions`), under the cache's lock: it must neither
         wait nor call the cache."""
         self.table.listen(fn)
-
-    def _load_hibernated(self) -> None:
-        """The hibernated sessions in L3: in memory as far as the bounds of sessiontable keep
-        them (the most recently active first), the others found in L3 at their next turn."""
-        recs = [r for r in self.l3.list_sessions() if r.fingerprint == self.fingerprint]
-        self.table.load(recs, self._from_record)
-        if self.l4 is not None:  # chunks this host's L3 lost may still be in L4
-            for rec in recs:
-                self.l4.note_record(rec)
-
-    def _from_record(self, rec: SessionRecord, s: Session | None = None) -> Session:
-        """A hibernated session from its record (L3's index, or L4); into `s` if given."""
-        s = Session(self, rec.session_id, rec.tenant) if s is None else s
-        return from_record(s, rec, self.chunk_tokens)
 
     # -- restore (kvtier.cache.restore) and the host API that `Session` calls -----------------
 
@@ -519,21 +463,6 @@ class TieredCache:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _check_tenant(tenant: str) -> None:
-    if not isinstance(tenant, str) or not tenant:
-        raise SessionError("tenant must be a non-empty string")
-    if tenant == SHARED_TENANT:
-        raise SessionError(
-            f"tenant {SHARED_TENANT!r} is reserved for published prefixes; use another name"
-        )
-    size = len(tenant.encode("utf-8", "surrogatepass"))
-    if size > TENANT_MAX_BYTES or "\x00" in tenant:
-        raise SessionError(
-            f"tenant names are at most {TENANT_MAX_BYTES} UTF-8 bytes without NUL (this one is "
-            f"{size} bytes); use a shorter name or a hash of it"
-        )
 
 
 __all__ = ["Session", "TieredCache"]

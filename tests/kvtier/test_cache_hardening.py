@@ -13,6 +13,7 @@ from conftest import tiny_llama
 from test_cache_lifecycle import cfg as lifecycle_cfg
 
 import kvtier.cache.core as core
+import kvtier.cache.finder as finder
 import kvtier.cache.tierset as tierset
 from kvtier import CacheConfig, TieredCache
 from kvtier.cache.keys import SHARED_TENANT
@@ -222,7 +223,7 @@ STEPS = [
     (core, "SessionRecords"),
     (core, "Restorer"),
     (tierset, "claim_l1"),
-    (core.TieredCache, "_load_hibernated"),
+    (finder.SessionFinder, "load_hibernated"),
 ]
 
 
