@@ -10,9 +10,10 @@ Data model
 The class is a facade: it wires the parts below and each public method is one call into a
 part. The parts own their state and call each other only downward (docs/architecture.md):
 `Restorer` (restore), `PoolSessions` (sessions in a caller's page pool), `L1Relocator`,
-`TenantShredder`, `SessionFinder` (opening and finding sessions) > `SessionLifecycle` (commit, hibernate, close) > `ChunkWriter` >
-`ChunkCatalog` (keys, where a chunk is) > `SharedTier` (L4) > `SessionTable`, `SessionRecords`,
-`L1Room` (L1 and its eviction) > `ChunkDirectory`, `CacheIdentity`, `CacheGuard`.
+`TenantShredder`, `SessionFinder` (opening and finding sessions) > `SessionLifecycle`
+(commit, hibernate, close) > `ChunkWriter` > `ChunkCatalog` (keys, where a chunk is) >
+`SharedTier` (L4) > `SessionTable`, `SessionRecords`, `L1Room` (L1 and its eviction) >
+`ChunkDirectory`, `CacheIdentity`, `CacheGuard`.
 
 Threading: one re-entrant lock (`CacheGuard`) guards the metadata (sessions, directory,
 counters). It is held only for bookkeeping and for starting transfers, never across a wait for
