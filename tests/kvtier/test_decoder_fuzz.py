@@ -214,7 +214,7 @@ class _Sock:
 
 class _Conn:
     def __init__(self, data: bytes) -> None:
-        self.sock = _Sock(data)
+        self._sock = _Sock(data)
 
     def can_read(self) -> bool:
         return False

@@ -97,11 +97,8 @@ class L4Store:
         self.url = url
         self.shown_url = keys.redact(url)
         try:
-            # the connection class the URL asks for (TCP, TLS, Unix), giving `wire` its socket
-            conn_class = redis.connection.parse_url(url).get("connection_class", redis.Connection)
             self._pool = redis.ConnectionPool.from_url(
                 url,
-                connection_class=wire.with_socket(conn_class),
                 socket_timeout=timeout_s,
                 socket_connect_timeout=connect_timeout_s,
                 health_check_interval=0,

@@ -18,10 +18,9 @@ or an error (`-...`). Anything else, or any failure, disconnects the connection.
 
 from __future__ import annotations
 
-import functools
 import socket
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar, cast
+from typing import Any
 
 from kvtier import kvbin
 from kvtier.errors import EncryptionError, KvbinFormatError, MasterKeyRequired, StoreError
@@ -36,28 +35,6 @@ Dest = Callable[[int, ChunkHeader], memoryview]
 
 Opener = Callable[[ChunkHeader], PayloadOpener]
 """decoded header -> the decryptor of its sealed payload (encrypted stores)."""
-
-
-C = TypeVar("C")
-
-
-class SocketAccess:
-    """Mixed into a redis-py connection class by `with_socket`: the socket redis-py opened
-    (connected, authenticated, on the right database), as the public property `sock`."""
-
-    _sock: socket.socket | None  # set by redis-py's connection (AbstractConnection.connect)
-
-    @property
-    def sock(self) -> socket.socket | None:
-        """The connection's socket, None while it is not connected."""
-        return self._sock
-
-
-@functools.cache
-def with_socket(base: type[C]) -> type[C]:
-    """`base`, a redis-py connection class (TCP, TLS or Unix socket), with `SocketAccess`
-    mixed in: the L4 store's pool makes these, so that `get_many` can use `conn.sock`."""
-    return cast("type[C]", type(f"Socket{base.__name__}", (SocketAccess, base), {}))
 
 
 class Reply:
@@ -128,8 +105,7 @@ def get_many(
     opener: Opener | None = None,
     expects: Sequence[ChunkHeader | None] | None = None,
 ) -> list[Reply]:
-    """Pipeline a GET of every name on redis-py connection `conn` (of a `with_socket` class:
-    its socket is `conn.sock`) and read the replies.
+    """Pipeline a GET of every name on redis-py connection `conn` and read the replies.
 
     `opener`: the store is encrypted; every value must be sealed and is opened in place.
     `expects`: per key, the header of the chunk the caller asked for (`kvbin.check_expected`);
@@ -137,7 +113,9 @@ def get_many(
     if conn.can_read():  # something is left unread: this connection is not ours to drive
         conn.disconnect()
         conn.connect()
-    sock = conn.sock  # opened, authenticated and on the right database by redis-py
+    # redis-py's own socket, opened, authenticated and on the right database (it has no public
+    # getter): the replies are read from it straight into the slots
+    sock = conn._sock  # noqa: SLF001
     out = b"".join(b"*2\r\n$3\r\nGET\r\n$%d\r\n%s\r\n" % (len(n), n.encode()) for n in names)
     sock.sendall(out)
     reader = _Reader(sock)
