@@ -129,8 +129,4 @@ class L1Relocator:
             if not (d.in_l3(key) or (e is not None and d.stored(e))):
                 break
             n += 1
-        C = self.identity.chunk_tokens
-        s.tokens = s.tokens[: n * C]
-        del s.chunk_keys[n:]
-        s.flushed = min(s.flushed, n)
-        s.tail_key = None
+        s.cut(n * self.identity.chunk_tokens)

@@ -195,10 +195,7 @@ class Session:
 
     def cut(self, n: int) -> None:
         """Keep only the first `n` tokens (a multiple of the chunk size), its tail dropped."""
-        self.tokens = self.tokens[:n]
-        del self.chunk_keys[n // self._cache.chunk_tokens :]
-        self.flushed = min(self.flushed, len(self.chunk_keys))
-        self.lengths[:] = [n] * len(self.lengths)
+        self.truncate(n)
         self.tail_key = None
 
     def drop_pages(self) -> None:
