@@ -87,8 +87,8 @@ class StepLog:
         sched.pages.admit, sched.finish = admitted, finished
         start = sched.steps.readback.start
 
-        def started(logits: Any) -> Any:  # time the wait for each step's tokens
-            tokens, ticket = start(logits)
+        def started(logits: Any, *a: Any, **k: Any) -> Any:  # time the wait for each step's tokens
+            tokens, ticket = start(logits, *a, **k)
             return tokens, _TimedTicket(ticket, self)
 
         sched.steps.readback.start = started
@@ -115,6 +115,7 @@ class _TimedTicket:
 
     def __init__(self, ticket: Any, log: StepLog) -> None:
         self._ticket, self._log = ticket, log
+        self.kept = ticket.kept  # the rows the host samples itself, valid once waited for
 
     def wait(self) -> Any:
         t0 = time.perf_counter()

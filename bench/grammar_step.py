@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import gc
 import statistics
 import sys
 import time
@@ -73,7 +74,9 @@ def run(
     steps = Steps()
     cuda = served.device.type == "cuda"
     if cuda:  # kvtier's own device bytes are what the run adds to the weights
+        gc.collect()  # the run before's pool and graphs go first
         torch.cuda.synchronize()
+        torch.cuda.empty_cache()
         weights = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
     cfg = ServerConfig(chunk_tokens=256).as_dict()

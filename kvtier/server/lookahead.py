@@ -13,6 +13,7 @@ stopped had one row in the step already running: its K/V and output are dropped.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +26,9 @@ class Ticket:
     buffer: torch.Tensor
     rows: int
     event: torch.cuda.Event | None
+    # float32 host copies of the rows the host samples itself (`TokenReadback.start`'s `keep`),
+    # valid once `wait` returns
+    kept: torch.Tensor | None = None
 
     def wait(self) -> list[int]:
         """Block until the copy is done (the GPU keeps running); the tokens, one per row."""
@@ -41,19 +45,40 @@ class TokenReadback:
         self.device = device
         cuda = device.type == "cuda"
         self._buffers = [torch.zeros(max_rows, dtype=torch.long, pin_memory=cuda) for _ in range(2)]
+        # pinned float32 rows for `keep`, one per buffer parity, grown on demand
+        self._kept: list[torch.Tensor | None] = [None, None]
         self._next = 0
 
-    def start(self, logits: torch.Tensor) -> tuple[torch.Tensor, Ticket]:
+    def start(self, logits: torch.Tensor, keep: Sequence[int] = ()) -> tuple[torch.Tensor, Ticket]:
         """Argmax of every row of `logits` (already masked): the tokens on the device, and the
-        ticket of their copy to the host."""
+        ticket of their copy to the host. The rows `keep` (those the host samples itself: a
+        grammar, penalties, logprobs) are copied to the host as float32 in the same wait.
+
+        Each kept row is copied by its own slice: indexing by a list of rows would first copy
+        the index to the device from pageable memory, which waits for the stream (the step just
+        launched), and the next step's launch would no longer overlap this one."""
         tokens = logits.argmax(dim=-1)
-        buffer = self._buffers[self._next]
+        parity = self._next
+        buffer = self._buffers[parity]
         self._next ^= 1
         n = tokens.shape[0]
         cuda = self.device.type == "cuda"
         buffer[:n].copy_(tokens, non_blocking=cuda)
+        kept = None
+        if keep:
+            kept = self._kept_rows(parity, len(keep), int(logits.shape[-1]), cuda)
+            for j, row in enumerate(keep):
+                kept[j].copy_(logits[row], non_blocking=cuda)
         event = None
         if cuda:
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(self.device))
-        return tokens, Ticket(buffer, n, event)
+        return tokens, Ticket(buffer, n, event, kept)
+
+    def _kept_rows(self, parity: int, rows: int, vocab: int, pinned: bool) -> torch.Tensor:
+        have = self._kept[parity]
+        if have is None or have.shape[0] < rows or have.shape[1] != vocab:
+            size = max(rows, 0 if have is None else have.shape[0])
+            have = torch.empty((size, vocab), dtype=torch.float32, pin_memory=pinned)
+            self._kept[parity] = have
+        return have[:rows]

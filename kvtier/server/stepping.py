@@ -94,10 +94,9 @@ class _Pending:
     # placeholder in `tokens` when the token stayed on the device for the next step, or None)
     due: list[tuple[_Seq, int, int | None]] = field(default_factory=list)
     sampled: list[int] = field(default_factory=list)  # tokens sampled on the host, `due` order
-    ticket: Ticket | None = None  # greedy tokens still on their way to the host (overlapped)
-    # an overlapped step's rows that the host samples once the ticket is read (a grammar,
-    # penalties, logprobs: `kvtier.server.logitproc`), copied out of the step's logits
-    later: torch.Tensor | None = None
+    # greedy tokens still on their way to the host (overlapped), with the rows that the host
+    # samples once they are read (a grammar, penalties, logprobs: `kvtier.server.logitproc`)
+    ticket: Ticket | None = None
 
 
 # A step with at least this many prompt tokens times a prefill for the cost model (shorter ones
@@ -231,10 +230,10 @@ class StepRunner:
             p.sampled = self._sample_host(chosen, [s for _, s in due])
             p.due = [(s, j, None) for j, (_, s) in enumerate(due)]
             return p
+        # the rows the host samples: copied to the host with the tokens, before the next step
+        # writes the logits again (argmax in the model's dtype: exact)
         later = [k for k, s in due if s.decoding is not None]
-        if later:  # a copy made now, before the next step writes the logits again
-            p.later = chosen[later].float()
-        tokens, p.ticket = self.readback.start(chosen)  # argmax in the model's dtype: exact
+        tokens, p.ticket = self.readback.start(chosen, keep=later)
         for k, s in due:
             if s.decoding is not None:
                 p.due.append((s, k, None))  # sampled on the host once the ticket is read
@@ -274,9 +273,9 @@ class StepRunner:
         if p.ticket is not None:
             host = p.ticket.wait()
             sampled = [host[row] for _, row, _ in p.due]
-            if p.later is not None:
+            if p.ticket.kept is not None:  # sampled on the host, off the device's stream
                 rows = [j for j, (s, _, _) in enumerate(p.due) if s.decoding is not None]
-                drawn = self._sample_host(p.later, [p.due[j][0] for j in rows])
+                drawn = self._sample_host(p.ticket.kept, [p.due[j][0] for j in rows])
                 for j, token in zip(rows, drawn, strict=True):
                     sampled[j] = token
         else:
