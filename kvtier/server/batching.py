@@ -71,6 +71,20 @@ DEFAULT_DECODING_PROMPT_TOKENS = 192
 POOL_GAUGE_EVERY = 64
 
 
+def fuse(model: Any) -> int:
+    """The model's norms and gated MLPs as fused Triton kernels (`fused_kernels`); the modules
+    swapped, 0 where Triton is missing (the model's own modules then run, as they would with
+    the switch off)."""
+    try:
+        from kvtier.paged.fused import fuse_model  # Triton: imported only when asked for
+    except ImportError as exc:
+        log.warning("fused kernels off: Triton is not importable (%s)", exc)
+        return 0
+    swapped = fuse_model(model)
+    log.info("fused kernels: %d norms and MLPs run as one kernel each", swapped)
+    return swapped
+
+
 class BatchScheduler:
     """Owns the page pool and the scheduler thread; its steps run on `steps` (`StepRunner`)."""
 
@@ -87,10 +101,8 @@ class BatchScheduler:
         self.config = config
         self.metrics = metrics
         model = served.model
-        if bool(getattr(config, "fused_kernels", False)) and served.device.type == "cuda":
-            from kvtier.paged.fused import fuse_model  # Triton: imported only when asked for
-
-            log.info("fused kernels: %d norms and MLPs run as one kernel each", fuse_model(model))
+        if bool(getattr(config, "fused_kernels", True)) and served.device.type == "cuda":
+            fuse(model)
         geometry, dtype, per_token = model_kv(model)
         self.max_batch = int(config.max_concurrency)
         self.batch_tokens = max(

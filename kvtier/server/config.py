@@ -121,8 +121,8 @@ class ServerConfig:
     # one-row attention kernel (kvtier.paged.graphs); off until measured on the fleet
     decode_graphs: bool = False
     # with batching on CUDA: every RMSNorm and gated-SiLU MLP of the model runs as one Triton
-    # kernel each (kvtier.paged.fused); off until measured on the fleet
-    fused_kernels: bool = False
+    # kernel each (kvtier.paged.fused); on since the H200 fleet measured +18 % tok/s with it
+    fused_kernels: bool = True
     # with batching: an all-greedy step starts before the last one's tokens reach the host
     overlap_steps: bool = True
     batch_tokens: int = 1024  # new tokens in one batched forward: decode tokens + prompt chunks

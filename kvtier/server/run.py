@@ -190,7 +190,7 @@ def options(f: Callable[..., Any]) -> Callable[..., Any]:
             default=None,
             help="With batching on a CUDA model: run every RMSNorm and gated-SiLU MLP "
             "activation as one Triton kernel each, rounded as transformers rounds (default "
-            "off).",
+            "on; without Triton the model's own modules run).",
         ),
         click.option(
             "--overlap-steps/--no-overlap-steps",
