@@ -168,3 +168,54 @@ def test_the_reach_check_finds_a_planted_reach(tmp_path: Path) -> None:
     )
     found = [r.split(" ", 1)[1] for r in private_reaches([src], tmp_path)]
     assert sorted(found) == ["cache._lock", "other._x"], found
+
+
+# ---- the HTTP routes see the server through `RoutePort` only ----------------------------------
+
+# (module, function) whose parameter `port`/`state` is the routes' face of the server
+ROUTE_FUNCTIONS = [
+    ("kvtier/server/app.py", "_routes"),
+    ("kvtier/server/app.py", "_install_errors"),
+    ("kvtier/server/admin.py", "install_admin_routes"),
+    ("kvtier/server/devices_admin.py", "install_device_routes"),
+    ("kvtier/server/completions.py", "respond"),
+]
+
+
+def _port_members() -> set[str]:
+    tree = ast.parse((REPO / "kvtier/server/state.py").read_text())
+    port = next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == "RoutePort")
+    names = {n.name for n in port.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    names |= {n.target.id for n in port.body if isinstance(n, ast.AnnAssign)}  # type: ignore[union-attr]
+    return names
+
+
+def _used_on(source: str, function: str) -> set[str]:
+    """The attributes read or written on the function's `port` or `state` parameter."""
+    tree = ast.parse(source)
+    fn = next(
+        n
+        for n in ast.walk(tree)
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == function
+    )
+    params = {a.arg for a in fn.args.args} & {"port", "state"}
+    assert params, f"{function} takes no port"
+    return {
+        n.attr
+        for n in ast.walk(fn)
+        if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id in params
+    }
+
+
+def test_the_routes_use_the_route_port_alone() -> None:
+    members = _port_members()
+    assert {"ready_engine", "readiness", "config"} <= members
+    for path, function in ROUTE_FUNCTIONS:
+        used = _used_on((REPO / path).read_text(), function)
+        assert used, f"{path}:{function} uses nothing of its port"
+        assert used <= members, f"{path}:{function} reaches past RoutePort: {used - members}"
+
+
+def test_a_route_reaching_into_the_state_is_caught() -> None:
+    planted = "def _routes(app, port):\n    engine = port.engine\n    port.warming = True\n"
+    assert _used_on(planted, "_routes") - _port_members() == {"engine", "warming"}

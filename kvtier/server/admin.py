@@ -18,10 +18,10 @@ from kvtier.server.http import MAX_SESSION_ID, MAX_TENANT, ApiError, check_id
 from kvtier.server.jobs import Overloaded
 
 if TYPE_CHECKING:  # pragma: no cover
-    from kvtier.server.state import State
+    from kvtier.server.state import RoutePort
 
 
-def install_admin_routes(app: FastAPI, state: State) -> None:
+def install_admin_routes(app: FastAPI, state: RoutePort) -> None:
     """Add the admin routes to `app`."""
 
     @app.get("/v1/sessions")
@@ -30,7 +30,7 @@ def install_admin_routes(app: FastAPI, state: State) -> None:
         snap, fresh = await state.recent_snapshot()
         found = snap.sessions if snap is not None else ()
         data = [dataclasses.asdict(s) for s in found if scope is None or s.tenant == scope]
-        engine = state.engine
+        engine = state.loaded_engine()
         return {
             "object": "list",
             "data": data,

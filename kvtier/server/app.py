@@ -13,7 +13,7 @@ from typing import Any
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvtier import __version__
@@ -39,7 +39,7 @@ from kvtier.server.prompting import chat_ids, completion_ids
 from kvtier.server.reqmetrics import RequestMetrics
 from kvtier.server.requestbody import read_body
 from kvtier.server.schema import ChatRequest, CompletionRequest
-from kvtier.server.state import State
+from kvtier.server.state import RoutePort, State
 from kvtier.server.warm_request import warm_request
 
 log = logging.getLogger("kvtier.server")
@@ -197,11 +197,11 @@ def create_app(
     return app
 
 
-def _install_errors(app: FastAPI, state: State) -> None:
+def _install_errors(app: FastAPI, port: RoutePort) -> None:
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:
         if request.url.path.startswith("/v1/c"):
-            state.metrics.count("errors")
+            port.metrics.count("errors")
         return exc.response()
 
     @app.exception_handler(StarletteHTTPException)
@@ -219,41 +219,38 @@ def _install_errors(app: FastAPI, state: State) -> None:
         return ApiError(500, f"internal error: {type(exc).__name__}", "server_error").response()
 
 
-def _routes(app: FastAPI, state: State) -> None:
-    cfg = state.config
+def _routes(app: FastAPI, port: RoutePort) -> None:
+    """The health, metrics, model and completion routes, on the server's `RoutePort`."""
+    cfg = port.config
     limits = (cfg.max_body_bytes, cfg.body_timeout)
 
     @app.get("/healthz")
     async def healthz() -> dict[str, Any]:
-        return {"status": "ok", "uptime_seconds": round(time.time() - state.started, 3)}
+        return {"status": "ok", "uptime_seconds": round(time.time() - port.started, 3)}
 
     @app.get("/readyz")
     async def readyz() -> JSONResponse:
-        engine = state.engine
-        if engine is not None and engine.fatal is not None:  # the device is lost: exiting
-            return JSONResponse({"status": "failed", "reason": str(engine.fatal)}, 503)
-        if engine is None or engine.draining or state.warming:
-            if state.warming:
-                return JSONResponse({"status": "warming"}, status_code=503)
-            why = "draining" if engine else ("failed" if state.load_error else "loading")
-            return JSONResponse({"status": why}, status_code=503)
-        degraded = device_readiness(engine.served.devices, cfg.served_model_name)
-        if degraded is not None:  # serving on fewer devices, or the primary one is lost
-            return degraded
-        return JSONResponse({"status": "ready", "model": cfg.served_model_name})
+        status, body = port.readiness()
+        engine = port.loaded_engine()
+        if status == 200 and engine is not None:
+            degraded = device_readiness(engine.served.devices, cfg.served_model_name)
+            if degraded is not None:  # serving on fewer devices, or the primary one is lost
+                return degraded
+        return JSONResponse(body, status_code=status)
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        data = await asyncio.to_thread(generate_latest, state.registry)
+        data = await asyncio.to_thread(port.metrics_text)
         return Response(data, media_type=CONTENT_TYPE_LATEST)
 
     def card() -> dict[str, Any]:
+        engine = port.loaded_engine()
         return {
             "id": cfg.served_model_name,
             "object": "model",
-            "created": int(state.started),
+            "created": int(port.started),
             "owned_by": "kvtier",
-            "max_model_len": state.engine.served.context_tokens if state.engine else None,
+            "max_model_len": engine.served.context_tokens if engine else None,
         }
 
     @app.get("/v1/models")
@@ -279,14 +276,14 @@ def _routes(app: FastAPI, state: State) -> None:
         # rendered and tokenized off the loop, length-bounded first
         ids = await chat_ids(engine.served, messages, body.tool_list())
         max_tokens = body.max_completion_tokens or body.max_tokens
-        return await respond(state, request, engine, body, ids, max_tokens, chat=True)
+        return await respond(port, request, engine, body, ids, max_tokens, chat=True)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         body: CompletionRequest = await read_body(request, CompletionRequest, *limits)
         engine = _check_model(body.model)
         ids = await completion_ids(engine.served, body.prompt)
-        return await respond(state, request, engine, body, ids, body.max_tokens, chat=False)
+        return await respond(port, request, engine, body, ids, body.max_tokens, chat=False)
 
     def _check_model(name: str) -> Engine:
         if name != cfg.served_model_name:
@@ -297,7 +294,7 @@ def _routes(app: FastAPI, state: State) -> None:
                 "model",
                 "model_not_found",
             )
-        return state.ready_engine()
+        return port.ready_engine()
 
-    install_admin_routes(app, state)
-    install_device_routes(app, state)
+    install_admin_routes(app, port)
+    install_device_routes(app, port)

@@ -14,7 +14,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -38,6 +38,9 @@ from kvtier.server.jobs import (
 )
 from kvtier.server.replies import Reply
 from kvtier.server.warm_request import is_warm_up
+
+if TYPE_CHECKING:  # pragma: no cover
+    from kvtier.server.state import RoutePort
 
 SOURCE_HEADER = "X-Kvtier-Restore-Source"
 
@@ -70,7 +73,7 @@ async def grammar_of(served: Any, body: Any) -> Any:
 
 
 async def respond(
-    state: Any,
+    state: RoutePort,
     request: Request,
     engine: Engine,
     body: Any,

@@ -26,7 +26,7 @@ from kvtier.server.http import ApiError
 
 if TYPE_CHECKING:  # pragma: no cover
     from kvtier.server.failover import DeviceFailover
-    from kvtier.server.state import State
+    from kvtier.server.state import RoutePort
 
 # Longest wait for a failover or restore to be applied (it waits for the current step).
 APPLY_TIMEOUT_S = 120.0
@@ -97,7 +97,7 @@ class DegradedTurn:
             self.metrics.count("int8_kv_turns")
 
 
-def install_device_routes(app: FastAPI, state: State) -> None:
+def install_device_routes(app: FastAPI, state: RoutePort) -> None:
     def failover(request: Request) -> DeviceFailover:
         require_admin(request)
         engine = state.ready_engine()

@@ -1,15 +1,17 @@
-"""What the server's routes share (`State`): the config, the engine once the model is loaded,
-the metrics, the API keys, and the cache's snapshot for the admin listing. The routes of
-kvtier.server.app, admin and devices_admin take it; it imports none of them."""
+"""What the server's routes share: `RoutePort`, the narrow face the HTTP routes see (the config,
+the metrics, the engine once it is ready, readiness, the cache's snapshot for the admin
+listing), and `State`, its one implementation, which the loader in kvtier.server.app fills in
+(the engine, the warm-up, a load error). The routes of kvtier.server.app, completions, admin
+and devices_admin take a `RoutePort`; this module imports none of them."""
 
 from __future__ import annotations
 
 import asyncio
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, generate_latest
 
 from kvtier.server.auth import Auth
 from kvtier.server.config import ServerConfig
@@ -22,8 +24,25 @@ from kvtier.snapshot import CacheSnapshot
 SNAPSHOT_WAIT_S = 0.05
 
 
+class RoutePort(Protocol):
+    """What an HTTP route may ask of the server. A route reads no loading state (the engine
+    being built, the warm-up, a load error) and sets none: it asks `ready_engine` for the engine
+    or gets the 503 that says why there is none."""
+
+    config: ServerConfig
+    metrics: ServerMetrics
+    started: float  # the process's start (time.time())
+
+    def ready_engine(self) -> Engine: ...
+    def loaded_engine(self) -> Engine | None: ...
+    def readiness(self) -> tuple[int, dict[str, Any]]: ...
+    def metrics_text(self) -> bytes: ...
+    async def recent_snapshot(self, wait_s: float = SNAPSHOT_WAIT_S) -> tuple[Any, bool]: ...
+
+
 class State:
-    """What the routes share: config, the engine once the model is loaded, metrics."""
+    """The server's shared state: config, the engine once the model is loaded, metrics. The
+    loader writes it; the routes see it as a `RoutePort`."""
 
     def __init__(self, config: ServerConfig, registry: CollectorRegistry) -> None:
         self.config = config
@@ -69,6 +88,30 @@ class State:
         snap = await task
         self._last_snap = snap
         return snap, True
+
+    def loaded_engine(self) -> Engine | None:
+        """The engine once the model is loaded (serving, warming up or draining), else None:
+        for listings that answer before the server is ready."""
+        return self.engine
+
+    def readiness(self) -> tuple[int, dict[str, Any]]:
+        """(HTTP status, body) of /readyz, before the devices are asked: 200 `ready`, or 503
+        with `failed` (the device is lost), `warming`, `draining`, `loading` or `failed` (the
+        model did not load)."""
+        engine = self.engine
+        if engine is not None and engine.fatal is not None:  # the device is lost: exiting
+            return 503, {"status": "failed", "reason": str(engine.fatal)}
+        if self.warming:
+            return 503, {"status": "warming"}
+        if engine is None or engine.draining:
+            why = "draining" if engine else ("failed" if self.load_error else "loading")
+            return 503, {"status": why}
+        return 200, {"status": "ready", "model": self.config.served_model_name}
+
+    def metrics_text(self) -> bytes:
+        """The registry in Prometheus' text format. Blocking (collectors read /proc and the
+        cache): call it from a thread."""
+        return generate_latest(self.registry)
 
     def ready_engine(self) -> Engine:
         if self.engine is None:
