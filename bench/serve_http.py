@@ -6,14 +6,28 @@ built-in byte tokenizer's 257-token vocabulary), starts `python -m kvtier.server
 setting at its default), and runs `kvtier loadgen`'s agent fleet against it: N sessions sharing a
 system prompt, growing by a user message and a tool result a turn, with think time.
 
+Like for like with the in-process bench (`bench/agent_fleet.py --concurrent`), which decodes
+exactly `--decode-tokens` (64) tokens a turn and opens its window once its sessions are seeded:
+
+- every reply runs to `--max-tokens` (64): the requests carry `ignore_eos`, so the end token,
+  which random weights draw early and at random, ends none (`--eos` lets it end them again);
+- beside the figure over the whole run, a steady-state figure counts only the tokens that
+  arrive after every session's first turn (its whole-prompt prefill, about 3,000 tokens, all
+  sessions' at once at the start) has ended, and before the first session has run out of turns
+  (or hit `--duration`): all N sessions are in the fleet for all of the window. A reply that
+  straddles an edge counts pro rata by its streamed pieces (a piece a token, but for an end
+  token drawn under `ignore_eos`, which streams no text). The window is printed; none opens
+  when a session is done before the last first turn ends: raise `--turns` or `--duration`.
+
 While the fleet runs, /metrics is scraped every second: the process's GPU bytes
 (`kvtier_gpu_memory_process_bytes`) against the plan's budget. The server's log gives the plan and
-the start-up phases' peaks. The table: completion tokens/s against the in-process bench's figure
-for the same GPU (`--in-process-toks`, from bench/small_gpu.py or bench/agent_fleet.py in the
-same run), TTFT P50/P99, where returning turns were restored from, and the GPU bytes.
+the start-up phases' peaks. The table: completion tokens/s, over the whole run and steady, against
+the in-process bench's figure for the same GPU (`--in-process-toks`, from bench/small_gpu.py or
+bench/agent_fleet.py in the same run), TTFT P50/P99, where returning turns were restored from
+and how much of their prompts the cache held, and the GPU bytes.
 
     python3 bench/serve_http.py --gpu-memory-gb 24 --sessions 64 --duration 60
-    python3 bench/serve_http.py --shape tiny --device cpu --sessions 4 --duration 5   # smoke
+    python3 bench/serve_http.py --shape qwen2-tiny --device cpu --sessions 4 --duration 10  # smoke
 """
 
 from __future__ import annotations
@@ -142,6 +156,56 @@ class MemorySampler:
         self._thread.join()
 
 
+def piece_times(sample: dict[str, Any]) -> list[float]:
+    """When each streamed piece of a reply arrived, in seconds since the run started."""
+    t = sample["start"] + sample["ttft"]
+    times = [t]
+    for gap in sample["itl"]:
+        t += gap
+        times.append(t)
+    return times
+
+
+def steady_state(samples: list[dict[str, Any]], sessions: int) -> dict[str, Any]:
+    """Completion tokens per second while all `sessions` were in the fleet with their first
+    turns behind them: from the end of the last session's first reply (the first turns'
+    whole-prompt prefills all fall before it) to the end of the first session's last reply.
+
+    A reply's tokens count where its pieces arrived; one that straddles an edge counts pro rata
+    by its pieces (exact when each token streams a piece; an end token drawn under ignore_eos
+    streams none). `tok_s` is None, with the `reason`, when there is no such window."""
+    runs: dict[int, list[list[float]]] = {}
+    replies: list[tuple[list[float], int, int]] = []
+    for sm in samples:
+        if sm["error"] is None and sm["ttft"] is not None:
+            times = piece_times(sm)
+            runs.setdefault(sm["session"], []).append(times)
+            replies.append((times, sm["completion_tokens"], sm["prompt_tokens"]))
+    out: dict[str, Any] = {"tok_s": None, "opens": None, "closes": None, "tokens": 0.0}
+    if len(runs) < sessions:
+        out["reason"] = f"{sessions - len(runs)} of {sessions} sessions had no reply"
+        return out
+    # a session's replies come one after another: its first ends first, its last ends last
+    opens = max(min(r[-1] for r in rs) for rs in runs.values())
+    closes = min(max(r[-1] for r in rs) for rs in runs.values())
+    out.update(opens=opens, closes=closes)
+    if closes <= opens:
+        out["reason"] = (
+            f"a session's last turn (its --turns or --duration used up) ended at {closes:.1f} s, "
+            f"before the last first turn did, at {opens:.1f} s; raise --turns or --duration"
+        )
+        return out
+    prompts = []
+    for times, tokens, prompt in replies:
+        inside = sum(1 for t in times if opens < t <= closes)
+        if inside:
+            out["tokens"] += tokens * inside / len(times)
+            prompts.append(prompt)
+    out["tok_s"] = out["tokens"] / (closes - opens)
+    out["prompt_tokens_p50"] = sorted(prompts)[len(prompts) // 2] if prompts else None
+    return out
+
+
 def plan_lines(log: Path) -> list[str]:
     """The server log's memory plan lines (at start, and with the measured figures)."""
     keep = ("GPU memory plan", "captured as CUDA graphs", "warm-up", "ready:")
@@ -157,7 +221,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sessions", type=int, default=64)
     p.add_argument("--turns", type=int, default=12)
     p.add_argument("--think-ms", type=float, default=100.0)
-    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        default=64,
+        help="tokens a reply (the in-process bench's --decode-tokens: 64)",
+    )
+    p.add_argument(
+        "--eos",
+        action="store_true",
+        help="let the end token end a reply (default: ignore_eos, every reply --max-tokens long)",
+    )
     p.add_argument("--system-chars", type=int, default=2600)
     p.add_argument("--user-chars", type=int, default=120)
     p.add_argument("--tool-chars", type=int, default=120)
@@ -191,6 +265,7 @@ def main(argv: list[str] | None = None) -> int:
                 tool_chars=args.tool_chars,
                 duration=args.duration,
                 compare=0,
+                ignore_eos=not args.eos,
             )
             with MemorySampler(url) as mem:
                 result = run(cfg)
@@ -204,9 +279,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.out is not None:
             args.out.mkdir(parents=True, exist_ok=True)
             (args.out / "serve_http.log").write_text(log.read_text(errors="replace"))
-    report(args, result, mem, lines, ready_s)
+    steady = steady_state(result["samples"], args.sessions)
+    report(args, result, steady, mem, lines, ready_s)
     if args.out is not None:
         doc = {"args": {k: str(v) for k, v in vars(args).items()}, "result": result}
+        doc["steady"] = steady
         doc["gpu"] = {"used_peak": max(mem.used, default=0), "budget": mem.budget}
         (args.out / "serve_http.json").write_text(json.dumps(doc, indent=1, default=str))
     return 0 if not result["errors"] else 1
@@ -215,6 +292,7 @@ def main(argv: list[str] | None = None) -> int:
 def report(
     args: argparse.Namespace,
     result: dict[str, Any],
+    steady: dict[str, Any],
     mem: MemorySampler,
     lines: list[str],
     ready: float,
@@ -224,30 +302,55 @@ def report(
     tp = result["throughput"]["completion_tokens_per_s"]
     ttft = result["ttft_ms"]["overall"]
     sources: dict[str, int] = {}
+    returning: list[tuple[int, int]] = []
     for sample in result["samples"]:
         if sample["error"] is None:
             sources[sample["source"]] = sources.get(sample["source"], 0) + 1
+            if sample["turn"] > 0:
+                returning.append((sample["prompt_tokens"], sample["cached_tokens"]))
     cap = f"{args.gpu_memory_gb:g} GB" if args.gpu_memory_gb else "the whole device"
     print(f"\n{args.sessions} agent sessions over HTTP, {args.shape} with dummy weights, on {cap}")
+    if args.eos:
+        print(f"replies of at most {args.max_tokens} tokens (--eos: the end token ends some early)")
+    else:
+        print(f"replies of {args.max_tokens} tokens each (ignore_eos: the end token ends none)")
     print(f"{'figure':34} {'value':>12} {'ceiling':>12} {'ratio':>7}")
     ceiling = args.in_process_toks
-    ratio = f"{tp / ceiling:.2f}" if ceiling else "n/a"
-    print(f"{'completion tok/s':34} {tp:12.1f} {ceiling or float('nan'):12.1f} {ratio:>7}")
+    for name, value in (
+        ("completion tok/s, whole run", tp),
+        ("completion tok/s, steady", steady["tok_s"]),
+    ):
+        if value is None:
+            print(f"{name:34} {'n/a':>12} {ceiling or float('nan'):12.1f} {'n/a':>7}")
+            continue
+        ratio = f"{value / ceiling:.2f}" if ceiling else "n/a"
+        print(f"{name:34} {value:12.1f} {ceiling or float('nan'):12.1f} {ratio:>7}")
     if mem.used and mem.budget:
         peak = max(mem.used)
-        steady = sorted(mem.used)[len(mem.used) // 2]
+        median = sorted(mem.used)[len(mem.used) // 2]
         print(
             f"{'GPU bytes used, peak (GiB)':34} {peak / 2**30:12.2f} {mem.budget / 2**30:12.2f} {peak / mem.budget:7.2f}"
         )
         print(
-            f"{'GPU bytes used, median (GiB)':34} {steady / 2**30:12.2f} {mem.budget / 2**30:12.2f} {steady / mem.budget:7.2f}"
+            f"{'GPU bytes used, median (GiB)':34} {median / 2**30:12.2f} {mem.budget / 2**30:12.2f} {median / mem.budget:7.2f}"
         )
     else:
         print("GPU bytes: no plan exported (CPU)")
     print(
         f"TTFT P50 {ttft.get('p50', float('nan')):.1f} ms, P99 {ttft.get('p99', float('nan')):.1f} ms"
     )
+    if steady["tok_s"] is not None:
+        print(
+            f"steady: {steady['tokens']:.0f} tokens from {steady['opens']:.1f} s (every "
+            f"session's first turn done) to {steady['closes']:.1f} s (the first session's last "
+            f"turn done) of the run, prompts P50 {steady['prompt_tokens_p50']} tokens"
+        )
+    else:
+        print(f"steady: no window: {steady['reason']}")
     print(f"requests by restore source: {json.dumps(sources)}")
+    if returning:
+        new = sorted(p - c for p, c in returning)[len(returning) // 2]
+        print(f"returning turns: {len(returning)}, P50 {new} prompt tokens each not from the cache")
     print(f"errors: {json.dumps(result.get('errors', {}))}; ready after {ready:.1f} s")
 
 

@@ -57,6 +57,9 @@ class LoadConfig:
     turns: int = 10
     think_ms: float = 2000.0  # mean tool-call pause between turns (uniform 0.5x..1.5x)
     max_tokens: int = 32
+    # every reply runs to max_tokens: the end token ends none (the server's `ignore_eos`), for
+    # benchmarks that need replies of a fixed length (random weights end them early at random)
+    ignore_eos: bool = False
     system_chars: int = 3000  # the shared system prompt (tool schemas, instructions)
     user_chars: int = 200
     tool_chars: int = 400  # each tool result appended to the conversation
@@ -151,6 +154,8 @@ class Fleet:
             "stream": True,
             "stream_options": {"include_usage": True},
         }
+        if self.config.ignore_eos:  # sent only when asked: a server without it refuses the field
+            body["ignore_eos"] = True
         sent = time.perf_counter()
         last = None
         parts: list[str] = []

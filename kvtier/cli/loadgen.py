@@ -23,6 +23,13 @@ import click
 @click.option("--turns", default=10, show_default=True, help="Turns per session.")
 @click.option("--think-ms", default=2000.0, show_default=True, help="Mean tool-call pause.")
 @click.option("--max-tokens", default=32, show_default=True, help="Reply length per turn.")
+@click.option(
+    "--ignore-eos",
+    is_flag=True,
+    help="Ask every reply to run to --max-tokens: the end-of-sequence token ends none (the "
+    "server's ignore_eos request field). For benchmarks that need fixed-length replies, e.g. "
+    "to compare tok/s with an in-process run that decodes a fixed count per turn.",
+)
 @click.option("--system-chars", default=3000, show_default=True, help="Shared system prompt.")
 @click.option("--user-chars", default=200, show_default=True)
 @click.option("--tool-chars", default=400, show_default=True, help="Each tool result's size.")

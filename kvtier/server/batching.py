@@ -260,7 +260,7 @@ class BatchScheduler:
             stream=stream,
             admitted=admitted,
             done=done,
-            reply=ReplyText(tok, self.served.eos_ids, job.stop),
+            reply=ReplyText(tok, self.served.eos_ids, job.stop, job.ignore_eos),
             gen=make_generator(job.temperature, job.seed),
             tokens=array("q", job.prompt_ids),
             decoding=decoding_of(job),

@@ -64,6 +64,15 @@ async def grammar_of(served: Any, body: Any) -> Any:
         )
         if spec is None:
             return None
+        if body.ignore_eos:
+            # the grammar ends the reply with the end token once its JSON is whole; past it
+            # nothing would constrain the tokens, and the reply would no longer parse
+            raise ApiError(
+                400,
+                "ignore_eos cannot be combined with response_format or a required tool call "
+                "(tool_choice): the grammar decides where such a reply ends; send one of them",
+                param="ignore_eos",
+            )
         book = grammar_book(served)
         compiled = await asyncio.to_thread(book.compile, spec)
     except InvalidRequest as exc:
@@ -109,6 +118,7 @@ async def respond(
         body.seed,
         body.stops(),
         ephemeral,
+        body.ignore_eos,
         internal=is_warm_up(request.scope),
         presence_penalty=body.presence_penalty,
         frequency_penalty=body.frequency_penalty,

@@ -395,7 +395,7 @@ class Engine:
         fed: list[int],
         gen_ids: list[int],
     ) -> str:
-        reply = ReplyText(self.served.tokenizer, self.served.eos_ids, job.stop)
+        reply = ReplyText(self.served.tokenizer, self.served.eos_ids, job.stop, job.ignore_eos)
         gen = make_generator(job.temperature, job.seed)
         device = self.served.device
         d = decoding_of(job)

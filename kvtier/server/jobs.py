@@ -47,6 +47,9 @@ class Job:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ephemeral: bool = False  # no session id given: forget the session after the request
+    # the end-of-sequence token does not end the reply (vLLM's ignore_eos): it runs to
+    # max_tokens, a stop string or the context's end (kvtier.server.sampling.ReplyText)
+    ignore_eos: bool = False
     internal: bool = False  # the server's own warm-up request: it counts in no metric
     # what the turn does to its logits (kvtier.server.logitproc): penalties, the top ids to
     # report with each token (None: no logprobs), and a new grammar matcher per turn (None:

@@ -69,7 +69,10 @@ class ReplyText:
 
     `add(token)` records a sampled token and returns the text that may be streamed now. After it,
     `eos` says the token ended the reply (the rest comes from `rest()`), `stopped` that a stop
-    string did (the text before it was already returned; nothing follows).
+    string did (the text before it was already returned; nothing follows). With `ignore_eos`
+    (the request's flag) an end-of-sequence token ends nothing: it is kept in `ids` (it was
+    sampled, and is fed like any other) but adds no text, whatever the tokenizer would decode
+    it to, and `eos` stays false.
 
     The text is decoded incrementally, so a token costs the same at the end of a long reply as
     at its start. Decoding the whole reply again for every token (as this class once did) made
@@ -85,11 +88,18 @@ class ReplyText:
 
     WINDOW = 8
 
-    def __init__(self, tokenizer: Any, eos_ids: Collection[int], stop: Sequence[str]) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        eos_ids: Collection[int],
+        stop: Sequence[str],
+        ignore_eos: bool = False,
+    ) -> None:
         self.tokenizer = tokenizer
         self.eos_ids = eos_ids
+        self.ignore_eos = ignore_eos
         self.stop = tuple(stop)
-        self.ids: list[int] = []  # every sampled id, an ending EOS included
+        self.ids: list[int] = []  # every sampled id, EOS included (ending the reply or not)
         self.sent = 0  # characters of the reply already streamed
         self.hold = max((len(s) for s in self.stop), default=1) - 1
         self.eos = False
@@ -117,7 +127,7 @@ class ReplyText:
     def add(self, token: int) -> str:
         self.ids.append(token)
         if token in self.eos_ids:
-            self.eos = True
+            self.eos = not self.ignore_eos
             return ""
         self._content.append(token)
         text = self.text()

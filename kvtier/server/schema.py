@@ -148,6 +148,10 @@ class _Sampling(_Strict):
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(default=1.0, gt=0.0, le=10.0)  # vLLM's extension
+    # vLLM's extension: the end-of-sequence token does not end the reply, which runs on to
+    # max_tokens (benchmarks that need replies of a fixed length). Strict: pydantic would
+    # otherwise read "yes" or 1 as true, and a client that sends the wrong type should learn it
+    ignore_eos: bool = Field(default=False, strict=True)
 
     @field_validator("n")
     @classmethod

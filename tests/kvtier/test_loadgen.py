@@ -76,6 +76,60 @@ def test_fleet_against_live_server_writes_json_and_png(tmp_path: Path) -> None:
     assert tenants and not [t for t in tenants if t.startswith("probe-")], tenants
 
 
+def end_after_x(root: Path) -> Path:
+    """The built-in model's shape and tokenizer, saved with weights that make it a bigram
+    model: every layer adds nothing to the residual (o_proj and down_proj are zero), so the
+    logits depend on the last token alone. Greedy, a reply is "x", then the end token, then
+    "y" for ever: it ends after two tokens unless the end token is ignored."""
+    import torch
+
+    from kvtier.server.model import build_default
+
+    served = build_default("cpu")
+    model, eos = served.model, 256
+    x, y = ord("x"), ord("y")
+    with torch.no_grad():
+        for name, w in model.named_parameters():
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                w.zero_()
+        emb, head = model.get_input_embeddings().weight, model.lm_head.weight
+        emb.zero_()
+        head.zero_()
+        emb[:, 0] = 1.0  # every other token -> "x"
+        for token, dim, after in ((x, 1, eos), (eos, 2, y), (y, 3, y)):
+            emb[token] = 0.0
+            emb[token, dim] = 1.0
+            head[after, dim] = 1.0
+        head[x, 0] = 1.0
+    out = root / "end-after-x"
+    model.save_pretrained(out)
+    served.tokenizer.save_pretrained(out)
+    return out
+
+
+def test_ignore_eos_runs_every_reply_to_max_tokens(tmp_path: Path) -> None:
+    """`--ignore-eos` goes with every request: the model ends each reply at its second token
+    (the end token) without it, and with it every reply has --max-tokens tokens."""
+    model = end_after_x(tmp_path)
+    srv = Server(tmp_path / "l3", "--model", str(model), "--l1-bytes", "32MiB").start()
+    try:
+        replies = {}
+        for flag in ([], ["--ignore-eos"]):
+            out = tmp_path / f"r{len(flag)}.json"
+            cmd = [sys.executable, "-m", "ops.cli", "loadgen", "--url", srv.url, *flag]
+            cmd += ["--sessions", "2", "--turns", "2", "--think-ms", "50", "--max-tokens", "8"]
+            cmd += ["--system-chars", "200", "--compare", "0", "--out", str(out)]
+            cmd += ["--png", str(tmp_path / f"r{len(flag)}.png")]
+            done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+            assert done.returncode == 0, done.stdout + done.stderr
+            result = json.loads(out.read_text())
+            assert result["ok"] == 4 and result["config"]["ignore_eos"] == bool(flag), result
+            replies[bool(flag)] = {s["completion_tokens"] for s in result["samples"]}
+        assert replies == {False: {2}, True: {8}}
+    finally:
+        assert srv.stop() == 0, srv.output()
+
+
 @pytest.mark.parametrize("bad", [["--sessions", "0"], ["--turns", "0"]])
 def test_bad_arguments(bad: list[str]) -> None:
     cmd = [sys.executable, "-m", "ops.cli", "loadgen", *bad]
