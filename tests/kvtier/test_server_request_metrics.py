@@ -200,7 +200,14 @@ def test_a_served_workload_adds_up_on_metrics(server: Server) -> None:
         r = timed(chat, body)
         assert r.json()["usage"]["completion_tokens"] == TOKENS
         msgs = [*msgs, {"role": "assistant", "content": "ok"}, {"role": "user", "content": f"{i}"}]
-    streamed = {"model": "default", "prompt": "abc", "max_tokens": TOKENS, "stream": True}
+    # ignore_eos: a sampled reply (temperature 1) that draws the end token still runs to TOKENS
+    streamed = {
+        "model": "default",
+        "prompt": "abc",
+        "max_tokens": TOKENS,
+        "stream": True,
+        "ignore_eos": True,
+    }
     r = timed("/v1/completions", streamed)
     assert r.text.rstrip().endswith("data: [DONE]")
     timed(chat, {"model": "default"}, 400)  # no messages
