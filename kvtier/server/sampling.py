@@ -60,8 +60,24 @@ def sample_rows(
             sorted_p, order = torch.sort(p, descending=True)
             keep = torch.cumsum(sorted_p, dim=-1) - sorted_p < top_ps[i]
             p = torch.zeros_like(p).scatter(0, order[keep], sorted_p[keep])
-        tokens[i] = int(torch.multinomial(p, 1, generator=gens[i]))
+        tokens[i] = draw(p, gens[i])
     return tokens
+
+
+def draw(probs: torch.Tensor, gen: torch.Generator | None) -> int:
+    """One id from a `[vocab]` row of probabilities (not necessarily summing to 1) on the host,
+    by its inverse CDF: one uniform from `gen` against the float64 running sum.
+
+    `torch.multinomial` drew the same distribution at 4.2 ms for one draw from a 152,064-token
+    vocabulary on one core; this takes about 0.2 ms, and a sampled row's draw runs on the
+    scheduler's thread at every step it joins (docs/benchmarks.md, "The agent API"). An id of
+    probability 0 is never drawn."""
+    cdf = torch.cumsum(probs.double(), dim=0)
+    u = torch.rand(1, generator=gen, dtype=torch.float64)
+    i = int(torch.searchsorted(cdf, u * cdf[-1], right=True))
+    if i >= len(cdf):  # u * total rounded up to the total: the last id that can be drawn
+        i = int(torch.nonzero(probs > 0)[-1])
+    return i
 
 
 class ReplyText:
