@@ -11,7 +11,8 @@
 #   tests    the budget's GPU tests (256 sessions committed into a tiny L2 under the budget; the
 #            paged L1's batch)
 #   a10      bench/small_gpu.py at 24 and 48 GiB and the whole device (about 8 minutes)
-#   a10-24   128 sessions at 24 GiB alone, L2 holding the fleet (0.95 of the cap, L2 32 GiB)
+#   a10-24   128 sessions at 24 GiB alone, L2 holding the fleet (0.95 of the cap, L2 32 GiB,
+#            a 512-token step: smaller graphs, a larger pool); all-on-GPU at 24 and 32 only
 #   http24   bench/serve_http.py: 64 agent sessions over HTTP, --load-format dummy, the server
 #            as a 24 GiB GPU (--gpu-memory-utilization) with 32 GiB of L2
 #   http     the same on the whole device with default settings but the budget flag, like for
@@ -37,16 +38,19 @@ for step in $STEPS; do
       timeout 590 python3 bench/small_gpu.py --out "$OUT/a10" >"$OUT/a10.txt" 2>&1 ;;
     a10-24)
       timeout 400 python3 bench/small_gpu.py --caps 24 --sessions 128 --gpu-memory-utilization 0.95 \
-        --l2-gb 32 --search-time 4 --time-limit 14 --out "$OUT/a10-24" >"$OUT/a10-24.txt" 2>&1 ;;
+        --l2-gb 32 --batch-tokens 512 --search-time 4 --time-limit 14 --batches 24,32 --first 24 \
+        --out "$OUT/a10-24" >"$OUT/a10-24.txt" 2>&1 ;;
     http24)
       timeout 400 python3 bench/serve_http.py --gpu-memory-gb 24 --sessions 64 \
         --duration "$HTTP_SECONDS" --serve-arg=--l2-bytes=32GiB --out "$OUT/http24" \
         ${HTTP_CEILING:+--in-process-toks "$HTTP_CEILING"} >"$OUT/http24.txt" 2>&1 ;;
     http)
-      # like for like with the in-process fleet: 64-token replies (ignore_eos, the bench's
-      # default), turns growing about 180 tokens, the steady window after every first turn
+      # like for like with the in-process fleet (bench/fleet_concurrent.py's fit scenario):
+      # 64-token replies (ignore_eos), think 30-90 ms (its 20-100 ms), turns growing about 190
+      # tokens from about 2,150 to 4,300 (its 3,000-token contexts growing to at most 4,024),
+      # the steady window after every first turn
       timeout 400 python3 bench/serve_http.py --sessions 64 --duration "$HTTP_SECONDS" \
-        --turns 20 --user-chars 60 --tool-chars 60 \
+        --turns 12 --think-ms 60 --system-chars 2000 --user-chars 60 --tool-chars 60 \
         --out "$OUT/http" ${HTTP_CEILING:+--in-process-toks "$HTTP_CEILING"} >"$OUT/http.txt" 2>&1 ;;
     fleet)
       timeout 590 python3 bench/agent_fleet.py --concurrent --sessions 64 --hibernate-sessions 256 \

@@ -1,6 +1,7 @@
 """What one grammar-constrained row costs the batch's step (structured output, xgrammar).
 
-The server's BatchScheduler decodes B unconstrained sessions (greedy), and then the same B
+The server's BatchScheduler (its step captured as CUDA graphs on a GPU, as `kvtier serve`'s
+warm-up does) decodes B unconstrained sessions (greedy), and then the same B
 with one more session whose reply is constrained to JSON (`response_format` json_object,
 sampled). The table: the decode step's P50 and the unconstrained rows' tok/s, each run against
 the run without the constrained row (the ceiling, measured in the same process), and their
@@ -80,8 +81,12 @@ def run(
         weights = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
     cfg = ServerConfig(chunk_tokens=256).as_dict()
-    cfg.update(max_concurrency=args.batch + 1, batch_kv_bytes=args.pool_gib << 30, l3_root="")
+    cfg.update(
+        max_concurrency=args.batch + 1, batch_kv_bytes=int(args.pool_gib * 2**30), l3_root=""
+    )
     sched = BatchScheduler(served, RecomputeBackend(served.model), SimpleNamespace(**cfg), steps)
+    if cuda and cfg["cuda_graphs"]:  # as `kvtier serve`'s warm-up: the step replays graphs
+        sched.runner.capture_graphs(decode_graphs=bool(cfg["decode_graphs"]))
     g = torch.Generator().manual_seed(1)
     prompts = [
         torch.randint(32, 127, (args.prompt,), generator=g).tolist() for _ in range(args.batch)
@@ -130,7 +135,7 @@ def run(
         peak = (torch.cuda.max_memory_allocated() - weights) / 2**30
         print(
             f"    device beyond the weights: steady {steady:.2f} GiB, peak {peak:.2f} GiB "
-            f"(page pool budget {args.pool_gib} GiB)"
+            f"(page pool budget {args.pool_gib:g} GiB)"
         )
     print(
         "    restores: none (no cache: every turn is a new session's first; nothing leaves "
@@ -144,16 +149,20 @@ def run(
     }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--shape", default="qwen2-7b")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--prompt", type=int, default=128)
     p.add_argument("--tokens", type=int, default=256)
-    p.add_argument("--pool-gib", type=int, default=16)
+    p.add_argument(
+        "--pool-gib", type=float, default=None, help="page pool (default 16 on CUDA, 1 on the CPU)"
+    )
     p.add_argument("--repeats", type=int, default=2)
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    if args.pool_gib is None:
+        args.pool_gib = 16.0 if args.device.startswith("cuda") else 1.0
     dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
     model = build(args.shape, args.device, dtype).eval()
     served = _wrap(model, byte_tokenizer(), name=f"random-{args.shape}")

@@ -7,8 +7,8 @@ that budget live, in the order they are planned:
 - **activations**: the peak of one forward at the largest step, measured by a profiling
   forward (vLLM's profile run), or estimated from the config offline (`kvtier plan`);
 - **graphs**: the CUDA graphs of the batched step, every bucket captured into one shared
-  memory pool: the largest bucket's intermediates plus each bucket's logits (estimated here,
-  then measured after the capture and recorded);
+  memory pool: the largest bucket's intermediates plus the one logits buffer they all write
+  (estimated here, then measured after the capture and recorded);
 - **staging**: the transfer engine's staging buffers (part of `l1_bytes`);
 - **l1**: the cache's own GPU buffers (the rest of `l1_bytes`);
 - **inflight**: copies in flight (a commit's or an eviction's device buffers waiting for L2 or
@@ -136,9 +136,9 @@ def activation_estimate(
 
 def graph_estimate(activations: int, bucket_rows: Iterable[int], vocab: int, element: int) -> int:
     """One shared pool for every bucket: the largest bucket's intermediates (`activations`, the
-    buckets captured largest first reuse them) plus each bucket's logits, which stay alive as
-    the graph's output."""
-    return activations + sum(rows * vocab * element for rows in bucket_rows)
+    buckets captured largest first reuse them) plus the one logits buffer every graph copies its
+    kept rows into (the most rows of any bucket)."""
+    return activations + max(bucket_rows, default=0) * vocab * element
 
 
 def plan_memory(

@@ -94,3 +94,30 @@ def test_graph_mixed_step_matches_eager_bf16() -> None:
     got = runner.step([SeqInput(s, t) for s, t in zip(seqs, step, strict=True)])
     assert runner.graph_steps == 1
     torch.testing.assert_close(got.float(), want.float(), rtol=3e-2, atol=3e-2)
+
+
+def test_graphs_share_one_logits_buffer() -> None:
+    """Every bucket's graph, decode-only ones too, copies its logits into one buffer: each
+    graph's own output would stay alive in the shared pool (about 0.4 GiB for a 7B model's 31
+    graphs). A replay of one bucket then another leaves the second's logits, equal to eager."""
+    model = MODELS["qwen2"]().to("cuda", torch.bfloat16)
+    geo = KVGeometry.from_config(model.config)
+    pool = PagePool(geo, 256 * 16 * geo.bytes_per_token, page_size=16, device="cuda")
+    runner = BatchRunner(model, pool, max_batch=8, max_tokens=64, max_seq_len=1024)
+    eager = BatchRunner(model, pool, max_batch=8, max_tokens=128, max_seq_len=1024)
+    runner.capture_graphs(decode_graphs=True)
+    assert runner.graphs is not None
+    sizes = runner.graphs.captured
+    ptrs = {runner.graphs.replay(size, decode).data_ptr() for size in sizes for decode in (0, 1)}
+    assert len(sizes) > 3 and len(ptrs) == 1
+    seqs = [PagedSequence() for _ in range(2)]
+    for seq, n in zip(seqs, [40, 90], strict=True):
+        eager.step([SeqInput(seq, [5] * n)])
+    fork = [pool.fork(seq) for seq in seqs]
+    want_one = eager.step([SeqInput(fork[0], [7])]).clone()
+    want_two = eager.step([SeqInput(fork[0], [8]), SeqInput(fork[1], [3] * 20)]).clone()
+    got_one = runner.step([SeqInput(seqs[0], [7])]).clone()  # bucket 1, decode-only
+    got_two = runner.step([SeqInput(seqs[0], [8]), SeqInput(seqs[1], [3] * 20)])  # a mixed bucket
+    assert runner.graph_steps == 2
+    torch.testing.assert_close(got_one.float(), want_one.float(), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(got_two.float(), want_two.float(), rtol=3e-2, atol=3e-2)
