@@ -46,11 +46,11 @@ for step in $STEPS; do
         ${HTTP_CEILING:+--in-process-toks "$HTTP_CEILING"} >"$OUT/http24.txt" 2>&1 ;;
     http)
       # like for like with the in-process fleet (bench/fleet_concurrent.py's fit scenario):
-      # 64-token replies (ignore_eos), think 30-90 ms (its 20-100 ms), turns growing about 190
-      # tokens from about 2,150 to 4,300 (its 3,000-token contexts growing to at most 4,024),
-      # the steady window after every first turn
+      # 64-token replies (ignore_eos), think 30-90 ms (its 20-100 ms), prompts growing about
+      # 190 tokens a turn from about 1,350 (its contexts: 3,000 tokens growing to at most
+      # 4,024), 20 turns so that the steady window (after every first turn) spans most of them
       timeout 400 python3 bench/serve_http.py --sessions 64 --duration "$HTTP_SECONDS" \
-        --turns 12 --think-ms 60 --system-chars 2000 --user-chars 60 --tool-chars 60 \
+        --turns 20 --think-ms 60 --system-chars 1200 --user-chars 60 --tool-chars 60 \
         --out "$OUT/http" ${HTTP_CEILING:+--in-process-toks "$HTTP_CEILING"} >"$OUT/http.txt" 2>&1 ;;
     fleet)
       timeout 590 python3 bench/agent_fleet.py --concurrent --sessions 64 --hibernate-sessions 256 \

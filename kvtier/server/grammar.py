@@ -19,6 +19,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from kvtier.errors import InvalidRequest
@@ -166,12 +167,31 @@ def _literal(xgr: Any, text: str) -> Any:
 
 
 def apply_masks(logits: torch.Tensor, rows: list[int], matchers: list[Any]) -> None:
-    """Mask, in place, what each matcher's grammar forbids in its row of `logits`."""
+    """Mask, in place, what each matcher's grammar forbids in its row of `logits`.
+
+    On the host the bitmask's bits are unpacked by numpy and each row masked in place in one
+    fill: xgrammar's own CPU path took 0.49 ms for a 152,064-token row against 0.05 ms so, and
+    the host samples a constrained row between two steps of the batch (bench/grammar_step.py).
+    On a GPU, xgrammar's kernel."""
     import xgrammar as xgr
 
-    bitmask = xgr.allocate_token_bitmask(len(rows), logits.shape[-1])
+    vocab = logits.shape[-1]
+    bitmask = xgr.allocate_token_bitmask(len(rows), vocab)
     for i, m in enumerate(matchers):
         m.fill_next_token_bitmask(bitmask, i)
-    sub = logits[rows]
-    xgr.apply_token_bitmask_inplace(sub, bitmask.to(logits.device))
-    logits[rows] = sub
+    if logits.device.type != "cpu":
+        sub = logits[rows]
+        xgr.apply_token_bitmask_inplace(sub, bitmask.to(logits.device))
+        logits[rows] = sub
+        return
+    forbidden = torch.from_numpy(unpack_forbidden(bitmask.numpy(), vocab))
+    for i, row in enumerate(rows):
+        logits[row].masked_fill_(forbidden[i], float("-inf"))
+
+
+def unpack_forbidden(bitmask: np.ndarray, vocab: int) -> np.ndarray:
+    """`[rows, vocab]` booleans, True where xgrammar's bitmask (int32 words, bit `j` of word `w`
+    allowing token `32 * w + j`) forbids the token."""
+    words = np.ascontiguousarray(bitmask, dtype="<i4")  # the bits' order is little-endian's
+    bits = np.unpackbits(words.view(np.uint8), axis=-1, bitorder="little")[:, :vocab]
+    return bits == 0

@@ -104,8 +104,8 @@ def process(logits: torch.Tensor, decodings: list[Decoding | None]) -> list[int]
 
     rows = [i for i, _ in masked]
     apply_masks(logits, rows, [m for _, m in masked])
-    finite = torch.isfinite(logits[rows]).any(-1).tolist()
-    dead = [r for r, ok in zip(rows, finite, strict=True) if not ok]
+    # a row keeps a token where its largest logit is above -inf (a view per row: no copy)
+    dead = [r for r in rows if not bool(logits[r].max() > float("-inf"))]
     if dead:
         logits[dead] = 0.0
     return dead

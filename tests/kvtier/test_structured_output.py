@@ -281,3 +281,36 @@ def test_hermes_rendering_keeps_each_turn_a_prefix_of_the_next() -> None:
         hermes_messages(
             [{"role": "assistant", "tool_calls": [{"name": "f", "arguments": "["}]}], None
         )
+
+
+@pytest.mark.parametrize("vocab", [257, 1000, 152_064])
+def test_host_masks_equal_xgrammars_own(vocab: int) -> None:
+    """The host path of apply_masks (numpy unpacks the bitmask) masks exactly the tokens that
+    xgrammar's own CPU path masks: several matchers at different points of their grammars,
+    a vocabulary not a multiple of 32, rows not in order, an unmasked row left as it was."""
+    import torch
+    import xgrammar as xgr
+
+    from kvtier.server.grammar import GrammarSpec, apply_masks
+    from kvtier.server.model import byte_tokenizer
+
+    book = GrammarBook(byte_tokenizer(), vocab, frozenset([256]))
+    matchers = []
+    for text in ('{"a": [1, ', '{"b": "x', ""):
+        m = book.matcher(book.compile(GrammarSpec("json")))
+        for b in text.encode():
+            assert m.accept_token(b)
+        matchers.append(m)
+    logits = torch.randn(4, vocab, generator=torch.Generator().manual_seed(vocab))
+    want = logits.clone()
+    rows = [3, 0, 1]
+    bitmask = xgr.allocate_token_bitmask(len(rows), vocab)
+    for i, m in enumerate(matchers):
+        m.fill_next_token_bitmask(bitmask, i)
+    sub = want[rows]
+    xgr.apply_token_bitmask_inplace(sub, bitmask)
+    want[rows] = sub
+    apply_masks(logits, rows, matchers)
+    assert torch.equal(logits, want)
+    assert torch.isinf(logits[rows]).any(-1).all()  # each grammar forbids some tokens
+    assert torch.isfinite(logits[2]).all()
