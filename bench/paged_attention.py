@@ -208,6 +208,10 @@ def varlen_paged(case: Case) -> Callable[[], torch.Tensor]:
     return run
 
 
+def ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--batch", type=int, default=64)
@@ -226,6 +230,12 @@ def main() -> None:
         help="also sweep the Triton kernel's launch (splits, block of tokens, warps, stages) for "
         "decode rows and for a mixed step's rows (decode + prompt chunks in row blocks)",
     )
+    ap.add_argument("--tune-chunk", type=int, default=64, help="--tune: prompt chunk tokens")
+    ap.add_argument("--tune-tiles", type=ints, default=[64], help="--tune: row-block tiles")
+    ap.add_argument("--tune-splits", type=ints, default=[1, 2, 4, 8, 16, 32])
+    ap.add_argument("--tune-block-n", type=ints, default=[32, 64])
+    ap.add_argument("--tune-warps", type=ints, default=[4, 8])
+    ap.add_argument("--tune-stages", type=ints, default=[2, 3, 4])
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("paged_attention: no CUDA device; nothing to measure (skipped)")
@@ -295,82 +305,105 @@ def memcpy_seconds(nbytes: int, iters: int) -> float:
 
 def tune(case: Case, ref: torch.Tensor, args: argparse.Namespace) -> None:
     """Time the Triton kernel over its launch parameters, decode rows and mixed rows; print the
-    best configurations and the default's, against reading the K/V once at memcpy speed."""
+    best configurations and the default's, against reading the K/V once at memcpy speed. The
+    mixed rows are also timed per tile of a row block (`--tune-tiles`: query rows of one
+    program, `kvtier.paged.rowblocks.TILE`), each checked against the default tile's output."""
     import itertools
 
+    from kvtier.paged import rowblocks
     from kvtier.paged.rowblocks import row_blocks, rows_per_block
     from kvtier.paged.triton_decode import choose_splits, default_block_n, paged_decode
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     kv_bytes = 2 * case.batch * case.ctx * case.kv_heads * case.dim * 2
     floor = memcpy_seconds(kv_bytes, args.iters)
-    # a mixed step: the decode rows of batch - 2 sequences and two 64-token prompt chunks at
-    # the end of their contexts, every prompt row its own context length (causal)
-    chunk, n_dec = 64, case.batch - 2
+    # a mixed step: the decode rows of batch - 2 sequences and two prompt chunks at the end of
+    # their contexts, every prompt row its own context length (causal)
+    chunk, n_dec = args.tune_chunk, case.batch - 2
     row_seq = list(range(n_dec)) + [n_dec] * chunk + [n_dec + 1] * chunk
     row_len = [case.ctx] * n_dec + list(range(case.ctx - chunk + 1, case.ctx + 1)) * 2
     dev = "cuda"
     rows_q = torch.randn(len(row_seq), case.heads, case.dim, device=dev, dtype=torch.bfloat16)
     r_seq = torch.tensor(row_seq, dtype=torch.int32, device=dev)
     r_len = torch.tensor(row_len, dtype=torch.int32, device=dev)
-    first, count = row_blocks(
-        [1] * n_dec + [chunk, chunk], rows_per_block(case.heads // case.kv_heads)
-    )
-    pad = len(row_seq) - len(first)
-    blocks = (
-        torch.tensor(first + [0] * pad, dtype=torch.int32, device=dev),
-        torch.tensor(count + [0] * pad, dtype=torch.int32, device=dev),
-    )
+    group = case.heads // case.kv_heads
+    default_tile = rowblocks.TILE
+
+    def blocks_for(tile: int) -> tuple[torch.Tensor, torch.Tensor]:
+        rowblocks.TILE = tile  # read by rows_per_block at each call (the runner's and the kernel's)
+        first, count = row_blocks([1] * n_dec + [chunk, chunk], rows_per_block(group))
+        pad = len(row_seq) - len(first)
+        return (
+            torch.tensor(first + [0] * pad, dtype=torch.int32, device=dev),
+            torch.tensor(count + [0] * pad, dtype=torch.int32, device=dev),
+        )
+
     default_splits = choose_splits(
         case.batch, case.kv_heads, case.ctx, default_block_n(case.dim), sms
     )
-    grid = list(itertools.product((1, 2, 4, 8, 16, 32), (32, 64), (4, 8), (2, 3, 4)))
-    for kind in ("decode", "mixed"):
-        results = []
-        for splits, block_n, warps, stages in grid:
-            if kind == "decode":
-                q, lens, rows = case.q, case.lens, {}
-            else:
-                q, lens, rows = rows_q, r_len, {"row_seq": r_seq, "blocks": blocks}
-            launch = {"num_splits": splits, "block_n": block_n, "num_warps": warps}
-            launch["num_stages"] = stages
-
-            def fn(q=q, lens=lens, rows=rows, launch=launch):  # type: ignore[no-untyped-def]
-                return paged_decode(
-                    q, case.k_cache, case.v_cache, case.table, lens, case.scale,
-                    max_len=case.ctx, **launch, **rows,
-                )  # fmt: skip
-
-            try:
-                out = fn()
+    mixed_ref = paged_decode(
+        rows_q, case.k_cache, case.v_cache, case.table, r_len, case.scale, max_len=case.ctx,
+        row_seq=r_seq, blocks=blocks_for(default_tile),
+    ).float()  # fmt: skip
+    grid = list(
+        itertools.product(args.tune_splits, args.tune_block_n, args.tune_warps, args.tune_stages)
+    )
+    kinds = [("decode", default_tile)] + [("mixed", t) for t in args.tune_tiles]
+    try:
+        for kind, tile in kinds:
+            blocks = blocks_for(tile)
+            results = []
+            for splits, block_n, warps, stages in grid:
                 if kind == "decode":
-                    err = (out.float() - ref).abs().max().item()
+                    q, lens, rows, want = case.q, case.lens, {}, ref
+                else:
+                    q, lens, want = rows_q, r_len, mixed_ref
+                    rows = {"row_seq": r_seq, "blocks": blocks}
+                launch = {"num_splits": splits, "block_n": block_n, "num_warps": warps}
+                launch["num_stages"] = stages
+
+                def fn(q=q, lens=lens, rows=rows, launch=launch):  # type: ignore[no-untyped-def]
+                    return paged_decode(
+                        q, case.k_cache, case.v_cache, case.table, lens, case.scale,
+                        max_len=case.ctx, **launch, **rows,
+                    )  # fmt: skip
+
+                try:
+                    err = (fn().float() - want).abs().max().item()
                     if err > 2e-2:
                         raise ValueError(f"max abs error {err:.2e}")
-                sec = cuda_time(fn, args.iters)
-            except Exception as exc:  # a launch this GPU cannot take: skip it
-                print(
-                    f"  {kind} splits {splits} block {block_n} warps {warps} stages {stages}: "
-                    f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:80]}"
-                )
-                continue
-            results.append((sec, splits, block_n, warps, stages))
-        results.sort()
-        print(
-            f"\ntriton launch sweep, {kind} rows ({len(row_seq) if kind == 'mixed' else case.batch}"
-            f" rows; K/V read once at memcpy speed: {floor * 1e6:.1f} us; default splits "
-            f"{default_splits}, block {default_block_n(case.dim)}, 4 warps, 3 stages)"
-        )
-        print(
-            f"{'us/call':>9} {'x floor':>8} {'splits':>7} {'block':>6} {'warps':>6} {'stages':>7}"
-        )
-        for sec, splits, block_n, warps, stages in results[:8]:
+                    sec = cuda_time(fn, args.iters)
+                except Exception as exc:  # a launch this GPU cannot take: skip it
+                    print(
+                        f"  {kind} tile {tile} splits {splits} block {block_n} warps {warps} "
+                        f"stages {stages}: {type(exc).__name__}: "
+                        f"{(str(exc).splitlines() or [''])[0][:80]}"
+                    )
+                    continue
+                results.append((sec, splits, block_n, warps, stages))
+            results.sort()
+            n_rows = len(row_seq) if kind == "mixed" else case.batch
+            what = f", {chunk}-token chunks, tile {tile}" if kind == "mixed" else ""
             print(
-                f"{sec * 1e6:9.1f} {sec / floor:8.2f} {splits:>7} {block_n:>6} {warps:>6} {stages:>7}"
+                f"\ntriton launch sweep, {kind} rows ({n_rows} rows{what}; K/V read once at "
+                f"memcpy speed: {floor * 1e6:.1f} us; default splits {default_splits}, block "
+                f"{default_block_n(case.dim)}, 4 warps, 3 stages)"
             )
-        base = [r for r in results if r[1:] == (default_splits, default_block_n(case.dim), 4, 3)]
-        if base:
-            print(f"{base[0][0] * 1e6:9.1f} {base[0][0] / floor:8.2f}  (the default launch)")
+            print(
+                f"{'us/call':>9} {'x floor':>8} {'splits':>7} {'block':>6} {'warps':>6} "
+                f"{'stages':>7}"
+            )
+            for sec, splits, block_n, warps, stages in results[:8]:
+                print(
+                    f"{sec * 1e6:9.1f} {sec / floor:8.2f} {splits:>7} {block_n:>6} {warps:>6} "
+                    f"{stages:>7}"
+                )
+            default = (default_splits, default_block_n(case.dim), 4, 3)
+            base = [r for r in results if r[1:] == default]
+            if base:
+                print(f"{base[0][0] * 1e6:9.1f} {base[0][0] / floor:8.2f}  (the default launch)")
+    finally:
+        rowblocks.TILE = default_tile
 
 
 if __name__ == "__main__":

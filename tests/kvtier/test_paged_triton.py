@@ -191,14 +191,21 @@ def _row_cases() -> list:  # type: ignore[type-arg]
     return cases
 
 
+@pytest.mark.parametrize("tile", [64, 128])
 @pytest.mark.parametrize(("dtype", "heads", "kv_heads", "dim", "splits"), _row_cases())
-def test_row_blocks_match_one_row_per_program(dtype, heads, kv_heads, dim, splits) -> None:  # type: ignore[no-untyped-def]
+def test_row_blocks_match_one_row_per_program(  # type: ignore[no-untyped-def]
+    dtype, heads, kv_heads, dim, splits, tile, monkeypatch
+) -> None:
     """Prompt chunks in row blocks (one tile of several rows per program) give each row what
     the one-row path and an fp32 SDPA reference give: decode rows, chunks longer and shorter
-    than a block, a chunk from position 0, empty entries after the blocks."""
+    than a block, a chunk from position 0, empty entries after the blocks. For the default
+    tile of query rows and one twice as tall (bench/paged_attention.py --tune-tiles)."""
     pytest.importorskip("triton")
+    from kvtier.paged import rowblocks
     from kvtier.paged.rowblocks import row_blocks, rows_per_block
     from kvtier.paged.triton_decode import paged_decode
+
+    monkeypatch.setattr(rowblocks, "TILE", tile)
 
     if not CUDA and dtype == torch.bfloat16:
         pytest.skip("Triton's CPU interpreter has no bf16 tl.dot")
