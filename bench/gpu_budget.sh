@@ -14,7 +14,7 @@
 #   a10-24   128 sessions at 24 GiB alone, L2 holding the fleet (0.95 of the cap, L2 32 GiB,
 #            a 512-token step: smaller graphs, a larger pool); all-on-GPU at 24 and 32 only
 #   http24   bench/serve_http.py: 64 agent sessions over HTTP, --load-format dummy, the server
-#            as a 24 GiB GPU (--gpu-memory-utilization) with 32 GiB of L2
+#            as a 24 GiB GPU (--gpu-memory-utilization) with 32 GiB of L2, --batch-tokens 512
 #   http     the same on the whole device with default settings but the budget flag, like for
 #            like with the in-process fleet (64-token replies, ~180 tokens a turn, 20 turns)
 #   fleet    bench/agent_fleet.py --concurrent: 64 sessions and the 256-session hibernate
@@ -41,8 +41,12 @@ for step in $STEPS; do
         --l2-gb 32 --batch-tokens 512 --search-time 4 --time-limit 14 --batches 24,32 --first 24 \
         --out "$OUT/a10-24" >"$OUT/a10-24.txt" 2>&1 ;;
     http24)
+      # the fleet of the http step below, on a 24 GiB budget with a 512-token step (a
+      # larger pool) and 32 GiB of L2
       timeout 400 python3 bench/serve_http.py --gpu-memory-gb 24 --sessions 64 \
-        --duration "$HTTP_SECONDS" --serve-arg=--l2-bytes=32GiB --out "$OUT/http24" \
+        --duration "$HTTP_SECONDS" --turns 20 --think-ms 60 --system-chars 1200 \
+        --user-chars 60 --tool-chars 60 --serve-arg=--l2-bytes=32GiB \
+        --serve-arg=--batch-tokens=512 --out "$OUT/http24" \
         ${HTTP_CEILING:+--in-process-toks "$HTTP_CEILING"} >"$OUT/http24.txt" 2>&1 ;;
     http)
       # like for like with the in-process fleet (bench/fleet_concurrent.py's fit scenario):

@@ -346,6 +346,18 @@ class PagePool:
         caller synchronizes before reading `out`. Bit-exact: `scatter` restores the same bytes
         (in an int8 pool: the dequantized values, in the model's dtype).
         """
+        if out is not None and end - start > CHUNK_TOKENS:
+            # by chunk: the device holds one chunk's gathered copy at a time, not the whole
+            # sequence's (a 3,000-token 7B context is 172 MB), whatever `out` is
+            need = (*self.kv.shape[:2], end - start, *self.kv.shape[4:])
+            if tuple(out.shape) != need or out.dtype != self.dtype:
+                raise ValueError(f"out is {tuple(out.shape)} {out.dtype}, need {need}")
+            for a in range(start, end, CHUNK_TOKENS):
+                b = min(a + CHUNK_TOKENS, end)
+                self.gather(
+                    table, a, b, out[:, :, a - start : b - start], non_blocking=non_blocking
+                )
+            return out
         slots = self.slots(table, start, end)
         data = self._flat().index_select(2, slots)
         if self.quantized:
@@ -356,6 +368,14 @@ class PagePool:
             raise ValueError(f"out is {tuple(out.shape)} {out.dtype}, need {tuple(data.shape)}")
         out.copy_(data, non_blocking=non_blocking)
         return out
+
+    def to_host(self, table: Sequence[int], start: int, end: int) -> torch.Tensor:
+        """Tokens `[start, end)` copied to host memory (what `gather` gives, on the CPU), one
+        chunk at a time: where a turn's K/V waits beside the pool (preempted, or its parked table
+        given up), outside the GPU memory budget. `scatter` writes it back."""
+        shape = (*self.kv.shape[:2], end - start, *self.kv.shape[4:])
+        out = torch.empty(shape, dtype=self.dtype, device="cpu")
+        return self.gather(table, start, end, out)
 
     def gather_layer(
         self, table: Sequence[int], start: int, end: int, layer: int
@@ -391,11 +411,17 @@ class PagePool:
         The reverse of `gather`; the pages must be allocated (see `reserve`) and not shared.
         """
         end = start + src.shape[2]
-        slots = self.slots(table, start, end)
-        self._check_unshared(table, start, end)
         expected = (*self.kv.shape[:2], end - start, *self.kv.shape[4:])
         if tuple(src.shape) != expected:
             raise ValueError(f"src is {tuple(src.shape)}, need {expected}")
+        if end - start > CHUNK_TOKENS:
+            # by chunk: one chunk's copy on the pool's device at a time (see `gather`)
+            for a in range(0, end - start, CHUNK_TOKENS):
+                part = src[:, :, a : a + CHUNK_TOKENS]
+                self.scatter(table, start + a, part, non_blocking=non_blocking)
+            return
+        slots = self.slots(table, start, end)
+        self._check_unshared(table, start, end)
         data = src.to(device=self.device, dtype=self.dtype, non_blocking=non_blocking)
         if self.quantized:
             q, scale = quantize_kv(data)

@@ -120,8 +120,8 @@ class TurnPages:
             return
         try:
             assert s.restored is not None and s.paged is not None
-            if self.paged_l1:  # no Cache to take it: it waits beside the pool
-                s.spilled = self.pool().gather(s.paged.pages, 0, s.paged.length)
+            if self.paged_l1:  # no Cache to take it: it waits beside the pool, in host memory
+                s.spilled = self.pool().to_host(s.paged.pages, 0, s.paged.length)
             else:
                 new = self.copy_out(s)
                 if new is not None:

@@ -184,12 +184,14 @@ class PageTables:
 
     def spill(self, s: Any) -> None:
         """A waiting turn gives up its claimed parked table: the K/V of its cached prefix waits
-        beside the pool (as a preempted turn's does) and goes back in when it is admitted."""
+        beside the pool in host memory (as a preempted turn's does), outside the GPU memory
+        budget, and goes back in when it is admitted. (A copy on the GPU beside the pool ran a
+        24 GiB server out of memory.)"""
         p: Parked = s.held
         s.held = None
         if self.current().get(key_of(s)) is not p:
             return
-        s.spilled = self.pool.gather(p.table.pages, 0, s.cached)
+        s.spilled = self.pool.to_host(p.table.pages, 0, s.cached)
         del self.parked[key_of(s)]
         self.free(p.table)
 

@@ -237,3 +237,66 @@ def test_write_chunks_lands_chunks_from_a_token_on(page_size: int) -> None:
     got = pool.gather(dst, 0, n)
     assert torch.equal(got[:, :, page_size:], want[:, :, page_size:])
     assert torch.equal(got[:, :, :page_size], before[:, :, :page_size])  # left as it was
+
+
+class _IndexSizes(TorchDispatchMode):
+    """The token count (dim 2) of every index_select and index_copy_ on the pool's flat view."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tokens: list[int] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        name = str(func)
+        if "index_select" in name or "index_copy" in name:
+            self.tokens.append(int(args[2].numel()))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("n", [CHUNK_TOKENS + 1, 3 * CHUNK_TOKENS - 5])
+def test_a_spill_to_the_host_moves_one_chunk_at_a_time(n: int) -> None:
+    """A turn's K/V waiting beside the pool (preempted, or its parked table given up) goes to
+    host memory with at most one chunk's copy made on the pool's device at a time, and comes
+    back by chunks too, bit-exact: a whole context's gathered copy on the GPU ran a 24 GiB
+    server out of memory."""
+    pages = -(-n // 16)
+    pool = _pool(2 * pages + 2)
+    pool.kv.copy_(torch.randn(pool.kv.shape, generator=torch.Generator().manual_seed(n)))
+    src, dst = PagedSequence(), PagedSequence()
+    assert pool.reserve(src, n) and pool.reserve(dst, n)
+    whole = pool.gather(src.pages, 0, n).clone()
+    with _IndexSizes() as seen:
+        host = pool.to_host(src.pages, 0, n)
+    assert host.device.type == "cpu" and host.dtype == pool.dtype
+    assert torch.equal(host, whole)
+    assert seen.tokens and max(seen.tokens) <= CHUNK_TOKENS and sum(seen.tokens) == n
+    with _IndexSizes() as seen:
+        pool.scatter(dst.pages, 0, host)
+    assert max(seen.tokens) <= CHUNK_TOKENS and sum(seen.tokens) == n
+    assert torch.equal(pool.gather(dst.pages, 0, n), whole)
+    with pytest.raises(ValueError, match="need"):
+        pool.gather(src.pages, 0, n, out=torch.empty(1, 2, n, 3))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_spill_to_the_host_holds_one_chunk_on_the_gpu() -> None:
+    """On a GPU: a 3,000-token spill to the host raises the device's peak by at most about
+    one chunk's copy, and scatters back bit-exact."""
+    geo = KVGeometry(28, 4, 128, 128, "bfloat16", "gqa")  # a 7B model's K/V, 57 KB a token
+    n, page = 3000, 16
+    pool = PagePool(geo, 2 * (n // page + 1) * page * geo.bytes_per_token, page_size=page,
+                    device="cuda", dtype=torch.bfloat16)  # fmt: skip
+    src, dst = PagedSequence(), PagedSequence()
+    assert pool.reserve(src, n) and pool.reserve(dst, n)
+    pool.kv.normal_()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    host = pool.to_host(src.pages, 0, n)
+    torch.cuda.synchronize()
+    grew = torch.cuda.max_memory_allocated() - before
+    assert host.device.type == "cpu"
+    assert grew <= 2 * CHUNK_TOKENS * geo.bytes_per_token, grew  # a context is 12 x that
+    pool.scatter(dst.pages, 0, host)
+    assert torch.equal(pool.gather(dst.pages, 0, n).cpu(), host)
