@@ -160,10 +160,9 @@ def run_batched(
     m.extra["seed_s"] = round(seed(backend.cache, fleet, bank, device), 1)
     log = StepLog()
     sched = BatchScheduler(served_model(model), backend, sched_config, log)
-    if getattr(sched_config, "cuda_graphs", False) and sched.pool.device.type == "cuda":
+    if sched.graphed:
         t0 = time.perf_counter()  # as `kvtier serve`'s warm-up: before the first request
-        decode_graphs = bool(getattr(sched_config, "decode_graphs", False))
-        m.extra["graphs"] = sched.runner.capture_graphs(decode_graphs=decode_graphs)
+        m.extra["graphs"] = sched.capture_graphs()
         m.extra["graph_capture_s"] = round(time.perf_counter() - t0, 2)
     log.watch(sched.runner)  # before the first submit: the scheduler thread is idle until then
     log.watch_scheduler(sched)

@@ -26,6 +26,11 @@ mkdir -p "$OUT"
 export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 STEPS="${STEPS:-tests a10 http24 http fleet}"
 HTTP_SECONDS="${HTTP_SECONDS:-60}"
+# the HTTP fleet like for like with the in-process fit scenario (bench/fleet_concurrent.py):
+# 64-token replies (ignore_eos), think 30-90 ms (its 20-100 ms), prompts growing about 190
+# tokens a turn from about 1,350 (its contexts: 3,000 tokens growing to at most 4,024), 20 turns
+# so that the steady window (after every first turn) spans most of them
+HTTP_FLEET="--sessions 64 --turns 20 --think-ms 60 --system-chars 1200 --user-chars 60 --tool-chars 60"
 
 for step in $STEPS; do
   echo "== $step $(date +%T)"
@@ -41,20 +46,14 @@ for step in $STEPS; do
         --l2-gb 32 --batch-tokens 512 --search-time 4 --time-limit 14 --batches 24,32 --first 24 \
         --out "$OUT/a10-24" >"$OUT/a10-24.txt" 2>&1 ;;
     http24)
-      # the fleet of the http step below, on a 24 GiB budget with a 512-token step (a
-      # larger pool) and 32 GiB of L2
-      timeout 400 python3 bench/serve_http.py --gpu-memory-gb 24 --sessions 64 \
-        --duration "$HTTP_SECONDS" --turns 20 --think-ms 60 --system-chars 1200 \
-        --user-chars 60 --tool-chars 60 --serve-arg=--l2-bytes=32GiB \
+      # on a 24 GiB budget with a 512-token step (a larger pool) and 32 GiB of L2
+      timeout 400 python3 bench/serve_http.py --gpu-memory-gb 24 $HTTP_FLEET \
+        --duration "$HTTP_SECONDS" --serve-arg=--l2-bytes=32GiB \
         --serve-arg=--batch-tokens=512 --out "$OUT/http24" \
         ${HTTP_CEILING:+--in-process-toks "$HTTP_CEILING"} >"$OUT/http24.txt" 2>&1 ;;
     http)
-      # like for like with the in-process fleet (bench/fleet_concurrent.py's fit scenario):
-      # 64-token replies (ignore_eos), think 30-90 ms (its 20-100 ms), prompts growing about
-      # 190 tokens a turn from about 1,350 (its contexts: 3,000 tokens growing to at most
-      # 4,024), 20 turns so that the steady window (after every first turn) spans most of them
-      timeout 400 python3 bench/serve_http.py --sessions 64 --duration "$HTTP_SECONDS" \
-        --turns 20 --think-ms 60 --system-chars 1200 --user-chars 60 --tool-chars 60 \
+      # the whole device, the server's defaults but the budget flag
+      timeout 400 python3 bench/serve_http.py $HTTP_FLEET --duration "$HTTP_SECONDS" \
         --out "$OUT/http" ${HTTP_CEILING:+--in-process-toks "$HTTP_CEILING"} >"$OUT/http.txt" 2>&1 ;;
     fleet)
       timeout 590 python3 bench/agent_fleet.py --concurrent --sessions 64 --hibernate-sessions 256 \

@@ -85,8 +85,7 @@ def run(
         max_concurrency=args.batch + 1, batch_kv_bytes=int(args.pool_gib * 2**30), l3_root=""
     )
     sched = BatchScheduler(served, RecomputeBackend(served.model), SimpleNamespace(**cfg), steps)
-    if cuda and cfg["cuda_graphs"]:  # as `kvtier serve`'s warm-up: the step replays graphs
-        sched.runner.capture_graphs(decode_graphs=bool(cfg["decode_graphs"]))
+    sched.capture_graphs()  # as `kvtier serve`'s warm-up: on a GPU the step replays graphs
     g = torch.Generator().manual_seed(1)
     prompts = [
         torch.randint(32, 127, (args.prompt,), generator=g).tolist() for _ in range(args.batch)

@@ -311,6 +311,10 @@ class PagePool:
         slots = (pages[:, None] * s + offsets).reshape(-1)[start - first * s : end - first * s]
         return to_device(torch.from_numpy(slots), self.device if device is None else device)
 
+    def _span(self, tokens: int) -> tuple[int, ...]:
+        """The shape `gather` gives `tokens` tokens in: `[layer, k|v, token, head, dim]`."""
+        return (*self.kv.shape[:2], tokens, *self.kv.shape[4:])
+
     def _flat(self) -> torch.Tensor:
         g = self.geometry
         return self.kv.view(g.num_layers, 2, self.num_pages * self.page_size, *self.kv.shape[4:])
@@ -349,7 +353,7 @@ class PagePool:
         if out is not None and end - start > CHUNK_TOKENS:
             # by chunk: the device holds one chunk's gathered copy at a time, not the whole
             # sequence's (a 3,000-token 7B context is 172 MB), whatever `out` is
-            need = (*self.kv.shape[:2], end - start, *self.kv.shape[4:])
+            need = self._span(end - start)
             if tuple(out.shape) != need or out.dtype != self.dtype:
                 raise ValueError(f"out is {tuple(out.shape)} {out.dtype}, need {need}")
             for a in range(start, end, CHUNK_TOKENS):
@@ -373,8 +377,7 @@ class PagePool:
         """Tokens `[start, end)` copied to host memory (what `gather` gives, on the CPU), one
         chunk at a time: where a turn's K/V waits beside the pool (preempted, or its parked table
         given up), outside the GPU memory budget. `scatter` writes it back."""
-        shape = (*self.kv.shape[:2], end - start, *self.kv.shape[4:])
-        out = torch.empty(shape, dtype=self.dtype, device="cpu")
+        out = torch.empty(self._span(end - start), dtype=self.dtype, device="cpu")
         return self.gather(table, start, end, out)
 
     def gather_layer(
@@ -411,7 +414,7 @@ class PagePool:
         The reverse of `gather`; the pages must be allocated (see `reserve`) and not shared.
         """
         end = start + src.shape[2]
-        expected = (*self.kv.shape[:2], end - start, *self.kv.shape[4:])
+        expected = self._span(end - start)
         if tuple(src.shape) != expected:
             raise ValueError(f"src is {tuple(src.shape)}, need {expected}")
         if end - start > CHUNK_TOKENS:

@@ -434,6 +434,24 @@ class BatchScheduler:
         """The model runner's `BatchRunner` (its inputs and CUDA graphs)."""
         return self.steps.runner
 
+    @property
+    def graphed(self) -> bool:
+        """Whether the step is to replay CUDA graphs: `cuda_graphs` asks and the pool is on one
+        CUDA device (a graph cannot span the devices of a model placed across several)."""
+        return (
+            bool(getattr(self.config, "cuda_graphs", False))
+            and self.pool.device.type == "cuda"
+            and self.served.devices is None
+        )
+
+    def capture_graphs(self) -> list[int]:
+        """Record the step as CUDA graphs (with `decode_graphs`, the decode-only ones too),
+        before the first turn; the buckets captured, none where the step is not `graphed`."""
+        if not self.graphed:
+            return []
+        decode = bool(getattr(self.config, "decode_graphs", False))
+        return self.runner.capture_graphs(decode_graphs=decode)
+
     # ---- what the step runner needs (stepping.TurnEnds) ---------------------------------------
 
     def lost_in_step(self, exc: BaseException, items: list[Any]) -> bool:

@@ -184,12 +184,12 @@ def apply_masks(logits: torch.Tensor, rows: list[int], matchers: list[Any]) -> N
         xgr.apply_token_bitmask_inplace(sub, bitmask.to(logits.device))
         logits[rows] = sub
         return
-    forbidden = torch.from_numpy(unpack_forbidden(bitmask.numpy(), vocab))
+    forbidden = torch.from_numpy(_unpack_forbidden(bitmask.numpy(), vocab))
     for i, row in enumerate(rows):
         logits[row].masked_fill_(forbidden[i], float("-inf"))
 
 
-def unpack_forbidden(bitmask: np.ndarray, vocab: int) -> np.ndarray:
+def _unpack_forbidden(bitmask: np.ndarray, vocab: int) -> np.ndarray:
     """`[rows, vocab]` booleans, True where xgrammar's bitmask (int32 words, bit `j` of word `w`
     allowing token `32 * w + j`) forbids the token."""
     words = np.ascontiguousarray(bitmask, dtype="<i4")  # the bits' order is little-endian's

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -134,11 +133,11 @@ def activation_estimate(
     return tokens * per_token + logits_rows * vocab * 4
 
 
-def graph_estimate(activations: int, bucket_rows: Iterable[int], vocab: int, element: int) -> int:
+def graph_estimate(activations: int, logits_rows: int, vocab: int, element: int) -> int:
     """One shared pool for every bucket: the largest bucket's intermediates (`activations`, the
     buckets captured largest first reuse them) plus the one logits buffer every graph copies its
-    kept rows into (the most rows of any bucket)."""
-    return activations + max(bucket_rows, default=0) * vocab * element
+    kept rows into (`logits_rows`: the batch's sequences)."""
+    return activations + logits_rows * vocab * element
 
 
 def plan_memory(
@@ -426,8 +425,6 @@ def offline_plan(
 ) -> DeviceMemoryPlan:
     """The plan `build_plan` would make on a device of `total_bytes`, from the config alone:
     the weights counted, the activations and graphs estimated (`kvtier plan`)."""
-    from kvtier.paged.graphs import default_buckets
-
     element = geometry.element_size
     hidden = _int(config, "hidden_size", 4096)
     intermediate = _int(config, "intermediate_size", 4 * hidden)
@@ -435,14 +432,13 @@ def offline_plan(
     batch_tokens = max(batch_tokens, max_concurrency)
     batch = activation_estimate(hidden, intermediate, vocab, batch_tokens, max_concurrency, element)
     step = activation_estimate(hidden, intermediate, vocab, prefill_step, prefill_step, element)
-    rows = [min(b, max_concurrency) for b in default_buckets(max_concurrency, batch_tokens)]
     return plan_memory(
         device="cuda",
         total_bytes=total_bytes,
         utilization=utilization,
         weights=weights_estimate(config, element),
         activations=max(batch, step),
-        graphs=graph_estimate(batch, rows, vocab, element),
+        graphs=graph_estimate(batch, max_concurrency, vocab, element),
         staging=staging_estimate(geometry.chunk_bytes(chunk_tokens)),
         per_token=geometry.bytes_per_token,
         context_tokens=context_tokens or _int(config, "max_position_embeddings", 4096),

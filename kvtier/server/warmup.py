@@ -151,14 +151,12 @@ class WarmUp:
         finally:
             sched.runner.release(a)
             sched.runner.release(b)
-        # one graph cannot span devices: a model placed across several runs eager
-        placed = self.served.devices is not None
-        if self.config.cuda_graphs and sched.pool.device.type == "cuda" and not placed:
+        if sched.graphed:
             started = time.perf_counter()
             device = sched.pool.device
             self._peak("batch_first_steps")
             before = torch.cuda.memory_reserved(device)
-            sizes = sched.runner.capture_graphs(decode_graphs=self.config.decode_graphs)
+            sizes = sched.capture_graphs()
             torch.cuda.synchronize(device)
             torch.cuda.empty_cache()  # the capture's eager passes cached blocks on a side stream
             # the graphs' one shared pool, measured (the plan measured a capture like it)
