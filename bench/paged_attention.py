@@ -228,10 +228,12 @@ def main() -> None:
         "--tune",
         action="store_true",
         help="also sweep the Triton kernel's launch (splits, block of tokens, warps, stages) for "
-        "decode rows and for a mixed step's rows (decode + prompt chunks in row blocks)",
+        "decode rows, and the prefill kernel's for a mixed step's prompt chunks beside them",
     )
     ap.add_argument("--tune-chunk", type=int, default=64, help="--tune: prompt chunk tokens")
-    ap.add_argument("--tune-tiles", type=ints, default=[64], help="--tune: row-block tiles")
+    ap.add_argument(
+        "--tune-tiles", type=ints, default=[32, 64, 128], help="--tune: prefill tile tokens"
+    )
     ap.add_argument("--tune-splits", type=ints, default=[1, 2, 4, 8, 16, 32])
     ap.add_argument("--tune-block-n", type=ints, default=[32, 64])
     ap.add_argument("--tune-warps", type=ints, default=[4, 8])
@@ -304,106 +306,158 @@ def memcpy_seconds(nbytes: int, iters: int) -> float:
 
 
 def tune(case: Case, ref: torch.Tensor, args: argparse.Namespace) -> None:
-    """Time the Triton kernel over its launch parameters, decode rows and mixed rows; print the
-    best configurations and the default's, against reading the K/V once at memcpy speed. The
-    mixed rows are also timed per tile of a row block (`--tune-tiles`: query rows of one
-    program, `kvtier.paged.rowblocks.TILE`), each checked against the default tile's output."""
+    """Time the decode kernel over its launch parameters, then a mixed call (the decode rows of
+    batch - 2 sequences and two `--tune-chunk`-token prompt chunks at the end of their contexts)
+    with the prompt rows through the prefill kernel over its own (`--tune-tiles`: tokens per
+    tile; block, warps, stages), each checked against the one-row-per-program path; print the
+    best against reading the K/V once at memcpy speed, and the prefill kernel alone against SDPA
+    flash over the same chunks' contiguous K/V (the compute ceiling)."""
     import itertools
 
-    from kvtier.paged import rowblocks
-    from kvtier.paged.rowblocks import row_blocks, rows_per_block
     from kvtier.paged.triton_decode import choose_splits, default_block_n, paged_decode
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     kv_bytes = 2 * case.batch * case.ctx * case.kv_heads * case.dim * 2
     floor = memcpy_seconds(kv_bytes, args.iters)
-    # a mixed step: the decode rows of batch - 2 sequences and two prompt chunks at the end of
-    # their contexts, every prompt row its own context length (causal)
-    chunk, n_dec = args.tune_chunk, case.batch - 2
-    row_seq = list(range(n_dec)) + [n_dec] * chunk + [n_dec + 1] * chunk
-    row_len = [case.ctx] * n_dec + list(range(case.ctx - chunk + 1, case.ctx + 1)) * 2
-    dev = "cuda"
-    rows_q = torch.randn(len(row_seq), case.heads, case.dim, device=dev, dtype=torch.bfloat16)
-    r_seq = torch.tensor(row_seq, dtype=torch.int32, device=dev)
-    r_len = torch.tensor(row_len, dtype=torch.int32, device=dev)
-    group = case.heads // case.kv_heads
-    default_tile = rowblocks.TILE
-
-    def blocks_for(tile: int) -> tuple[torch.Tensor, torch.Tensor]:
-        rowblocks.TILE = tile  # read by rows_per_block at each call (the runner's and the kernel's)
-        first, count = row_blocks([1] * n_dec + [chunk, chunk], rows_per_block(group))
-        pad = len(row_seq) - len(first)
-        return (
-            torch.tensor(first + [0] * pad, dtype=torch.int32, device=dev),
-            torch.tensor(count + [0] * pad, dtype=torch.int32, device=dev),
-        )
-
     default_splits = choose_splits(
         case.batch, case.kv_heads, case.ctx, default_block_n(case.dim), sms
     )
-    mixed_ref = paged_decode(
-        rows_q, case.k_cache, case.v_cache, case.table, r_len, case.scale, max_len=case.ctx,
-        row_seq=r_seq, blocks=blocks_for(default_tile),
-    ).float()  # fmt: skip
-    grid = list(
-        itertools.product(args.tune_splits, args.tune_block_n, args.tune_warps, args.tune_stages)
+    results = []
+    grid = itertools.product(args.tune_splits, args.tune_block_n, args.tune_warps, args.tune_stages)
+    for splits, block_n, warps, stages in grid:
+        launch = {"num_splits": splits, "block_n": block_n, "num_warps": warps}
+        launch["num_stages"] = stages
+        sec = _checked(
+            lambda launch=launch: paged_decode(
+                case.q, case.k_cache, case.v_cache, case.table, case.lens, case.scale,
+                max_len=case.ctx, **launch,
+            ),
+            ref, args.iters, f"decode {launch}",
+        )  # fmt: skip
+        if sec is not None:
+            results.append((sec, splits, block_n, warps, stages))
+    results.sort()
+    print(
+        f"\ntriton launch sweep, decode rows ({case.batch} rows; K/V read once at memcpy speed: "
+        f"{floor * 1e6:.1f} us; default splits {default_splits}, block "
+        f"{default_block_n(case.dim)}, 4 warps, 3 stages)"
     )
-    kinds = [("decode", default_tile)] + [("mixed", t) for t in args.tune_tiles]
+    print(f"{'us/call':>9} {'x floor':>8} {'splits':>7} {'block':>6} {'warps':>6} {'stages':>7}")
+    for sec, splits, block_n, warps, stages in results[:8]:
+        print(
+            f"{sec * 1e6:9.1f} {sec / floor:8.2f} {splits:>7} {block_n:>6} {warps:>6} {stages:>7}"
+        )
+    base = [r for r in results if r[1:] == (default_splits, default_block_n(case.dim), 4, 3)]
+    if base:
+        print(f"{base[0][0] * 1e6:9.1f} {base[0][0] / floor:8.2f}  (the default launch)")
+    tune_mixed(case, floor, args)
+
+
+def _checked(
+    fn: Callable[[], torch.Tensor], want: torch.Tensor, iters: int, what: str
+) -> float | None:
+    """Seconds per call of `fn`, after checking its output against `want`; None (and a line
+    saying why) for a launch this GPU cannot take or a wrong result."""
     try:
-        for kind, tile in kinds:
-            blocks = blocks_for(tile)
-            results = []
-            for splits, block_n, warps, stages in grid:
-                if kind == "decode":
-                    q, lens, rows, want = case.q, case.lens, {}, ref
-                else:
-                    q, lens, want = rows_q, r_len, mixed_ref
-                    rows = {"row_seq": r_seq, "blocks": blocks}
-                launch = {"num_splits": splits, "block_n": block_n, "num_warps": warps}
-                launch["num_stages"] = stages
+        err = (fn().float() - want).abs().max().item()
+        if err > 2e-2:
+            raise ValueError(f"max abs error {err:.2e}")
+        return cuda_time(fn, iters)
+    except Exception as exc:
+        print(f"  {what}: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:80]}")
+        return None
 
-                def fn(q=q, lens=lens, rows=rows, launch=launch):  # type: ignore[no-untyped-def]
-                    return paged_decode(
-                        q, case.k_cache, case.v_cache, case.table, lens, case.scale,
-                        max_len=case.ctx, **launch, **rows,
-                    )  # fmt: skip
 
-                try:
-                    err = (fn().float() - want).abs().max().item()
-                    if err > 2e-2:
-                        raise ValueError(f"max abs error {err:.2e}")
-                    sec = cuda_time(fn, args.iters)
-                except Exception as exc:  # a launch this GPU cannot take: skip it
-                    print(
-                        f"  {kind} tile {tile} splits {splits} block {block_n} warps {warps} "
-                        f"stages {stages}: {type(exc).__name__}: "
-                        f"{(str(exc).splitlines() or [''])[0][:80]}"
-                    )
-                    continue
-                results.append((sec, splits, block_n, warps, stages))
-            results.sort()
-            n_rows = len(row_seq) if kind == "mixed" else case.batch
-            what = f", {chunk}-token chunks, tile {tile}" if kind == "mixed" else ""
-            print(
-                f"\ntriton launch sweep, {kind} rows ({n_rows} rows{what}; K/V read once at "
-                f"memcpy speed: {floor * 1e6:.1f} us; default splits {default_splits}, block "
-                f"{default_block_n(case.dim)}, 4 warps, 3 stages)"
-            )
-            print(
-                f"{'us/call':>9} {'x floor':>8} {'splits':>7} {'block':>6} {'warps':>6} "
-                f"{'stages':>7}"
-            )
-            for sec, splits, block_n, warps, stages in results[:8]:
-                print(
-                    f"{sec * 1e6:9.1f} {sec / floor:8.2f} {splits:>7} {block_n:>6} {warps:>6} "
-                    f"{stages:>7}"
-                )
-            default = (default_splits, default_block_n(case.dim), 4, 3)
-            base = [r for r in results if r[1:] == default]
-            if base:
-                print(f"{base[0][0] * 1e6:9.1f} {base[0][0] / floor:8.2f}  (the default launch)")
-    finally:
-        rowblocks.TILE = default_tile
+def tune_mixed(case: Case, floor: float, args: argparse.Namespace) -> None:
+    """The mixed call of `tune`: decode rows by the default decode launch, prompt tiles by each
+    prefill launch; and the prompt rows as one decode row each (the path without tiles)."""
+    import itertools
+
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention.bias import causal_lower_right
+
+    from kvtier.paged.rowblocks import count_tiles, row_blocks
+    from kvtier.paged.triton_decode import paged_decode
+    from kvtier.paged.triton_prefill import paged_prefill
+
+    chunk, n_dec, dev = args.tune_chunk, case.batch - 2, "cuda"
+    query_lens = [1] * n_dec + [chunk, chunk]
+    row_seq = [i for i, n in enumerate(query_lens) for _ in range(n)]
+    row_len = [case.ctx] * n_dec + list(range(case.ctx - chunk + 1, case.ctx + 1)) * 2
+    q = torch.randn(len(row_seq), case.heads, case.dim, device=dev, dtype=torch.bfloat16)
+    r_seq = torch.tensor(row_seq, dtype=torch.int32, device=dev)
+    r_len = torch.tensor(row_len, dtype=torch.int32, device=dev)
+    common = (q, case.k_cache, case.v_cache, case.table, r_len, case.scale)
+    want = paged_decode(*common, max_len=case.ctx, row_seq=r_seq).float()
+    one_row = cuda_time(lambda: paged_decode(*common, max_len=case.ctx, row_seq=r_seq), args.iters)
+    # the compute ceiling of the prompt rows: SDPA flash, the two chunks' queries over their
+    # contiguous K/V (heads expanded), the causal mask aligned to the end of the context
+    rep = case.heads // case.kv_heads
+    pq = q[n_dec:].view(2, chunk, case.heads, case.dim).transpose(1, 2)
+    pk = case.k4[-2:].repeat_interleave(rep, 1)
+    pv = case.v4[-2:].repeat_interleave(rep, 1)
+    mask = causal_lower_right(chunk, case.ctx)
+
+    def flash() -> torch.Tensor:
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+            return F.scaled_dot_product_attention(pq, pk, pv, attn_mask=mask, scale=case.scale)
+
+    flash_sec = cuda_time(flash, args.iters)
+    flops = 4 * 2 * case.heads * case.dim * sum(range(case.ctx - chunk + 1, case.ctx + 1))
+    results = []
+    for tile in args.tune_tiles:
+        first, count = row_blocks(query_lens, tile)
+        tiles = count_tiles(query_lens, tile)
+        pad = len(row_seq) - len(first)
+        blocks = (
+            torch.tensor(first + [0] * pad, dtype=torch.int32, device=dev),
+            torch.tensor(count + [0] * pad, dtype=torch.int32, device=dev),
+        )
+        for block_n, warps, stages in itertools.product(
+            args.tune_block_n, args.tune_warps, args.tune_stages
+        ):
+            launch = {"block_m": tile, "block_n": block_n, "num_warps": warps}
+            launch["num_stages"] = stages
+
+            def mixed(blocks=blocks, tiles=tiles, launch=launch) -> torch.Tensor:  # type: ignore[no-untyped-def]
+                out = paged_decode(*common, max_len=case.ctx, row_seq=r_seq, blocks=blocks)
+                return paged_prefill(
+                    q, case.k_cache, case.v_cache, case.table, r_len, r_seq, blocks, tiles,
+                    case.scale, out, **launch,
+                )  # fmt: skip
+
+            sec = _checked(mixed, want, args.iters, f"mixed {launch}")
+            if sec is None:
+                continue
+            out = torch.empty_like(q)
+            alone = cuda_time(
+                lambda blocks=blocks, tiles=tiles, launch=launch, out=out: paged_prefill(
+                    q, case.k_cache, case.v_cache, case.table, r_len, r_seq, blocks, tiles,
+                    case.scale, out, **launch,
+                ),
+                args.iters,
+            )  # fmt: skip
+            results.append((sec, alone, tile, block_n, warps, stages))
+    results.sort()
+    print(
+        f"\nmixed call: {n_dec} decode rows + 2 x {chunk}-token chunks ({len(row_seq)} rows) at "
+        f"{case.ctx:,}-token contexts; K/V read once at memcpy speed {floor * 1e6:.1f} us; "
+        f"every row one decode program (no tiles) {one_row * 1e6:.1f} us"
+    )
+    print(
+        f"prompt rows' compute ceiling: SDPA flash over their contiguous K/V {flash_sec * 1e6:.1f}"
+        f" us ({flops / flash_sec / 1e12:.0f} TFLOP/s)"
+    )
+    print(
+        f"{'us/call':>9} {'x floor':>8} {'prefill us':>11} {'TFLOP/s':>8} {'x flash':>8} "
+        f"{'tile':>5} {'block':>6} {'warps':>6} {'stages':>7}"
+    )
+    for sec, alone, tile, block_n, warps, stages in results[:10]:
+        print(
+            f"{sec * 1e6:9.1f} {floor / sec:8.2f} {alone * 1e6:11.1f} "
+            f"{flops / alone / 1e12:8.0f} {flash_sec / alone:8.2f} {tile:>5} {block_n:>6} "
+            f"{warps:>6} {stages:>7}"
+        )
 
 
 if __name__ == "__main__":

@@ -44,8 +44,8 @@ from kvtier.paged import BatchRunner, PagedSequence, PagePool, SeqInput
 
 #: substrings of the kernel names of dense matmuls (cuBLAS / CUTLASS on Hopper and before)
 MATMUL_MARKS = ("gemm", "cutlass", "xmma", "nvjet", "matmul", "cublas")
-#: the paged attention's kernels (kvtier/paged/triton_decode.py)
-ATTENTION_MARKS = ("_partial_kernel", "_reduce_kernel")
+#: the paged attention's kernels (kvtier/paged/triton_decode.py, triton_prefill.py)
+ATTENTION_MARKS = ("_partial_kernel", "_reduce_kernel", "_prefill_kernel")
 
 
 def kernel_kind(name: str) -> str:

@@ -37,7 +37,7 @@ def test_the_interpret_subset_covers_every_kernel_test_in_fp16_or_fp32() -> None
         "test_triton_decode_matches_reference",
         "test_triton_backend_in_the_model",
         "test_split_backend_mixes_prefill_and_decode_exactly",
-        "test_row_blocks_match_one_row_per_program",
+        "test_prefill_tiles_match_one_row_per_program",
     }
     assert 15 <= len(ids) <= 40, ids  # about a minute on 2 cores, not the 4 of the whole file
     assert not [i for i in ids if "bfloat16" in i]  # the interpreter has no bf16 tl.dot

@@ -20,9 +20,11 @@ Backends (`PagedContext.backend`):
 - "split": CUDA, mixed batches: the decode rows through the Triton kernel in one call, each
   prefilling sequence through SDPA over its gathered pages.
 - "rows": CUDA (or the CPU, through a slow per-row reference for tests): every new token, decode
-  or prompt chunk, is one row of the Triton kernel attending over its sequence's pages up to its
-  own position (`PagedContext.row_seq`, `row_lens`). One kernel call for any step, with a grid
-  fixed by the number of tokens: what the CUDA graphs of `kvtier.paged.graphs` record.
+  or prompt chunk, is one row attending over its sequence's pages up to its own position
+  (`PagedContext.row_seq`, `row_lens`): decode rows through the Triton decode kernel, prompt
+  chunks in tiles through the Triton prefill kernel (`PagedContext.row_blocks`). Two kernel
+  calls for any step, with grids fixed by the number of tokens: what the CUDA graphs of
+  `kvtier.paged.graphs` record.
 - "varlen": CUDA, `torch.nn.attention.varlen.varlen_attn` with `block_table=` where the installed
   torch has it; handles mixed prefill/decode batches. It runs FlashAttention 2, whose paged KV
   needs a page size of 256.
@@ -205,12 +207,15 @@ def _rows(ctx: PagedContext) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 def rows_paged(
     ctx: PagedContext, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float
 ) -> torch.Tensor:
-    """Every new token one row of the Triton kernel: causal attention for decode tokens and
-    prompt chunks alike, in one call (see `kvtier.paged.triton_decode.paged_decode`)."""
+    """Causal attention of every new token, decode or prompt chunk, over its sequence's pages
+    up to its own position: the decode rows through the decode kernel
+    (`kvtier.paged.triton_decode.paged_decode`), one program per row, and the prompt chunks'
+    rows (when `ctx.row_blocks` cuts them into tiles) through the prefill kernel
+    (`kvtier.paged.triton_prefill.paged_prefill`), one program per tile and head."""
     from kvtier.paged.triton_decode import paged_decode
 
     row_seq, row_lens, table = _rows(ctx)
-    return paged_decode(
+    out = paged_decode(
         q,
         k_cache,
         v_cache,
@@ -222,6 +227,14 @@ def rows_paged(
         row_seq=row_seq,
         blocks=ctx.row_blocks,
     )
+    if ctx.row_blocks is not None and ctx.prefill_tiles > 0:
+        from kvtier.paged.triton_prefill import paged_prefill
+
+        paged_prefill(
+            q, k_cache, v_cache, table, row_lens, row_seq, ctx.row_blocks, ctx.prefill_tiles,
+            scale, out,
+        )  # fmt: skip
+    return out
 
 
 def rows_reference(

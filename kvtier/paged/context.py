@@ -48,9 +48,12 @@ class PagedContext:
     row_seq: torch.Tensor | None = None
     row_lens: torch.Tensor | None = None
     row_table: torch.Tensor | None = None
-    # the rows' blocks (first row, rows; kvtier.paged.rowblocks): a prompt chunk's rows read
-    # their K/V together. None: every row on its own
+    # the rows' blocks (first row, rows; kvtier.paged.rowblocks): a prompt chunk's rows in
+    # tiles for the prefill kernel, each decode token a block of one row. None: every row on
+    # its own (the decode kernel alone). `prefill_tiles`: how many of the first blocks the
+    # prefill kernel's grid covers (a CUDA graph's bucket fixes it)
     row_blocks: tuple[torch.Tensor, torch.Tensor] | None = None
+    prefill_tiles: int = 0
     capturing: bool = False  # recorded in a CUDA graph: only the "rows" path may run
     # the decode rows of a mixed step, made once per forward (see `_decode_rows`)
     decode_rows: tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor] | None = field(

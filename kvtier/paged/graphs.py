@@ -6,16 +6,18 @@ launches of one step once and replays them as one. What makes that possible here
 
 - every input of a step lives in a `BatchRunner` buffer of fixed address (ids, positions, slot
   mapping, per-token rows, block table, lengths, last-token indexes), rewritten before a replay;
-- attention is the "rows" backend: every new token, decode or prompt chunk, is one row of the
-  Triton kernel, attending over its sequence's pages up to its own position. The grid depends
-  only on the number of tokens (each row cuts its own context into `num_splits` ranges), so one
-  graph serves any mix of decode tokens and prompt chunks of that many tokens;
+- attention is the "rows" backend: every new token, decode or prompt chunk, is one row
+  attending over its sequence's pages up to its own position, decode rows one program each of
+  the Triton decode kernel, prompt chunks in tiles of the Triton prefill kernel. The grids
+  depend only on the number of tokens (each decode row cuts its own context into `num_splits`
+  ranges; the prefill grid has `rowblocks.max_tiles` of the bucket, the unused ones returning
+  at once), so one graph serves any mix of decode tokens and prompt chunks of that many tokens;
 - no mask is built and nothing in the forward reads a value back to the host.
 
 With `decode_graphs`, every bucket of at most `max_batch` tokens gets a second graph for steps
-with no prompt rows: there each row is one program of the one-row kernel (no row blocks), which
-reads a decode row's K/V without the unused rows of a block's tile. A step that is all decode
-replays that graph; any step with a prompt chunk the "rows" one.
+with no prompt rows: the decode kernel alone, one program per row (no row blocks, no prefill
+launch). A step that is all decode replays that graph; any step with a prompt chunk the "rows"
+one.
 
 A step of `T` new tokens from `b` sequences replays the graph of the smallest bucket `B >= T`:
 tokens `T..B-1` are padding (position 0, K/V written to a page kept out of the pool for them)
@@ -33,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvtier.paged.context import PagedContext, paged_context
+from kvtier.paged.rowblocks import max_tiles
 
 if TYPE_CHECKING:
     from kvtier.paged.runner import BatchRunner
@@ -78,6 +81,7 @@ def padded_context(
         row_lens=runner.row_lens[:size],
         row_table=runner.block_table,
         row_blocks=None if decode_only else (runner.block_first[:size], runner.block_rows[:size]),
+        prefill_tiles=0 if decode_only else max_tiles(size, runner.max_batch, runner.tile_tokens),
         capturing=capturing,
     )
 

@@ -25,7 +25,7 @@ from kvtier.errors import ConfigError
 from kvtier.paged.attention import register
 from kvtier.paged.context import PagedContext, paged_context
 from kvtier.paged.pool import PagedSequence, PagePool, PoolExhausted
-from kvtier.paged.rowblocks import row_blocks, rows_per_block
+from kvtier.paged.rowblocks import TILE_TOKENS, count_tiles, row_blocks
 
 if TYPE_CHECKING:
     from kvtier.paged.graphs import DecodeGraphs
@@ -121,12 +121,11 @@ class BatchRunner:
         # per token: its sequence's block-table row, and its context (position + 1), for the
         # "rows" attention backend (every token one row of the decode kernel)
         self.row_seq, self.row_lens = d32["rowseq"], d32["rowlen"]
-        # the kernel's row blocks (kvtier.paged.rowblocks): first row and rows of each; a
-        # prompt chunk's rows in blocks of `rows_per_block`, so they read their K/V together
+        # the step's row blocks (kvtier.paged.rowblocks): first row and rows of each; a
+        # prompt chunk's rows in tiles of `tile_tokens` (the prefill kernel's), first, then
+        # every decode token a block of its own (the decode kernel's)
         self.block_first, self.block_rows = d32["blkrow"], d32["blkn"]
-        heads = int(getattr(model.config, "num_attention_heads", 0) or 0)
-        kv_heads = pool.geometry.num_kv_heads
-        self.rows_per_block = rows_per_block(heads // kv_heads if heads >= kv_heads else 1)
+        self.tile_tokens = TILE_TOKENS
         # The host buffers are rewritten each step: wait until the last step's copies are done.
         self._copied = torch.cuda.Event() if pin else None
         self.graphs: DecodeGraphs | None = None
@@ -178,7 +177,8 @@ class BatchRunner:
         return self._trash
 
     def graph_splits(self, size: int) -> int:
-        """The Triton kernel's splits per row for a captured step of `size` rows (tokens)."""
+        """The decode kernel's splits per row for a captured step of `size` rows (tokens): at
+        most `max_batch` of them are decode rows (the prompt rows are the prefill kernel's)."""
         if self.pool.device.type != "cuda":
             return 1  # the CPU's per-row reference has no splits
         from kvtier.paged.triton_decode import choose_splits, default_block_n
@@ -186,7 +186,8 @@ class BatchRunner:
         geometry = self.pool.geometry
         sms = torch.cuda.get_device_properties(self.pool.device).multi_processor_count
         block_n = default_block_n(geometry.head_dim)
-        return choose_splits(size, geometry.num_kv_heads, self.max_seq_len, block_n, sms)
+        rows = min(size, self.max_batch)
+        return choose_splits(rows, geometry.num_kv_heads, self.max_seq_len, block_n, sms)
 
     def fill_padding(self, size: int) -> None:
         """Make every row of a `size`-token step padding (host and device): one token at
@@ -392,6 +393,7 @@ class BatchRunner:
             row_lens=self.row_lens[:total],
             row_table=self.block_table,
             row_blocks=(self.block_first[:total], self.block_rows[:total]),
+            prefill_tiles=count_tiles(query_lens, self.tile_tokens),
         )
         return ctx
 
@@ -406,9 +408,10 @@ class BatchRunner:
         self.input_ids[0].index_copy_(0, self._d_feed_to[:n], tokens)
 
     def _write_blocks(self, query_lens: Sequence[int], size: int) -> None:
-        """Host row blocks of a `size`-token step: the sequences' (`query_lens`) first, then
-        every token after them (padding) a block of its own, then empty entries up to `size`."""
-        first, rows = row_blocks(query_lens, self.rows_per_block)
+        """Host row blocks of a `size`-token step: the sequences' (`query_lens`; their prompt
+        tiles first), then every token after them (padding) a block of its own, then empty
+        entries up to `size`."""
+        first, rows = row_blocks(query_lens, self.tile_tokens)
         total = sum(query_lens)
         n = len(first)
         blk_first, blk_rows = self._h_blkrow.numpy(), self._h_blkn.numpy()

@@ -20,7 +20,6 @@ import triton
 import triton.language as tl
 
 from kvtier.paged.rowblocks import pow2 as _pow2
-from kvtier.paged.rowblocks import rows_per_block
 
 
 @triton.jit
@@ -62,113 +61,6 @@ def _block(
     else:
         pv = tl.dot(p.to(v.dtype), v)
     return m_new, l_sum, acc * alpha[:, None] + pv
-
-
-@triton.jit
-def _block_rows(
-    q, K, V, BT, seq, h, t0, end, lens, m, l_sum, acc, scale,
-    stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_bt,
-    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    IEEE: tl.constexpr,
-):  # fmt: skip
-    """`_block` for a tile of several query rows of one sequence, each with its own context
-    length `lens` (a row may see none of the block: its running max stays -inf, safely). Kept
-    apart from `_block`, the decode path, which never needs the per-row masks and guards."""
-    d = tl.arange(0, BLOCK_D)
-    dmask = d < HEAD_DIM
-    t = t0 + tl.arange(0, BLOCK_N)
-    tmask = t < end
-    page = tl.load(BT + seq * stride_bt + t // PAGE, mask=tmask, other=0).to(tl.int64)
-    off = t % PAGE
-    kvmask = tmask[:, None] & dmask[None, :]
-    k = tl.load(
-        K + page[:, None] * stride_kp + off[:, None] * stride_ks + h * stride_kh + d[None, :],
-        mask=kvmask,
-        other=0.0,
-    )
-    if IEEE:
-        qk = tl.dot(q, tl.trans(k), input_precision="ieee")
-    else:
-        qk = tl.dot(q, tl.trans(k))
-    seen = tmask[None, :] & (t[None, :] < lens[:, None])
-    qk = tl.where(seen, qk * scale, float("-inf"))
-    m_new = tl.maximum(m, tl.max(qk, 1))
-    empty = m_new == float("-inf")
-    alpha = tl.exp(tl.where(empty, 0.0, m - m_new))
-    p = tl.where(seen, tl.exp(qk - tl.where(empty, 0.0, m_new)[:, None]), 0.0)
-    l_sum = l_sum * alpha + tl.sum(p, 1)
-    v = tl.load(
-        V + page[:, None] * stride_vp + off[:, None] * stride_vs + h * stride_vh + d[None, :],
-        mask=kvmask,
-        other=0.0,
-    )
-    if IEEE:
-        pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-    else:
-        pv = tl.dot(p.to(v.dtype), v)
-    return m_new, l_sum, acc * alpha[:, None] + pv
-
-
-@triton.jit
-def _partial_rows(
-    Q, K, V, BT, LENS, ROWSEQ, PART, LSE, scale, num_splits, r0, nrows, h, s,
-    stride_qb, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-    stride_bt, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
-    GROUP: tl.constexpr, GPAD: tl.constexpr, QB: tl.constexpr, PAGE: tl.constexpr,
-    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr,
-    WHILE_LOOP: tl.constexpr,
-):  # fmt: skip
-    """Pass 1 for `nrows` (<= QB) consecutive prompt rows of one sequence from row `r0`: one
-    tile of QB x GPAD query rows (row, head of the GQA group), so every K/V block is read once
-    for all of them instead of once per row. Rows `r0..` have growing contexts (causal)."""
-    i = tl.arange(0, QB * GPAD)
-    r = i // GPAD
-    g = i % GPAD
-    rmask = (r < nrows) & (g < GROUP)
-    row = r0 + r
-    seq = tl.load(ROWSEQ + r0)
-    lens = tl.load(LENS + row, mask=rmask, other=0)
-    length = tl.max(lens, 0)  # the last row's context: the block's furthest token
-    split_len = tl.cdiv(tl.cdiv(length, num_splits), BLOCK_N) * BLOCK_N
-    start = s * split_len
-    end = tl.minimum(start + split_len, length)
-    d = tl.arange(0, BLOCK_D)
-    dmask = d < HEAD_DIM
-    heads = h * GROUP + g
-    q = tl.load(
-        Q + row[:, None] * stride_qb + heads[:, None] * stride_qh + d[None, :],
-        mask=rmask[:, None] & dmask[None, :],
-        other=0.0,
-    )
-    q = q.to(K.dtype.element_ty)
-    m = tl.full([QB * GPAD], float("-inf"), tl.float32)
-    l_sum = tl.zeros([QB * GPAD], tl.float32)
-    acc = tl.zeros([QB * GPAD, BLOCK_D], tl.float32)
-    if WHILE_LOOP:
-        t0 = start
-        while t0 < end:
-            m, l_sum, acc = _block_rows(
-                q, K, V, BT, seq, h, t0, end, lens, m, l_sum, acc, scale,
-                stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_bt,
-                PAGE, BLOCK_N, HEAD_DIM, BLOCK_D, IEEE,
-            )  # fmt: skip
-            t0 += BLOCK_N
-    else:
-        for t0 in range(start, end, BLOCK_N):
-            m, l_sum, acc = _block_rows(
-                q, K, V, BT, seq, h, t0, end, lens, m, l_sum, acc, scale,
-                stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_bt,
-                PAGE, BLOCK_N, HEAD_DIM, BLOCK_D, IEEE,
-            )  # fmt: skip
-    nonempty = l_sum > 0
-    out = acc / tl.where(nonempty, l_sum, 1.0)[:, None]
-    lse = tl.where(nonempty, m + tl.log(tl.where(nonempty, l_sum, 1.0)), float("-inf"))
-    tl.store(
-        PART + row[:, None] * stride_ob + heads[:, None] * stride_oh + s * stride_os + d[None, :],
-        out,
-        mask=rmask[:, None] & dmask[None, :],
-    )
-    tl.store(LSE + row * stride_lb + heads * stride_lh + s, lse, mask=rmask)
 
 
 @triton.jit
@@ -236,32 +128,24 @@ def _partial_kernel(
     Q, K, V, BT, LENS, ROWSEQ, BLKROW, BLKN, PART, LSE, scale, num_splits,
     stride_qb, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
     stride_bt, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
-    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, GPAD: tl.constexpr, QB: tl.constexpr,
-    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    IEEE: tl.constexpr, WHILE_LOOP: tl.constexpr, HAS_ROWSEQ: tl.constexpr,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr, WHILE_LOOP: tl.constexpr,
+    HAS_ROWSEQ: tl.constexpr,
     HAS_BLOCKS: tl.constexpr,
 ):  # fmt: skip
     h = tl.program_id(1)
     s = tl.program_id(2)
     if HAS_BLOCKS:
-        # program 0-axis j is row block j: `BLKN[j]` rows from `BLKROW[j]` (0: no block). A
-        # block of one row (a decode token) takes the one-row path; a block of a prompt
-        # chunk's rows, the tile of several rows.
+        # program 0-axis j is row block j: `BLKN[j]` rows from `BLKROW[j]`. A block of one row
+        # (a decode token) is this kernel's; a prompt tile (several rows) is the prefill
+        # kernel's (kvtier.paged.triton_prefill), and an empty entry nobody's.
         r0 = tl.load(BLKROW + tl.program_id(0))
-        nrows = tl.load(BLKN + tl.program_id(0))
-        if nrows == 1:
+        if tl.load(BLKN + tl.program_id(0)) == 1:
             _partial_one(
                 Q, K, V, BT, LENS, PART, LSE, scale, num_splits, r0, tl.load(ROWSEQ + r0), h, s,
                 stride_qb, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs,
                 stride_vh, stride_bt, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
                 GROUP, GROUP_PAD, PAGE, BLOCK_N, HEAD_DIM, BLOCK_D, IEEE, WHILE_LOOP,
-            )  # fmt: skip
-        if nrows > 1:
-            _partial_rows(
-                Q, K, V, BT, LENS, ROWSEQ, PART, LSE, scale, num_splits, r0, nrows, h, s,
-                stride_qb, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs,
-                stride_vh, stride_bt, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
-                GROUP, GPAD, QB, PAGE, BLOCK_N, HEAD_DIM, BLOCK_D, IEEE, WHILE_LOOP,
             )  # fmt: skip
     else:
         b = tl.program_id(0)
@@ -281,37 +165,33 @@ def _partial_kernel(
 
 @triton.jit
 def _reduce_kernel(
-    PART,
-    LSE,
-    OUT,
-    num_splits,
-    stride_ob,
-    stride_oh,
-    stride_os,
-    stride_lb,
-    stride_lh,
-    stride_outb,
-    stride_outh,
-    SPLITS_PAD: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    b = tl.program_id(0)
+    PART, LSE, OUT, BLKROW, BLKN, num_splits,
+    stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_outb, stride_outh,
+    SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_BLOCKS: tl.constexpr,
+):  # fmt: skip
     h = tl.program_id(1)
-    s = tl.arange(0, SPLITS_PAD)
-    d = tl.arange(0, BLOCK_D)
-    smask = s < num_splits
-    dmask = d < HEAD_DIM
-    lse = tl.load(LSE + b * stride_lb + h * stride_lh + s, mask=smask, other=float("-inf"))
-    top = tl.max(lse, 0)
-    w = tl.where(smask, tl.exp(lse - top), 0.0)
-    o = tl.load(
-        PART + b * stride_ob + h * stride_oh + s[:, None] * stride_os + d[None, :],
-        mask=smask[:, None] & dmask[None, :],
-        other=0.0,
-    )
-    out = tl.sum(w[:, None] * o, 0) / tl.sum(w, 0)
-    tl.store(OUT + b * stride_outb + h * stride_outh + d, out, mask=dmask)
+    if HAS_BLOCKS:  # program j merges the row of block j, if that block is one decode row
+        b = tl.load(BLKROW + tl.program_id(0))
+        mine = tl.load(BLKN + tl.program_id(0)) == 1
+    else:
+        b = tl.program_id(0)
+        mine = True
+    if mine:
+        s = tl.arange(0, SPLITS_PAD)
+        d = tl.arange(0, BLOCK_D)
+        smask = s < num_splits
+        dmask = d < HEAD_DIM
+        lse = tl.load(LSE + b * stride_lb + h * stride_lh + s, mask=smask, other=float("-inf"))
+        top = tl.max(lse, 0)
+        w = tl.where(smask, tl.exp(lse - top), 0.0)
+        o = tl.load(
+            PART + b * stride_ob + h * stride_oh + s[:, None] * stride_os + d[None, :],
+            mask=smask[:, None] & dmask[None, :],
+            other=0.0,
+        )
+        out = tl.sum(w[:, None] * o, 0) / tl.sum(w, 0)
+        tl.store(OUT + b * stride_outb + h * stride_outh + d, out, mask=dmask)
 
 
 def default_block_n(head_dim: int) -> int:
@@ -346,14 +226,13 @@ def paged_decode(
 
     Row `b` attends over the first `context_lens[b]` tokens of block-table row `row_seq[b]`
     (default: row `b`). With one row per prompt token, `context_lens` its position + 1 and
-    `row_seq` its sequence, this is causal prefill attention too (every token of a step, decode
-    or prompt chunk, is one row; see `kvtier.paged.attention.rows_paged`).
+    `row_seq` its sequence, this is causal prefill attention too, one program per token.
     `max_len` (the longest context) sizes the splits; without it, one device sync reads it.
     `num_warps` / `num_stages` of the first pass: Triton's defaults when None.
-    `blocks` (first row, rows) int32 `[B]` each, with `row_seq`: program j takes rows
-    `first[j]..first[j]+rows[j]-1`, all of one sequence (at most `rows_per_block(group)` of
-    them; 0 rows: nothing): the rows of a prompt chunk then read each K/V block once together
-    (`kvtier.paged.attention.row_blocks` makes them). Every row must be in exactly one block.
+    `blocks` (first row, rows) int32 `[B]` each, with `row_seq` (`kvtier.paged.rowblocks`):
+    program j takes the row `first[j]` when `rows[j]` is 1; an entry of several rows is a
+    prompt tile, which `kvtier.paged.triton_prefill.paged_prefill` attends afterwards into the
+    returned tensor (its rows are left unwritten here), and an entry of 0 rows is nothing.
     """
     batch, heads, dim = q.shape
     _, page, kv_heads, _ = k_cache.shape
@@ -407,8 +286,6 @@ def paged_decode(
         lse.stride(1),
         GROUP=group,
         GROUP_PAD=max(16, _pow2(group)),
-        GPAD=_pow2(group),
-        QB=rows_per_block(group),
         PAGE=page,
         BLOCK_N=block_n,
         HEAD_DIM=dim,
@@ -423,6 +300,8 @@ def paged_decode(
         partial,
         lse,
         out,
+        blocks[0] if blocks is not None else context_lens,
+        blocks[1] if blocks is not None else context_lens,
         num_splits,
         partial.stride(0),
         partial.stride(1),
@@ -434,5 +313,6 @@ def paged_decode(
         SPLITS_PAD=max(2, _pow2(num_splits)),
         HEAD_DIM=dim,
         BLOCK_D=block_d,
+        HAS_BLOCKS=blocks is not None,
     )
     return out

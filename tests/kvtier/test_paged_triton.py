@@ -8,8 +8,8 @@ so bf16 runs on CUDA only. Skipped otherwise.
 `make test` runs the cases marked `interpret` in the interpreter (`make kernels`, about a minute
 on 2 cores), so the kernels' logic is checked on every change without a GPU: every page size and
 split count on an MQA shape whose head size is no power of two, in fp16 and fp32; the GQA shape
-of Qwen2-7B and an MHA shape once each; both models through the kernel; row blocks with one and
-several splits."""
+of Qwen2-7B and an MHA shape once each; both models through the kernel; prompt tiles of the prefill kernel beside
+decode rows with one and several splits."""
 
 from __future__ import annotations
 
@@ -191,29 +191,31 @@ def _row_cases() -> list:  # type: ignore[type-arg]
     return cases
 
 
-@pytest.mark.parametrize("tile", [64, 128])
+@pytest.mark.parametrize("tile", [16, 64])
 @pytest.mark.parametrize(("dtype", "heads", "kv_heads", "dim", "splits"), _row_cases())
-def test_row_blocks_match_one_row_per_program(  # type: ignore[no-untyped-def]
-    dtype, heads, kv_heads, dim, splits, tile, monkeypatch
+def test_prefill_tiles_match_one_row_per_program(  # type: ignore[no-untyped-def]
+    dtype, heads, kv_heads, dim, splits, tile
 ) -> None:
-    """Prompt chunks in row blocks (one tile of several rows per program) give each row what
-    the one-row path and an fp32 SDPA reference give: decode rows, chunks longer and shorter
-    than a block, a chunk from position 0, empty entries after the blocks. For the default
-    tile of query rows and one twice as tall (bench/paged_attention.py --tune-tiles)."""
+    """Prompt chunks in tiles of the prefill kernel (one program per tile and head), decode
+    rows through the decode kernel beside them, give each row what the one-row path and an
+    fp32 SDPA reference give: chunks longer and shorter than a tile, a chunk from position 0,
+    a chunk of two tokens, contexts below, at and across a key block, and unused tile entries
+    past the step's tiles (as a CUDA graph's grid has them). For the default tile and a small
+    one (bench/paged_attention.py --tune-tiles)."""
     pytest.importorskip("triton")
-    from kvtier.paged import rowblocks
-    from kvtier.paged.rowblocks import row_blocks, rows_per_block
+    from kvtier.paged.rowblocks import count_tiles, row_blocks
     from kvtier.paged.triton_decode import paged_decode
-
-    monkeypatch.setattr(rowblocks, "TILE", tile)
+    from kvtier.paged.triton_prefill import paged_prefill
 
     if not CUDA and dtype == torch.bfloat16:
         pytest.skip("Triton's CPU interpreter has no bf16 tl.dot")
-    seqs = [(300, 1), (0, 21), (40, 1), (250, 13), (7, 3), (1000, 1), (64, 9)]
+    seqs = [(300, 1), (0, 21), (40, 1), (250, 70), (7, 2), (1000, 1), (64, 9), (120, 8)]
     q, k_cache, v_cache, table, row_seq, row_len = _rows_case(seqs, heads, kv_heads, dim, 16, dtype)
     lens = torch.tensor(row_len, dtype=torch.int32, device=DEVICE)
-    first, rows = row_blocks([n for _, n in seqs], rows_per_block(heads // kv_heads))
-    assert len(first) < len(row_len) and max(rows) > 1
+    query_lens = [n for _, n in seqs]
+    first, rows = row_blocks(query_lens, tile)
+    tiles = count_tiles(query_lens, tile)
+    assert rows[:tiles] and min(rows[:tiles]) > 1 and set(rows[tiles:]) == {1}
     pad = len(row_len) - len(first)
     blocks = (
         torch.tensor(first + [0] * pad, dtype=torch.int32, device=DEVICE),
@@ -223,6 +225,9 @@ def test_row_blocks_match_one_row_per_program(  # type: ignore[no-untyped-def]
     args = (q, k_cache, v_cache, table, lens, scale)
     kw = {"max_len": max(row_len), "num_splits": splits, "row_seq": row_seq}
     got = paged_decode(*args, **kw, blocks=blocks)
+    paged_prefill(
+        q, k_cache, v_cache, table, lens, row_seq, blocks, tiles + 3, scale, got, block_m=tile
+    )
     one = paged_decode(*args, **kw)
     want = _reference(q, k_cache, v_cache, table[row_seq.long()], row_len, scale)
     tol = {torch.bfloat16: 2e-2, torch.float32: 1e-4}[dtype]

@@ -1,6 +1,7 @@
-"""Row blocks of the "rows" attention kernel (kvtier.paged.rowblocks) and the runner's step
+"""Row blocks of the "rows" attention path (kvtier.paged.rowblocks) and the runner's step
 buffers that carry them: every row of a step in exactly one block, a block never spanning two
-sequences. (The kernel itself: tests/kvtier/test_paged_triton.py.)"""
+sequences, the prompt tiles first and within a graph bucket's prefill grid. (The kernels:
+tests/kvtier/test_paged_triton.py.)"""
 
 from __future__ import annotations
 
@@ -10,29 +11,44 @@ from conftest import MODELS
 
 from kvtier.geometry import KVGeometry
 from kvtier.paged import BatchRunner, PagedSequence, PagePool, SeqInput
-from kvtier.paged.rowblocks import row_blocks, rows_per_block
+from kvtier.paged.rowblocks import count_tiles, max_tiles, row_blocks
 
 
-def test_rows_per_block_fills_a_tile_of_64_query_rows() -> None:
-    assert rows_per_block(7) == 8  # Qwen2-7B: 28 query heads over 4 K/V heads
-    assert rows_per_block(8) == 8
-    assert rows_per_block(4) == 16
-    assert rows_per_block(1) == 64  # plain multi-head attention
-    assert rows_per_block(128) == 1
-
-
-def test_row_blocks_cut_chunks_and_keep_decode_tokens_alone() -> None:
-    first, rows = row_blocks([1, 20, 1, 8, 3], 8)
+def test_row_blocks_put_prompt_tiles_first_and_decode_tokens_alone() -> None:
+    first, rows = row_blocks([1, 20, 1, 8, 3, 2], 8)
     assert list(zip(first, rows, strict=True)) == [
-        (0, 1),
         (1, 8),
         (9, 8),
         (17, 4),
-        (21, 1),
         (22, 8),
         (30, 3),
+        (33, 2),
+        (0, 1),
+        (21, 1),
     ]
+    assert count_tiles([1, 20, 1, 8, 3, 2], 8) == 6
     assert row_blocks([], 8) == ([], [])
+
+
+def test_max_tiles_bounds_every_step_of_a_bucket() -> None:
+    """No step of at most `tokens` new tokens from at most `max_batch` sequences has more
+    tiles than `max_tiles` (exhaustive over small steps), and the bound is reached."""
+
+    def steps(tokens: int, parts: int) -> list[list[int]]:
+        """Every step of at most `tokens` new tokens in at most `parts` sequences."""
+        if parts == 0 or tokens == 0:
+            return [[]]
+        out: list[list[int]] = [[]]
+        for n in range(1, tokens + 1):
+            out += [[n, *rest] for rest in steps(tokens - n, parts - 1)]
+        return out
+
+    for per_tile, max_batch in ((4, 3), (3, 6), (8, 12), (64, 2)):
+        for tokens in range(1, 13):
+            worst = max(count_tiles(lens, per_tile) for lens in steps(tokens, max_batch))
+            assert worst <= max_tiles(tokens, max_batch, per_tile), (per_tile, max_batch, tokens)
+    assert max_tiles(1024, 64, 64) == 80
+    assert max_tiles(64, 64, 64) == 32  # 32 chunks of two tokens
 
 
 def _covered(first: list[int], rows: list[int], row_seq: list[int]) -> list[int]:
@@ -65,5 +81,6 @@ def test_runner_steps_carry_blocks_covering_each_row_once(pad_to: int | None) ->
     used = [(f, n) for f, n in zip(first, rows, strict=True) if n > 0]
     row_seq = runner.row_seq[:size].tolist()
     assert _covered([f for f, _ in used], [n for _, n in used], row_seq) == [1] * size
-    per = runner.rows_per_block
+    per = runner.tile_tokens
     assert max(n for _, n in used) == min(per, 19)
+    assert rows[0] > 1 and rows[1] > 1  # the two chunks' tiles come before the decode token
