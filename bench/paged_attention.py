@@ -235,6 +235,9 @@ def main() -> None:
         "--tune-tiles", type=ints, default=[32, 64, 128], help="--tune: prefill tile tokens"
     )
     ap.add_argument("--tune-splits", type=ints, default=[1, 2, 4, 8, 16, 32])
+    ap.add_argument(
+        "--tune-slots", type=ints, default=[1, 8, 16, 32], help="--tune: prefill work slots"
+    )
     ap.add_argument("--tune-block-n", type=ints, default=[32, 64])
     ap.add_argument("--tune-warps", type=ints, default=[4, 8])
     ap.add_argument("--tune-stages", type=ints, default=[2, 3, 4])
@@ -328,7 +331,7 @@ def tune(case: Case, ref: torch.Tensor, args: argparse.Namespace) -> None:
         launch = {"num_splits": splits, "block_n": block_n, "num_warps": warps}
         launch["num_stages"] = stages
         sec = _checked(
-            lambda launch=launch: paged_decode(
+            lambda launch=launch: paged_decode(  # type: ignore[misc]
                 case.q, case.k_cache, case.v_cache, case.table, case.lens, case.scale,
                 max_len=case.ctx, **launch,
             ),
@@ -378,7 +381,7 @@ def tune_mixed(case: Case, floor: float, args: argparse.Namespace) -> None:
 
     from kvtier.paged.rowblocks import count_tiles, row_blocks
     from kvtier.paged.triton_decode import paged_decode
-    from kvtier.paged.triton_prefill import paged_prefill
+    from kvtier.paged.triton_prefill import default_slots, paged_prefill
 
     chunk, n_dec, dev = args.tune_chunk, case.batch - 2, "cuda"
     query_lens = [1] * n_dec + [chunk, chunk]
@@ -413,11 +416,11 @@ def tune_mixed(case: Case, floor: float, args: argparse.Namespace) -> None:
             torch.tensor(first + [0] * pad, dtype=torch.int32, device=dev),
             torch.tensor(count + [0] * pad, dtype=torch.int32, device=dev),
         )
-        for block_n, warps, stages in itertools.product(
-            args.tune_block_n, args.tune_warps, args.tune_stages
+        for block_n, warps, stages, slots in itertools.product(
+            args.tune_block_n, args.tune_warps, args.tune_stages, args.tune_slots
         ):
             launch = {"block_m": tile, "block_n": block_n, "num_warps": warps}
-            launch["num_stages"] = stages
+            launch |= {"num_stages": stages, "slots": slots}
 
             def mixed(blocks=blocks, tiles=tiles, launch=launch) -> torch.Tensor:  # type: ignore[no-untyped-def]
                 out = paged_decode(*common, max_len=case.ctx, row_seq=r_seq, blocks=blocks)
@@ -430,14 +433,16 @@ def tune_mixed(case: Case, floor: float, args: argparse.Namespace) -> None:
             if sec is None:
                 continue
             out = torch.empty_like(q)
-            alone = cuda_time(
-                lambda blocks=blocks, tiles=tiles, launch=launch, out=out: paged_prefill(
+
+            def prefill(blocks=blocks, tiles=tiles, launch=launch, out=out) -> torch.Tensor:  # type: ignore[no-untyped-def]
+                return paged_prefill(
                     q, case.k_cache, case.v_cache, case.table, r_len, r_seq, blocks, tiles,
                     case.scale, out, **launch,
-                ),
-                args.iters,
-            )  # fmt: skip
-            results.append((sec, alone, tile, block_n, warps, stages))
+                )  # fmt: skip
+
+            results.append(
+                (sec, cuda_time(prefill, args.iters), tile, block_n, warps, stages, slots)
+            )
     results.sort()
     print(
         f"\nmixed call: {n_dec} decode rows + 2 x {chunk}-token chunks ({len(row_seq)} rows) at "
@@ -450,13 +455,16 @@ def tune_mixed(case: Case, floor: float, args: argparse.Namespace) -> None:
     )
     print(
         f"{'us/call':>9} {'x floor':>8} {'prefill us':>11} {'TFLOP/s':>8} {'x flash':>8} "
-        f"{'tile':>5} {'block':>6} {'warps':>6} {'stages':>7}"
+        f"{'tile':>5} {'block':>6} {'warps':>6} {'stages':>7} {'slots':>6}"
     )
-    for sec, alone, tile, block_n, warps, stages in results[:10]:
+    default = (64, 64, 4, 2, default_slots(case.heads, q.device))
+    for sec, alone, *setting in results[:10] + [r for r in results if tuple(r[2:]) == default]:
+        tile, block_n, warps, stages, slots = setting
         print(
             f"{sec * 1e6:9.1f} {floor / sec:8.2f} {alone * 1e6:11.1f} "
             f"{flops / alone / 1e12:8.0f} {flash_sec / alone:8.2f} {tile:>5} {block_n:>6} "
-            f"{warps:>6} {stages:>7}"
+            f"{warps:>6} {stages:>7} {slots:>6}"
+            + ("  (the default)" if tuple(setting) == default else "")
         )
 
 

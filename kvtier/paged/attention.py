@@ -232,7 +232,7 @@ def rows_paged(
 
         paged_prefill(
             q, k_cache, v_cache, table, row_lens, row_seq, ctx.row_blocks, ctx.prefill_tiles,
-            scale, out,
+            scale, out, count=ctx.tile_count,
         )  # fmt: skip
     return out
 

@@ -51,9 +51,11 @@ class PagedContext:
     # the rows' blocks (first row, rows; kvtier.paged.rowblocks): a prompt chunk's rows in
     # tiles for the prefill kernel, each decode token a block of one row. None: every row on
     # its own (the decode kernel alone). `prefill_tiles`: how many of the first blocks the
-    # prefill kernel's grid covers (a CUDA graph's bucket fixes it)
+    # prefill kernel's grid covers (a CUDA graph's bucket fixes it), `tile_count` (int32 [1],
+    # on the device) how many of them are this step's tiles (None: exactly `prefill_tiles`)
     row_blocks: tuple[torch.Tensor, torch.Tensor] | None = None
     prefill_tiles: int = 0
+    tile_count: torch.Tensor | None = None
     capturing: bool = False  # recorded in a CUDA graph: only the "rows" path may run
     # the decode rows of a mixed step, made once per forward (see `_decode_rows`)
     decode_rows: tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor] | None = field(

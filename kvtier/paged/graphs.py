@@ -82,6 +82,7 @@ def padded_context(
         row_table=runner.block_table,
         row_blocks=None if decode_only else (runner.block_first[:size], runner.block_rows[:size]),
         prefill_tiles=0 if decode_only else max_tiles(size, runner.max_batch, runner.tile_tokens),
+        tile_count=runner.tile_count,
         capturing=capturing,
     )
 

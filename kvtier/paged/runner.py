@@ -95,6 +95,7 @@ class BatchRunner:
         long_fields = {"ids": T, "pos": T, "slots": T, "last": B, "feed_to": B, "feed_from": B}
         int_fields = {"rowseq": T, "rowlen": T, "blkrow": T, "blkn": T, "cu": B + 1, "cuk": B + 1}
         int_fields["lens"] = B
+        int_fields["ntiles"] = 1
         self._h64 = host(sum(long_fields.values()), dtype=torch.long)
         self._h32 = host(sum(int_fields.values()), dtype=torch.int32)
         self._d64 = torch.zeros_like(self._h64, device=dev)
@@ -109,6 +110,7 @@ class BatchRunner:
         self._h_cu, self._h_cuk, self._h_lens = h32["cu"], h32["cuk"], h32["lens"]
         self._h_rowseq, self._h_rowlen = h32["rowseq"], h32["rowlen"]
         self._h_blkrow, self._h_blkn = h32["blkrow"], h32["blkn"]
+        self._h_ntiles = h32["ntiles"]
         # one table row per sequence, plus the padding row (index max_batch) of graph steps
         self._h_table = host(max_batch + 1, self.max_pages, dtype=torch.int32)
         self.input_ids = d64["ids"].view(1, T)
@@ -125,6 +127,7 @@ class BatchRunner:
         # prompt chunk's rows in tiles of `tile_tokens` (the prefill kernel's), first, then
         # every decode token a block of its own (the decode kernel's)
         self.block_first, self.block_rows = d32["blkrow"], d32["blkn"]
+        self.tile_count = d32["ntiles"]  # the step's prompt tiles (first in the block list)
         self.tile_tokens = TILE_TOKENS
         # The host buffers are rewritten each step: wait until the last step's copies are done.
         self._copied = torch.cuda.Event() if pin else None
@@ -394,6 +397,7 @@ class BatchRunner:
             row_table=self.block_table,
             row_blocks=(self.block_first[:total], self.block_rows[:total]),
             prefill_tiles=count_tiles(query_lens, self.tile_tokens),
+            tile_count=self.tile_count,
         )
         return ctx
 
@@ -416,6 +420,7 @@ class BatchRunner:
         n = len(first)
         blk_first, blk_rows = self._h_blkrow.numpy(), self._h_blkn.numpy()
         blk_first[:n], blk_rows[:n] = first, rows
+        self._h_ntiles.numpy()[0] = count_tiles(query_lens, self.tile_tokens)
         pad = size - total
         blk_first[n : n + pad] = range(total, size)
         blk_rows[n : n + pad] = 1

@@ -200,8 +200,9 @@ def test_prefill_tiles_match_one_row_per_program(  # type: ignore[no-untyped-def
     rows through the decode kernel beside them, give each row what the one-row path and an
     fp32 SDPA reference give: chunks longer and shorter than a tile, a chunk from position 0,
     a chunk of two tokens, contexts below, at and across a key block, and unused tile entries
-    past the step's tiles (as a CUDA graph's grid has them). For the default tile and a small
-    one (bench/paged_attention.py --tune-tiles)."""
+    past the step's tiles (as a CUDA graph's grid has them), each tile whole or its keys split
+    over several programs. For the default tile and a small one (bench/paged_attention.py
+    --tune-tiles)."""
     pytest.importorskip("triton")
     from kvtier.paged.rowblocks import count_tiles, row_blocks
     from kvtier.paged.triton_decode import paged_decode
@@ -225,9 +226,14 @@ def test_prefill_tiles_match_one_row_per_program(  # type: ignore[no-untyped-def
     args = (q, k_cache, v_cache, table, lens, scale)
     kw = {"max_len": max(row_len), "num_splits": splits, "row_seq": row_seq}
     got = paged_decode(*args, **kw, blocks=blocks)
+    # the decode kernel's splits, and the prefill's: one program per tile, or each tile's keys
+    # over several programs (64 work slots for 6 or 10 tiles) merged by the second pass
+    slots = 1 if splits == 1 else 64
+    count = torch.tensor([tiles], dtype=torch.int32, device=DEVICE)
     paged_prefill(
-        q, k_cache, v_cache, table, lens, row_seq, blocks, tiles + 3, scale, got, block_m=tile
-    )
+        q, k_cache, v_cache, table, lens, row_seq, blocks, tiles + 3, scale, got,
+        count=count, slots=slots, block_m=tile,
+    )  # fmt: skip
     one = paged_decode(*args, **kw)
     want = _reference(q, k_cache, v_cache, table[row_seq.long()], row_len, scale)
     tol = {torch.bfloat16: 2e-2, torch.float32: 1e-4}[dtype]
