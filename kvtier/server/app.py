@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import gc
 import logging
 import time
@@ -36,6 +37,7 @@ from kvtier.server.http import ApiError
 from kvtier.server.memplan import backend_device_bytes, build_plan, planned_config, startup_peaks
 from kvtier.server.model import ServedModel, build_default, load_dummy, load_local
 from kvtier.server.prompting import chat_ids, completion_ids
+from kvtier.server.replicas import build_replicas, replica_devices
 from kvtier.server.reqmetrics import RequestMetrics
 from kvtier.server.requestbody import read_body
 from kvtier.server.schema import ChatRequest, CompletionRequest
@@ -92,7 +94,9 @@ def create_app(
 
     async def load() -> None:
         try:
-            served = await asyncio.to_thread(loader, config)
+            replicas = replica_devices(config)  # one engine per device (kvtier.server.replicas)
+            on_first = dataclasses.replace(config, device=str(replicas[0])) if replicas else config
+            served = await asyncio.to_thread(loader, on_first)
             # layers across devices (--devices), with device failover
             served = await asyncio.to_thread(place_configured, served, config, state.metrics)
             await asyncio.to_thread(_warm_up, served)
@@ -107,6 +111,21 @@ def create_app(
             return
         if config.max_model_len:
             served.context_tokens = min(served.context_tokens, config.max_model_len)
+        if replicas:
+            try:
+                engine: Engine = await asyncio.to_thread(
+                    build_replicas, served, config, state.metrics, state.fatal
+                )
+            except (StoreError, EncryptionError, BudgetError, ConfigError) as exc:
+                state.load_error = exc
+                state.fatal(exc)
+                return
+            except Exception as exc:
+                log.exception("the replicas failed to start")
+                state.load_error = exc
+                return
+            await _serve(engine)
+            return
         run_config = config.for_device(served.device.type)
         try:
             # the GPU memory plan, once the weights are resident: every part's bytes inside
@@ -135,7 +154,12 @@ def create_app(
             state.load_error = exc
             return
         # a device fault in a request stops the server, which exits non-zero (run.run_app)
-        engine = Engine(served, backend, run_config, state.metrics, plan=plan, on_fatal=state.fatal)
+        await _serve(
+            Engine(served, backend, run_config, state.metrics, plan=plan, on_fatal=state.fatal)
+        )
+
+    async def _serve(engine: Engine) -> None:
+        """Warm the engine up, then serve with it."""
         try:
             # a measured prefill rate before the first request (not the cost model's guess)
             await asyncio.to_thread(engine.warm_up)
@@ -161,11 +185,11 @@ def create_app(
         gc.collect()
         gc.freeze()
         if engine.plan is not None:
-            engine.plan = engine.plan.with_measured(**backend_device_bytes(backend))
+            engine.plan = engine.plan.with_measured(**backend_device_bytes(engine.backend))
             state.metrics.gpu_memory_plan(engine.plan)
             log.info("%s; start-up peaks: %s", engine.plan.describe(), startup_peaks(engine))
         state.engine = engine
-        log.info("ready: model %s, cache %s", served.name, config.cache)
+        log.info("ready: model %s, cache %s", engine.served.name, config.cache)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -70,6 +70,10 @@ class ServerConfig:
     gpu_memory_utilization: float = 0.9
     # decoder layers across devices: "auto" (every visible GPU), "0,1"; "" = all on `device`
     devices: str = ""
+    # data-parallel replicas: one engine (its own model copy, page pool and batch) per device,
+    # sharing the host tiers (L2/L3, L4): "auto" (every visible GPU), "0,1", "cpu,cpu"; "" = one
+    # engine (kvtier.server.replicas; docs/architecture.md, "Replicas")
+    replicas: str = ""
     # degraded mode (a device lost): turns longer than sinks + window run over the first
     # `degraded_sinks` and the last `degraded_window` tokens (StreamingLLM); 0 = off (fewer
     # sessions run at once instead)
@@ -245,6 +249,12 @@ class ServerConfig:
                 "trust_tenant_header: only with api_keys (without a keys file X-Tenant is "
                 "always used); give --api-keys too, or drop --trust-tenant-header"
             )
+        if self.replicas.strip() and self.devices.strip():
+            raise ConfigError(
+                f"replicas ({self.replicas!r}) and devices ({self.devices!r}) are two layouts: "
+                "replicas copy the model to each device, devices split its layers across them; "
+                "give one (replicas for a model that fits one device)"
+            )
         if self.encrypt and self.master_key_file is None:
             raise ConfigError(
                 "encrypt: needs master_key_file (flag --master-key-file, variable "
@@ -330,7 +340,7 @@ def _coerce(name: str, value: Any) -> Any:
             return Path(value).expanduser()
         if name == "device":
             return str(value)
-        if name == "devices" and isinstance(value, (list, tuple)):  # TOML: devices = [0, 1]
+        if name in ("devices", "replicas") and isinstance(value, (list, tuple)):  # [0, 1]
             return ",".join(str(v) for v in value)
         if isinstance(default, bool):
             if isinstance(value, bool):

@@ -139,6 +139,11 @@ class Engine:
             ) from None
         return lock
 
+    def busy(self, session_id: str, tenant: str) -> bool:
+        """Whether a request of this session is queued or running here (or an admin holds it):
+        its next one must come here too, behind it (kvtier.server.replicas)."""
+        return (tenant, session_id) in self._session_locks
+
     def release(self, session_id: str, lock: asyncio.Lock, tenant: str) -> None:
         lock.release()
         self._unref((tenant, session_id))
@@ -293,14 +298,16 @@ class Engine:
         """The model's device failover (`DeviceFailover`), or None on one device."""
         return self.served.devices
 
-    async def drain(self) -> None:
-        """Stop admitting, wait for running jobs, then hibernate every session (cache close)."""
+    async def drain(self, close_backend: bool = True) -> None:
+        """Stop admitting, wait for running jobs, then hibernate every session (cache close;
+        not with `close_backend` False: replicas share one cache, closed after the last)."""
         self.draining = True
         await self._idle.wait()
         if self._batch is not None:
             await asyncio.to_thread(self._batch.close)
         await asyncio.to_thread(self._pool.shutdown, True)
-        await asyncio.to_thread(self.backend.close)
+        if close_backend:
+            await asyncio.to_thread(self.backend.close)
 
     def warm_up(
         self, tokens: int = WARM_UP_TOKENS, prefill_tokens: int = WARM_UP_PREFILL_TOKENS

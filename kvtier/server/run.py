@@ -52,6 +52,13 @@ def options(f: Callable[..., Any]) -> Callable[..., Any]:
             "ordinals like 0,1 (default: all on --device).",
         ),
         click.option(
+            "--replicas",
+            help="One engine per device, each with its own copy of the model, page pool and "
+            "batch, sharing L2/L3 (and L4): auto (every visible GPU), GPU ordinals like 0,1 or "
+            "cpu,cpu; a session stays on its replica and moves when that one is lost or full "
+            "(default: one engine; not with --devices).",
+        ),
+        click.option(
             "--degraded-window",
             type=int,
             help="With a device lost, run turns longer than sinks + window over the first "
