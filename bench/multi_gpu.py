@@ -20,6 +20,11 @@ Llama of the given shape with seeded random weights, built on the GPU (no downlo
     python bench/multi_gpu.py                    # Llama-3-8B shape, about 3 minutes on 2 H200s
     python bench/multi_gpu.py --quick            # a smaller model and fleet, under a minute
     python bench/multi_gpu.py --device cpu --quick   # CPU smoke run on two logical devices
+    python bench/multi_gpu.py --layout replicas      # only the replicas section
+
+With `--layout replicas` or `both` (the default) it first measures data-parallel replicas (one
+engine per device, sharing L2/L3; bench/multi_gpu_replicas.py): the batched fleet on one device
+vs two replicas with twice the sessions, and losing replica 0 mid-turn.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import multi_gpu_replicas as replicas
 import torch
 
 from kvtier.geometry import KVGeometry
@@ -331,6 +337,13 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="a smaller model and fleet")
     ap.add_argument("--reps", type=int, default=5, help="transfer repetitions")
     ap.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    ap.add_argument(
+        "--layout",
+        choices=["replicas", "pipeline", "both"],
+        default="both",
+        help="replicas: one engine per device sharing L2/L3; pipeline: the layers across the "
+        "devices (transfer, decode, failover); both (default)",
+    )
     args = ap.parse_args()
     cpu = args.device == "cpu"
     devices = parse_devices(args.devices or ("cpu,cpu" if cpu else "0,1"))
@@ -350,11 +363,18 @@ def main() -> None:
     print(f"model: {shape} {dtype}, built in {load_s:.1f} s; devices {devices}", flush=True)
 
     res: dict[str, Any] = {"shape": shape, "fleet": fl, "devices": [str(d) for d in devices]}
+    root = Path(tempfile.mkdtemp(prefix="kvtier-multi-gpu-"))
+    served = served_model(model)
+    if args.layout in ("replicas", "both"):  # before the layers are placed across the devices
+        res["replicas"] = replicas_section(served, devices, fl, per_token, root / "r")
+        print("replicas done", flush=True)
+    if args.layout == "replicas":
+        replicas.report(res["replicas"])
+        _write(args.out, res)
+        return
     res["xfer1"] = transfer(geo, devices[:1], fl["xfer"], args.reps)
     res["xfer2"] = transfer(geo, devices, fl["xfer"], args.reps)
     print("transfer done", flush=True)
-    root = Path(tempfile.mkdtemp(prefix="kvtier-multi-gpu-"))
-    served = served_model(model)
     res["dec1"] = decode(served, fl, kv_bytes, root / "d1")
     t0 = time.perf_counter()
     place(served, devices)
@@ -375,12 +395,37 @@ def main() -> None:
         torch.cuda.empty_cache()
         res["exact"] = exactness(devices, root / "exact")
     report(res)
-    if args.out is not None:
+    if "replicas" in res:
+        replicas.report(res["replicas"])
+    _write(args.out, res)
+
+
+def _write(out: Path | None, res: dict[str, Any]) -> None:
+    if out is not None:
         for r in (res, res.get("exact", {})):
             for k in ("dec1", "dec2"):
                 if k in r:
                     r[k].pop("texts")
-        args.out.write_text(json.dumps(res, indent=2, default=str))
+        out.write_text(json.dumps(res, indent=2, default=str))
+
+
+def replicas_section(
+    served: ServedModel, devices: list[torch.device], fl: dict[str, int], per_token: int, root: Path
+) -> dict[str, Any]:
+    """Data-parallel replicas (bench/multi_gpu_replicas.py): the batched fleet on one device
+    vs two replicas with twice the sessions, and replica 0 lost mid-turn."""
+    n, m = fl["sessions"], 2 * fl["fo_sessions"]
+    session = (fl["prompt"] + 4 * fl["tokens"] + 512) * per_token
+    kv = n * session * 2  # each device's page pool
+    host = 2 * max(n, 2 * m) * session * 2  # L2: every session's turns, with room to spare
+    out: dict[str, Any] = {}
+    cfg = config(root / "t", n, kv, l2_bytes=host, chunk_tokens=256)
+    jobs = prompts(n, fl["prompt"], 1)
+    out["throughput"] = replicas.throughput(served, devices, cfg, jobs, fl["tokens"])
+    cfg = config(root / "f", 2 * m, kv, l2_bytes=host, chunk_tokens=256)
+    jobs = prompts(m, fl["prompt"], 2)
+    out["failover"] = replicas.failover(served, devices, cfg, jobs, fl["tokens"])
+    return out
 
 
 def exactness(devices: list[torch.device], root: Path) -> dict[str, Any]:

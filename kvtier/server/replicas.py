@@ -33,6 +33,7 @@ across devices by layers (`devices`, kvtier.server.failover) instead.
 from __future__ import annotations
 
 import asyncio
+import copy
 import dataclasses
 import functools
 import logging
@@ -75,8 +76,8 @@ def clone_served(served: ServedModel, device: torch.device) -> ServedModel:
 
     src = served.model
     dtype = next(src.parameters()).dtype
-    with torch.device(device):
-        model: Any = AutoModelForCausalLM.from_config(src.config, dtype=dtype)
+    with torch.device(device):  # a config of its own: a batch runner switches its attention
+        model: Any = AutoModelForCausalLM.from_config(copy.deepcopy(src.config), dtype=dtype)
     with torch.no_grad():
         model.load_state_dict(src.state_dict())
         mine = dict(model.named_buffers())
@@ -234,6 +235,8 @@ class ReplicaSet(Engine):
         for e in self.engines:
             e.draining = True
         await asyncio.gather(*(e.drain(close_backend=False) for e in self.engines))
+        for hook in self._hooks:
+            hook.remove()
         await asyncio.to_thread(self._pool.shutdown, True)
         if close_backend:
             await asyncio.to_thread(self.backend.close)

@@ -102,6 +102,7 @@ def test_a_clone_replies_as_the_original() -> None:
     ref = _build("qwen2")
     clone = clone_served(ref, CPU)
     assert clone.model is not ref.model
+    assert clone.model.config is not ref.model.config  # each replica's runner sets its own
     for (name, a), (_, b) in zip(
         ref.model.state_dict().items(), clone.model.state_dict().items(), strict=True
     ):
