@@ -228,12 +228,14 @@ def _merge_kernel(
 
 
 def default_slots(heads: int, device: torch.device) -> int:
-    """Work slots per head for split tiles: about three programs per multiprocessor when a
-    step's tiles are few (on the CPU interpreter: 8)."""
+    """Work slots per head for split tiles: about two programs per multiprocessor when a
+    step's tiles are few (on the CPU interpreter: 8). On an H200 with 28 heads, 10: two
+    64-token chunks at 3,000-token contexts took 91 us a layer with 8 slots, 99 with 15 and
+    106 with 1 (bench/paged_attention.py --tune --tune-chunk 64)."""
     if device.type != "cuda":
         return 8
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(MAX_SLOTS, -(-3 * sms // heads)))
+    return max(1, min(MAX_SLOTS, -(-2 * sms // heads)))
 
 
 MAX_SLOTS = 64
