@@ -112,19 +112,12 @@ def create_app(
         if config.max_model_len:
             served.context_tokens = min(served.context_tokens, config.max_model_len)
         if replicas:
-            try:
-                engine: Engine = await asyncio.to_thread(
-                    build_replicas, served, config, state.metrics, state.fatal
-                )
-            except (StoreError, EncryptionError, BudgetError, ConfigError) as exc:
-                state.load_error = exc
-                state.fatal(exc)
-                return
-            except Exception as exc:
-                log.exception("the replicas failed to start")
-                state.load_error = exc
-                return
-            await _serve(engine)
+            engine = await _opened(
+                "the replicas failed to start", build_replicas, served, config, state.metrics,
+                state.fatal,
+            )  # fmt: skip
+            if engine is not None:
+                await _serve(engine)
             return
         run_config = config.for_device(served.device.type)
         try:
@@ -139,24 +132,29 @@ def create_app(
             log.info("%s", plan.describe())
             run_config = planned_config(run_config, plan)
             state.metrics.gpu_memory_plan(plan)
-        try:
-            backend = await asyncio.to_thread(make_backend, served, run_config)
-        except (StoreError, EncryptionError, BudgetError, ConfigError) as exc:
-            # The L3 root cannot be used (another process holds it, unsafe permissions, a
-            # wrong or missing master key), or a setting cannot work (an L2 larger than the
-            # host's memory): no waiting fixes that, so stop and say why rather than stay up
-            # never ready.
-            state.load_error = exc
-            state.fatal(exc)
-            return
-        except Exception as exc:
-            log.exception("the cache failed to open")
-            state.load_error = exc
+        backend = await _opened("the cache failed to open", make_backend, served, run_config)
+        if backend is None:
             return
         # a device fault in a request stops the server, which exits non-zero (run.run_app)
         await _serve(
             Engine(served, backend, run_config, state.metrics, plan=plan, on_fatal=state.fatal)
         )
+
+    async def _opened(what: str, fn: Callable[..., Any], *args: Any) -> Any:
+        """`fn(*args)` in a thread (the cache, or the replicas with theirs); None when it
+        failed. The L3 root cannot be used (another process holds it, unsafe permissions, a
+        wrong or missing master key), or a setting cannot work (an L2 larger than the host's
+        memory): no waiting fixes that, so the server stops and says why rather than stay up
+        never ready. Anything else: readyz reports it, the process stays up for diagnosis."""
+        try:
+            return await asyncio.to_thread(fn, *args)
+        except (StoreError, EncryptionError, BudgetError, ConfigError) as exc:
+            state.load_error = exc
+            state.fatal(exc)
+        except Exception as exc:
+            log.exception("%s", what)
+            state.load_error = exc
+        return None
 
     async def _serve(engine: Engine) -> None:
         """Warm the engine up, then serve with it."""
