@@ -23,6 +23,24 @@ from kvtier.paged.rowblocks import pow2 as _pow2
 
 
 @triton.jit
+def kv_block(C, page, off, h, stride_p, stride_s, stride_h, d, mask):
+    """One layer's K or V (`C`) for a block of tokens: their pages and offsets in the page, head
+    `h`, dims `d`: `[tokens, dims]` (0 where `mask` is off)."""
+    addr = C + page[:, None] * stride_p + off[:, None] * stride_s + h * stride_h + d[None, :]
+    return tl.load(addr, mask=mask, other=0.0)
+
+
+@triton.jit
+def dot(a, b, IEEE: tl.constexpr):
+    """`a @ b` on the tensor cores; in full float32 (`IEEE`) for float32 inputs."""
+    if IEEE:
+        out = tl.dot(a, b, input_precision="ieee")
+    else:
+        out = tl.dot(a, b)
+    return out
+
+
+@triton.jit
 def _block(
     q, K, V, BT, row, h, t0, end, m, l_sum, acc, scale,
     stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_bt,
@@ -37,29 +55,15 @@ def _block(
     page = tl.load(BT + row * stride_bt + t // PAGE, mask=tmask, other=0).to(tl.int64)
     off = t % PAGE
     kvmask = tmask[:, None] & dmask[None, :]
-    k = tl.load(
-        K + page[:, None] * stride_kp + off[:, None] * stride_ks + h * stride_kh + d[None, :],
-        mask=kvmask,
-        other=0.0,
-    )
-    if IEEE:
-        qk = tl.dot(q, tl.trans(k), input_precision="ieee")
-    else:
-        qk = tl.dot(q, tl.trans(k))
+    k = kv_block(K, page, off, h, stride_kp, stride_ks, stride_kh, d, kvmask)
+    qk = dot(q, tl.trans(k), IEEE)
     qk = tl.where(tmask[None, :], qk * scale, float("-inf"))
     m_new = tl.maximum(m, tl.max(qk, 1))
     alpha = tl.exp(m - m_new)
     p = tl.exp(qk - m_new[:, None])
     l_sum = l_sum * alpha + tl.sum(p, 1)
-    v = tl.load(
-        V + page[:, None] * stride_vp + off[:, None] * stride_vs + h * stride_vh + d[None, :],
-        mask=kvmask,
-        other=0.0,
-    )
-    if IEEE:
-        pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-    else:
-        pv = tl.dot(p.to(v.dtype), v)
+    v = kv_block(V, page, off, h, stride_vp, stride_vs, stride_vh, d, kvmask)
+    pv = dot(p.to(v.dtype), v, IEEE)
     return m_new, l_sum, acc * alpha[:, None] + pv
 
 

@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from kvtier.paged.rowblocks import pow2
+from kvtier.paged.triton_decode import dot, kv_block
 
 LOG2E = 1.4426950408889634
 
@@ -53,15 +54,8 @@ def _tile_block(
         page = tl.load(BT + seq * stride_bt + t // PAGE).to(tl.int64)
         kvmask = dmask[None, :] & (t[:, None] >= 0)
     off = t % PAGE
-    k = tl.load(
-        K + page[:, None] * stride_kp + off[:, None] * stride_ks + kvh * stride_kh + d[None, :],
-        mask=kvmask,
-        other=0.0,
-    )
-    if IEEE:
-        qk = tl.dot(q, tl.trans(k), input_precision="ieee")
-    else:
-        qk = tl.dot(q, tl.trans(k))
+    k = kv_block(K, page, off, kvh, stride_kp, stride_ks, stride_kh, d, kvmask)
+    qk = dot(q, tl.trans(k), IEEE)
     qk = qk * qk_scale
     if MASKED:
         qk = tl.where(t[None, :] < lens[:, None], qk, float("-inf"))
@@ -76,15 +70,8 @@ def _tile_block(
         alpha = tl.math.exp2(m_i - m_new)
         p = tl.math.exp2(qk - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = tl.load(
-        V + page[:, None] * stride_vp + off[:, None] * stride_vs + kvh * stride_vh + d[None, :],
-        mask=kvmask,
-        other=0.0,
-    )
-    if IEEE:
-        pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-    else:
-        pv = tl.dot(p.to(v.dtype), v)
+    v = kv_block(V, page, off, kvh, stride_vp, stride_vs, stride_vh, d, kvmask)
+    pv = dot(p.to(v.dtype), v, IEEE)
     return m_new, l_i, acc * alpha[:, None] + pv
 
 
