@@ -1,4 +1,5 @@
-"""Fused elementwise kernels for the batched step: RMSNorm, and SiLU-and-multiply (Triton).
+"""Fused elementwise kernels for the batched step: RMSNorm, SiLU-and-multiply (Triton), and
+(`kvtier.paged.fused_rope`) the rotary embedding with the page write.
 
 A transformers decoder layer's RMSNorm runs as five or six kernels (a cast up, a square, a
 mean, rsqrt, two multiplies and a cast down) and its MLP's activation as two (SiLU, then the
@@ -139,21 +140,29 @@ def _agrees(module: torch.nn.Module, fused: Any, width: int) -> bool:
 
 def fuse_model(model: torch.nn.Module) -> int:
     """Swap the forward of the model's RMSNorm and gated-SiLU MLP modules for the fused
-    kernels; the number of modules swapped. A module class whose forward the sample check
-    does not confirm keeps its own (logged once)."""
+    kernels, and of its Llama-style attention modules for one whose rotary embedding and page
+    write are one kernel (`kvtier.paged.fused_rope`); the number of modules swapped. A module
+    class whose forward the sample check does not confirm keeps its own (logged once)."""
+    from kvtier.paged.fused_rope import attention_forward, attention_width, rope_agrees
+
     verdict: dict[tuple[type, str], bool] = {}
     swapped = 0
     for module in model.modules():
-        fused: Callable[[Any, torch.Tensor], torch.Tensor]
+        fused: Callable[..., Any]
         if (width := _norm_width(module)) is not None:
             kind, fused = "norm", _norm_forward
         elif (width := _mlp_width(module)) is not None:
             kind, fused = "mlp", _mlp_forward
+        elif attention_width(module) is not None:
+            kind, fused = "attention", attention_forward
         else:
             continue
         key = (type(module), kind)
         if key not in verdict:
-            verdict[key] = _agrees(module, fused, width)
+            if kind == "attention":
+                verdict[key] = rope_agrees(module)
+            else:
+                verdict[key] = _agrees(module, fused, width)  # type: ignore[arg-type]
             if not verdict[key]:
                 log.info(
                     "%s computes something else than the fused %s: left as it is",

@@ -396,7 +396,7 @@ class BatchRunner:
             row_lens=self.row_lens[:total],
             row_table=self.block_table,
             row_blocks=(self.block_first[:total], self.block_rows[:total]),
-            prefill_tiles=count_tiles(query_lens, self.tile_tokens),
+            prefill_tiles=int(self._h_ntiles.numpy()[0]),  # _write_blocks counted them
             tile_count=self.tile_count,
         )
         return ctx

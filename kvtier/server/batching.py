@@ -72,16 +72,16 @@ POOL_GAUGE_EVERY = 64
 
 
 def fuse(model: Any) -> int:
-    """The model's norms and gated MLPs as fused Triton kernels (`fused_kernels`); the modules
-    swapped, 0 where Triton is missing (the model's own modules then run, as they would with
-    the switch off)."""
+    """The model's norms, gated MLPs and attention rotary-and-page-write as fused Triton
+    kernels (`fused_kernels`); the modules swapped, 0 where Triton is missing (the model's own
+    modules then run, as they would with the switch off)."""
     try:
         from kvtier.paged.fused import fuse_model  # Triton: imported only when asked for
     except ImportError as exc:
         log.warning("fused kernels off: Triton is not importable (%s)", exc)
         return 0
     swapped = fuse_model(model)
-    log.info("fused kernels: %d norms and MLPs run as one kernel each", swapped)
+    log.info("fused kernels: %d norms, MLPs and attentions swapped", swapped)
     return swapped
 
 
