@@ -141,9 +141,10 @@ def _agrees(module: torch.nn.Module, fused: Any, width: int) -> bool:
 def fuse_model(model: torch.nn.Module) -> int:
     """Swap the forward of the model's RMSNorm and gated-SiLU MLP modules for the fused
     kernels, and of its Llama-style attention modules for one whose rotary embedding and page
-    write are one kernel (`kvtier.paged.fused_rope`); the number of modules swapped. A module
+    write are one kernel and whose q/k/v projections one GEMM (`kvtier.paged.fused_rope`); the
+    number of modules swapped. A module
     class whose forward the sample check does not confirm keeps its own (logged once)."""
-    from kvtier.paged.fused_rope import attention_forward, attention_width, rope_agrees
+    from kvtier.paged.fused_rope import attention_forward, attention_width, merge_qkv, rope_agrees
 
     verdict: dict[tuple[type, str], bool] = {}
     swapped = 0
@@ -172,4 +173,6 @@ def fuse_model(model: torch.nn.Module) -> int:
         if verdict[key]:
             module.forward = types.MethodType(fused, module)  # type: ignore[method-assign]
             swapped += 1
+            if kind == "attention":
+                merge_qkv(module)
     return swapped

@@ -14,10 +14,14 @@ this kernel assumes (`q_proj`/`k_proj`/`v_proj`/`o_proj`, no query or key norm, 
 softcap, no sliding window) and whose own module's `apply_rotary_pos_emb` gives the kernel's
 result on a sample (`rope_agrees`). It takes the fused path only inside a paged forward
 (`kvtier.paged.context`) over pages that are not int8; anywhere else it calls the module's own
-forward.
+forward. `merge_qkv` makes the query, key and value projections one GEMM there: their weights
+become row ranges of one tensor (the three small launches of a decode step, K's and V's a
+fraction of Q's, cost more than their bytes).
 
 Exactness: the kernel rounds where transformers rounds (each product and the sum to the
 input's dtype), so the rotated values are the ones `apply_rotary_pos_emb` gives, bit for bit.
+The merged GEMM computes the same dot products; cuBLAS may pick another kernel for its width,
+so bf16 results agree within the fused kernels' tolerance, fp32 ones exactly in the tests.
 """
 
 from __future__ import annotations
@@ -196,14 +200,58 @@ def attention_forward(
         )
     tokens = hidden_states.shape[1]
     x = hidden_states[0]
-    q = self.q_proj(x).view(tokens, -1, self.head_dim)
-    k = self.k_proj(x).view(tokens, -1, self.head_dim)
-    v = self.v_proj(x).view(tokens, -1, self.head_dim)
+    merged = _merged_qkv(self)
+    if merged is not None:  # one GEMM; q, k and v are column ranges of its output
+        weight, bias = merged
+        sizes = (self.q_proj.out_features, self.k_proj.out_features, self.v_proj.out_features)
+        q, k, v = torch.nn.functional.linear(x, weight, bias).split(sizes, dim=-1)
+    else:
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+    q, k, v = (t.view(tokens, -1, self.head_dim) for t in (q, k, v))
     cos, sin = position_embeddings
     k_cache, v_cache = ctx.pool.layer_cache(self.layer_idx)
     q, _ = rope_write(q, k, v, cos[0], sin[0], k_cache, v_cache, ctx.slot_mapping)
     out = attend(ctx, q, k_cache, v_cache, self.scaling)
     return self.o_proj(out.reshape(1, tokens, -1)), None
+
+
+def merge_qkv(module: Any) -> bool:
+    """Put the weights (and biases) of the module's q, k and v projections in one tensor each,
+    the projections' parameters becoming row ranges of it (no memory added), so that
+    `attention_forward` computes all three in one GEMM. False (nothing changed) where their
+    dtypes, devices or biases differ."""
+    projections = (module.q_proj, module.k_proj, module.v_proj)
+    weights = [p.weight for p in projections]
+    biases = [p.bias for p in projections]
+    if len({(w.dtype, w.device) for w in weights}) != 1 or len({b is None for b in biases}) != 1:
+        return False
+    with torch.no_grad():
+        weight = torch.cat(weights)
+        bias = None if biases[0] is None else torch.cat(biases)
+        start = 0
+        for p in projections:
+            end = start + p.out_features
+            p.weight.data = weight[start:end]  # the same Parameter, its data a view
+            if bias is not None:
+                p.bias.data = bias[start:end]
+            start = end
+    module.kvtier_qkv = (weight, bias)  # not registered: state_dict keeps the three
+    return True
+
+
+def _merged_qkv(module: Any) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """The merged q/k/v weight and bias where the projections' parameters are still views of
+    them; None where they are not (never merged, or given fresh storage since: a layer moved
+    or reloaded by `kvtier.placement`), and the projections then run one by one."""
+    merged = getattr(module, "kvtier_qkv", None)
+    if merged is None:
+        return None
+    storage = merged[0].untyped_storage().data_ptr()
+    for p in (module.q_proj, module.k_proj, module.v_proj):
+        if p.weight.untyped_storage().data_ptr() != storage:
+            module.kvtier_qkv = None  # drop the stale copy
+            return None
+    return merged
 
 
 def _fused_context(

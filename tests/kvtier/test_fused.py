@@ -172,6 +172,34 @@ def test_a_fused_model_steps_through_pages_as_before(
     torch.testing.assert_close(got_k, want_k, rtol=1e-5, atol=1e-5)
 
 
+def test_merged_qkv_keeps_the_weights_and_lets_go_of_moved_ones() -> None:
+    """fuse_model puts q/k/v's weights in one tensor without changing a value or a state_dict
+    key; a projection given fresh storage later (a layer moved or reloaded) turns the merged
+    GEMM off for that module, and the stale copy is dropped."""
+    from conftest import MODELS
+
+    from kvtier.paged.fused import fuse_model
+    from kvtier.paged.fused_rope import _merged_qkv
+    from kvtier.weights import weights_digest
+
+    model = MODELS["qwen2"]().to(DEVICE)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    digest = weights_digest(model)
+    fuse_model(model)
+    after = model.state_dict()
+    assert after.keys() == before.keys() and weights_digest(model) == digest
+    assert all(torch.equal(after[k], v) for k, v in before.items())
+    attn = model.model.layers[0].self_attn
+    merged = _merged_qkv(attn)
+    assert merged is not None and merged[1] is not None  # Qwen2's projections have biases
+    rows = attn.q_proj.out_features + attn.k_proj.out_features + attn.v_proj.out_features
+    assert merged[0].shape == (rows, attn.q_proj.in_features)
+    assert attn.v_proj.weight.untyped_storage().data_ptr() == merged[0].untyped_storage().data_ptr()
+    attn.k_proj.weight.data = attn.k_proj.weight.data.clone()
+    assert _merged_qkv(attn) is None and attn.kvtier_qkv is None
+    assert _merged_qkv(model.model.layers[1].self_attn) is not None
+
+
 def test_an_attention_with_another_rotary_is_left_alone() -> None:
     """An attention module whose file's apply_rotary_pos_emb rotates interleaved pairs (as
     GPT-J's) fails the sample check and keeps its own forward; one with a query norm (as
