@@ -9,6 +9,9 @@ values do not change the timing), and times:
 - a mixed step: the decode rows of `--batch - --prefills` sequences plus `--prefills` prompt
   chunks of `--chunk` tokens appended to `--context`-token contexts: replayed from a CUDA graph,
   and eager on each attention backend that takes it (rows, split, reference);
+- both again with decode-only graphs, then with the fused kernels (kvtier.paged.fused): the
+  norms and MLPs first, then the attention's rotary with its page write and q/k/v as one GEMM
+  too (what the server's `fused_kernels` swaps);
 
 against the ceilings measured in the same run: transformers' batched decode step over
 `DynamicCache` (every context resident, SDPA), and that decode step plus the prompt chunks
@@ -19,8 +22,9 @@ step (torch.profiler).
 (torch.profiler, eager: the same kernels a graph replays) and sets each kind against its floor
 in the same run: the weight matmuls against reading every linear layer's weights once, the
 paged attention against reading every sequence's K/V once, both at the device-to-device copy
-speed measured here. The graph's replay alone (timed with CUDA events) beyond the kernels' sum
-is the gaps between them; the graph step beyond the replay is its host work (the step's inputs).
+speed measured here; the model is fused by then. The all-fused graphs' replay alone (timed
+with CUDA events; a decode-only step replays its decode-only graph) beyond the kernels' sum is
+the gaps between them; the graph step beyond the replay is its host work (the step's inputs).
 The decode step is also broken down through the one-row kernel alone (the eager decode-only
 path), against the graphs' kernel, which has the prompt rows' code compiled in. It prints the
 step a throughput needs at this batch, so the distance to a target reads off the table.
@@ -186,17 +190,29 @@ def main() -> None:
     # every RMSNorm and SiLU-and-multiply as one kernel (kvtier.paged.fused), graphs again
     from kvtier.paged.fused import fuse_model
 
-    fused_modules = fuse_model(model)
+    fused_modules = fuse_model(model, kinds=("norm", "mlp"))
     runner.capture_graphs([args.batch, mixed_tokens], decode_graphs=True)
     rows.append(
         (
-            f"decode-only step, both, {fused_modules} modules fused",
+            f"decode-only step, both, {fused_modules} norms and MLPs fused",
             timed(decode_step, args.reps),
             ceil_decode,
         )
     )
     rows.append((f"{mixed}, CUDA graph, fused", timed(mixed_step, args.reps), ceil_mixed))
-    runner.graphs = graphs
+    # then each attention's rotary and page write as one kernel, its q/k/v as one GEMM
+    # (kvtier.paged.fused_rope): everything the server's fused_kernels swaps
+    attentions = fuse_model(model, kinds=("attention",))
+    runner.capture_graphs([args.batch, mixed_tokens], decode_graphs=True)
+    decode_graph = timed(decode_step, args.reps)
+    rows.append(
+        (f"decode-only step, both, {attentions} attentions fused too", decode_graph, ceil_decode)
+    )
+    mixed_graph = timed(mixed_step, args.reps)
+    rows.append((f"{mixed}, CUDA graph, all fused", mixed_graph, ceil_mixed))
+    # the breakdown below replays these graphs (everything fused; a decode-only step its
+    # decode-only graph), beside the two steps just timed
+    graphs = runner.graphs
 
     print(
         f"qwen2-7b bf16 on {torch.cuda.get_device_name()}, torch {torch.__version__}, "
@@ -223,7 +239,7 @@ def main() -> None:
         read_ms = memcpy_seconds(1 << 31, 10) / (1 << 31) * 1e3  # per byte, read at copy speed
         assert graphs is not None
         decode_step()  # the graphs' buffers hold a decode-only step: replay it alone
-        decode_replay = cuda_time(lambda: graphs.replay(args.batch), args.reps) * 1e3
+        decode_replay = cuda_time(lambda: graphs.replay(args.batch, True), args.reps) * 1e3
         mixed_step()
         mixed_replay = cuda_time(lambda: graphs.replay(mixed_tokens), args.reps) * 1e3
         runner.graphs, runner.backend = None, "rows"  # eager, the graphs' attention path

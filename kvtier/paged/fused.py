@@ -138,14 +138,19 @@ def _agrees(module: torch.nn.Module, fused: Any, width: int) -> bool:
     return bool(torch.allclose(got.float(), want.float(), rtol=tol, atol=tol))
 
 
-def fuse_model(model: torch.nn.Module) -> int:
-    """Swap the forward of the model's RMSNorm and gated-SiLU MLP modules for the fused
-    kernels, and of its Llama-style attention modules for one whose rotary embedding and page
-    write are one kernel and whose q/k/v projections one GEMM (`kvtier.paged.fused_rope`); the
-    number of modules swapped. A module
-    class whose forward the sample check does not confirm keeps its own (logged once)."""
+KINDS = ("norm", "mlp", "attention")
+
+
+def fuse_model(model: torch.nn.Module, kinds: tuple[str, ...] = KINDS) -> int:
+    """Swap the forward of the model's RMSNorm ("norm") and gated-SiLU MLP ("mlp") modules for
+    the fused kernels, and of its Llama-style attention modules ("attention") for one whose
+    rotary embedding and page write are one kernel and whose q/k/v projections one GEMM
+    (`kvtier.paged.fused_rope`); the number of modules swapped. A module class whose forward
+    the sample check does not confirm keeps its own (logged once)."""
     from kvtier.paged.fused_rope import attention_forward, attention_width, merge_qkv, rope_agrees
 
+    if unknown := set(kinds) - set(KINDS):
+        raise ValueError(f"unknown fused kinds {sorted(unknown)}: choose from {KINDS}")
     verdict: dict[tuple[type, str], bool] = {}
     swapped = 0
     for module in model.modules():
@@ -157,6 +162,8 @@ def fuse_model(model: torch.nn.Module) -> int:
         elif attention_width(module) is not None:
             kind, fused = "attention", attention_forward
         else:
+            continue
+        if kind not in kinds:
             continue
         key = (type(module), kind)
         if key not in verdict:

@@ -172,6 +172,23 @@ def test_a_fused_model_steps_through_pages_as_before(
     torch.testing.assert_close(got_k, want_k, rtol=1e-5, atol=1e-5)
 
 
+def test_fuse_model_swaps_the_kinds_asked_for() -> None:
+    """The bench fuses norms and MLPs first, then the attention: each call swaps its kinds."""
+    from conftest import MODELS
+
+    from kvtier.paged.fused import fuse_model
+
+    model = MODELS["llama"]().to(DEVICE)
+    layers = model.config.num_hidden_layers
+    attn = model.model.layers[0].self_attn
+    assert fuse_model(model, kinds=("norm", "mlp")) == 3 * layers + 1
+    assert "forward" not in vars(attn)  # the class's own
+    assert fuse_model(model, kinds=("attention",)) == layers
+    assert "forward" in vars(attn)
+    with pytest.raises(ValueError, match="unknown fused kinds"):
+        fuse_model(model, kinds=("rotary",))
+
+
 def test_merged_qkv_keeps_the_weights_and_lets_go_of_moved_ones() -> None:
     """fuse_model puts q/k/v's weights in one tensor without changing a value or a state_dict
     key; a projection given fresh storage later (a layer moved or reloaded) turns the merged
