@@ -71,16 +71,17 @@ DEFAULT_DECODING_PROMPT_TOKENS = 192
 POOL_GAUGE_EVERY = 64
 
 
-def fuse(model: Any) -> int:
-    """The model's norms, gated MLPs and attention rotary-and-page-write as fused Triton
-    kernels (`fused_kernels`); the modules swapped, 0 where Triton is missing (the model's own
-    modules then run, as they would with the switch off)."""
+def fuse(model: Any, attention: bool = False) -> int:
+    """The model's norms and gated MLPs as fused Triton kernels (`fused_kernels`), and with
+    `attention` (`fused_attention`) its attention's rotary-and-page-write and q/k/v too; the
+    modules swapped, 0 where Triton is missing (the model's own modules then run, as they
+    would with the switch off)."""
     try:
         from kvtier.paged.fused import fuse_model  # Triton: imported only when asked for
     except ImportError as exc:
         log.warning("fused kernels off: Triton is not importable (%s)", exc)
         return 0
-    swapped = fuse_model(model)
+    swapped = fuse_model(model, ("norm", "mlp", "attention") if attention else ("norm", "mlp"))
     log.info("fused kernels: %d norms, MLPs and attentions swapped", swapped)
     return swapped
 
@@ -102,7 +103,7 @@ class BatchScheduler:
         self.metrics = metrics
         model = served.model
         if bool(getattr(config, "fused_kernels", True)) and served.device.type == "cuda":
-            fuse(model)
+            fuse(model, bool(getattr(config, "fused_attention", False)))
         geometry, dtype, per_token = model_kv(model)
         self.max_batch = int(config.max_concurrency)
         self.batch_tokens = max(

@@ -200,6 +200,13 @@ def options(f: Callable[..., Any]) -> Callable[..., Any]:
             "on; without Triton the model's own modules run).",
         ),
         click.option(
+            "--fused-attention/--no-fused-attention",
+            default=None,
+            help="With fused kernels: also run each Llama-style attention's rotary embedding "
+            "and page write as one Triton kernel and its q/k/v projections as one GEMM "
+            "(default off: not yet measured on a GPU).",
+        ),
+        click.option(
             "--overlap-steps/--no-overlap-steps",
             default=None,
             help="With batching: when every running request samples greedily, start the next "
