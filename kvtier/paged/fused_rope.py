@@ -52,12 +52,12 @@ def _rope_write_kernel(
     cos2 = tl.load(COS + t * sc_t + HALF + d, mask=m, other=0.0).to(tl.float32)
     sin1 = tl.load(SIN + t * ss_t + d, mask=m, other=0.0).to(tl.float32)
     sin2 = tl.load(SIN + t * ss_t + HALF + d, mask=m, other=0.0).to(tl.float32)
+    slot = tl.load(SLOTS + t).to(tl.int64)  # read by every program: one value per token
     if h < HEADS:
         src = Q + t * sq_t + h * sq_h
         dst = QOUT + t * so_t + h * so_h
     else:
         src = K + t * sk_t + (h - HEADS) * sk_h
-        slot = tl.load(SLOTS + t).to(tl.int64)
         dst = KC + slot * skc_s + (h - HEADS) * skc_h
     x1 = tl.load(src + d, mask=m, other=0.0)
     x2 = tl.load(src + HALF + d, mask=m, other=0.0)
@@ -118,6 +118,7 @@ def rope_write(
             cos.stride(0), sin.stride(0), q_out.stride(0), q_out.stride(1),
             kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1),
             HEADS=heads, HALF=dim // 2, BLOCK=triton.next_power_of_2(dim // 2),
+            enable_fp_fusion=False,  # no fused multiply-add: each product rounds as torch's
         )  # fmt: skip
     return q_out, None if keys is None else keys[:, 0]
 

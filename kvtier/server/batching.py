@@ -71,7 +71,7 @@ DEFAULT_DECODING_PROMPT_TOKENS = 192
 POOL_GAUGE_EVERY = 64
 
 
-def fuse(model: Any, attention: bool = False) -> int:
+def fuse(model: Any, attention: bool = True) -> int:
     """The model's norms and gated MLPs as fused Triton kernels (`fused_kernels`), and with
     `attention` (`fused_attention`) its attention's rotary-and-page-write and q/k/v too; the
     modules swapped, 0 where Triton is missing (the model's own modules then run, as they
@@ -103,7 +103,7 @@ class BatchScheduler:
         self.metrics = metrics
         model = served.model
         if bool(getattr(config, "fused_kernels", True)) and served.device.type == "cuda":
-            fuse(model, bool(getattr(config, "fused_attention", False)))
+            fuse(model, bool(getattr(config, "fused_attention", True)))
         geometry, dtype, per_token = model_kv(model)
         self.max_batch = int(config.max_concurrency)
         self.batch_tokens = max(

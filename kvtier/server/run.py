@@ -204,7 +204,7 @@ def options(f: Callable[..., Any]) -> Callable[..., Any]:
             default=None,
             help="With fused kernels: also run each Llama-style attention's rotary embedding "
             "and page write as one Triton kernel and its q/k/v projections as one GEMM "
-            "(default off: not yet measured on a GPU).",
+            "(default on).",
         ),
         click.option(
             "--overlap-steps/--no-overlap-steps",
