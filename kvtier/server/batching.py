@@ -77,11 +77,11 @@ def fuse(model: Any, attention: bool = True) -> int:
     modules swapped, 0 where Triton is missing (the model's own modules then run, as they
     would with the switch off)."""
     try:
-        from kvtier.paged.fused import fuse_model  # Triton: imported only when asked for
+        from kvtier.paged.fused import KINDS, fuse_model  # Triton: imported only when asked for
     except ImportError as exc:
         log.warning("fused kernels off: Triton is not importable (%s)", exc)
         return 0
-    swapped = fuse_model(model, ("norm", "mlp", "attention") if attention else ("norm", "mlp"))
+    swapped = fuse_model(model, KINDS if attention else tuple(k for k in KINDS if k != "attention"))
     log.info("fused kernels: %d norms, MLPs and attentions swapped", swapped)
     return swapped
 
