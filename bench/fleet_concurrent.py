@@ -25,10 +25,13 @@ Configurations:
                the pool as the sessions' L1 (`paged_l1`, the server's default): restores land
                in the pool straight from L2, so the cache's L1 keeps two contexts (its
                staging buffers and a margin) and the rest of the L1 budget goes to the pool,
-               where finished turns park their pages
+               where finished turns park their pages; the server's fused kernels on
+               (`fused_kernels`, `fused_attention`)
   kvtier-int8  (e) the same with the int8 codec
   kvtier-eager (d) without CUDA graphs: every step eager (what graphs add, in the same run)
-  kvtier-fused (d) with `fused_kernels`: every RMSNorm and SiLU-and-multiply one Triton kernel
+  kvtier-unfused (d) without `fused_kernels`: the model's own norms, MLPs and attention
+               (what the fused kernels add, in the same run: every configuration starts from
+               the unfused model, and only those with the kernels on fuse it)
   kvtier-dg    (d) with `decode_graphs`: steps without prompt rows replay a graph of the
                one-row attention kernel (what it adds, in the same run)
   kvtier-sync  (d) without overlapped steps: each step's tokens read back before the next
@@ -58,6 +61,8 @@ Configurations:
                `kvtier-b128-p256`
   kvtier-...-shortest  with the prompts a decoding step takes whole shortest first, not
                oldest first (kvtier.server.promptorder; the order before)
+  kvtier-...-dg, kvtier-...-unfused  the two switches above on any variant:
+               `kvtier-b96-p256-dg`
 
 Each session's initial context (a shared `--system`-token system prompt, then its own tokens)
 is prefilled once per scenario, batched; its K/V is kept on the host (the "bank") and copied
@@ -164,6 +169,17 @@ def build_bank(model, ctxs, system: int, device: str, group: int, chunk: int):
     return bank
 
 
+def unfused(model: torch.nn.Module) -> None:
+    """Every configuration starts from the model's own modules: the ceiling and `generate`
+    as eager PyTorch, the kvtier rows fused again by their scheduler where `fused_kernels`
+    is on (a fused model would otherwise stay fused for every configuration after it)."""
+    try:
+        from kvtier.paged.fused import unfuse_model  # Triton: absent on some CPU machines
+    except ImportError:
+        return
+    unfuse_model(model)
+
+
 def fresh(device: str) -> None:
     # as `kvtier serve` does at the end of its start-up: what lives now (the model, the bank)
     # is out of the collector's reach, so no full collection walks it inside the window
@@ -237,6 +253,7 @@ def run_scenario(args, model, dev: str, scen: str, n: int, fleet_ceiling, fit_st
             ceiling = fleet_ceiling
             continue
         fresh(dev)
+        unfused(model)
         model.set_attn_implementation("sdpa")
         backend = None
         root = tmp / f"{scen}-{name}"
@@ -273,8 +290,9 @@ def run_scenario(args, model, dev: str, scen: str, n: int, fleet_ceiling, fit_st
                     cfg = SimpleNamespace(**vars(sched_config))
                     cfg.cuda_graphs = name != "kvtier-eager"
                     cfg.overlap_steps = name != "kvtier-sync"
-                    cfg.decode_graphs = name == "kvtier-dg"
-                    cfg.fused_kernels = name == "kvtier-fused"
+                    settings = report.variant(name)
+                    cfg.decode_graphs = "dg" in settings
+                    cfg.fused_kernels = "unfused" not in settings  # the server's default
                     if name == "kvtier-gil5":  # the interpreter's default GIL switch interval
                         cfg.switch_interval_s = 0.005
                     if name == "kvtier-gil01":  # a 0.1 ms switch interval (the default 0.5)
@@ -290,7 +308,6 @@ def run_scenario(args, model, dev: str, scen: str, n: int, fleet_ceiling, fit_st
                     # cache's L1 (which keeps the sessions): the budget is both
                     budget = l1 + cfg.batch_kv_bytes
                     home = pool if paged else l1
-                    settings = report.variant(name)
                     if "p" in settings:  # prompt tokens of a decoding step
                         cfg.decoding_prompt_tokens = settings["p"]
                     if "b" in settings:  # batch slots, the same K/V bytes

@@ -195,16 +195,18 @@ def _check(label: str, ok: bool | None, figure: str) -> dict[str, Any]:
 
 
 def variant(name: str) -> dict[str, int]:
-    """The settings a `kvtier-bN-pM-shortest` configuration name changes: {"b": N batch
-    slots, "p": M prompt tokens of a decoding step, "shortest": 1 (short prompts shortest
-    first, not oldest first)}, any of them; {} for any other name."""
-    m = re.fullmatch(r"kvtier((?:-(?:[bp]\d+|shortest))+)", name)
+    """The settings a `kvtier-bN-pM-shortest-dg-unfused` configuration name changes: {"b": N
+    batch slots, "p": M prompt tokens of a decoding step, "shortest": 1 (short prompts
+    shortest first, not oldest first), "dg": 1 (`decode_graphs` on), "unfused": 1
+    (`fused_kernels` off)}, any of them; {} for any other name."""
+    flags = ("shortest", "dg", "unfused")
+    m = re.fullmatch(r"kvtier((?:-(?:[bp]\d+|" + "|".join(flags) + r"))+)", name)
     if not m:
         return {}
     out = {}
     for part in m.group(1).split("-")[1:]:
-        if part == "shortest":
-            out["shortest"] = 1
+        if part in flags:
+            out[part] = 1
         else:
             out[part[0]] = int(part[1:])
     return out

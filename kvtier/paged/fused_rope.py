@@ -220,7 +220,9 @@ def merge_qkv(module: Any) -> bool:
     """Put the weights (and biases) of the module's q, k and v projections in one tensor each,
     the projections' parameters becoming row ranges of it (no memory added), so that
     `attention_forward` computes all three in one GEMM. False (nothing changed) where their
-    dtypes, devices or biases differ."""
+    dtypes, devices or biases differ. A module merged already keeps its tensor (no copy)."""
+    if _merged_qkv(module) is not None:
+        return True
     projections = (module.q_proj, module.k_proj, module.v_proj)
     weights = [p.weight for p in projections]
     biases = [p.bias for p in projections]

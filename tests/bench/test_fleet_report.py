@@ -20,6 +20,10 @@ from fleet_report import variant
         ("kvtier-b128-p256", {"b": 128, "p": 256}),
         ("kvtier-b128-p256-shortest", {"b": 128, "p": 256, "shortest": 1}),
         ("kvtier-shortest", {"shortest": 1}),
+        ("kvtier-dg", {"dg": 1}),
+        ("kvtier-unfused", {"unfused": 1}),
+        ("kvtier-b96-p256-dg", {"b": 96, "p": 256, "dg": 1}),
+        ("kvtier-fused", {}),  # fused is the default: no such switch
         ("kvtier", {}),
         ("kvtier-int8", {}),
         ("kvtier-b", {}),  # no number: not a variant (the bench reports it unknown)

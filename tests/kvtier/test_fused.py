@@ -189,6 +189,36 @@ def test_fuse_model_swaps_the_kinds_asked_for() -> None:
         fuse_model(model, kinds=("rotary",))
 
 
+def test_unfuse_model_restores_the_class_forwards() -> None:
+    """A process that compares fused and unfused runs (the fleet bench) unfuses between them:
+    every swapped module runs its class's forward again, a module fused by something else is
+    left alone, and fusing again reuses the merged q/k/v tensor rather than copying it."""
+    from conftest import MODELS
+
+    from kvtier.paged.fused import fuse_model, unfuse_model
+    from kvtier.paged.fused_rope import _merged_qkv
+
+    model = MODELS["llama"]().to(DEVICE)
+    layers = model.config.num_hidden_layers
+    ids = torch.tensor([[5, 9, 2, 7]], device=DEVICE)
+    with torch.no_grad():
+        want = model(ids).logits
+    swapped = fuse_model(model)
+    assert swapped == 4 * layers + 1
+    attn = model.model.layers[0].self_attn
+    merged = _merged_qkv(attn)
+    other = model.model.layers[1].mlp
+    other.forward = lambda x: x  # a forward someone else put there
+    assert unfuse_model(model) == swapped - 1
+    assert "forward" not in vars(attn) and "forward" in vars(other)
+    del other.forward
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, want, rtol=0, atol=0)
+    assert fuse_model(model) == swapped
+    again = _merged_qkv(attn)
+    assert merged is not None and again is not None and again[0] is merged[0]
+
+
 def test_merged_qkv_keeps_the_weights_and_lets_go_of_moved_ones() -> None:
     """fuse_model puts q/k/v's weights in one tensor without changing a value or a state_dict
     key; a projection given fresh storage later (a layer moved or reloaded) turns the merged
