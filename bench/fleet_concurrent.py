@@ -173,11 +173,9 @@ def unfused(model: torch.nn.Module) -> None:
     """Every configuration starts from the model's own modules: the ceiling and `generate`
     as eager PyTorch, the kvtier rows fused again by their scheduler where `fused_kernels`
     is on (a fused model would otherwise stay fused for every configuration after it)."""
-    try:
-        from kvtier.paged.fused import unfuse_model  # Triton: absent on some CPU machines
-    except ImportError:
-        return
-    unfuse_model(model)
+    fused = sys.modules.get("kvtier.paged.fused")  # not imported: nothing was fused
+    if fused is not None:
+        fused.unfuse_model(model)
 
 
 def fresh(device: str) -> None:
