@@ -195,11 +195,11 @@ def _check(label: str, ok: bool | None, figure: str) -> dict[str, Any]:
 
 
 def variant(name: str) -> dict[str, int]:
-    """The settings a `kvtier-bN-pM-shortest-dg-unfused` configuration name changes: {"b": N
+    """The settings a `kvtier-bN-pM-shortest-nodg-unfused` configuration name changes: {"b": N
     batch slots, "p": M prompt tokens of a decoding step, "shortest": 1 (short prompts
-    shortest first, not oldest first), "dg": 1 (`decode_graphs` on), "unfused": 1
-    (`fused_kernels` off)}, any of them; {} for any other name."""
-    flags = ("shortest", "dg", "unfused")
+    shortest first, not oldest first), "dg": 1 / "nodg": 1 (`decode_graphs` on / off),
+    "unfused": 1 (`fused_kernels` off)}, any of them; {} for any other name."""
+    flags = ("shortest", "dg", "nodg", "unfused")
     m = re.fullmatch(r"kvtier((?:-(?:[bp]\d+|" + "|".join(flags) + r"))+)", name)
     if not m:
         return {}

@@ -13,7 +13,7 @@
 #   tests2     every other gpu-marked test (batching, the server, failover on one device, ops)
 #   breakdown  bench/paged_step.py --breakdown: the decode-only and mixed steps, replayed with
 #              and without decode-only graphs and fused kernels, against their floors
-#   fleet      bench/agent_fleet.py --concurrent: fit with kvtier-unfused, kvtier and kvtier-dg;
+#   fleet      bench/agent_fleet.py --concurrent: fit with kvtier-unfused, kvtier-nodg and kvtier (the defaults);
 #              hibernate (256 sessions, L1 for 64) with kvtier-b96-p256
 #   grammar    bench/grammar_step.py: 64 sessions with and without one constrained row
 set -uo pipefail
@@ -49,7 +49,7 @@ for step in $STEPS; do
     fleet)
       mkdir -p "$OUT/step_fleet"
       timeout $(limit 580) python3 bench/agent_fleet.py --concurrent --out "$OUT/step_fleet" \
-        --time-limit "${CONC_SECONDS:-20}" --configs ceiling,kvtier-unfused,kvtier,kvtier-dg \
+        --time-limit "${CONC_SECONDS:-20}" --configs ceiling,kvtier-unfused,kvtier-nodg,kvtier \
         --hibernate-configs kvtier-b96-p256 2>&1 | quiet >"$OUT/step_fleet.txt" ;;
     grammar)
       timeout $(limit 400) python3 bench/grammar_step.py --shape qwen2-7b --batch 64 >"$OUT/grammar.txt" 2>&1 ;;

@@ -450,7 +450,7 @@ class BatchScheduler:
         before the first turn; the buckets captured, none where the step is not `graphed`."""
         if not self.graphed:
             return []
-        decode = bool(getattr(self.config, "decode_graphs", False))
+        decode = bool(getattr(self.config, "decode_graphs", True))
         return self.runner.capture_graphs(decode_graphs=decode)
 
     # ---- what the step runner needs (stepping.TurnEnds) ---------------------------------------

@@ -122,8 +122,9 @@ class ServerConfig:
     batching: bool = True  # one forward per step for every running session (off: one thread each)
     cuda_graphs: bool = True  # with batching on CUDA: decode steps replayed as CUDA graphs
     # with cuda_graphs: a second graph per decode bucket for steps without prompt rows, on the
-    # one-row attention kernel (kvtier.paged.graphs); off until measured on the fleet
-    decode_graphs: bool = False
+    # one-row attention kernel (kvtier.paged.graphs); on since the fleet measured +22 % tok/s
+    # at 64 sessions with it once the attention was fused (docs/benchmarks.md)
+    decode_graphs: bool = True
     # with batching on CUDA: every RMSNorm and gated-SiLU MLP of the model runs as one Triton
     # kernel each (kvtier.paged.fused); on since the H200 fleet measured +18 % tok/s with it
     fused_kernels: bool = True

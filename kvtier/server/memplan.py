@@ -347,7 +347,7 @@ def profile_graphs(
             max_tokens=max(int(config.batch_tokens), max_batch),
             max_seq_len=max_seq_len,
         )
-        runner.capture_graphs(decode_graphs=bool(getattr(config, "decode_graphs", False)))
+        runner.capture_graphs(decode_graphs=bool(getattr(config, "decode_graphs", True)))
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()  # what the side stream's eager passes cached goes back
         graphs = torch.cuda.memory_reserved(device) - base - pool.num_pages * pool.page_bytes

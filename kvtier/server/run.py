@@ -190,7 +190,7 @@ def options(f: Callable[..., Any]) -> Callable[..., Any]:
             default=None,
             help="With CUDA graphs: also record, for each decode bucket, a graph of a step "
             "without prompt rows on the one-row attention kernel, replayed when no prompt "
-            "chunk rides along (default off; it doubles the decode buckets' capture time).",
+            "chunk rides along (default on; it doubles the decode buckets' capture time).",
         ),
         click.option(
             "--fused-kernels/--no-fused-kernels",

@@ -22,6 +22,7 @@ from fleet_report import variant
         ("kvtier-shortest", {"shortest": 1}),
         ("kvtier-dg", {"dg": 1}),
         ("kvtier-unfused", {"unfused": 1}),
+        ("kvtier-nodg", {"nodg": 1}),
         ("kvtier-b96-p256-dg", {"b": 96, "p": 256, "dg": 1}),
         ("kvtier-fused", {}),  # fused is the default: no such switch
         ("kvtier", {}),
