@@ -33,3 +33,24 @@ from fleet_report import variant
 )
 def test_variant_names(name: str, settings: dict[str, int]) -> None:
     assert variant(name) == settings
+
+
+@pytest.mark.parametrize(
+    ("scenario", "rate", "state"),
+    [
+        ("fit", 4493.0, "missed"),
+        ("fit", 6100.0, "met"),
+        ("hibernate", 2900.0, "missed"),
+        ("hibernate", 3925.0, "met"),
+    ],
+)
+def test_throughput_targets(scenario: str, rate: float, state: str) -> None:
+    """A kvtier row's tok/s against the scenario's target (issue figures: 6,000 fit, 3,000
+    hibernate), as the bench prints and plots it."""
+    from fleet_report import TOK_S_TARGET, targets
+
+    nan = float("nan")
+    row = {"config": "kvtier", "tok_s": rate, "x_ceiling": nan, "oom": 0}
+    row |= {"ttft_p50": nan, "ttft_p99": nan, "step_p50": nan, "step_p99": nan}
+    checks = {c["target"]: c["state"] for c in targets(scenario, [row])}
+    assert checks[f"kvtier: >= {TOK_S_TARGET[scenario]:,} tok/s"] == state
