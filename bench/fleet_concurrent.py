@@ -329,6 +329,15 @@ def run_scenario(args, model, dev: str, scen: str, n: int, fleet_ceiling, fit_st
                     finally:
                         gc.enable()
                         gc.set_threshold(*thresholds)
+                    # what the row ran, in its JSON and its line (a name says only what it
+                    # changes): a module's own forward swapped means the scheduler fused it;
+                    # graphs are CUDA's
+                    fused = any("forward" in vars(mod) for mod in model.modules())
+                    graphs = dev.startswith("cuda") and cfg.cuda_graphs and cfg.decode_graphs
+                    m.extra["fused_kernels"] = fused
+                    m.extra["decode_graphs"] = graphs
+                    ran = f"fused {'on' if fused else 'off'}, decode graphs {'on' if graphs else 'off'}"
+                    m.note = f"{m.note}; {ran}" if m.note else ran
             else:
                 print(f"unknown configuration {name}", flush=True)
                 continue
