@@ -115,7 +115,12 @@ def test_a_dead_child_fails_the_write_promptly_even_with_its_pipes_held_open(
     pipes, so no EOF ever comes; its exit alone must fail the write, well before `timeout`."""
     proc = WriterProcess(arena.slabs(), threads=1, timeout=60)
     child = psutil.Process(proc.pid)
-    args = child.cmdline()
+    # Popen returns once the exec passed its point of no return, a moment before the kernel
+    # sets the new program's arguments: until then /proc/PID/cmdline reads empty
+    deadline = time.monotonic() + 10
+    while "--rx" not in (args := child.cmdline()):
+        assert time.monotonic() < deadline, args
+        time.sleep(0.01)
     rx, tx = args[args.index("--rx") + 1], args[args.index("--tx") + 1]
     held = [
         os.open(f"/proc/{proc.pid}/fd/{rx}", os.O_RDONLY),
