@@ -180,6 +180,12 @@ def unfused(model: torch.nn.Module) -> None:
         fused.unfuse_model(model)
 
 
+def is_fused(model: torch.nn.Module) -> bool:
+    """Whether the scheduler fused the model (kvtier.paged.fused)."""
+    fused = sys.modules.get("kvtier.paged.fused")
+    return fused is not None and bool(fused.fused_modules(model))
+
+
 def fresh(device: str) -> None:
     # as `kvtier serve` does at the end of its start-up: what lives now (the model, the bank)
     # is out of the collector's reach, so no full collection walks it inside the window
@@ -330,9 +336,8 @@ def run_scenario(args, model, dev: str, scen: str, n: int, fleet_ceiling, fit_st
                         gc.enable()
                         gc.set_threshold(*thresholds)
                     # what the row ran, in its JSON and its line (a name says only what it
-                    # changes): a module's own forward swapped means the scheduler fused it;
-                    # graphs are CUDA's
-                    fused = any("forward" in vars(mod) for mod in model.modules())
+                    # changes); graphs are CUDA's
+                    fused = is_fused(model)
                     graphs = dev.startswith("cuda") and cfg.cuda_graphs and cfg.decode_graphs
                     m.extra["fused_kernels"] = fused
                     m.extra["decode_graphs"] = graphs

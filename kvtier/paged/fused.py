@@ -185,18 +185,20 @@ def fuse_model(model: torch.nn.Module, kinds: tuple[str, ...] = KINDS) -> int:
     return swapped
 
 
+def fused_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's modules whose forward `fuse_model` swapped."""
+    from kvtier.paged.fused_rope import attention_forward
+
+    ours = {_norm_forward, _mlp_forward, attention_forward}
+    return [m for m in model.modules() if getattr(vars(m).get("forward"), "__func__", None) in ours]
+
+
 def unfuse_model(model: torch.nn.Module) -> int:
     """Undo `fuse_model`: every module it swapped runs its class's forward again; the number
     of modules restored. Merged q/k/v weights stay merged (the projections are views of one
     tensor, which the class's forward reads as it would three), so a later `fuse_model` merges
     nothing again. For a process that compares fused and unfused runs of one model."""
-    from kvtier.paged.fused_rope import attention_forward
-
-    ours = {_norm_forward, _mlp_forward, attention_forward}
-    restored = 0
-    for module in model.modules():
-        forward = module.__dict__.get("forward")
-        if getattr(forward, "__func__", None) in ours:
-            del module.forward
-            restored += 1
-    return restored
+    swapped = fused_modules(model)
+    for module in swapped:
+        del module.forward
+    return len(swapped)

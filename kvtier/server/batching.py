@@ -51,7 +51,7 @@ from kvtier.server.jobs import Delta, Job, Stream
 from kvtier.server.kvpages import TurnPages
 from kvtier.server.loading import StagedLoader
 from kvtier.server.logitproc import decoding_of
-from kvtier.server.memplan import model_kv, page_size, pool_bytes
+from kvtier.server.memplan import decode_graphs, model_kv, page_size, pool_bytes
 from kvtier.server.model import ServedModel
 from kvtier.server.parking import PageTables
 from kvtier.server.promptorder import PromptOrder
@@ -450,8 +450,7 @@ class BatchScheduler:
         before the first turn; the buckets captured, none where the step is not `graphed`."""
         if not self.graphed:
             return []
-        decode = bool(getattr(self.config, "decode_graphs", True))
-        return self.runner.capture_graphs(decode_graphs=decode)
+        return self.runner.capture_graphs(decode_graphs=decode_graphs(self.config))
 
     # ---- what the step runner needs (stepping.TurnEnds) ---------------------------------------
 

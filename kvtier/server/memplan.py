@@ -316,6 +316,12 @@ def planned_config(config: Any, plan: DeviceMemoryPlan | None) -> Any:
     return dataclasses.replace(config, l1_bytes=plan.l1_bytes, batch_kv_bytes=plan.pool)
 
 
+def decode_graphs(config: Any) -> bool:
+    """Whether the step records decode-only graphs too (`decode_graphs`, on by default): one
+    answer for the scheduler's capture and this plan's measurement of it."""
+    return bool(getattr(config, "decode_graphs", True))
+
+
 def profile_graphs(
     model: Any, geometry: Any, dtype: torch.dtype, config: Any, max_seq_len: int
 ) -> tuple[int, int]:
@@ -347,7 +353,7 @@ def profile_graphs(
             max_tokens=max(int(config.batch_tokens), max_batch),
             max_seq_len=max_seq_len,
         )
-        runner.capture_graphs(decode_graphs=bool(getattr(config, "decode_graphs", True)))
+        runner.capture_graphs(decode_graphs=decode_graphs(config))
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()  # what the side stream's eager passes cached goes back
         graphs = torch.cuda.memory_reserved(device) - base - pool.num_pages * pool.page_bytes
