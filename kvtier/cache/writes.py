@@ -33,9 +33,10 @@ if TYPE_CHECKING:  # pragma: no cover
 
 log = logging.getLogger("kvtier.cache")
 
-ChunkSource = torch.Tensor | Callable[[], torch.Tensor]
+ChunkSource = torch.Tensor | Callable[[torch.Tensor], torch.Tensor]
 """A chunk of K/V from a batch's pages for `commit_pages`: the tensor, or a function that
-gathers it (called when the chunk is stored, under the bound of copies in flight)."""
+gathers it into the device buffer it is given (`out`, in the chunk layout) and returns it,
+called when the chunk is stored, under the bound of copies in flight."""
 
 
 class ChunkWriter:
@@ -131,7 +132,7 @@ class ChunkWriter:
         if slot is None:
             return False
         if chunk is not None:
-            self._offload_chunk(chunk, slot)
+            self._offload_chunk(chunk, slot, e.tokens)
         else:
             assert s.bufs is not None
             # the last copy from the session's L1: its release waits for it or counts it
@@ -160,16 +161,20 @@ class ChunkWriter:
             slot = d.alloc()
         return slot
 
-    def _offload_chunk(self, chunk: ChunkSource, slot: int) -> None:
-        """Copy a chunk from pages into `slot`; a function gathers it once the bound of
-        copies in flight has room for it (`Inflight.take`), so it is never held beyond."""
+    def _offload_chunk(self, chunk: ChunkSource, slot: int, tokens: int) -> None:
+        """Copy a chunk of `tokens` tokens from pages into `slot`. A function gathers it, once
+        the bound of copies in flight has room for it (`Inflight.take`: a burst of commits
+        waits here), into one of the engine's gather buffers, reused once its copy is done:
+        no device memory is allocated for it."""
         if not callable(chunk):
             self.engine.offload_chunk(chunk, slot)
             return
         inflight = self.engine.inflight
         ticket = inflight.take(self.identity.geometry.chunk_bytes(self.identity.chunk_tokens))
+        if ticket is None:  # a chunk larger than the bound: refused at start (tierset)
+            raise RuntimeError("the bound of copies in flight is smaller than one chunk")
         try:
-            data = chunk()
+            data = chunk(self.engine.gather_buffer(ticket, tokens))
         except BaseException:
             inflight.give_back(ticket)
             raise

@@ -363,6 +363,13 @@ class PagePool:
                 )
             return out
         slots = self.slots(table, start, end)
+        if out is not None and not self.quantized and out.device == self.device:
+            # straight into `out` (a commit's gather buffer): no tensor of its size is made
+            if tuple(out.shape) != self._span(end - start) or out.dtype != self.dtype:
+                raise ValueError(
+                    f"out is {tuple(out.shape)} {out.dtype}, need {self._span(end - start)}"
+                )
+            return torch.index_select(self._flat(), 2, slots, out=out)
         data = self._flat().index_select(2, slots)
         if self.quantized:
             data = dequantize_kv(data, self._flat_scales().index_select(2, slots), self.dtype)

@@ -175,6 +175,8 @@ class BatchScheduler:
             lambda s: self.restores.release_l1(s),
             self._count,
             on_error,
+            hand_back=lambda pages: self.pages.hand_back(pages),
+            failures=self._commit_failed,
         )
         self.tables = PageTables(
             lambda: self.pool,
@@ -289,6 +291,7 @@ class BatchScheduler:
         self.restores.shutdown()
         self.loader.close()
         self.commits.shutdown()
+        self.pages.release_held()  # the scheduler's thread is gone: the commits' pages go here
         sys.setswitchinterval(self._switch_interval)
 
     def _arrive(self, s: _Seq) -> None:
@@ -308,6 +311,11 @@ class BatchScheduler:
         """The backend, on a path that runs only with paged L1."""
         assert self._paged is not None
         return self._paged
+
+    def _commit_failed(self, reason: str) -> None:
+        commit_failure = getattr(self.metrics, "commit_failure", None)
+        if commit_failure is not None:
+            commit_failure(reason)
 
     def _pages_dropped(self, key: tuple[str, str]) -> None:
         try:
@@ -493,7 +501,8 @@ class BatchScheduler:
             s.held = None
 
     def finish(self, s: _Seq, reason: str, flush: bool = False) -> None:
-        """End the turn: copy its new K/V out of the pages, free them, commit off this thread."""
+        """End the turn: its reply's last events, its pages parked or freed, and its commit off
+        this thread (which holds the pages it stores from until it is done)."""
         self._leave(s)
         if flush:
             rest = s.reply.rest()

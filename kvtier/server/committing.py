@@ -2,10 +2,12 @@
 that close its stream.
 
 A finished turn's new K/V goes to the cache here, on a small pool of commit threads, so that
-restores and commits never stall the batch: with paged L1 its chunks gathered from the pages
-are stored (`commit_pages`), else the K/V copied out of the pages is appended to the session's
-Cache and committed, exactly as the per-request worker does. Either way: abort on error,
-hibernate on cancel, forget when ephemeral.
+restores and commits never stall the batch: with paged L1 its chunks are gathered one at a time
+from the pages it holds into the cache's gather buffers and stored (`commit_pages`), and the
+pages go back to the scheduler after; else the K/V copied out of the pages is appended to the
+session's Cache and committed, exactly as the per-request worker does. Either way: hibernate on
+cancel, forget when ephemeral. A commit that fails never fails its reply, which was generated
+already: the session keeps what was stored, and the failure is counted by reason.
 """
 
 from __future__ import annotations
@@ -15,20 +17,37 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from kvtier.errors import KvtierError
+import torch
+
+from kvtier.errors import KvtierError, L4Unavailable, StoreError, StoreFullError
 from kvtier.server.backend import Backend, PagedBackend
 from kvtier.server.jobs import Failed, Finished
+from kvtier.server.kvpages import CommitPages
 from kvtier.server.pagecopy import append_kv
 
 log = logging.getLogger("kvtier.server")
+
+
+def failure_reason(exc: BaseException) -> str:
+    """The `reason` label of a failed commit (`kvtier_commit_failures_total`)."""
+    if isinstance(exc, torch.OutOfMemoryError):
+        return "device_oom"
+    if isinstance(exc, StoreFullError):
+        return "l3_full"
+    if isinstance(exc, L4Unavailable):
+        return "l4"
+    if isinstance(exc, (StoreError, OSError)):
+        return "l3_io"
+    return "internal"
 
 
 class TurnCommits:
     """Commits and aborts of finished turns on `threads` commit threads (`executor`).
 
     `release_l1(s)` is told when a restored turn's session may leave L1 again, `count(name, n)`
-    counts tokens for /metrics, and `on_error(exc)` hears of every error that fails a request
-    (the engine's: a lost device stops the server)."""
+    counts tokens for /metrics, `on_error(exc)` hears of every error that fails a request or a
+    commit (the engine's: a lost device stops the server), `hand_back(pages)` takes the pages a
+    commit held back to the scheduler's thread, and `failures(reason)` counts a failed commit."""
 
     def __init__(
         self,
@@ -39,6 +58,8 @@ class TurnCommits:
         release_l1: Callable[[Any], None],
         count: Callable[[str, int], None],
         on_error: Callable[[BaseException], Any] | None = None,
+        hand_back: Callable[[CommitPages], None] | None = None,
+        failures: Callable[[str], None] | None = None,
     ) -> None:
         self.backend = backend
         self.paged = paged
@@ -47,6 +68,8 @@ class TurnCommits:
         self._release_l1 = release_l1
         self._count = count
         self._on_error = on_error
+        self._hand_back = hand_back or (lambda c: None)  # held pages back to the scheduler
+        self._failures = failures or (lambda reason: None)  # kvtier_commit_failures_total
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future[Any]:
         return self.executor.submit(fn, *args)
@@ -63,7 +86,10 @@ class TurnCommits:
         old.shutdown(wait=True)
 
     def commit(self, s: Any, reason: str, fed: int, new: Any) -> None:
-        """Store the turn's K/V (its first `fed` tokens), then close its stream."""
+        """Store the turn's K/V (its first `fed` tokens), then close its stream. The reply is
+        delivered whatever the commit meets (a device OOM, full tiers, an I/O error, L4 down):
+        the turn's K/V past what was stored is dropped, to be recomputed at the session's next
+        turn, and the failure is counted by reason (`commit_failures`)."""
         job, backend = s.job, self.backend
         assert s.restored is not None
         try:
@@ -71,14 +97,7 @@ class TurnCommits:
                 if new is None:  # nothing to store (an int8 pool): the stored prefix stays
                     backend.abort(job.session_id, job.tenant)
                 else:
-                    start, chunks = new
-                    upto = fed
-                    if job.ephemeral:  # forgotten next: its full chunks alone, as before
-                        upto = max(start, fed // self.chunk_tokens * self.chunk_tokens)
-                        chunks = chunks[: (upto - start) // self.chunk_tokens]
-                    self.paged.commit_pages(
-                        job.session_id, job.tenant, s.tokens[:upto], start, chunks
-                    )
+                    self._commit_pages(s, fed, new)
             else:
                 if new is not None:
                     append_kv(s.restored.kv, new)
@@ -89,8 +108,7 @@ class TurnCommits:
             elif reason == "cancelled":
                 backend.hibernate(job.session_id, job.tenant)  # the client went away: free its L1
         except BaseException as exc:
-            self.abort(s, exc)
-            return
+            self._commit_failed(s, exc)
         total = len(job.prompt_ids)
         if not job.internal:
             self._count("completion_tokens", len(s.reply.ids))
@@ -100,6 +118,48 @@ class TurnCommits:
             Finished(reason, total, len(s.reply.ids), s.restored.covered, s.restored.source)
         )
         s.done.set_result(None)
+
+    def _commit_pages(self, s: Any, fed: int, new: CommitPages) -> None:
+        """Store the turn's chunks from its held pages, then hand the pages back."""
+        job = s.job
+        assert self.paged is not None
+        try:
+            chunks = new.chunks
+            upto = fed
+            if job.ephemeral:  # forgotten next: its full chunks alone
+                upto = max(new.start, fed // self.chunk_tokens * self.chunk_tokens)
+                chunks = chunks[: (upto - new.start) // self.chunk_tokens]
+            self.paged.commit_pages(job.session_id, job.tenant, s.tokens[:upto], new.start, chunks)
+        finally:
+            if new.pool.device.type == "cuda":
+                try:
+                    new.copied = torch.cuda.Event()
+                    new.copied.record(torch.cuda.current_stream(new.pool.device))
+                except Exception:  # a lost device: its pool goes with it
+                    new.copied = None
+            self._hand_back(new)
+
+    def _commit_failed(self, s: Any, exc: BaseException) -> None:
+        """A commit failed after its reply was generated: the session keeps what was stored
+        before (the rest is recomputed at its next turn); counted and logged, never the
+        reply's failure."""
+        job = s.job
+        reason = failure_reason(exc)
+        self._failures(reason)
+        log.warning(
+            "session %s: the commit failed (%s: %r); the reply is delivered, its K/V past the "
+            "stored prefix is recomputed at the next turn",
+            job.session_id[:64],
+            reason,
+            exc,
+        )
+        self.error(exc)  # a lost device still stops the server
+        try:
+            self.backend.abort(job.session_id, job.tenant)
+            if job.ephemeral:
+                self.backend.forget(job.session_id, job.tenant)
+        except BaseException:
+            log.exception("abort after a failed commit failed for session %s", job.session_id[:64])
 
     def abort(self, s: Any, exc: BaseException) -> None:
         """Forget the turn's half-written step, then fail its request with `exc`."""

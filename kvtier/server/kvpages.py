@@ -10,6 +10,9 @@ only carries it out on the pages.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import threading
 from collections import deque
 from collections.abc import Callable
 
@@ -49,6 +52,11 @@ class TurnPages:
         self.preemptions = 0  # sequences moved out of the pool to make room
         self.parked_turns = 0  # turns admitted from their session's parked pages
         self.shared_pages = 0  # pages taken from a running sequence at admission, in all
+        # pages finished turns' commits hold while they store them (`chunks_out`), handed back
+        # from the commit threads (`hand_back`) and freed on the scheduler's (`release_held`)
+        self._back = threading.Condition(threading.Lock())
+        self._handed: list[CommitPages] = []
+        self.holding = 0  # commits holding pages now
 
     def admit(self, s: _Seq, shared: list[int] | None = None, own: Parked | None = None) -> bool:
         """Give a waiting sequence pages for all its known tokens and copy in its cached K/V;
@@ -136,14 +144,64 @@ class TurnPages:
         self.release(s)
         self.waiting.appendleft(s)
 
-    def chunks_out(self, s: _Seq) -> tuple[int, list[torch.Tensor]] | None:
-        """Paged L1: the chunks a finished turn's commit stores, from the one its restored
-        prefix ends in to its last fed token, each gathered from the pages in the chunk layout
-        (`[layer, k|v, token, head, dim]`): (first token, chunks). None from an int8 pool."""
+    def chunks_out(self, s: _Seq) -> CommitPages | None:
+        """Paged L1: what a finished turn's commit stores, from the chunk its restored prefix
+        ends in to its last fed token. Nothing is gathered here: the commit gathers each chunk
+        when it stores it, into a gather buffer of the cache's (`TieredCache.commit_pages`),
+        from pages this holds a reference to until the commit hands them back
+        (`CommitPages.pages`, freed with `release_held`). None from an int8 pool."""
         if s.paged is None or self.pool().quantized:
             return None
         assert s.restored is not None
-        start = s.restored.covered // self.chunk_tokens * self.chunk_tokens
-        return start, self.pool().gather_chunks(
-            s.paged.pages, start, s.paged.length, self.chunk_tokens
-        )
+        pool, C = self.pool(), self.chunk_tokens
+        start = s.restored.covered // C * C
+        end = s.paged.length
+        held = pool.share(s.paged.pages[: pool.pages_for(end)])
+        self.holding += 1
+        chunks = [
+            functools.partial(pool.gather, held, a, min(a + C, end)) for a in range(start, end, C)
+        ]
+        return CommitPages(start, chunks, pool, held)
+
+    def hand_back(self, pages: CommitPages) -> None:
+        """(Any thread) a commit is done with the pages it held."""
+        with self._back:
+            self._handed.append(pages)
+            self._back.notify_all()
+
+    def release_held(self) -> int:
+        """(The scheduler's thread) free the pages commits handed back: a page no table holds
+        any more is free again; pages of a pool a failover replaced went with it. Returns how
+        many commits handed theirs back."""
+        with self._back:
+            done, self._handed = self._handed, []
+        for c in done:
+            self.holding -= 1
+            if c.pool is not self.pool():
+                continue
+            if c.copied is not None:  # the gathers were issued on a commit thread's stream
+                torch.cuda.current_stream(c.pool.device).wait_event(c.copied)
+            self.tables.free(PagedSequence(pages=c.pages))
+        return len(done)
+
+    def await_held(self, timeout: float = 1.0) -> bool:
+        """The pool is full: wait (at most `timeout` s) for a commit to hand back the pages it
+        holds, rather than preempt a turn or cut a reply short for room that is on its way
+        back (backpressure from commits waiting for L2). Whether any came back."""
+        if self.holding == 0:
+            return False
+        with self._back:
+            self._back.wait_for(lambda: bool(self._handed), timeout)
+        return self.release_held() > 0
+
+
+@dataclasses.dataclass(eq=False)
+class CommitPages:
+    """A finished turn's K/V on its way to the cache: `chunks[j]` gathers tokens
+    `[start + j*C, ...)` from `pages` (held for the commit) into the buffer it is given."""
+
+    start: int
+    chunks: list[Callable[[torch.Tensor], torch.Tensor]]
+    pool: PagePool
+    pages: list[int]
+    copied: torch.cuda.Event | None = None  # recorded after the last gather (CUDA)

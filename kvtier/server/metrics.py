@@ -16,6 +16,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disa
 if TYPE_CHECKING:  # pragma: no cover
     from kvtier.server.reqmetrics import TurnClock
 
+# `reason` of kvtier_commit_failures_total (kvtier.server.committing.failure_reason)
+COMMIT_FAILURE_REASONS = ("device_oom", "l3_full", "l3_io", "l4", "internal")
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
@@ -51,6 +53,16 @@ class ServerMetrics:
             "Requests refused with 429 because no generation slot freed in time.",
             registry=registry,
         )
+        self.commit_failures = Counter(
+            "kvtier_commit_failures_total",
+            "Finished turns whose commit of new K/V failed (the reply was delivered; the K/V "
+            "past the session's stored prefix is recomputed at its next turn), by reason: "
+            "device_oom, l3_full, l3_io, l4, internal.",
+            ["reason"],
+            registry=registry,
+        )
+        for reason in COMMIT_FAILURE_REASONS:  # every series from 0, for rate() in the alert
+            self.commit_failures.labels(reason=reason)
         self.prompt_tokens = Counter(
             "kvtier_server_prompt_tokens_total", "Prompt tokens processed.", registry=registry
         )
@@ -255,6 +267,9 @@ class ServerMetrics:
             "shared_kv_pages": self.shared_kv_pages,
             "parked_turns": self.parked_turns,
         }[name].inc(n)
+
+    def commit_failure(self, reason: str) -> None:
+        self.commit_failures.labels(reason=reason).inc()
 
     def request(self, endpoint: str, code: int) -> None:
         """A response of a /v1 endpoint ended (kvtier.server.reqmetrics.RequestMetrics)."""

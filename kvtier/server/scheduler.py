@@ -65,6 +65,7 @@ class TurnScheduler:
         """The step's items: (turn, its tokens to feed), and the admissions and preemptions
         that make room for them."""
         pool = self.pool()
+        self.pages.release_held()  # pages finished commits are done with
         for s in [s for s in self.running if s.loading is not None and self.loader.done(s)]:
             failed = self.loader.finish(s)  # its prefix is in its pages
             if failed is not None:
@@ -79,6 +80,8 @@ class TurnScheduler:
                 self._steps.pending is not None
             ):  # its finished turns may free pages; and a preempted
                 self._steps.drain()  # sequence must hold its real tokens, not placeholders
+                continue
+            if self.pages.await_held():  # room that commits are about to hand back
                 continue
             victim = self.running[-1]
             if len(self.running) == 1:
@@ -123,6 +126,8 @@ class TurnScheduler:
             want, shared = self.tables.pages_wanted(s, own, bool(self.running))  # shared: held
             if want > pool.num_free - need:  # the decoders' new pages come first
                 if not self.unpark(want - (pool.num_free - need), keep=own):
+                    if not self.running and self.pages.await_held():
+                        continue  # commits handed pages back: try again
                     break  # the pool is full: it waits for a sequence to finish
                 want, shared = self.tables.pages_wanted(s, own, bool(self.running))  # freed?
                 if want > pool.num_free - need:

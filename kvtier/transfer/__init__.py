@@ -36,6 +36,7 @@ from kvtier.tiers.l3.writer import WriterProcess
 from kvtier.transfer.accounting import DIRECTIONS, Accounts, EngineStats
 from kvtier.transfer.device import GROUP_BYTES, MAX_GROUP, DeviceMover
 from kvtier.transfer.disk import DiskMover
+from kvtier.transfer.gatherbufs import GatherBuffers
 from kvtier.transfer.inflight import Inflight, Ticket
 from kvtier.transfer.layout import Layers
 from kvtier.transfer.staging import Handle
@@ -117,6 +118,7 @@ class TransferEngine:
             inflight_bytes_max = self.default_inflight_bytes()
         # Device bytes copies in flight hold outside the L1 pool's budget, and their bound.
         self.inflight = Inflight(inflight_bytes_max)
+        self._gather: GatherBuffers | None = None  # made at the first gather from pages
 
     def default_inflight_bytes(self) -> int:
         """The default `inflight_bytes_max`: `INFLIGHT_STAGINGS` times the staging buffers (on
@@ -145,6 +147,7 @@ class TransferEngine:
         suspect = old.unfinished_copies() if lost else set()
         if lost:
             self.inflight.clear()
+        self._gather = None  # the old device's buffers go with it
         mover = DeviceMover(
             old.geometry,
             old.chunk_tokens,
@@ -203,6 +206,24 @@ class TransferEngine:
         """Copy tokens [start, start+ntokens) into consecutive chunks, one per slot
         (`DeviceMover.offload_range`)."""
         return self._device.offload_range(layers, start, ntokens, slots, block=block)
+
+    def gather_buffer(self, ticket: Ticket, ntokens: int) -> torch.Tensor:
+        """A device buffer, in the chunk layout of `ntokens` tokens, that a chunk gathered from a
+        batch's pages waits in for `offload_chunk` (`GatherBuffers`): busy until `ticket` (a
+        chunk's room in `inflight`, taken first) is given back with its copy."""
+        bufs = self._gather
+        if bufs is None or bufs.device != self.device:
+            bufs = self._gather = GatherBuffers(
+                self.inflight,
+                self.device,
+                self.geometry.torch_dtype(),
+                self.geometry.chunk_bytes(self.chunk_tokens) // self.geometry.element_size,
+            )
+        return bufs.take(ticket, self.geometry.chunk_shape(ntokens))
+
+    def gather_bytes(self) -> int:
+        """Device bytes the gather buffers hold (at most `inflight.max_bytes`)."""
+        return 0 if self._gather is None else self._gather.nbytes
 
     def offload_chunk(
         self, chunk: torch.Tensor, slot: int, *, ticket: Ticket | None = None

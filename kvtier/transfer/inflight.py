@@ -6,8 +6,9 @@ copy is done:
 - an L1 block released (the session evicted, hibernated or closed) or replaced by a larger one
   (the session grew) while its chunks are still going down: the allocator keeps the block until
   the copy's stream is past it (`record_stream`), so it is not free yet;
-- a chunk gathered from a batch's pages into a new device tensor for `offload_chunk`, alive until
-  its copy is done.
+- a chunk gathered from a batch's pages for `offload_chunk`, in one of the ledger's gather
+  buffers (`GatherBuffers`: allocated once, at most `max_bytes` of them, reused), busy until its
+  copy is done.
 
 `Inflight` counts those bytes from the moment they would otherwise be unaccounted until the
 copy's `Handle` is done, and keeps them under `max_bytes`: taking room past the bound first
@@ -33,13 +34,20 @@ _POLL_S = 0.001
 
 class Ticket:
     """Room taken in an `Inflight` ledger: `nbytes`, held until `handle` (its copy) is done.
-    `handle` is None between taking the room and issuing the copy."""
+    `handle` is None between taking the room and issuing the copy; `on_done` (if set) is
+    called once the room is given back (a gather buffer goes back to its set)."""
 
-    __slots__ = ("handle", "nbytes")
+    __slots__ = ("handle", "nbytes", "on_done")
 
     def __init__(self, nbytes: int) -> None:
         self.nbytes = nbytes
         self.handle: Any = None
+        self.on_done: Callable[[], None] | None = None
+
+    def settle(self) -> None:
+        done, self.on_done = self.on_done, None
+        if done is not None:
+            done()
 
 
 def _done(handle: Any) -> bool:
@@ -85,6 +93,7 @@ class Inflight:
         for t in self._tickets:
             if t.handle is not None and _done(t.handle):
                 self._bytes -= t.nbytes
+                t.settle()
             else:
                 keep.append(t)
         if len(keep) != len(self._tickets):
@@ -138,6 +147,7 @@ class Inflight:
             if ticket in self._tickets:
                 self._tickets.remove(ticket)
                 self._bytes -= ticket.nbytes
+                ticket.settle()
                 self._cond.notify_all()
 
     def retire(self, handle: Any, nbytes: int) -> None:
