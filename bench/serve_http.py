@@ -26,7 +26,14 @@ the in-process bench's figure for the same GPU (`--in-process-toks`, from bench/
 bench/agent_fleet.py in the same run), TTFT P50/P99, where returning turns were restored from
 and how much of their prompts the cache held, and the GPU bytes.
 
+A burst (`--burst 2`): every session's first turn, a prompt of about 3,000 tokens, arrives
+within 2 s, as agents do after a deploy or a restart; `--ramp S` spreads the first turns over S
+seconds instead (the staggered baseline). Beside /metrics, `nvidia-smi` is sampled every half
+second: the device's used memory, the CUDA context and every non-PyTorch byte included, whose
+peak must stay within the budget. Failed turns and dropped connections are counted apart.
+
     python3 bench/serve_http.py --gpu-memory-gb 24 --sessions 64 --duration 60
+    python3 bench/serve_http.py --burst 2 --sessions 64 --duration 60   # the deploy burst
     python3 bench/serve_http.py --shape qwen2-tiny --device cpu --sessions 4 --duration 10  # smoke
 """
 
@@ -122,6 +129,63 @@ def start(args: argparse.Namespace, model: Path, work: Path) -> tuple[subprocess
 
 
 _GAUGE = re.compile(r"^(kvtier_gpu_memory_(?:process|budget)_bytes)(?:\{[^}]*\})? ([0-9.eE+-]+)$")
+
+
+class SmiSampler:
+    """`nvidia-smi`'s used memory of one GPU every `every` s (MiB -> bytes): what torch's
+    counters miss too (the CUDA context, cuBLAS workspaces, NCCL, other libraries)."""
+
+    def __init__(self, index: int = 0, every: float = 0.5) -> None:
+        self.index, self.every = index, every
+        self.idle: float | None = None  # before the fleet: the weights, graphs, the context
+        self.used: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def read(self) -> float | None:
+        try:
+            out = subprocess.run(
+                [
+                    "nvidia-smi",
+                    "--query-gpu=memory.used",
+                    "--format=csv,noheader,nounits",
+                    "-i",
+                    str(self.index),
+                ],
+                capture_output=True,
+                text=True,
+                timeout=5,
+            ).stdout.strip()
+            return float(out.splitlines()[0]) * 2**20
+        except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+            return None
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every):
+            v = self.read()
+            if v is not None:
+                self.used.append(v)
+
+    def __enter__(self) -> SmiSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def failures(result: dict[str, Any]) -> tuple[int, int]:
+    """(failed turns, of them dropped connections): a turn whose request ended in an error,
+    and among those the ones whose connection closed without an HTTP answer."""
+    failed = dropped = 0
+    for sample in result["samples"]:
+        err = sample.get("error")
+        if err:
+            failed += 1
+            if any(k in err for k in ("ReadError", "RemoteProtocolError", "ConnectError")):
+                dropped += 1
+    return failed, dropped
 
 
 class MemorySampler:
@@ -236,6 +300,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--user-chars", type=int, default=120)
     p.add_argument("--tool-chars", type=int, default=120)
     p.add_argument("--duration", type=float, default=60.0)
+    p.add_argument(
+        "--burst",
+        type=float,
+        default=None,
+        metavar="S",
+        help="every session's first turn arrives within S seconds (e.g. 2: a deploy's burst)",
+    )
+    p.add_argument(
+        "--ramp",
+        type=float,
+        default=None,
+        metavar="S",
+        help="spread the first turns over S seconds (default: the think time)",
+    )
     p.add_argument("--in-process-toks", type=float, default=None, help="the ceiling's tok/s")
     p.add_argument("--start-timeout", type=float, default=600.0)
     p.add_argument("--serve-arg", action="append", default=[], help="one more server flag")
@@ -266,8 +344,11 @@ def main(argv: list[str] | None = None) -> int:
                 duration=args.duration,
                 compare=0,
                 ignore_eos=not args.eos,
+                ramp=args.burst if args.burst is not None else args.ramp,
             )
-            with MemorySampler(url) as mem:
+            smi = SmiSampler(int(args.device.partition(":")[2] or 0))
+            smi.idle = smi.read() if args.device.startswith("cuda") else None
+            with MemorySampler(url) as mem, smi:
                 result = run(cfg)
         finally:
             proc.terminate()
@@ -280,11 +361,18 @@ def main(argv: list[str] | None = None) -> int:
             args.out.mkdir(parents=True, exist_ok=True)
             (args.out / "serve_http.log").write_text(log.read_text(errors="replace"))
     steady = steady_state(result["samples"], args.sessions)
-    report(args, result, steady, mem, lines, ready_s)
+    report(args, result, steady, mem, lines, ready_s, smi)
     if args.out is not None:
         doc = {"args": {k: str(v) for k, v in vars(args).items()}, "result": result}
         doc["steady"] = steady
-        doc["gpu"] = {"used_peak": max(mem.used, default=0), "budget": mem.budget}
+        doc["gpu"] = {
+            "used_peak": max(mem.used, default=0),
+            "used_median": sorted(mem.used)[len(mem.used) // 2] if mem.used else 0,
+            "budget": mem.budget,
+            "smi_peak": max(smi.used, default=0),
+            "smi_idle": smi.idle,
+        }
+        doc["failed"], doc["dropped"] = failures(result)
         (args.out / "serve_http.json").write_text(json.dumps(doc, indent=1, default=str))
     return 0 if not result["errors"] else 1
 
@@ -296,6 +384,7 @@ def report(
     mem: MemorySampler,
     lines: list[str],
     ready: float,
+    smi: SmiSampler | None = None,
 ) -> None:
     for ln in lines:
         print("server:", ln.split(": ", 1)[-1] if "kvtier.server" in ln else ln)
@@ -336,6 +425,18 @@ def report(
         )
     else:
         print("GPU bytes: no plan exported (CPU)")
+    if smi is not None and smi.used and mem.budget:
+        peak = max(smi.used)
+        print(
+            f"{'nvidia-smi used, peak (GiB)':34} {peak / 2**30:12.2f} {mem.budget / 2**30:12.2f} {peak / mem.budget:7.2f}"
+        )
+    failed, dropped = failures(result)
+    arrivals = (
+        f"within {args.burst:g} s (burst)"
+        if args.burst is not None
+        else (f"over {args.ramp:g} s" if args.ramp is not None else "over the think time")
+    )
+    print(f"first turns arrived {arrivals}; failed turns {failed}, dropped connections {dropped}")
     print(
         f"TTFT P50 {ttft.get('p50', float('nan')):.1f} ms, P99 {ttft.get('p99', float('nan')):.1f} ms"
     )
