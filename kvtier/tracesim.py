@@ -8,19 +8,22 @@ trace in seconds (`kvtier plan --trace`):
   their whole prefix), so equal prefixes give equal chunks across sessions, as the cache's keys
   do inside a tenant. Chunks that hold reply tokens are the turn's own.
 - Restore: the longest leading run of chunks that some tier holds, each from the nearest tier
-  (L1: the page pool's parked pages; L2: host memory; L3: the SSD), less the prompt's last
+  (L1: the page pool's pages parked by the same conversation, which are its own; L2: host
+  memory, shared by all; L3: the SSD, likewise), less the prompt's last
   token, which is always computed. The cost model (`kvtier.cache.costmodel`) then loads the
   leading chunks that are cheaper to load than to recompute, at the given bandwidths and
   prefill speed; the rest is recomputed.
 - Commit: the turn's full chunks (prompt and reply) park in the pool (L1), go to L2, and are
   written through to L3. A chunk read from L3 lands in L2. Each tier evicts least recently
-  used first; L2 and L3 evictions write nothing (L3 already holds every chunk).
+  used first; L2 and L3 evictions write nothing (L3 already holds every chunk). L3 evicts no
+  chunk that a conversation's latest turn holds (its session record references it, as the
+  store's size cap keeps it); when only such chunks are left, a new chunk is not written.
 - Hosts: a conversation stays on one host (a hash of it); each host has its own tiers of the
   given sizes, so blocks shared across conversations are found only on the host that has them.
 
 Pure: no torch, no I/O. It leaves out what it cannot know from a trace: timing (a chunk still
-being written is taken as written), the batch's running turns in the pool, and session records
-protecting chunks from L3's eviction.
+being written is taken as written), the batch's running turns in the pool, and sessions
+ending (every conversation of the trace is taken to stay).
 """
 
 from __future__ import annotations
@@ -112,26 +115,52 @@ class _Tier:
         self.slots = None if capacity is None else capacity // chunk_bytes
         self.chunk_bytes = chunk_bytes
         self.stats = stats
-        self.keys: OrderedDict[Hashable, None] = OrderedDict()
+        self.keys: OrderedDict[Hashable, None] = OrderedDict()  # evictable, LRU first
+        self.held: set[Hashable] = set()  # referenced by a session: never evicted
+        self.refs: dict[Hashable, int] = {}
 
     def __contains__(self, key: Hashable) -> bool:
-        return key in self.keys
+        return key in self.keys or key in self.held
 
     def touch(self, key: Hashable) -> None:
-        self.keys.move_to_end(key)
-
-    def put(self, key: Hashable) -> None:
-        """Insert (a write) or touch `key`, evicting the least recently used past the budget."""
         if key in self.keys:
             self.keys.move_to_end(key)
+
+    def put(self, key: Hashable) -> None:
+        """Insert (a write) or touch `key`, evicting the least recently used past the budget;
+        nothing is written when every chunk held is referenced."""
+        if key in self:
+            self.touch(key)
             return
-        if self.slots == 0:
-            return
-        self.keys[key] = None
-        self.stats.written_bytes += self.chunk_bytes
-        if self.slots is not None and len(self.keys) > self.slots:
+        if self.slots is not None and len(self.keys) + len(self.held) >= self.slots:
+            if not self.keys:
+                return  # full of referenced chunks: the write is shed
             self.keys.popitem(last=False)
             self.stats.evicted_bytes += self.chunk_bytes
+        if self.slots == 0:
+            return
+        if self.refs.get(key):
+            self.held.add(key)
+        else:
+            self.keys[key] = None
+        self.stats.written_bytes += self.chunk_bytes
+
+    def reference(self, new: Sequence[Hashable], old: Sequence[Hashable]) -> None:
+        """A session now references `new` and no longer `old` (its previous turn's chunks)."""
+        for key in new:
+            n = self.refs.get(key, 0)
+            self.refs[key] = n + 1
+            if n == 0 and self.keys.pop(key, 0) is None:
+                self.held.add(key)
+        for key in old:
+            n = self.refs[key] - 1
+            if n:
+                self.refs[key] = n
+                continue
+            del self.refs[key]
+            if key in self.held:
+                self.held.discard(key)
+                self.keys[key] = None
 
 
 class _Host:
@@ -144,12 +173,13 @@ class _Host:
         ]
         self.costs = CostModel(dict(costs.bandwidth), costs.prefill_s_per_token)
         self.seen: set[int] = set()  # blocks this host has had: its own ideal
+        self.history: dict[int, list[Hashable]] = {}  # each session's latest turn's chunks
 
-    def where(self, key: Hashable) -> _Tier | None:
-        for tier in self.tiers:
-            if key in tier:
-                return tier
-        return None
+    def where(self, session: int, key: Hashable) -> _Tier | None:
+        l1, l2, l3 = self.tiers
+        if (session, key) in l1:  # parked pages are their conversation's
+            return l1
+        return l2 if key in l2 else (l3 if key in l3 else None)
 
 
 def chunk_keys(turn: Turn, chunk_tokens: int) -> tuple[list[Hashable], int]:
@@ -201,8 +231,9 @@ def simulate(
         host.seen.update(blocks)
         usable = (n_in - 1) // chunk_tokens  # the last prompt token is always computed
         found: list[_Tier] = []
+        session = turn.request.session
         for key in keys[: min(in_prompt, usable)]:
-            tier = host.where(key)
+            tier = host.where(session, key)
             if tier is None:
                 break
             found.append(tier)
@@ -215,13 +246,15 @@ def simulate(
         for key, tier in zip(keys, found[:take], strict=False):
             tier.stats.hit_tokens += chunk_tokens
             tier.stats.read_bytes += chunk_bytes
-            tier.touch(key)
+            tier.touch((session, key) if tier.name == "l1" else key)
         result.recomputed_tokens += n_in - take * chunk_tokens
         l1, l2, l3 = host.tiers
         for key in keys:  # commit: park in the pool, into L2, through to L3
-            l1.put(key)
+            l1.put((session, key))
             l2.put(key)
             l3.put(key)
+        l3.reference(keys, host.history.get(session, []))
+        host.history[session] = keys
     return result
 
 
