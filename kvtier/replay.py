@@ -223,10 +223,13 @@ class Replay:
             )
             turns = [
                 trace.Turn(
-                    t.request, t.at, t.input_tokens,
+                    t.request,
+                    t.at,
+                    t.input_tokens,
                     min(t.output_tokens, info.max_model_len - t.input_tokens),
-                    t.cut, t.ideal_cached,
-                )  # fmt: skip
+                    t.cut,
+                    t.ideal_cached,
+                )
                 for t in trace.select(self.requests, sl)
             ]
             tokens = trace.Tokens(info.vocab_size, cfg.seed)

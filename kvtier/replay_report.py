@@ -96,7 +96,9 @@ def format_replay(result: dict[str, Any]) -> str:
         f"  {r['tokens_per_s']:.1f} reply tokens/s, {r['prompt_tokens_per_s']:.0f} prompt tokens/s",
         f"  restore mix: {mix}",
         f"  failed turns: {r['failed_turns']}"
-        + (f" ({', '.join(f'{n} {k}' for k, n in r['failures'].items())})" if r["failures"] else ""),
+        + (
+            f" ({', '.join(f'{n} {k}' for k, n in r['failures'].items())})" if r["failures"] else ""
+        ),
         f"  prompts cut to the context ({r['max_model_len']} tokens or --max-input): "
         f"{r['cut_prompts']} ({plural(r['cut_tokens'], 'token')} left out)",
         f"  start behind the trace: p50 {ms(r['late_start_ms']['p50'])}, "

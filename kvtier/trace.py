@@ -187,7 +187,9 @@ def select(requests: Sequence[Request], s: Slice) -> list[Turn]:
         n_in = min(r.input_tokens, s.max_input or r.input_tokens)
         n_out = min(r.output_tokens, s.max_output or r.output_tokens)
         blocks = r.blocks[: -(-n_in // BLOCK_TOKENS)]
-        turns.append(Turn(r, at, n_in, max(1, n_out), r.input_tokens - n_in, ideal(blocks, n_in, seen)))
+        turns.append(
+            Turn(r, at, n_in, max(1, n_out), r.input_tokens - n_in, ideal(blocks, n_in, seen))
+        )
         seen.update(blocks)
     return turns
 
