@@ -86,6 +86,52 @@ def read_model_config(path: Path) -> dict[str, object]:
     help="with --gpu-memory-utilization: a session's longest context (default: the config's "
     "max_position_embeddings)",
 )
+@click.option(
+    "--trace",
+    "trace_path",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    default=None,
+    help="Size L2 and L3 from a request trace (Mooncake's JSONL: timestamp, input_length, "
+    "output_length, hash_ids): simulate the tiers over it at a sweep of sizes and name those "
+    "reaching 95%% of its ideal hit ratio. --gpu-mem is then one host's page pool (L1), "
+    "--host-mem the L2 that L3 is swept behind; --sessions and --avg-tokens are not used",
+)
+@click.option(
+    "--hosts", type=int, default=1, show_default=True, help="with --trace: hosts sharing the trace"
+)
+@click.option(
+    "--sample",
+    type=float,
+    default=1.0,
+    show_default=True,
+    help="with --trace: the fraction of its conversations to simulate (whole, as kvtier replay "
+    "--sample picks them)",
+)
+@click.option(
+    "--l2-read-gbps", type=float, default=10.0, show_default=True, help="with --trace: L2 reads"
+)
+@click.option(
+    "--l3-read-gbps",
+    type=float,
+    default=3.0,
+    show_default=True,
+    help="with --trace: L3 reads (the SSD's sequential read rate)",
+)
+@click.option(
+    "--prefill-tflops",
+    type=float,
+    default=400.0,
+    show_default=True,
+    help="with --trace: the prefill's speed, for the cost model's restore-or-recompute choice "
+    "(400: about half an H100's bf16 peak)",
+)
+@click.option(
+    "--json",
+    "json_out",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="with --trace: also write the sweep as JSON here",
+)
 def command(
     model_config: Path,
     sessions: int,
@@ -100,10 +146,18 @@ def command(
     batch_tokens: int,
     prefill_step: int,
     context_tokens: int | None,
+    trace_path: Path | None = None,
+    hosts: int = 1,
+    sample: float = 1.0,
+    l2_read_gbps: float = 10.0,
+    l3_read_gbps: float = 3.0,
+    prefill_tflops: float = 400.0,
+    json_out: Path | None = None,
 ) -> None:
     """Print bytes per token, sessions per tier and the sizes to configure.
 
     Only the model's architecture is read (layers, KV heads, head size, dtype): no weights.
+    With --trace, the L2 and L3 sizes that a recorded workload needs instead.
     """
     config = read_model_config(model_config)
     try:
@@ -115,6 +169,20 @@ def command(
         }
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from exc
+    if trace_path is not None:
+        from kvtier.cli.plan_trace import TraceInputs, run
+
+        if hosts < 1 or min(l2_read_gbps, l3_read_gbps, prefill_tflops) <= 0 or chunk_tokens <= 0:
+            raise click.UsageError(
+                "--hosts, --chunk-tokens, --l2-read-gbps, --l3-read-gbps and --prefill-tflops "
+                "must be positive"
+            )
+        inputs = TraceInputs(
+            trace_path, hosts, sample, sizes["L1"], sizes["L2"], chunk_tokens, l2_read_gbps,
+            l3_read_gbps, prefill_tflops, json_out,
+        )  # fmt: skip
+        run(config, g, inputs)
+        return
     if sessions <= 0 or avg_tokens <= 0 or chunk_tokens <= 0:
         raise click.UsageError("--sessions, --avg-tokens and --chunk-tokens must be positive")
     chunks = -(-avg_tokens // chunk_tokens)

@@ -273,6 +273,8 @@ def _routes(app: FastAPI, port: RoutePort) -> None:
             "created": int(port.started),
             "owned_by": "kvtier",
             "max_model_len": engine.served.context_tokens if engine else None,
+            # the token ids a prompt may hold (`/v1/completions` takes ids: `kvtier replay`)
+            "vocab_size": engine.served.vocab_size if engine else None,
         }
 
     @app.get("/v1/models")

@@ -68,7 +68,11 @@ def _chat(
     return list(tok.encode(prompt, add_special_tokens=False))
 
 
-def _completion(served: Any, prompt: str) -> list[int]:
+def _completion(served: Any, prompt: str | list[int]) -> list[int]:
+    if isinstance(prompt, list):  # token ids, sent as they are (the context check follows)
+        if not prompt:
+            raise ApiError(400, "the prompt holds no token ids; send at least one", param="prompt")
+        return list(prompt)
     _check_chars(served, prompt, "prompt")
     return list(served.tokenizer.encode(prompt, add_special_tokens=True))
 
@@ -82,6 +86,7 @@ async def chat_ids(
     return await asyncio.to_thread(_chat, served, messages, tools)
 
 
-async def completion_ids(served: Any, prompt: str) -> list[int]:
-    """The completion prompt's token ids; ApiError 400 when it is far longer than the context."""
+async def completion_ids(served: Any, prompt: str | list[int]) -> list[int]:
+    """The completion prompt's token ids (given as ids: those); ApiError 400 when it is far
+    longer than the context."""
     return await asyncio.to_thread(_completion, served, prompt)

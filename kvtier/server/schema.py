@@ -7,7 +7,7 @@ error body then lists the fields it accepts."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -200,7 +200,9 @@ class ChatRequest(_Sampling):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str
+    # text, or token ids as OpenAI and vLLM take them (a trace replay's prompts: no tokenizer
+    # between the client's ids and the cache's keys); an id the model cannot embed is a 400
+    prompt: str | list[Annotated[int, Field(ge=0)]]
     max_tokens: int | None = Field(default=16, ge=1)
     logprobs: int | None = Field(default=None, ge=0, le=5)
 
