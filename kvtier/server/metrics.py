@@ -46,6 +46,13 @@ class ServerMetrics:
             "Completion requests answered with a 4xx or 5xx.",
             registry=registry,
         )
+        self.bad_requests = Counter(
+            "kvtier_server_bad_requests_total",
+            "Requests answered 400, by reason: the error's code (e.g. context_length_exceeded), "
+            "else invalid_request.",
+            ["reason"],
+            registry=registry,
+        )
         self.rejected = Counter(
             "kvtier_server_rejected_total",
             "Requests refused with 429 because no generation slot freed in time.",
@@ -255,6 +262,9 @@ class ServerMetrics:
             "shared_kv_pages": self.shared_kv_pages,
             "parked_turns": self.parked_turns,
         }[name].inc(n)
+
+    def bad_request(self, reason: str) -> None:
+        self.bad_requests.labels(reason=reason).inc()
 
     def request(self, endpoint: str, code: int) -> None:
         """A response of a /v1 endpoint ended (kvtier.server.reqmetrics.RequestMetrics)."""
