@@ -37,5 +37,5 @@ def test_host_tuning_names_the_roles_fstrim_default() -> None:
 
 def test_kvtier_plan_is_documented_outside_the_runbook() -> None:
     quickstart = (ROOT / "docs" / "quickstart.md").read_text()
-    assert "kvtier plan --model-config configs/models/" in quickstart
+    assert "kvtier plan --model configs/models/" in quickstart
     assert (ROOT / "configs" / "models" / "qwen2-7b" / "config.json").is_file()
