@@ -54,3 +54,9 @@ def test_the_switches_list_names_every_switch() -> None:
     switches = {f.name for f in dataclasses.fields(ServerConfig) if isinstance(f.default, bool)}
     assert names == switches, (sorted(switches - names), sorted(names - switches))
     assert "`make demo` with 32 slots" not in text  # the demo runs --max-concurrency 8
+
+
+def test_benchmarks_page_holds_current_figures_only() -> None:
+    """docs/benchmarks.md stays readable (at most 800 lines); earlier runs go to the history."""
+    lines = (ROOT / "docs" / "benchmarks.md").read_text().count("\n")
+    assert lines <= 800, f"docs/benchmarks.md is {lines} lines: move runs to benchmarks-history.md"
