@@ -59,7 +59,9 @@ def test_plan_on_shipped_config(name: str) -> None:
     pool = offline_plan(config, g, 24 << 30, 0.9, 64, 1024, 512, 256, 32768).pool
     assert 0 < pool < (24 << 30) - 13 * 10**9  # the weights (7-8 B parameters) are not KV
     assert f"{'L1':4} {_fmt(pool):>12} {pool // (12 * chunk):>13}" in by_dir
-    assert f"  {'pool (L1)':12} {_fmt(pool):>12}\n" in by_dir  # the same pool, in the GPU memory plan
+    assert (
+        f"  {'pool (L1)':12} {_fmt(pool):>12}\n" in by_dir
+    )  # the same pool, in the GPU memory plan
 
 
 def test_plan_refuses_what_serve_would_and_says_what_fits() -> None:
