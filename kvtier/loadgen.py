@@ -46,6 +46,10 @@ __all__ = [
 ]
 
 SOURCE_HEADER = "x-kvtier-restore-source"
+# Tokens a chat template adds around each message (role markers, separators): the estimate of
+# the next turn's prompt adds this per new message, so a session starts over a little early
+# rather than be refused.
+TEMPLATE_TOKENS = 16
 
 
 @dataclass(frozen=True)
@@ -97,6 +101,7 @@ class Sample:
     cached_tokens: int = 0
     completion_tokens: int = 0
     host: str = ""  # the server that answered it (its base URL)
+    restarted: bool = False  # the agent started its conversation over before this turn
 
 
 def _text(rng: random.Random, n: int, vocab: str = "abcdefghijklmnopqrstuvwxyz     ,.") -> str:
@@ -118,9 +123,39 @@ class Fleet:
         self.t0 = 0.0
         self.metrics_error: str | None = None
         self.probe_tenants: list[tuple[int, str]] = []  # (host, fresh tenant) of each probe
+        # the smallest max_model_len the servers' /v1/models report (None: not reported)
+        self.context_limit: int | None = None
+        self.restarts: dict[int, int] = {}  # agent -> times it started its conversation over
 
     def session_id(self, i: int) -> str:
-        return f"lg-{self.config.run_id}-{i:05d}"
+        """Agent i's current session: a new one each time it starts its conversation over."""
+        base = f"lg-{self.config.run_id}-{i:05d}"
+        n = self.restarts.get(i, 0)
+        return f"{base}-r{n}" if n else base
+
+    async def read_context_limit(self, clients: list[httpx.AsyncClient]) -> None:
+        """The longest context the servers accept: `max_model_len` of their /v1/models."""
+        limits = []
+        for client in clients:
+            with contextlib.suppress(httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
+                resp = await client.get("/v1/models")
+                if resp.status_code == 200:
+                    card = resp.json()["data"][0]
+                    if card.get("max_model_len"):
+                        limits.append(int(card["max_model_len"]))
+        self.context_limit = min(limits) if limits else None
+
+    def outgrows(self, sample: Sample, messages: list[dict[str, str]]) -> bool:
+        """Whether the conversation's next turn (a tool result, a user message and a reply)
+        would pass the servers' context, as an agent framework checks before it sends: the
+        tokens this turn used, plus the new messages at this turn's tokens per character."""
+        cfg, limit = self.config, self.context_limit
+        if limit is None or not sample.prompt_tokens:
+            return False
+        chars = sum(len(m["content"]) for m in messages) or 1
+        per_char = sample.prompt_tokens / chars
+        new = per_char * (cfg.tool_chars + cfg.user_chars) + 3 * TEMPLATE_TOKENS
+        return sample.prompt_tokens + sample.completion_tokens + new + cfg.max_tokens > limit
 
     def tenant_header(self) -> dict[str, str]:
         """`X-Tenant`, except with an API key (the key names the tenant; the header is
@@ -165,8 +200,7 @@ class Fleet:
             ) as resp:
                 sample.status = resp.status_code
                 if resp.status_code != 200:
-                    raw = await resp.aread()
-                    sample.error = f"http {resp.status_code}: {raw[:200].decode(errors='replace')}"
+                    sample.error = refusal(resp.status_code, await resp.aread())
                     return ""
                 sample.source = resp.headers.get(SOURCE_HEADER, "unknown")
                 async for line in resp.aiter_lines():
@@ -201,23 +235,35 @@ class Fleet:
         rng = random.Random(cfg.seed * 1_000_003 + i)
         ramp = cfg.think_ms / 1000 if cfg.ramp is None else cfg.ramp
         await asyncio.sleep(rng.uniform(0, ramp))
-        sid = self.session_id(i)
-        headers = {"X-Session-ID": sid, **self.tenant_header()}
         messages = [{"role": "system", "content": self.system}]
         self.conversations[i] = messages
+        restart = False
         for turn in range(cfg.turns):
             if deadline is not None and time.perf_counter() >= deadline:
                 return
+            restarted, restart = restart, False
+            if restarted:  # a new session with the shared system prompt, as an agent would
+                self.restarts[i] = self.restarts.get(i, 0) + 1
+                messages = [{"role": "system", "content": self.system}]
+                self.conversations[i] = messages
+            sid = self.session_id(i)
+            headers = {"X-Session-ID": sid, **self.tenant_header()}
             messages.append({"role": "user", "content": _text(rng, cfg.user_chars)})
             at = host_of(i, turn, len(clients))
             client = clients[at]
             sample = Sample(i, turn, time.perf_counter() - self.t0, host=self.hosts[at])
+            sample.restarted = restarted
             self.samples.append(sample)
             reply = await self.chat(client, messages, sample, headers, cfg.max_tokens)
             if sample.error is not None:
                 messages.pop()  # the turn did not happen; the next one retries from here
+                if CONTEXT_EXCEEDED in sample.error:
+                    if len(messages) == 1:  # the system prompt alone is too long: stop
+                        return
+                    restart = True
             else:
                 messages.append({"role": "assistant", "content": reply})
+                restart = self.outgrows(sample, messages)
             if turn == cfg.turns - 1:
                 return
             # The agent runs a tool: the session is idle on the server for think_ms.
@@ -227,7 +273,7 @@ class Fleet:
                 except httpx.HTTPError:
                     pass
             await asyncio.sleep(rng.uniform(0.5, 1.5) * cfg.think_ms / 1000)
-            if sample.error is None:
+            if sample.error is None and not restart:
                 messages.append({"role": "tool", "content": _text(rng, cfg.tool_chars)})
 
     async def probe(self, clients: list[httpx.AsyncClient]) -> dict[str, Any]:
@@ -326,6 +372,7 @@ class Fleet:
                 for url in hosts
             ]
             before = [await self.metrics(c) for c in clients]
+            await self.read_context_limit(clients)
             self.t0 = time.perf_counter()
             deadline = None if cfg.duration is None else self.t0 + cfg.duration
             await asyncio.gather(*(self.agent(clients, i, deadline) for i in range(cfg.sessions)))
@@ -355,9 +402,29 @@ class Fleet:
         except ValueError as exc:  # not Prometheus text
             self.metrics_error = f"/metrics is not Prometheus text: {exc}"
         result = report(cfg, self.samples, wall, compare, server, tiers, self.metrics_error)
+        result["context"] = {
+            "max_model_len": self.context_limit,
+            "restarts": sum(self.restarts.values()),
+            "sessions_restarted": len(self.restarts),
+        }
         if len(hosts) > 1:
             result["hosts"] = by_host(self.samples, hosts, per_host)
         return result
+
+
+CONTEXT_EXCEEDED = "context_length_exceeded"
+
+
+def refusal(status: int, raw: bytes) -> str:
+    """A refused request's error: `http STATUS CODE: message`, where CODE is the OpenAI error
+    body's `code` (e.g. context_length_exceeded), so the report counts refusals by name."""
+    text = raw[:400].decode(errors="replace")
+    with contextlib.suppress(ValueError, AttributeError, TypeError):
+        err = json.loads(raw)["error"]
+        code = err.get("code") or err.get("type")
+        if code:
+            return f"http {status} {code}: {str(err.get('message', ''))[:200]}"
+    return f"http {status}: {text[:200]}"
 
 
 def run(config: LoadConfig) -> dict[str, Any]:

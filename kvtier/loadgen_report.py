@@ -252,6 +252,7 @@ def format_report(result: dict[str, Any]) -> str:
         f"{_errors(result['errors'])}; wall {result['wall_seconds']:.1f} s",
         f"throughput {tp['requests_per_s']:.2f} requests/s, "
         f"{tp['completion_tokens_per_s']:.1f} tokens/s",
+        *_context_lines(result.get("context")),
         "",
         *_ttft_table(result),
         "",
@@ -263,6 +264,17 @@ def format_report(result: dict[str, Any]) -> str:
     lines += _compare_lines(result.get("compare"))
     lines += _tier_lines(result.get("tiers"))
     return "\n".join([*lines, *host_lines(result.get("hosts"))])
+
+
+def _context_lines(c: dict[str, Any] | None) -> list[str]:
+    """How often agents started their conversation over at the servers' context limit."""
+    if not c or not c.get("restarts"):
+        return []
+    return [
+        f"context: {plural(c['restarts'], 'conversation')} started over at the servers' "
+        f"max_model_len of {c['max_model_len']:,} tokens ({c['sessions_restarted']} of the "
+        "agents), as an agent framework does when the next turn would not fit"
+    ]
 
 
 def _ttft_table(result: dict[str, Any]) -> list[str]:

@@ -4,6 +4,11 @@ from __future__ import annotations
 
 import enum
 
+# The cache's codecs for L2/L3 (the kvbin header's codec ids, in this order) and its L3 write
+# policies: the names every entry point accepts (serve's --codec and --write-policy, CacheConfig)
+CODECS: tuple[str, ...] = ("native", "int8", "fp8")
+WRITE_POLICIES: tuple[str, ...] = ("write_through", "write_through_selective", "write_back")
+
 
 class Tier(str, enum.Enum):
     """Where a chunk lives. The string value is the `tier` metric label."""

@@ -32,7 +32,12 @@ FORMS = (
 
 
 class SizeError(ConfigError):
-    """A size could not be read; the message names the setting and the accepted forms."""
+    """A size could not be read; the message names the setting and the accepted forms.
+    `reason` is the message without the setting's name (a command-line error names it)."""
+
+    def __init__(self, name: str, reason: str) -> None:
+        super().__init__(f"{name}: {reason}")
+        self.reason = reason
 
 
 def parse_size(text: str | int, name: str = "size") -> int:
@@ -41,27 +46,35 @@ def parse_size(text: str | int, name: str = "size") -> int:
     `name` is the setting the text came from, for the error message.
     """
     if isinstance(text, bool):
-        raise SizeError(f"{name}: {text!r} is not a size; write {FORMS}")
+        raise SizeError(name, f"{text!r} is not a size; write {FORMS}")
     if isinstance(text, int):
         if text < 0:
-            raise SizeError(f"{name}: {text} is negative; give a byte count >= 0")
+            raise SizeError(name, f"{text} is negative; give a byte count >= 0")
         return text
     match = _SIZE.match(str(text))
     unit = match.group(2).lower() if match else ""
     if match is None or unit not in _UNITS:
-        raise SizeError(f"{name}: cannot read size {text!r}; write {FORMS}")
+        raise SizeError(name, f"cannot read size {text!r}; write {FORMS}")
     value = float(match.group(1)) * _UNITS[unit]
     if not math.isfinite(value):
-        raise SizeError(f"{name}: {text!r} is not a finite number of bytes; write {FORMS}")
+        raise SizeError(name, f"{text!r} is not a finite number of bytes; write {FORMS}")
     return int(value)
 
 
 def size_arg(text: str, name: str) -> int:
     """`parse_size` for a command-line option: a bad size is a usage error (exit 2, no
-    traceback) naming the option."""
+    traceback) naming the option once, in the words of every command's:
+    `Invalid value for '--l2-bytes': cannot read size '12XB'; write ...`."""
     import click
 
     try:
         return parse_size(text, name)
     except SizeError as exc:
-        raise click.BadParameter(str(exc), param_hint=name) from None
+        raise click.BadParameter(exc.reason, param_hint=f"'{name}'") from None
+
+
+def size_option(ctx: object, param: object, value: str | None) -> int | None:
+    """A click callback reading an option's value with `size_arg` (None: not given)."""
+    if value is None:
+        return None
+    return size_arg(value, getattr(param, "opts", ["size"])[0])

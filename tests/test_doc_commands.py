@@ -37,5 +37,26 @@ def test_host_tuning_names_the_roles_fstrim_default() -> None:
 
 def test_kvtier_plan_is_documented_outside_the_runbook() -> None:
     quickstart = (ROOT / "docs" / "quickstart.md").read_text()
-    assert "kvtier plan --model-config configs/models/" in quickstart
+    assert "kvtier plan --model configs/models/" in quickstart
     assert (ROOT / "configs" / "models" / "qwen2-7b" / "config.json").is_file()
+
+
+def test_the_switches_list_names_every_switch() -> None:
+    """configuration.md's list of the settings that take true/false is every boolean one."""
+    import dataclasses
+    import re
+
+    from kvtier.server.config import ServerConfig
+
+    text = (ROOT / "docs" / "configuration.md").read_text()
+    listed = text.split("Switches (", 1)[1].split(") accept", 1)[0]
+    names = set(re.findall(r"`([a-z0-9_]+)`", listed))
+    switches = {f.name for f in dataclasses.fields(ServerConfig) if isinstance(f.default, bool)}
+    assert names == switches, (sorted(switches - names), sorted(names - switches))
+    assert "`make demo` with 32 slots" not in text  # the demo runs --max-concurrency 8
+
+
+def test_benchmarks_page_holds_current_figures_only() -> None:
+    """docs/benchmarks.md stays readable (at most 800 lines); earlier runs go to the history."""
+    lines = (ROOT / "docs" / "benchmarks.md").read_text().count("\n")
+    assert lines <= 800, f"docs/benchmarks.md is {lines} lines: move runs to benchmarks-history.md"

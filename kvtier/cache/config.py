@@ -7,10 +7,7 @@ from pathlib import Path
 
 from kvtier.errors import ConfigError
 from kvtier.policy import POLICIES
-
-WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
-CODECS = ("native", "int8", "fp8")
-
+from kvtier.types import CODECS, WRITE_POLICIES
 
 L3_WRITERS = ("auto", "process", "threads")
 

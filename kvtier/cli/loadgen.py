@@ -30,13 +30,32 @@ import click
     "server's ignore_eos request field). For benchmarks that need fixed-length replies, e.g. "
     "to compare tok/s with an in-process run that decodes a fixed count per turn.",
 )
-@click.option("--system-chars", default=3000, show_default=True, help="Shared system prompt.")
-@click.option("--user-chars", default=200, show_default=True)
-@click.option("--tool-chars", default=400, show_default=True, help="Each tool result's size.")
+@click.option(
+    "--system-chars",
+    default=3000,
+    show_default=True,
+    help="The system prompt's size in characters, shared by every session.",
+)
+@click.option(
+    "--user-chars", default=200, show_default=True, help="Each user message's size in characters."
+)
+@click.option(
+    "--tool-chars", default=400, show_default=True, help="Each tool result's size in characters."
+)
 @click.option("--duration", type=float, help="Stop starting turns after this many seconds.")
 @click.option("--ramp", type=float, help="Spread session starts over seconds (default think).")
-@click.option("--model", default="default", show_default=True)
-@click.option("--tenant", default="loadgen", show_default=True)
+@click.option(
+    "--model",
+    default="default",
+    show_default=True,
+    help="The model name sent with each request (the server's --served-model-name).",
+)
+@click.option(
+    "--tenant",
+    default="loadgen",
+    show_default=True,
+    help="The tenant every session runs under, sent as X-Tenant (not with --api-key).",
+)
 @click.option(
     "--api-key",
     envvar="KVTIER_API_KEY",
@@ -45,7 +64,12 @@ import click
     "the start of the prompt instead of using a fresh tenant; --hibernate-during-tools needs "
     "an admin key.",
 )
-@click.option("--seed", default=0, show_default=True)
+@click.option(
+    "--seed",
+    default=0,
+    show_default=True,
+    help="Seed of the prompts' text and the pauses: the same seed sends the same load.",
+)
 @click.option("--hibernate-during-tools", is_flag=True, help="POST hibernate at each pause.")
 @click.option("--compare", default=8, show_default=True, help="Restore vs recompute probes.")
 @click.option(
@@ -58,16 +82,18 @@ import click
 @click.option(
     "--png",
     type=click.Path(dir_okay=False, path_type=Path),
-    default="loadgen.png",
-    show_default=True,
-    help="Plot of TTFT by restore source.",
+    help="Plot of TTFT by restore source (default: beside --out, named as it with .png).",
 )
-def command(out: Path, png: Path, urls: tuple[str, ...], **opts: object) -> None:
+def command(out: Path, png: Path | None, urls: tuple[str, ...], **opts: object) -> None:
     """A fleet of agent sessions: growing conversations, tool-call pauses, shared system prompt.
 
     Reports TTFT and inter-token latency P50/P95/P99 overall and by restore source, errors and
     throughput; writes a JSON result and a PNG plot. With several --url, also each server's
     requests by restore source and hits by tier.
+
+    An agent whose next turn would not fit the servers' max_model_len (their /v1/models) starts
+    its conversation over in a new session, as an agent framework does; refusals are counted
+    by their error code (e.g. `http 400 context_length_exceeded`).
     """
     from kvtier.loadgen import LoadConfig, format_report, plot, run
 
@@ -77,6 +103,7 @@ def command(out: Path, png: Path, urls: tuple[str, ...], **opts: object) -> None
     config = LoadConfig(**hosts, **opts)  # type: ignore[arg-type]
     if config.sessions < 1 or config.turns < 1:
         raise click.BadParameter("--sessions and --turns must be at least 1")
+    png = png or out.with_suffix(".png")
     result = run(config)
     out.write_text(json.dumps(result, indent=1))
     plot(result, png)

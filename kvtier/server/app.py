@@ -224,6 +224,8 @@ def _install_errors(app: FastAPI, port: RoutePort) -> None:
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:
         if request.url.path.startswith("/v1/c"):
             port.metrics.count("errors")
+        if exc.status == 400:
+            _bad_request(port, request, exc)
         return exc.response()
 
     @app.exception_handler(StarletteHTTPException)
@@ -233,12 +235,22 @@ def _install_errors(app: FastAPI, port: RoutePort) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return ApiError(400, f"invalid request: {exc.errors()[:1]}").response()
+        error = ApiError(400, f"invalid request: {exc.errors()[:1]}")
+        _bad_request(port, request, error)
+        return error.response()
 
     @app.exception_handler(Exception)
     async def internal(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error on %s", request.url.path)
         return ApiError(500, f"internal error: {type(exc).__name__}", "server_error").response()
+
+
+def _bad_request(port: RoutePort, request: Request, exc: ApiError) -> None:
+    """A 400's reason, logged at debug level and counted by its code: the codes are the
+    server's own (a bounded label), the message may quote the request (the log only)."""
+    reason = exc.code or "invalid_request"
+    log.debug("400 %s on %s %s: %s", reason, request.method, request.url.path, exc.message)
+    port.metrics.bad_request(reason)
 
 
 def _routes(app: FastAPI, port: RoutePort) -> None:

@@ -16,6 +16,7 @@ from typing import Any
 
 from kvtier import units
 from kvtier.errors import ConfigError
+from kvtier.types import CODECS, WRITE_POLICIES
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -213,6 +214,13 @@ class ServerConfig:
             raise ConfigError(
                 f"decoding_prompt_tokens: must not be negative, got {self.decoding_prompt_tokens}"
                 " (0 means up to batch_tokens)"
+            )
+        if self.codec not in CODECS:
+            raise ConfigError(f"codec: {self.codec!r} is unknown; use one of {', '.join(CODECS)}")
+        if self.write_policy not in WRITE_POLICIES:
+            raise ConfigError(
+                f"write_policy: {self.write_policy!r} is unknown; use one of "
+                f"{', '.join(WRITE_POLICIES)}"
             )
         if self.prompt_order not in PROMPT_ORDERS:
             raise ConfigError(

@@ -48,6 +48,13 @@ class ServerMetrics:
             "Completion requests answered with a 4xx or 5xx.",
             registry=registry,
         )
+        self.bad_requests = Counter(
+            "kvtier_server_bad_requests_total",
+            "Requests answered 400, by reason: the error's code (e.g. context_length_exceeded), "
+            "else invalid_request.",
+            ["reason"],
+            registry=registry,
+        )
         self.rejected = Counter(
             "kvtier_server_rejected_total",
             "Requests refused with 429 because no generation slot freed in time.",
@@ -270,6 +277,9 @@ class ServerMetrics:
 
     def commit_failure(self, reason: str) -> None:
         self.commit_failures.labels(reason=reason).inc()
+
+    def bad_request(self, reason: str) -> None:
+        self.bad_requests.labels(reason=reason).inc()
 
     def request(self, endpoint: str, code: int) -> None:
         """A response of a /v1 endpoint ended (kvtier.server.reqmetrics.RequestMetrics)."""

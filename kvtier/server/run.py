@@ -15,6 +15,8 @@ from typing import Any
 import click
 
 from kvtier.server.config import PROMPT_ORDERS, ServerConfig
+from kvtier.types import CODECS, WRITE_POLICIES
+from kvtier.units import size_option
 
 
 def options(f: Callable[..., Any]) -> Callable[..., Any]:
@@ -24,7 +26,7 @@ def options(f: Callable[..., Any]) -> Callable[..., Any]:
             "--config",
             "config_file",
             type=click.Path(dir_okay=False, path_type=Path),
-            help="TOML file with a [serve] table (also KVTIER_CONFIG).",
+            help="TOML file with a [serve] table (also KVTIER_CONFIG; default: none).",
         ),
         click.option("--host", help="Address to bind (default 127.0.0.1)."),
         click.option("--port", type=int, help="TCP port (default 8000)."),
@@ -74,11 +76,16 @@ def options(f: Callable[..., Any]) -> Callable[..., Any]:
             help="With a device lost, the page pool on the survivors stores K/V as int8 with a "
             "scale per token and head: about twice the tokens (default native).",
         ),
-        click.option("--seed", type=int, help="Seed of the built-in model's weights."),
+        click.option(
+            "--seed",
+            type=int,
+            help="Seed of the random weights: the built-in model's and --load-format dummy's "
+            "(default 0).",
+        ),
         click.option(
             "--cache",
             type=click.Choice(["tiered", "none"]),
-            help="'none' recomputes every prompt (a baseline).",
+            help="tiered (default): L1/L2/L3 (and L4); none recomputes every prompt (a baseline).",
         ),
         click.option(
             "--gpu-memory-utilization",
@@ -102,12 +109,18 @@ def options(f: Callable[..., Any]) -> Callable[..., Any]:
         ),
         click.option(
             "--l1-bytes",
+            callback=size_option,
             help="The cache's GPU buffers (L1) and copy staging, e.g. 8GiB (default: what the "
             "memory plan gives; an override is checked against the budget).",
         ),
-        click.option("--l2-bytes", help="Pinned host RAM (L2) budget, e.g. 32GiB."),
+        click.option(
+            "--l2-bytes",
+            callback=size_option,
+            help="Pinned host RAM (L2), allocated once at start, e.g. 32GiB (default 1GiB).",
+        ),
         click.option(
             "--l3-max-bytes",
+            callback=size_option,
             help="L3 size cap, e.g. 500GB; past it, chunks no session references go first "
             "(default: no cap).",
         ),
@@ -135,8 +148,19 @@ def options(f: Callable[..., Any]) -> Callable[..., Any]:
             "was shed (queue full) is written after all (default 5).",
         ),
         click.option("--chunk-tokens", type=int, help="Tokens per chunk (default 256)."),
-        click.option("--codec", help="L2/L3 codec: native, int8, fp8."),
-        click.option("--write-policy", help="write_through, write_through_selective, write_back."),
+        click.option(
+            "--codec",
+            type=click.Choice(CODECS),
+            help="How L2 and L3 store K/V: native (bit-exact, the default), int8 or fp8 "
+            "(about half the bytes; docs/codecs.md).",
+        ),
+        click.option(
+            "--write-policy",
+            type=click.Choice(WRITE_POLICIES),
+            help="When a committed chunk goes to L3: write_through (at once, the default), "
+            "write_through_selective (only chunks seen again) or write_back (only when L2 evicts "
+            "it).",
+        ),
         click.option(
             "--l3-writer",
             type=click.Choice(["auto", "process", "threads"]),
@@ -158,13 +182,25 @@ def options(f: Callable[..., Any]) -> Callable[..., Any]:
         click.option(
             "--max-concurrency",
             type=int,
-            help="Sessions generating at once: the batch's slots. With paged L1 the pool's pages "
-            "bound the batch too, so this may exceed the full contexts --batch-kv-bytes holds "
-            "(see docs/configuration.md).",
+            help="Sessions generating at once: the batch's slots (default 0: 64 on a GPU, 8 on "
+            "the CPU). With paged L1 the pool's pages bound the batch too, so this may exceed "
+            "the full contexts --batch-kv-bytes holds (see docs/configuration.md).",
         ),
-        click.option("--max-queue", type=int, help="Requests that may wait for a slot."),
-        click.option("--queue-timeout", type=float, help="Seconds a request waits before 429."),
-        click.option("--max-tokens-limit", type=int, help="Largest max_tokens accepted."),
+        click.option(
+            "--max-queue",
+            type=int,
+            help="Requests that may wait for a slot; any more get 429 at once (default 256).",
+        ),
+        click.option(
+            "--queue-timeout",
+            type=float,
+            help="Seconds a request waits for a slot before 429 with Retry-After (default 30).",
+        ),
+        click.option(
+            "--max-tokens-limit",
+            type=int,
+            help="The largest max_tokens a request may ask for (default 4096).",
+        ),
         click.option(
             "--tool-call-parser",
             type=click.Choice(["hermes", "none"]),
@@ -172,7 +208,12 @@ def options(f: Callable[..., Any]) -> Callable[..., Any]:
             "(default: <tool_call> blocks, as Qwen2.5 and Hermes models write them; the tools "
             "are offered in that format where the chat template has none), or none.",
         ),
-        click.option("--prefill-step", type=int, help="Prompt tokens per forward."),
+        click.option(
+            "--prefill-step",
+            type=int,
+            help="Prompt tokens per forward, so other sessions' decode steps interleave "
+            "(default 512).",
+        ),
         click.option(
             "--batching/--no-batching",
             default=None,
@@ -258,10 +299,16 @@ def options(f: Callable[..., Any]) -> Callable[..., Any]:
         ),
         click.option(
             "--batch-kv-bytes",
-            help="KV page pool of the batch, e.g. 4GiB (default: room for max-concurrency "
-            "full contexts, at most half the free GPU memory or 1 GiB on the CPU).",
+            callback=size_option,
+            help="The batch's KV page pool, e.g. 4GiB (default 0: on a GPU what the memory plan "
+            "leaves of --gpu-memory-utilization's budget, a given size is checked against it; "
+            "on the CPU room for --max-concurrency full contexts, at most 1 GiB).",
         ),
-        click.option("--max-body-bytes", help="Largest request body."),
+        click.option(
+            "--max-body-bytes",
+            callback=size_option,
+            help="The largest request body; a larger one gets 413 (default 4MiB).",
+        ),
         click.option(
             "--header-timeout",
             type=float,
@@ -301,9 +348,13 @@ def options(f: Callable[..., Any]) -> Callable[..., Any]:
             "--master-key-file",
             type=click.Path(dir_okay=False, path_type=Path),
             help="The master key for --encrypt: 32 random bytes (or 64 hex digits) in a file "
-            "of mode 0600.",
+            "of mode 0600, e.g. from `head -c 32 /dev/urandom` (no default; docs/security.md).",
         ),
-        click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"])),
+        click.option(
+            "--log-level",
+            type=click.Choice(["debug", "info", "warning", "error"]),
+            help="The server's log level (default info); debug also logs each 400's reason.",
+        ),
         click.option(
             "--api-keys",
             type=click.Path(dir_okay=False, path_type=Path),
@@ -354,8 +405,20 @@ def serve(config: ServerConfig, registry: Any = None) -> None:
     run_app(create_app(config, registry=registry), config)
 
 
-def run_app(app: Any, config: ServerConfig) -> None:
-    """Run a built app under uvicorn on the configured address (graceful drain on SIGTERM)."""
+def banner(config: ServerConfig) -> str:
+    """The line a starting server prints once its port is bound and its L3 store is free."""
+    auth = "api-keys" if config.api_keys else "none (single-tenant, admin on loopback)"
+    return (
+        f"kvtier serve: http://{config.host}:{config.port}  model={config.served_model_name}  "
+        f"l3_root={config.l3_root}  auth={auth}"
+    )
+
+
+def run_app(app: Any, config: ServerConfig, announce: str | None = None) -> None:
+    """Run a built app under uvicorn on the configured address (graceful drain on SIGTERM).
+
+    The port is bound and the L3 store checked before the app starts, so a taken port or a
+    store another process holds fails at once with one line; then `announce` is printed."""
     import uvicorn
 
     from kvtier.errors import ConfigError
@@ -373,6 +436,16 @@ def run_app(app: Any, config: ServerConfig) -> None:
     except listen.PortUnavailable as exc:
         click.echo(f"kvtier serve: {exc}", err=True)
         raise SystemExit(1) from None
+    if config.cache == "tiered":
+        from kvtier.tiers.l3.root import StoreInUse, check_free
+
+        try:
+            check_free(config.l3_root)
+        except StoreInUse as exc:
+            click.echo(f"kvtier serve: StoreInUse: {exc}", err=True)
+            raise SystemExit(1) from None
+    if announce:
+        click.echo(announce, err=True)
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame: FrameType | None) -> None:

@@ -8,8 +8,7 @@ import os
 import click
 
 from kvtier.cli.options import aliased_option
-from kvtier.errors import ConfigError
-from kvtier.units import parse_size
+from kvtier.units import size_option
 from ops import doctor, tuning
 
 _MARK = {"ok": "ok", "info": "info", "warning": "WARN", "critical": "CRIT"}
@@ -27,15 +26,6 @@ def _default_l3_root() -> str:
     return os.path.join(platformdirs.user_data_dir("kvtier", appauthor=False), "l3")
 
 
-def _l2_size(ctx: click.Context, param: click.Parameter, value: str | None) -> int | None:
-    if value is None:
-        return None
-    try:
-        return parse_size(value, "--l2-bytes")
-    except ConfigError as exc:
-        raise click.BadParameter(str(exc)) from None
-
-
 @click.command("doctor")
 @click.option("--json", "as_json", is_flag=True, help="Print {'findings': [...]} as JSON.")
 @click.option(
@@ -50,7 +40,7 @@ def _l2_size(ctx: click.Context, param: click.Parameter, value: str | None) -> i
     "--l2-size",
     "l2_size",
     envvar="KVTIER_L2_BYTES",
-    callback=_l2_size,
+    callback=size_option,
     default=None,
     help="The configured L2 size (e.g. 64GiB) for the memlock and huge page checks "
     "[env KVTIER_L2_BYTES].",

@@ -15,7 +15,7 @@ from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
 from kvtier.errors import ConfigError
-from kvtier.server.run import load_config, options, run_app
+from kvtier.server.run import banner, load_config, options, run_app
 from ops.exporter.cache import families, l3_up
 from ops.exporter.registry import HostCollector, register_process
 
@@ -46,21 +46,15 @@ def command(**flags: Any) -> None:
     kvtier serve --host 127.0.0.1 --port 8000 --l3-root DIR [--model PATH]
     Settings: flags > KVTIER_* environment > TOML ([serve] table); see docs/configuration.md.
     """
-    from kvtier.server.app import create_app
-
-    try:
+    try:  # before the server's modules (torch) are imported: a bad setting is refused at once
         config = load_config(flags)
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from None
+    from kvtier.server.app import create_app
+
     registry = CollectorRegistry()
     app = create_app(config, registry=registry)
     registry.register(_LiveCache(app.state.kvtier))
     registry.register(HostCollector(config.l3_root))  # host signals next to the cache's
     register_process(registry, config.l3_root)  # RSS, CPU, threads, open L3 files
-    click.echo(
-        f"kvtier serve: http://{config.host}:{config.port}  model={config.served_model_name}  "
-        f"l3_root={config.l3_root}  "
-        f"auth={'api-keys' if config.api_keys else 'none (single-tenant, admin on loopback)'}",
-        err=True,
-    )
-    run_app(app, config)
+    run_app(app, config, announce=banner(config))

@@ -46,11 +46,13 @@ INDEX_METRICS = (
     "kvtier_sessions",
     "kvtier_snapshot_timestamp_seconds",
 )
-# Always present (0 when no record has it), as the server's are.
-_RECORD_STATES = ("hibernated", "pinned")
+# The states a record can hold, always present (0 when no record has it), as the server's are:
+# a hibernated session's, and with paged L1 (serve's default) the record a turn's end saves,
+# idle, its KV in the page pool and already in L2/L3; `pinned` counts records across states.
+_RECORD_STATES = ("hibernated", "idle", "pinned")
 SESSIONS_HELP = (
     "Sessions with a record in the L3 index: by the state recorded when last saved "
-    "(hibernated), and pinned."
+    "(hibernated; idle with paged L1), and pinned."
 )
 
 
@@ -101,7 +103,7 @@ def _sessions_by_state(store: L3Store) -> Counter[str]:
 def index_families(snap: CacheSnapshot) -> Iterator[Metric]:
     """The families of `INDEX_METRICS` for a snapshot of the index: the server's names and
     types, without the families only the serving process can fill, and `kvtier_sessions` with
-    the recorded states only (no `active` or `idle` zeros: the index cannot know them)."""
+    the recorded states only (no `active`: no record is saved while a turn runs)."""
     for family in families(snap):
         if family.name == "kvtier_sessions":
             sessions = GaugeMetricFamily("kvtier_sessions", SESSIONS_HELP, labels=["state"])

@@ -63,7 +63,8 @@ class State:
 
     def fail(self, message: str, taken_at: float) -> None:
         stale = f" (data from {taken_at - self.last_ok:.0f}s ago)" if self.last_ok else ""
-        self.error = f"{message}; retrying every {self.interval:g}s{stale}"
+        retry = "" if self.options.once else f"; retrying every {self.interval:g}s"
+        self.error = f"{message}{retry}{stale}"
 
     def model(self) -> Model:
         return build(
@@ -179,7 +180,7 @@ def run(source: Source, interval: float, options: Options, console: Console) -> 
 
 def once(source: Source, interval: float, options: Options, console: Console) -> int:
     """Two scrapes `interval` apart (so rates exist), one frame printed; exit 1 if unreachable."""
-    state = State(source.name, interval, options)
+    state = State(source.name, interval, dataclasses.replace(options, once=True))
     ok = False
     for i in range(2):
         try:

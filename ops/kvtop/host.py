@@ -54,7 +54,9 @@ def host_lines(model: Model, width: int, compact: bool = False) -> list[Text]:
             Text("o9+ ") + Text(f"{z.headroom:.0f}", style="red" if z.headroom < 1 else "green"),
         ]
         if z.fragmentation is not None and not compact:
-            row.append(Text(f"frag {z.fragmentation:.2f}"))
+            # the kernel's index is -1 when a 2 MiB block is free: nothing to fragment
+            frag = "none" if z.fragmentation < 0 else f"{z.fragmentation:.2f}"
+            row.append(Text(f"frag {frag}"))
         rows.append(row)
         if not compact and width >= 96:
             rows.append([Text("  " + " ".join(fmt.count(b) for b in z.blocks), style="dim")])

@@ -79,6 +79,7 @@ class Options:
     focus: int | None = None  # 1 tiers, 2 sessions, 3 restore, 4 host
     help: bool = False
     prompt: str | None = None  # the tenant being typed after `t`, shown in the header
+    once: bool = False  # `kvtop --once`: one frame, no retrying
 
 
 @dataclass(frozen=True)

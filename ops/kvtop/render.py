@@ -56,7 +56,9 @@ def _body(model: Model, width: int, height: int, now: float) -> RenderableType:
     if model.options.help:
         return help_panel()
     if model.scrapes == 0:
-        msg = f"no data yet from {model.source}" + (": kvtop keeps retrying" if model.error else "")
+        msg = f"no data yet from {model.source}"
+        if model.error:
+            msg += "; --once gives up (exit 1)" if model.options.once else ": kvtop keeps retrying"
         return Panel(Text(msg, justify="center"), title="kvtop", border_style="red")
     focus = model.options.focus
     if focus:

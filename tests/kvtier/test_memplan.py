@@ -115,15 +115,16 @@ def test_offline_plan_of_a_7b_model_on_24_gb() -> None:
 
 def test_kvtier_plan_prints_the_gpu_plan_and_refuses_what_cannot_fit() -> None:
     runner = CliRunner()
-    args = ["--model-config", str(QWEN2_7B), "--gpu-mem", "24GiB"]
+    args = ["--model", str(QWEN2_7B), "--gpu-mem", "24GiB"]
     ok = runner.invoke(
         plan_command, [*args, "--gpu-memory-utilization", "0.9", "--max-model-len", "32768"]
     )
     assert ok.exit_code == 0, ok.output
     assert "GPU memory plan" in ok.output
+    names = {"pool": "pool (L1)", "l1": "L1 buffers"}  # as kvtop and loadgen name them
     for part in PARTS:
-        assert f"  {part} " in ok.output
-    assert "full-context sessions" in ok.output
+        assert f"  {names.get(part, part)} " in ok.output
+    assert "full-context sessions of 32,768" in ok.output
     small = runner.invoke(plan_command, [*args, "--gpu-memory-utilization", "0.5"])
     assert small.exit_code == 1
     assert "less than one full-context session" in small.output

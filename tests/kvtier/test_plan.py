@@ -10,6 +10,8 @@ from click.testing import CliRunner
 
 from kvtier.cli.plan import command
 from kvtier.geometry import KVGeometry
+from kvtier.humanize import size as _fmt
+from kvtier.server.memplan import offline_plan
 
 MODELS = Path(__file__).resolve().parents[2] / "configs" / "models"
 # Published architectures: layers x KV heads x head dim x 2 (K and V) x 2 bytes (bf16).
@@ -21,6 +23,9 @@ SHIPPED = {
 
 
 def plan(*args: str) -> str:
+    """`kvtier plan ARGS` at a context every shipped model's plan holds on 24 GiB."""
+    if "--max-model-len" not in args:
+        args = (*args, "--max-model-len", "32768")
     out = CliRunner().invoke(command, list(args))
     assert out.exit_code == 0, out.output
     return out.output
@@ -43,27 +48,43 @@ def test_plan_on_shipped_config(name: str) -> None:
     )
     assert g.bytes_per_token == per_token
     # The directory and its config.json give the same plan.
-    by_dir = plan("--model-config", str(MODELS / name), "--sessions", "100")
-    assert by_dir == plan("--model-config", str(MODELS / name / "config.json"), "--sessions", "100")
+    by_dir = plan("--model", str(MODELS / name), "--sessions", "100")
+    assert by_dir == plan("--model", str(MODELS / name / "config.json"), "--sessions", "100")
     assert f"{per_token} bytes/token" in by_dir
     chunk = per_token * 256
     assert f"{chunk / 2**20:.1f} MiB per 256-token chunk" in by_dir
-    # 3000 tokens are 12 chunks of 256; 24 GiB of L1 hold 24 GiB // (12 chunks) sessions.
-    fit = (24 << 30) // (12 * chunk)
-    assert f"{'L1':4} {'24.0 GiB':>12} {fit:>13}" in by_dir
+    # L1 is the page pool the GPU memory plan leaves of 24 GiB at 0.9, after the weights;
+    # 3000 tokens are 12 chunks of 256: the pool holds pool // (12 chunks) sessions.
+    config = json.loads((MODELS / name / "config.json").read_text())
+    pool = offline_plan(config, g, 24 << 30, 0.9, 64, 1024, 512, 256, 32768).pool
+    assert 0 < pool < (24 << 30) - 13 * 10**9  # the weights (7-8 B parameters) are not KV
+    assert f"{'L1':4} {_fmt(pool):>12} {pool // (12 * chunk):>13}" in by_dir
+    assert (
+        f"  {'pool (L1)':12} {_fmt(pool):>12}\n" in by_dir
+    )  # the same pool, in the GPU memory plan
+
+
+def test_plan_refuses_what_serve_would_and_says_what_fits() -> None:
+    """Qwen2-7B's 131,072-token context: one such session does not fit the pool 24 GiB at 0.9
+    leaves after the weights, as `kvtier serve` would refuse; the sessions table still prints,
+    its L1 empty, and the error says what fits."""
+    out = CliRunner().invoke(command, ["--model", str(MODELS / "qwen2-7b")])
+    assert out.exit_code == 1, out.output
+    assert f"{'L1':4} {'-':>12} {0:>13}" in out.output
+    assert "Error: L1: " in out.output and "--max-model-len" in out.output
 
 
 def test_plan_reads_counts_in_words() -> None:
-    out = plan("--model-config", str(MODELS / "qwen2-7b"), "--sessions", "1", "--avg-tokens", "1")
+    out = plan("--model", str(MODELS / "qwen2-7b"), "--sessions", "1", "--avg-tokens", "1")
     assert "one session of 1 token: 1 chunk, 14.0 MiB; 1 session: 14.0 MiB" in out
     assert "1 chunks" not in out and "1 sessions" not in out
 
 
 def test_plan_names_a_directory_without_config(tmp_path: Path) -> None:
-    out = CliRunner().invoke(command, ["--model-config", str(tmp_path)])
+    out = CliRunner().invoke(command, ["--model", str(tmp_path)])
     assert out.exit_code == 2 and "holds no config.json" in out.output
     (tmp_path / "config.json").write_text("[1, 2]")
-    out = CliRunner().invoke(command, ["--model-config", str(tmp_path)])
+    out = CliRunner().invoke(command, ["--model", str(tmp_path)])
     assert out.exit_code == 2 and "not a JSON object" in out.output
 
 
@@ -83,7 +104,7 @@ def test_plan_prints_a_serve_table_that_loads(name: str, tmp_path: Path) -> None
     """Every key `kvtier plan` tells to configure is one `kvtier serve --config` reads."""
     from kvtier.server.config import ServerConfig
 
-    args = ["--model-config", str(MODELS / name), "--sessions", "100", "--ssd", "10GiB"]
+    args = ["--model", str(MODELS / name), "--sessions", "100", "--l3-max-bytes", "10GiB"]
     out = plan(*args)
     table = out[out.index("[serve]\n") :]
     toml = tmp_path / "kvtier.toml"

@@ -143,8 +143,9 @@ def test_plan_trace_names_the_sizes(tmp_path: Path) -> None:
     path = write_trace(tmp_path / "t.jsonl", conversations=30, turns=4)
     out = tmp_path / "plan.json"
     done = _cli(
-        "plan", "--model-config", "configs/models/qwen2-7b", "--trace", str(path),
-        "--gpu-mem", "1GiB", "--host-mem", "1GiB", "--json", str(out),
+        "plan", "--model", "configs/models/qwen2-7b", "--trace", str(path),
+        "--gpu-mem", "24GiB", "--max-model-len", "8192", "--l2-bytes", "1GiB",
+        "--json", str(out),
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     plan = json.loads(out.read_text())
@@ -155,5 +156,7 @@ def test_plan_trace_names_the_sizes(tmp_path: Path) -> None:
     assert "L2 alone:" in done.stdout and "reaches" in done.stdout
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"timestamp": 1}\n')
-    done = _cli("plan", "--model-config", "configs/models/qwen2-7b", "--trace", str(bad))
+    done = _cli(
+        "plan", "--model", "configs/models/qwen2-7b", "--max-model-len", "8192", "--trace", str(bad)
+    )
     assert done.returncode == 2 and "line 1: missing field(s)" in done.stderr

@@ -113,7 +113,8 @@ def test_cold_root_and_l2_bytes_have_the_servers_names() -> None:
 def test_doctor_reads_l2_bytes_and_its_alias(tmp_path: Path) -> None:
     for flag in ("--l2-bytes", "--l2-size"):
         out = CliRunner().invoke(cli, ["doctor", flag, "lots", "--l3-root", str(tmp_path)])
-        assert out.exit_code == 2 and "--l2-bytes: cannot read size 'lots'" in out.output
+        assert out.exit_code == 2
+        assert "Invalid value for '--l2-bytes': cannot read size 'lots'" in out.output
 
 
 def test_exporter_and_serve_both_take_host_and_port() -> None:
@@ -139,3 +140,29 @@ def test_exporter_listens_on_port(tmp_path: Path) -> None:
         proc.communicate(timeout=20)
     bad = CliRunner().invoke(cli, ["exporter", "--l3-root", str(root), "--port", "70000"])
     assert bad.exit_code == 2 and "--port" in bad.output
+
+
+def test_plan_speaks_serves_words() -> None:
+    """plan's inputs are serve's flags (--model, --l2-bytes, --l3-max-bytes); the old spellings
+    still work, hidden; --codec and --write-policy list their choices."""
+    text = _help(["plan"])
+    for flag in ("--model ", "--l2-bytes", "--l3-max-bytes", "--gpu-memory-utilization"):
+        assert flag in text, flag
+    for old in ("--model-config", "--host-mem", "--ssd"):
+        assert old not in text and old in _flags(_command(("plan",))), old
+    serve = _help(["serve"])
+    assert "[native|int8|fp8]" in serve
+    assert "[write_through|write_through_selective|write_back]" in serve
+
+
+@pytest.mark.parametrize("path", EVERY, ids=" ".join)
+def test_every_option_has_help(path: tuple[str, ...]) -> None:
+    cmd = _command(path)
+    bare = [p.opts[0] for p in cmd.params if isinstance(p, click.Option) and not p.help]
+    assert not bare, f"kvtier {' '.join(path)}: options without help: {bare}"
+
+
+def test_every_serve_option_states_its_default() -> None:
+    """`kvtier serve --help` is where a new user reads what happens when a flag is left out."""
+    silent = [p.opts[0] for p in _command(("serve",)).params if "default" not in (p.help or "")]
+    assert not silent, f"serve options whose help gives no default: {silent}"

@@ -179,8 +179,8 @@ def h200_plan(used: int = 100 * GIB) -> PlanStandIn:
 
 def server_registry(plan: PlanStandIn | None = None) -> CollectorRegistry:
     """`kvtier serve`'s own families (kvtier.server.metrics), each with a sample: a placement
-    with a lost device, a TTFT, a batch step, the page pool, a response, a turn's latencies
-    and the GPU memory plan."""
+    with a lost device, a TTFT, a batch step, the page pool, a response, a 400 by reason, a
+    turn's latencies and the GPU memory plan."""
     from kvtier.server.metrics import ServerMetrics
     from kvtier.server.reqmetrics import TurnClock
 
@@ -194,6 +194,7 @@ def server_registry(plan: PlanStandIn | None = None) -> CollectorRegistry:
     for name in ("prompt_tokens", "completion_tokens", "degraded_turns"):
         metrics.count(name, 2)
     metrics.request("/v1/chat/completions", 200)
+    metrics.bad_request("context_length_exceeded")
     clock = TurnClock(1.0, metrics)
     clock.admit(1.01)
     for at in (1.05, 1.07, 1.09):

@@ -88,6 +88,7 @@ def test_sessions_and_pinned_come_from_the_records(tmp_path: Path) -> None:
     samples = _samples(_scrape_exporter(tmp_path))
     assert _sessions(samples) == {
         "hibernated": len(records),
+        "idle": 0,
         "pinned": sum(1 for r in records if r.pinned),  # 2: s0 and s3
     }
     assert _sessions(samples)["pinned"] == 2
@@ -96,7 +97,19 @@ def test_sessions_and_pinned_come_from_the_records(tmp_path: Path) -> None:
 def test_an_empty_store_exports_zero_hibernated_and_pinned(tmp_path: Path) -> None:
     with L3Store(tmp_path):
         pass
-    assert _sessions(_samples(_scrape_exporter(tmp_path))) == {"hibernated": 0, "pinned": 0}
+    expected = {"hibernated": 0, "idle": 0, "pinned": 0}
+    assert _sessions(_samples(_scrape_exporter(tmp_path))) == expected
+
+
+def test_idle_records_of_paged_l1_are_counted_as_idle(tmp_path: Path) -> None:
+    """With paged L1 a turn's end saves its session's record as idle: the exporter shows the
+    recorded state, as docs/metrics.md says."""
+    with L3Store(tmp_path) as store:
+        store.save_session(_record(0, pinned=False, state="idle"))
+        store.save_session(_record(1, pinned=True, state="idle"))
+        store.save_session(_record(2, pinned=False))
+    expected = {"hibernated": 1, "idle": 2, "pinned": 1}
+    assert _sessions(_samples(_scrape_exporter(tmp_path))) == expected
 
 
 def test_only_what_the_index_knows_is_exported(tmp_path: Path) -> None:
@@ -110,7 +123,7 @@ def test_only_what_the_index_knows_is_exported(tmp_path: Path) -> None:
         dict(labels).get("tier") for (name, labels), _ in samples.items() if "tier" in dict(labels)
     }
     assert tiers == {"l3"}
-    assert "active" not in _sessions(samples) and "idle" not in _sessions(samples)
+    assert "active" not in _sessions(samples) and _sessions(samples)["idle"] == 0
     # kvtop's one-shot view over the same store exports the same families
     registry, store = build(tmp_path, nvml=False)
     try:
@@ -168,15 +181,16 @@ def test_standalone_and_server_agree_on_a_real_cache(tmp_path: Path, model: Any)
         _serve_turn(cache, model, "s2", 2)  # stays idle: never saved
         _serve_turn(cache, model, "s1", 3)  # resumed: idle now, its record still says hibernated
         assert _server_sessions(cache) == {"hibernated": 1, "idle": 2, "pinned": 1}
-        assert _sessions(_samples(_scrape_exporter(root))) == {"hibernated": 2, "pinned": 1}
+        exported = _sessions(_samples(_scrape_exporter(root)))
+        assert exported == {"hibernated": 2, "idle": 0, "pinned": 1}
     finally:
         cache.close()  # hibernates every resident session and saves its record
 
     exported = _sessions(_samples(_scrape_exporter(root)))
-    assert exported == {"hibernated": 3, "pinned": 1}
+    assert exported == {"hibernated": 3, "idle": 0, "pinned": 1}
     restarted = TieredCache(config, model)
     try:
-        assert _server_sessions(restarted) == exported
+        assert _server_sessions(restarted) == {k: v for k, v in exported.items() if v}
     finally:
         restarted.close()
 

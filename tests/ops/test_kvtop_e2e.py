@@ -261,5 +261,8 @@ def test_once_against_a_dead_endpoint_exits_1_with_the_reason() -> None:
         check=False,
     )
     assert out.returncode == 1
-    assert "cannot reach http://127.0.0.1:9/metrics" in " ".join(out.stdout.split())
+    text = " ".join(out.stdout.split())
+    assert "cannot reach http://127.0.0.1:9/metrics" in text
+    # one frame and exit 1: it says so, and never that it keeps retrying
+    assert "--once gives up (exit 1)" in text and "retrying" not in text
     assert "Traceback" not in out.stderr

@@ -72,12 +72,17 @@ def test_plan_reads_sizes_the_same_way(tmp_path: Path) -> None:
             }
         )
     )
-    args = ["--model-config", str(cfg), "--sessions", "100000", "--avg-tokens", "4096"]
-    out = CliRunner().invoke(command, [*args, "--gpu-mem", "2G", "--host-mem", "2Gi"])
+    args = ["--model", str(cfg), "--sessions", "100000", "--avg-tokens", "4096"]
+    out = CliRunner().invoke(command, [*args, "--l2-bytes", "2G", "--l3-max-bytes", "2Gi"])
     assert out.exit_code == 0, out.output
-    assert f"l1_bytes = {2 * 10**9} " in out.output and f"l2_bytes = {2 * 2**30} " in out.output
+    assert f"l2_bytes = {2 * 10**9} " in out.output
+    assert f"l3_max_bytes = {2 * 2**30} " in out.output
+    # the old spellings still work, and a bad size is worded as in every command
+    old = CliRunner().invoke(command, [*args, "--host-mem", "2G", "--ssd", "2Gi"])
+    assert old.output == out.output
     bad = CliRunner().invoke(command, [*args, "--ssd", "lots"])
-    assert bad.exit_code == 2 and "--ssd: cannot read size 'lots'" in bad.output
+    assert bad.exit_code == 2
+    assert "Invalid value for '--l3-max-bytes': cannot read size 'lots'; write" in bad.output
 
 
 def test_doctor_reads_sizes_the_same_way(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -116,7 +121,37 @@ def test_l3_gc_reads_sizes_the_same_way(tmp_path: Path, monkeypatch: pytest.Monk
     assert seen == [2 * 10**9, 2 * 2**30]
     bad = CliRunner().invoke(command, ["gc", "--root", str(root), "--max-bytes", "lots"])
     assert bad.exit_code == 2 and "Traceback" not in bad.output
-    assert "cannot read size 'lots'" in bad.output
+    assert "Invalid value for '--max-bytes': cannot read size 'lots'; write" in bad.output
+
+
+def test_every_command_words_a_bad_size_the_same_way(tmp_path: Path) -> None:
+    """serve, plan and doctor: `Invalid value for '--FLAG': cannot read size ...`, the flag
+    named once; serve refuses it before it imports torch (in well under a second)."""
+    import subprocess
+    import sys
+    import time
+
+    root = Path(__file__).resolve().parents[2]
+    model = str(root / "configs" / "models" / "qwen2-7b")
+    runs = {
+        "serve": ["serve", "--l2-bytes", "12XB"],
+        "plan": ["plan", "--model", model, "--l2-bytes", "12XB"],
+        "doctor": ["doctor", "--l2-bytes", "12XB", "--l3-root", str(tmp_path)],
+    }
+    for name, args in runs.items():
+        started = time.monotonic()
+        env = {"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"}
+        cmd = [sys.executable, "-X", "importtime", "-m", "ops.cli", *args]
+        done = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=60)
+        elapsed = time.monotonic() - started
+        assert done.returncode == 2, (name, done.stderr[-2000:])
+        errors = [ln for ln in done.stderr.splitlines() if ln.startswith("Error:")]
+        assert errors == [
+            "Error: Invalid value for '--l2-bytes': cannot read size '12XB'; write " + units.FORMS
+        ], name
+        if name == "serve":
+            imported = {ln.split("|")[-1].strip() for ln in done.stderr.splitlines()}
+            assert "torch" not in imported and elapsed < 30, elapsed
 
 
 def test_units_is_the_documented_meaning() -> None:

@@ -72,6 +72,23 @@ def take_lock(root: Path) -> int:
     return fd
 
 
+def check_free(root: Path) -> None:
+    """Raise `StoreInUse` when another process holds `root`'s writer lock: a check a server
+    makes before it starts, so a held store fails at once, not after the model loads. It takes
+    nothing: opening the store takes the lock for real (and fails the same way in a race)."""
+    try:
+        fd = os.open(root / ".lock", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:  # no store there yet, or unreadable: opening it will say why
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        pid = _holder(fd)
+        raise StoreInUse(_in_use(root, pid), pid) from None
+    finally:
+        os.close(fd)  # closing drops the shared lock too
+
+
 def _holder(fd: int) -> int | None:
     try:
         text = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
@@ -89,8 +106,8 @@ def _in_use(root: Path, pid: int | None) -> str:
     who = f"process {pid}" if pid else "another process"
     return (
         f"L3 store {root} is in use by {who} (a running `kvtier serve` or `kvtier l3` "
-        f"command); stop it first (gc, migrate and fsck need the store to themselves), or "
-        f"use a read-only command meanwhile: {_READ_ONLY_COMMANDS}"
+        "command), and one process at a time may write a store; stop that one first, or give "
+        f"this one another --l3-root. Read-only commands work meanwhile: {_READ_ONLY_COMMANDS}"
     )
 
 
