@@ -170,7 +170,7 @@ class ChunkReads:
                 if word not in ("MOVED", "ASK") or not isinstance(rep.error, Exception):
                     continue
                 if word == "MOVED":
-                    self._routes.refresh()
+                    self._routes.refresh(epoch)
                     to = self._routes.pool_for(keys.chunk(chunk_keys[idx[j]]))
                 else:
                     to = self._routes.pool_at(where.rpartition(" ")[2])
@@ -179,6 +179,7 @@ class ChunkReads:
             return replies
 
         t0 = time.perf_counter()
+        epoch = self._routes.epoch
         try:
             replies = self._call("get", lambda: follow(go(pool, list(range(len(idx))))))
         except L4Unavailable as exc:

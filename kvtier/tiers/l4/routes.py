@@ -17,6 +17,7 @@ migrated) is followed to the node it names, with `ASKING` first.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import unquote, urlsplit
@@ -71,7 +72,9 @@ class Single:
         n = min(streams, len(names))
         return [(self.pool, list(range(i, len(names), n))) for i in range(n)]
 
-    def refresh(self) -> None:
+    epoch = 0
+
+    def refresh(self, seen: int | None = None) -> None:
         pass
 
     def disconnect(self) -> None:
@@ -135,6 +138,8 @@ class Cluster:
             **conn,
         )
         self._client: Any = None
+        self._refreshing = threading.Lock()
+        self.epoch = 0  # slot maps asked so far
 
     @property
     def client(self) -> Any:
@@ -200,9 +205,16 @@ class Cluster:
             out += [(pool, idx[j::n]) for j in range(n)]
         return out
 
-    def refresh(self) -> None:
-        """Ask the cluster for its slot map again (after MOVED, or a node that went away)."""
-        self.client.nodes_manager.initialize()
+    def refresh(self, seen: int | None = None) -> None:
+        """Ask the cluster for its slot map again (after MOVED, or a node that went away).
+        `seen`: the `epoch` the caller routed by; when another thread refreshed since, its map
+        is used rather than asked again (parallel streams all see the same MOVED). Pools in use
+        stay open: another stream may be reading on them."""
+        with self._refreshing:
+            if seen is not None and seen != self.epoch:
+                return
+            self.client.nodes_manager.initialize(disconnect_startup_nodes_pools=False)
+            self.epoch += 1
 
     def shards(self) -> list[Shard]:
         """Every primary: its slots, replicas and memory (INFO on each; a round trip each)."""

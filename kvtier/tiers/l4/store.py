@@ -221,10 +221,11 @@ class L4Store(ChunkReads):
         with the slot map asked again. An ASK (the slot is being migrated) is not followed for a
         write, whose temp key and RENAME the importing node would refuse: the write fails for
         this chunk (L4Unavailable), the breaker stays closed."""
+        epoch = self._routes.epoch
         try:
             return fn()
         except self._redis.exceptions.MovedError:
-            self._routes.refresh()
+            self._routes.refresh(epoch)
             return fn()
 
     def _set_renamed(self, final: str, *parts: Any) -> None:
