@@ -87,6 +87,7 @@ backend kvtier_hosts
     hash-type consistent
     option httpchk GET /readyz
     http-check expect status 200
+    http-response set-header X-Kvtier-Host %s  # which host served: logs, clients, tests
     default-server inter {check_ms}ms fall {fall} rise {rise}
 {servers}
 {stats}"""
