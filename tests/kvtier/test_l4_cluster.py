@@ -167,3 +167,23 @@ def test_a_cluster_down_at_start_is_unavailable_not_a_crash() -> None:
             store.get_record(FP, "t", "s")
     finally:
         store.close()
+
+
+def test_shards_reach_the_exporter_with_their_replicas_and_reads(cluster) -> None:
+    """`stats()["shards"]` (a cluster only) becomes kvtier_l4_shard_* series per primary."""
+    from prometheus_client.core import Metric
+
+    from ops.exporter.l4 import l4_families
+
+    store = L4Store(cluster.url, ttl_s=60)
+    try:
+        chunks = put_many(store, 12)
+        read_all(store, chunks)
+        store.ping()
+        fams: dict[str, Metric] = {f.name: f for f in l4_families(store.stats())}
+        replicas = {s.labels["shard"]: s.value for s in fams["kvtier_l4_shard_replicas"].samples}
+        assert len(replicas) == 3 and set(replicas.values()) == {1.0}
+        hits = [s.value for s in fams["kvtier_l4_shard_hits"].samples if s.name.endswith("_total")]
+        assert sum(hits) == 12 and all(h > 0 for h in hits)  # every shard answered some
+    finally:
+        store.close()

@@ -58,6 +58,7 @@ class ChunkReads:
 
         def _call(self, what: str, fn: Callable[[], T]) -> T: ...
         def count(self, name: str, n: int = 1) -> None: ...
+        def count_shard(self, shard: str, hits: int, misses: int) -> None: ...
         def _timed(self, kind: str, seconds: float, nbytes: int, ops: int = 1) -> None: ...
         def delete_chunk(self, key: bytes) -> None: ...
 
@@ -187,6 +188,9 @@ class ChunkReads:
             for i in idx:
                 batch.futures[i].set_exception(exc)
             return
+        shard = self._routes.shard_of(keys.chunk(chunk_keys[idx[0]]))
+        found = sum(r.error is None and r.header is not None for r in replies)
+        self.count_shard(shard, found, sum(r.error is None and r.header is None for r in replies))
         got = sum(r.size for r in replies if r.error is None and r.header is not None)
         finish(got)
         self._timed("get", time.perf_counter() - t0, got, len(idx))

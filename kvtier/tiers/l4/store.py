@@ -85,6 +85,7 @@ class L4Store(ChunkReads):
         )
         self._stale = False  # a node went away: ask the cluster for its slot map first
         self.shards: list[routes.Shard] = []  # a cluster's primaries, as last pinged
+        self._by_shard: dict[str, list[int]] = {}  # primary -> [hits, misses] of its reads
         self.ttl_ms = None if ttl_s is None else max(1, int(ttl_s * 1000))
         self.breaker = breaker or Breaker()
         self.streams = max(1, streams)
@@ -153,6 +154,14 @@ class L4Store(ChunkReads):
     def count(self, name: str, n: int = 1) -> None:
         with self._lock:
             self._n[name] += n
+
+    def count_shard(self, shard: str, hits: int, misses: int) -> None:
+        """Hits and misses of one cluster shard's reads (nothing on one server)."""
+        if shard:
+            with self._lock:
+                n = self._by_shard.setdefault(shard, [0, 0])
+                n[0] += hits
+                n[1] += misses
 
     def _timed(self, kind: str, seconds: float, nbytes: int, ops: int = 1) -> None:
         with self._lock:
@@ -397,6 +406,8 @@ class L4Store(ChunkReads):
         with self._lock:
             n = dict(self._n)
             secs = dict(self._secs)
+            by_shard = {k: list(v) for k, v in self._by_shard.items()}
+            shards = list(self.shards)
         return {
             "up": self.up,
             "breaker": self.breaker.state,
@@ -411,6 +422,17 @@ class L4Store(ChunkReads):
             "put_seconds_sum": secs["put_seconds_sum"],
             "put_count": n["put_count"],
             "url": self.shown_url,
+            # a cluster's primaries (as last pinged) and their reads; [] on one server
+            "shards": [
+                {
+                    "shard": s.name,
+                    "slots": s.slots,
+                    "replicas": s.replicas,
+                    "hits": by_shard.get(s.name, [0, 0])[0],
+                    "misses": by_shard.get(s.name, [0, 0])[1],
+                }
+                for s in shards
+            ],
         }
 
     def close(self) -> None:
