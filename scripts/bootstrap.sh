@@ -34,11 +34,13 @@ fi
 
 if [ "$mode" = "dev" ]; then
   # Debian packages the tests use: promtool + prometheus server (rules tests, real scrape),
-  # tmux (kvtop end-to-end), redis-server (the L4 tests start one). Installed only when missing.
+  # tmux (kvtop end-to-end), redis-server (the L4 tests start one, and a 3+3 cluster), haproxy
+  # (the fleet test, tests/kvtier/test_fleet.py). Installed only when missing.
   need=()
   command -v promtool >/dev/null || need+=(prometheus)
   command -v tmux >/dev/null || need+=(tmux)
   command -v redis-server >/dev/null || need+=(redis-server)
+  command -v haproxy >/dev/null || need+=(haproxy)
   if [ ${#need[@]} -gt 0 ]; then
     if [ "$(id -u)" -eq 0 ]; then
       echo "bootstrap: apt-get install ${need[*]}"

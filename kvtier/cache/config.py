@@ -137,10 +137,11 @@ class CacheConfig:
 
     def _check_l4(self) -> None:
         if self.l4_url is not None and not self.l4_url.startswith(
-            ("redis://", "rediss://", "unix://")
+            ("redis://", "rediss://", "unix://", "redis+cluster://", "rediss+cluster://")
         ):
             raise ConfigError(
-                "l4_url must be a Redis URL (redis://host:port/db, rediss://, unix://), or None"
+                "l4_url must be a Redis URL (redis://host:port/db, rediss://, unix://), a Redis "
+                "Cluster's (redis+cluster://host:port,host:port,...), or None"
             )
         if self.l4_ttl_s is not None and self.l4_ttl_s <= 0:
             raise ConfigError("l4_ttl_s must be positive (or None: L4 values never expire)")

@@ -17,6 +17,7 @@ def cli() -> None:
     Load:       kvtier loadgen          a fleet of agent sessions against a server
                 kvtier replay TRACE     a request trace against a server
     Planning:   kvtier plan             how many sessions fit in each tier
+    Fleet:      kvtier fleet ...        HAProxy in front of several hosts
     Storage:    kvtier l3 ...           inspect, check and maintain the SSD tier
     Access:     kvtier keys ...         API keys of the server's tenants and admins
     Host:       kvtier doctor           check this host against the recommended tuning
@@ -26,9 +27,9 @@ def cli() -> None:
 
 def register(group: click.Group) -> None:
     """Attach the cache's subcommands. Each lives in its own module to keep modules small."""
-    from kvtier.cli import l3, loadgen, plan, replay
+    from kvtier.cli import fleet, l3, loadgen, plan, replay
 
-    for module in (l3, plan, loadgen, replay):
+    for module in (l3, plan, loadgen, replay, fleet):
         group.add_command(module.command)
 
 

@@ -1,4 +1,5 @@
-"""Admin routes: list, hibernate, prefetch and forget sessions; crypto-shred a tenant.
+"""Admin routes: list, hibernate, prefetch and forget sessions; crypto-shred a tenant; drain
+the host out of a fleet (`POST /admin/drain`, docs/deploy.md).
 
 Who may call them is kvtier.server.auth's to say: with API keys, an admin key for every
 operation, while a tenant's key lists and deletes its own sessions only (another tenant's
@@ -7,7 +8,9 @@ session answers 404, as one that does not exist); without keys, loopback peers o
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import time
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
@@ -91,6 +94,38 @@ def install_admin_routes(app: FastAPI, state: RoutePort) -> None:
     ) -> dict[str, Any]:
         out = await _admin(request, session_id, "forget", tenant, admin_only=False)
         return {"id": session_id, "object": "session", "deleted": True, "status": out["status"]}
+
+    @app.post("/admin/drain")
+    async def drain(request: Request, quiet_s: float = 2.0, max_wait_s: float = 60.0) -> Any:
+        """Leave the fleet with every session in L4, then stop. /readyz answers 503 at once, so
+        the router (HAProxy's health check) stops sending; requests keep being served until
+        none has come for `quiet_s` (or `max_wait_s` passed); then running requests finish,
+        every session is hibernated (L3, and L4 when the host has one: the cache's close
+        waits for the queued L4 writes) and the process exits 0. The sessions' next turns,
+        on the hosts that take them, restore from L4: nothing is recomputed."""
+        require_admin(request)
+        if not 0 <= quiet_s <= max_wait_s:
+            raise ApiError(400, "quiet_s must be between 0 and max_wait_s", param="quiet_s")
+        engine = state.ready_engine()
+        t0 = time.monotonic()
+        engine.leaving = True
+        while time.monotonic() - max(t0, engine.admitted_at) < quiet_s:
+            if time.monotonic() - t0 > max_wait_s:
+                break
+            await asyncio.sleep(0.05)
+        snap, _ = await state.recent_snapshot()
+        sessions = len(snap.sessions) if snap is not None else 0
+        quiet = time.monotonic() - t0
+        await engine.drain()  # in-flight requests finish; every session hibernated
+        if state.stop is not None:
+            state.stop()
+        return {
+            "object": "drain",
+            "status": "drained",
+            "sessions": sessions,
+            "quiet_seconds": round(quiet, 3),
+            "seconds": round(time.monotonic() - t0, 3),
+        }
 
     @app.delete("/v1/tenants/{tenant}")
     async def shred_tenant(request: Request, tenant: str) -> dict[str, Any]:

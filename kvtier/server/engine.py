@@ -104,6 +104,11 @@ class Engine:
         self.waiting = 0
         self.running = 0
         self.draining = False
+        # POST /admin/drain: /readyz answers 503 so the router sends no more, requests still
+        # served until it stops; `admitted_at` tells when it did (kvtier.server.admin)
+        self.leaving = False
+        self.admitted_at = time.monotonic()
+        self._drained = False
         self._idle = asyncio.Event()
         self._idle.set()
 
@@ -152,6 +157,7 @@ class Engine:
         """Admit a job and run it; returns once the prompt is restored (or raises)."""
         if self.draining:
             raise Draining("the server is shutting down; retry on another replica or later")
+        self.admitted_at = time.monotonic()
         if self.fatal is not None:  # the process is on its way out: its supervisor restarts it
             raise Draining(f"{self.fatal}; retry on another replica or later")
         job, streaming = degrade(job, self.served.devices, self.config)
@@ -302,6 +308,9 @@ class Engine:
         """Stop admitting, wait for running jobs, then hibernate every session (cache close;
         not with `close_backend` False: replicas share one cache, closed after the last)."""
         self.draining = True
+        if self._drained:  # POST /admin/drain did, before the shutdown
+            return
+        self._drained = True
         await self._idle.wait()
         if self._batch is not None:
             await asyncio.to_thread(self._batch.close)

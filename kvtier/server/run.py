@@ -126,8 +126,9 @@ def options(f: Callable[..., Any]) -> Callable[..., Any]:
         ),
         click.option(
             "--l4-url",
-            help="Shared tier (L4) on Redis, e.g. redis://10.0.0.5:6379/0: hosts sharing it "
-            "resume each other's sessions (default: none).",
+            help="Shared tier (L4) on Redis, e.g. redis://10.0.0.5:6379/0, or on a Redis "
+            "Cluster: redis+cluster://10.0.0.5:6379,10.0.0.6:6379; hosts sharing it resume each "
+            "other's sessions (default: none).",
         ),
         click.option(
             "--session-ttl-s",

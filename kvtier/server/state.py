@@ -32,6 +32,7 @@ class RoutePort(Protocol):
     config: ServerConfig
     metrics: ServerMetrics
     started: float  # the process's start (time.time())
+    stop: Callable[[], None] | None  # end the process (its shutdown drains), once served
 
     def ready_engine(self) -> Engine: ...
     def loaded_engine(self) -> Engine | None: ...
@@ -103,7 +104,7 @@ class State:
             return 503, {"status": "failed", "reason": str(engine.fatal)}
         if self.warming:
             return 503, {"status": "warming"}
-        if engine is None or engine.draining:
+        if engine is None or engine.draining or engine.leaving:
             why = "draining" if engine else ("failed" if self.load_error else "loading")
             return 503, {"status": why}
         return 200, {"status": "ready", "model": self.config.served_model_name}

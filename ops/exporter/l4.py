@@ -104,3 +104,28 @@ def l4_families(stats: Mapping[str, Any] | None) -> Iterator[Metric]:
             sum_value=_num(stats, f"{op}_seconds_sum"),
         )
     yield latency
+    yield from _shard_families(stats.get("shards"))
+
+
+def _shard_families(shards: Any) -> Iterator[Metric]:
+    """Per shard of a Redis Cluster L4 (its primary's host:port): replicas attached, and the
+    reads of this host that it answered. Nothing on one Redis server."""
+    if not shards:
+        return
+    replicas = GaugeMetricFamily(
+        "kvtier_l4_shard_replicas",
+        "Replicas attached to each L4 cluster shard's primary (0: losing it loses its slots).",
+        labels=["shard", "slots"],
+    )
+    hits = CounterMetricFamily(
+        "kvtier_l4_shard_hits", "L4 chunk reads found, by cluster shard.", labels=["shard"]
+    )
+    misses = CounterMetricFamily(
+        "kvtier_l4_shard_misses", "L4 chunk reads not found, by cluster shard.", labels=["shard"]
+    )
+    for s in shards:
+        name = str(s.get("shard", ""))
+        replicas.add_metric([name, str(s.get("slots", ""))], _num(s, "replicas"))
+        hits.add_metric([name], _num(s, "hits"))
+        misses.add_metric([name], _num(s, "misses"))
+    yield from (replicas, hits, misses)

@@ -4,6 +4,7 @@ every read, and session records live beside them."""
 
 from kvtier.tiers.l4.breaker import Breaker
 from kvtier.tiers.l4.keys import redact
-from kvtier.tiers.l4.store import L4Store, ReadBatch
+from kvtier.tiers.l4.reads import ReadBatch
+from kvtier.tiers.l4.store import L4Store
 
 __all__ = ["Breaker", "L4Store", "ReadBatch", "redact"]

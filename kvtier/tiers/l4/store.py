@@ -24,46 +24,29 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Collection, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvtier import sealing
 from kvtier.errors import (
     AuthenticationFailed,
-    ChunkNotFound,
     ConfigError,
-    FingerprintMismatch,
     KvbinFormatError,
     L4Unavailable,
-    MasterKeyRequired,
     TenantKeyShredded,
 )
 from kvtier.kvbin import ChunkHeader
 from kvtier.tiers.l3.index import SessionRecord
-from kvtier.tiers.l4 import codec, keys, wire
+from kvtier.tiers.l4 import codec, keys, routes
 from kvtier.tiers.l4.breaker import CLOSED, Breaker
-from kvtier.tiers.l4.wire import Dest
+from kvtier.tiers.l4.reads import ChunkReads
 
 if TYPE_CHECKING:  # pragma: no cover
     from kvtier.tiers.l4.sealed import TenantKeys
 
 log = logging.getLogger("kvtier.tiers.l4")
 T = TypeVar("T")
-
-
-@dataclass
-class ReadBatch:
-    """One `get_chunks` call: a future per key, and the bytes and seconds it took."""
-
-    futures: list[Future[ChunkHeader]]
-    started: float
-    nbytes: int = 0
-    finished: float = 0.0
-
-    @property
-    def seconds(self) -> float:
-        return max(0.0, self.finished - self.started)
 
 
 def _array(n: int) -> bytes:
@@ -74,7 +57,7 @@ def _bulk(arg: bytes) -> bytes:
     return b"$%d\r\n%s\r\n" % (len(arg), arg)
 
 
-class L4Store:
+class L4Store(ChunkReads):
     """Chunks and session records in Redis; see the module docstring."""
 
     def __init__(
@@ -96,18 +79,13 @@ class L4Store:
         self._redis = redis
         self.url = url
         self.shown_url = keys.redact(url)
-        try:
-            self._pool = redis.ConnectionPool.from_url(
-                url,
-                socket_timeout=timeout_s,
-                socket_connect_timeout=connect_timeout_s,
-                health_check_interval=0,
-            )
-        except ValueError as exc:
-            raise ConfigError(
-                f"l4_url {self.shown_url!r} is not a Redis URL ({exc}); use redis://host:port/db"
-            ) from None
-        self._r = redis.Redis(connection_pool=self._pool)
+        # one server's pool, or a Redis Cluster's slot map (kvtier.tiers.l4.routes)
+        self._routes = routes.open_routes(
+            redis, url, socket_timeout=timeout_s, socket_connect_timeout=connect_timeout_s
+        )
+        self._stale = False  # a node went away: ask the cluster for its slot map first
+        self.shards: list[routes.Shard] = []  # a cluster's primaries, as last pinged
+        self._by_shard: dict[str, list[int]] = {}  # primary -> [hits, misses] of its reads
         self.ttl_ms = None if ttl_s is None else max(1, int(ttl_s * 1000))
         self.breaker = breaker or Breaker()
         self.streams = max(1, streams)
@@ -132,6 +110,15 @@ class L4Store:
         self._closed = False
         self.sealer: TenantKeys | None = None  # set when the store is encrypted
 
+    @property
+    def _r(self) -> Any:
+        """redis-py's client: `Redis` on one server, `RedisCluster` on a cluster."""
+        return self._routes.client
+
+    @property
+    def cluster(self) -> bool:
+        return self._routes.cluster
+
     # -- the guarded call ------------------------------------------------------------------------
 
     def _call(self, what: str, fn: Callable[[], T]) -> T:
@@ -141,13 +128,18 @@ class L4Store:
             raise L4Unavailable(f"L4 ({self.shown_url}) circuit breaker is open; {what} skipped")
         r = self._redis
         try:
+            if self._stale:  # after a node went away (a failover): the slot map, again
+                self._routes.refresh()
+                self._stale = False
             out = fn()
         except (r.TimeoutError, TimeoutError) as exc:
             self.breaker.failure()
             self.count("errors")
+            self._stale = self.cluster
             raise L4Unavailable(f"L4 {what} timed out on {self.shown_url} ({exc})") from exc
         except (r.ConnectionError, OSError) as exc:
             self.breaker.trip()
+            self._stale = self.cluster
             self.count("errors")
             raise L4Unavailable(f"L4 {what} failed: {self.shown_url} unreachable ({exc})") from exc
         except r.RedisError as exc:
@@ -163,6 +155,14 @@ class L4Store:
         with self._lock:
             self._n[name] += n
 
+    def count_shard(self, shard: str, hits: int, misses: int) -> None:
+        """Hits and misses of one cluster shard's reads (nothing on one server)."""
+        if shard:
+            with self._lock:
+                n = self._by_shard.setdefault(shard, [0, 0])
+                n[0] += hits
+                n[1] += misses
+
     def _timed(self, kind: str, seconds: float, nbytes: int, ops: int = 1) -> None:
         with self._lock:
             self._secs[f"{kind}_seconds_sum"] += seconds
@@ -175,6 +175,8 @@ class L4Store:
         """Round trip of a PING in seconds; also refreshes `run_id` and `memory`."""
 
         def go() -> float:
+            if self.cluster:
+                return self._ping_cluster()
             t0 = time.perf_counter()
             self._r.ping()
             rtt = time.perf_counter() - t0
@@ -185,6 +187,23 @@ class L4Store:
             return rtt
 
         return self._call("ping", go)
+
+    def _ping_cluster(self) -> float:
+        """PING every primary (the slowest round trip is the answer), and read each shard's
+        slots, replicas and memory; `run_id` changes when any primary does (a failover)."""
+        assert isinstance(self._routes, routes.Cluster)
+        rtt = 0.0
+        for node in self._r.get_primaries():
+            t0 = time.perf_counter()
+            node.redis_connection.ping()
+            rtt = max(rtt, time.perf_counter() - t0)
+        self.shards = self._routes.shards()
+        self.run_id = ",".join(s.run_id for s in self.shards)
+        self.memory = {
+            "used_memory": sum(s.used_memory for s in self.shards),
+            "maxmemory": sum(s.maxmemory for s in self.shards),
+        }
+        return rtt
 
     @property
     def up(self) -> bool:
@@ -201,10 +220,22 @@ class L4Store:
         head, view = codec.chunk_parts(header, payload)
         final = keys.chunk(header.key)
         t0 = time.perf_counter()
-        self._call("put", lambda: self._set_renamed(final, head, view))
+        self._call("put", lambda: self._moved_retry(lambda: self._set_renamed(final, head, view)))
         nbytes = len(head) + len(view)
         self._timed("put", time.perf_counter() - t0, nbytes)
         return nbytes
+
+    def _moved_retry(self, fn: Callable[[], T]) -> T:
+        """`fn()`, once more after a MOVED (the slot's primary changed: a failover, a reshard)
+        with the slot map asked again. An ASK (the slot is being migrated) is not followed for a
+        write, whose temp key and RENAME the importing node would refuse: the write fails for
+        this chunk (L4Unavailable), the breaker stays closed."""
+        epoch = self._routes.epoch
+        try:
+            return fn()
+        except self._redis.exceptions.MovedError:
+            self._routes.refresh(epoch)
+            return fn()
 
     def _set_renamed(self, final: str, *parts: Any) -> None:
         """MULTI, SET <temp> <parts joined> PX ttl, RENAME <temp> <final>, EXEC.
@@ -224,7 +255,8 @@ class L4Store:
         packed.append(b"\r\n" + b"".join(map(_bulk, px)))
         packed.append(_array(3) + b"".join(map(_bulk, (b"RENAME", tmp.encode(), final.encode()))))
         packed.append(b"*1\r\n$4\r\nEXEC\r\n")
-        conn = self._pool.get_connection()
+        pool = self._routes.pool_for(final)
+        conn = pool.get_connection()
         try:
             conn.send_packed_command(packed, check_health=False)
             replies = [conn.read_response() for _ in range(4)]  # OK, QUEUED, QUEUED, [..]
@@ -238,7 +270,7 @@ class L4Store:
             conn.disconnect()  # replies may be left unread: never reuse the connection
             raise
         finally:
-            self._pool.release(conn)
+            pool.release(conn)
 
     def exists(self, chunk_keys: Sequence[bytes]) -> list[bool]:
         """Which of `chunk_keys` Redis holds now (one pipelined round trip). With a TTL, the
@@ -260,138 +292,6 @@ class L4Store:
     def delete_chunk(self, key: bytes) -> None:
         self._call("delete", lambda: self._r.delete(keys.chunk(key)))
 
-    def get_chunks(
-        self,
-        chunk_keys: Sequence[bytes],
-        fingerprint: bytes,
-        dest: Dest,
-        tenants: Collection[str] | None = None,
-        expect: Sequence[ChunkHeader | None] | None = None,
-    ) -> ReadBatch:
-        """Start reading `chunk_keys`, `streams` pipelines in parallel; returns at once.
-
-        `dest(i, header)` names where chunk i's payload goes (kvtier.tiers.l4.wire reads it
-        there straight from the socket). `expect[i]`, when given, is the header of the chunk
-        the caller asked for: a value whose header says other tokens, geometry, codec, payload
-        length or tenant is damaged and never read into `dest`. Each future yields the
-        chunk's verified header once its payload is there, or fails with ChunkNotFound (a
-        miss), KvbinFormatError or FingerprintMismatch (a damaged, forged or foreign value, or
-        one failing its AES-GCM tag, deleted from Redis) or L4Unavailable. A sealed value
-        whose data key is gone (crypto-shred) or that this host cannot open is a miss
-        (ChunkNotFound), left alone."""
-        batch = ReadBatch([Future() for _ in chunk_keys], time.perf_counter())
-        if not chunk_keys:
-            batch.finished = batch.started
-            return batch
-        n = min(self.streams, len(chunk_keys))
-        groups = [list(range(i, len(chunk_keys), n)) for i in range(n)]
-        left = [n]
-
-        def stream(idx: list[int]) -> None:
-            ended = [False]
-
-            def finish(nbytes: int) -> None:
-                """The group's bytes are in: count them, and end the batch's clock with the
-                last group (before any future settles, so a waiter sees the timing)."""
-                with self._lock:
-                    if ended[0]:
-                        return
-                    ended[0] = True
-                    batch.nbytes += nbytes
-                    left[0] -= 1
-                    if left[0] == 0:
-                        batch.finished = time.perf_counter()
-
-            try:
-                exp = None if expect is None else [expect[i] for i in idx]
-                self._stream(idx, chunk_keys, fingerprint, dest, tenants, finish, batch, exp)
-            except BaseException as exc:  # every future of the group settles, whatever happens
-                finish(0)
-                for i in idx:
-                    if not batch.futures[i].done():
-                        batch.futures[i].set_exception(exc)
-
-        for g in groups:
-            try:
-                self._pool_threads.submit(stream, g)
-            except RuntimeError:  # closed meanwhile
-                stream_error = L4Unavailable("the L4 store is closed")
-                for i in g:
-                    batch.futures[i].set_exception(stream_error)
-        return batch
-
-    def _stream(
-        self,
-        idx: list[int],
-        chunk_keys: Sequence[bytes],
-        fingerprint: bytes,
-        dest: Dest,
-        tenants: Collection[str] | None,
-        finish: Callable[[int], None],
-        batch: ReadBatch,
-        expect: Sequence[ChunkHeader | None] | None = None,
-    ) -> None:
-        names = [keys.chunk(chunk_keys[i]) for i in idx]
-        mine = [chunk_keys[i] for i in idx]
-
-        def go() -> list[wire.Reply]:
-            conn = self._pool.get_connection()
-            try:
-                return wire.get_many(
-                    conn,
-                    names,
-                    mine,
-                    fingerprint,
-                    tenants,
-                    lambda j, h: dest(idx[j], h),
-                    self._redis.ResponseError,
-                    None if self.sealer is None else self.sealer.opener,
-                    expect,
-                )
-            except BaseException:
-                conn.disconnect()  # replies may be left unread: never reuse the connection
-                raise
-            finally:
-                self._pool.release(conn)
-
-        t0 = time.perf_counter()
-        try:
-            replies = self._call("get", go)
-        except L4Unavailable as exc:
-            finish(0)
-            for i in idx:
-                batch.futures[i].set_exception(exc)
-            return
-        got = sum(r.size for r in replies if r.error is None and r.header is not None)
-        finish(got)
-        self._timed("get", time.perf_counter() - t0, got, len(idx))
-        for i, rep in zip(idx, replies, strict=True):
-            key = chunk_keys[i]
-            fut = batch.futures[i]
-            if isinstance(rep.error, (TenantKeyShredded, MasterKeyRequired)):
-                self.count("misses")  # sealed under a key this host cannot have: a miss
-                log.info("L4 chunk %s is not readable here (%s)", key.hex(), rep.error)
-                fut.set_exception(ChunkNotFound(f"chunk {key.hex()} in L4: {rep.error}"))
-                continue
-            if rep.error is not None:
-                self.count("errors")
-                if isinstance(rep.error, (KvbinFormatError, FingerprintMismatch)):
-                    log.warning("L4 chunk %s is unusable (%s); deleted", key.hex(), rep.error)
-                    try:
-                        self.delete_chunk(key)
-                    except L4Unavailable:
-                        pass
-                    fut.set_exception(rep.error)
-                else:
-                    fut.set_exception(L4Unavailable(f"L4 get of {key.hex()}: {rep.error}"))
-                continue
-            if rep.header is None:
-                self.count("misses")
-                fut.set_exception(ChunkNotFound(f"chunk {key.hex()} is not in L4"))
-                continue
-            self.count("hits")
-            fut.set_result(rep.header)
-
     # -- tenant data keys (sealed.TenantKeys) -----------------------------------------------------
 
     def put_tenant_key(self, tenant: str, key_id: bytes, value: bytes) -> None:
@@ -400,13 +300,13 @@ class L4Store:
         name = keys.tenant_keys(tenant)
 
         def go() -> None:
-            with self._r.pipeline(transaction=True) as p:
+            with self._routes.node(name).pipeline(transaction=True) as p:
                 p.hset(name, key_id.hex(), value)
                 if self.ttl_ms is not None:
                     p.pexpire(name, self.ttl_ms)
                 p.execute()
 
-        self._call("key put", go)
+        self._call("key put", lambda: self._moved_retry(go))
 
     def get_tenant_key(self, tenant: str, key_id: bytes) -> bytes | None:
         """The value `put_tenant_key` stored for `key_id` of `tenant`, or None; through the
@@ -428,12 +328,12 @@ class L4Store:
 
         def go() -> None:
             tmp = keys.temp(final)
-            with self._r.pipeline(transaction=True) as p:
+            with self._routes.node(final).pipeline(transaction=True) as p:
                 p.set(tmp, value, px=self.ttl_ms)
                 p.rename(tmp, final)
                 p.execute()
 
-        self._call("record put", go)
+        self._call("record put", lambda: self._moved_retry(go))
 
     def get_record(self, fingerprint: bytes, tenant: str, session_id: str) -> SessionRecord | None:
         """The session's record, or None (none stored, or a damaged one, which is deleted)."""
@@ -506,6 +406,8 @@ class L4Store:
         with self._lock:
             n = dict(self._n)
             secs = dict(self._secs)
+            by_shard = {k: list(v) for k, v in self._by_shard.items()}
+            shards = list(self.shards)
         return {
             "up": self.up,
             "breaker": self.breaker.state,
@@ -520,6 +422,17 @@ class L4Store:
             "put_seconds_sum": secs["put_seconds_sum"],
             "put_count": n["put_count"],
             "url": self.shown_url,
+            # a cluster's primaries (as last pinged) and their reads; [] on one server
+            "shards": [
+                {
+                    "shard": s.name,
+                    "slots": s.slots,
+                    "replicas": s.replicas,
+                    "hits": by_shard.get(s.name, [0, 0])[0],
+                    "misses": by_shard.get(s.name, [0, 0])[1],
+                }
+                for s in shards
+            ],
         }
 
     def close(self) -> None:
@@ -527,4 +440,4 @@ class L4Store:
             return
         self._closed = True
         self._pool_threads.shutdown(wait=True)
-        self._pool.disconnect()
+        self._routes.disconnect()

@@ -104,9 +104,12 @@ def get_many(
     response_error: type[Exception],
     opener: Opener | None = None,
     expects: Sequence[ChunkHeader | None] | None = None,
+    asking: bool = False,
 ) -> list[Reply]:
     """Pipeline a GET of every name on redis-py connection `conn` and read the replies.
 
+    `asking`: each GET follows an ASK redirection (a cluster slot being migrated to this node),
+    so an ASKING goes before it and its +OK is read first.
     `opener`: the store is encrypted; every value must be sealed and is opened in place.
     `expects`: per key, the header of the chunk the caller asked for (`kvbin.check_expected`);
     a value whose header describes anything else is an error for that key."""
@@ -116,13 +119,16 @@ def get_many(
     # redis-py's own socket, opened, authenticated and on the right database (it has no public
     # getter): the replies are read from it straight into the slots
     sock = conn._sock  # noqa: SLF001
-    out = b"".join(b"*2\r\n$3\r\nGET\r\n$%d\r\n%s\r\n" % (len(n), n.encode()) for n in names)
+    ask = b"*1\r\n$6\r\nASKING\r\n" if asking else b""
+    out = b"".join(ask + b"*2\r\n$3\r\nGET\r\n$%d\r\n%s\r\n" % (len(n), n.encode()) for n in names)
     sock.sendall(out)
     reader = _Reader(sock)
     replies = []
     for i, key in enumerate(chunk_keys):
         rep = Reply()
         replies.append(rep)
+        if asking and (ok := reader.line()) != b"+OK":
+            raise ConnectionError(f"unexpected reply to ASKING: {ok[:40]!r}")
         head = reader.line()
         if head in (b"$-1", b"_"):
             continue
