@@ -284,6 +284,7 @@ async def _events(
             "code": None,
         }
         yield _sse({"error": err})
+        yield "data: [DONE]\n\n"  # the stream ends as every stream does: clients stop reading
     finally:
         if not finished:
             stream.cancel()  # the client went away: stop, keep what is committed
