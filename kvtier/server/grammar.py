@@ -166,8 +166,15 @@ def _literal(xgr: Any, text: str) -> Any:
     return xgr.Grammar.from_ebnf("root ::= " + json.dumps(text))
 
 
-def apply_masks(logits: torch.Tensor, rows: list[int], matchers: list[Any]) -> None:
-    """Mask, in place, what each matcher's grammar forbids in its row of `logits`.
+def apply_masks(
+    logits: torch.Tensor,
+    rows: list[int],
+    matchers: list[Any],
+    faults: dict[int, BaseException] | None = None,
+) -> None:
+    """Mask, in place, what each matcher's grammar forbids in its row of `logits`. A matcher
+    that raises is its row's fault alone: with `faults`, the row goes there (row -> exception)
+    and the others are masked as usual.
 
     On the host the bitmask's bits are unpacked by numpy and each row masked in place in one
     fill: xgrammar's own CPU path took 0.49 ms for a 152,064-token row against 0.05 ms so, and
@@ -178,7 +185,12 @@ def apply_masks(logits: torch.Tensor, rows: list[int], matchers: list[Any]) -> N
     vocab = logits.shape[-1]
     bitmask = xgr.allocate_token_bitmask(len(rows), vocab)
     for i, m in enumerate(matchers):
-        m.fill_next_token_bitmask(bitmask, i)
+        try:
+            m.fill_next_token_bitmask(bitmask, i)
+        except Exception as exc:
+            if faults is None:
+                raise
+            faults[rows[i]] = exc
     if logits.device.type != "cpu":
         sub = logits[rows]
         xgr.apply_token_bitmask_inplace(sub, bitmask.to(logits.device))
