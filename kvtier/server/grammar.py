@@ -152,6 +152,10 @@ class GrammarBook:
     def __len__(self) -> int:
         return len(self._compiled)
 
+    def __contains__(self, spec: object) -> bool:
+        """Whether `spec`'s compiled grammar is kept."""
+        return spec in self._compiled
+
     def compile(self, spec: GrammarSpec) -> Any:
         """The compiled grammar of `spec` (xgrammar.CompiledGrammar), waiting for it here."""
         future = self._submit(spec)
@@ -224,7 +228,7 @@ class GrammarBook:
             flight.waiters -= 1
             if flight.waiters > 0 or not future.cancel():
                 return
-            del self._flights[spec]
+            self._flights.pop(spec, None)  # (cancel() ran `_landed`, which popped it already)
 
     def _landed(self, spec: GrammarSpec, future: concurrent.futures.Future[Any]) -> None:
         """A compile ended: keep its grammar in the LRU, evicting the least recent ones."""
