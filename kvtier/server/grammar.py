@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import json
+import os
 import re
 import threading
 from collections import OrderedDict
@@ -134,7 +136,9 @@ class GrammarBook:
         self._compiled: OrderedDict[GrammarSpec, tuple[Any, int]] = OrderedDict()
         self._bytes = 0
         self._flights: dict[GrammarSpec, _Flight] = {}
-        self._pool = ThreadPoolExecutor(self.limits.threads, thread_name_prefix="kvtier-grammar")
+        self._pool = ThreadPoolExecutor(
+            self.limits.threads, thread_name_prefix="kvtier-grammar", initializer=_background
+        )
 
     def _xgr(self) -> Any:
         try:
@@ -268,6 +272,18 @@ class GrammarBook:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+# The compile threads' nice value: a compile is background work beside the scheduler's steps
+# and the event loop, which win the CPU when the host has no core to spare (Linux schedules
+# threads as tasks: one thread's nice is its own)
+COMPILE_NICE = 10
+
+
+def _background() -> None:
+    """Lower the calling compile thread's CPU priority (where the platform allows it)."""
+    with contextlib.suppress(AttributeError, OSError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), COMPILE_NICE)
 
 
 @dataclass
