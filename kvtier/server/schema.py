@@ -103,6 +103,18 @@ class FunctionDef(_Strict):
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
+    @field_validator("parameters")
+    @classmethod
+    def _an_object(cls, params: dict[str, Any] | None) -> dict[str, Any] | None:
+        # a call's arguments are a JSON object (OpenAI's, and the hermes format's): a schema of
+        # anything else could never make a call
+        if params is not None and params.get("type", "object") != "object":
+            raise ValueError(
+                f"parameters has type {params.get('type')!r}; a function's parameters are a "
+                'JSON Schema of an object: {"type": "object", "properties": {...}}'
+            )
+        return params
+
 
 class Tool(_Strict):
     type: Literal["function"]
