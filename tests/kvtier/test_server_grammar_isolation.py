@@ -68,7 +68,7 @@ def test_twelve_hostile_compiles_leave_another_tenants_turns_their_latency(
         ended: list[float] = []
 
         def hostile(i: int) -> None:
-            schema = {"type": "string", "pattern": "[a-z]{%d}" % (3600 + i)}
+            schema = {"type": "string", "pattern": f"[a-z]{{{3600 + i}}}"}
             body = {
                 "model": "default",
                 "messages": [{"role": "user", "content": "x"}],

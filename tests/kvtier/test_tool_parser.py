@@ -67,7 +67,7 @@ def test_required_tool_choice_needs_object_parameters() -> None:
 def _streamed(reply: str, cuts: list[int]) -> tuple[str, list[tuple[str, str]]]:
     f = ContentFilter()
     out, last = "", 0
-    for cut in sorted(set(c % (len(reply) + 1) for c in cuts)) + [len(reply)]:
+    for cut in [*sorted({c % (len(reply) + 1) for c in cuts}), len(reply)]:
         out += f.add(reply[last:cut])
         last = cut
     rest, calls = f.finish()
