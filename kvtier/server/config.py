@@ -89,7 +89,8 @@ class ServerConfig:
     # (DEFAULT_L1_BYTES on the CPU and for a model placed across devices)
     l1_bytes: int = 0
     l2_bytes: int = 1 * 2**30
-    l3_max_bytes: int = 0  # L3's size cap (unreferenced chunks go first); 0 = no cap
+    # L3's size cap (unreferenced chunks go first); 0 = half the filesystem that holds L3
+    l3_max_bytes: int = 0
     # L4, the shared tier: redis://host:port/db; None (or "") = none. Hosts sharing one Redis
     # resume each other's sessions (docs/architecture.md, "L4")
     l4_url: str | None = None

@@ -109,7 +109,7 @@ def options(f: Callable[..., Any]) -> Callable[..., Any]:
         click.option(
             "--l3-max-bytes",
             help="L3 size cap, e.g. 500GB; past it, chunks no session references go first "
-            "(default: no cap).",
+            "(default 0: half the filesystem that holds --l3-root).",
         ),
         click.option(
             "--l4-url",
