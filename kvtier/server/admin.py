@@ -76,19 +76,19 @@ def install_admin_routes(app: FastAPI, state: RoutePort) -> None:
             )
         return {"id": session_id, "object": "session", "status": op}
 
-    @app.post("/v1/sessions/{session_id}/hibernate")
+    @app.post("/v1/sessions/{session_id:path}/hibernate")
     async def hibernate(
         request: Request, session_id: str, tenant: str | None = None
     ) -> dict[str, Any]:
         return await _admin(request, session_id, "hibernate", tenant, admin_only=True)
 
-    @app.post("/v1/sessions/{session_id}/prefetch")
+    @app.post("/v1/sessions/{session_id:path}/prefetch")
     async def prefetch(
         request: Request, session_id: str, tenant: str | None = None
     ) -> dict[str, Any]:
         return await _admin(request, session_id, "prefetch", tenant, admin_only=True)
 
-    @app.delete("/v1/sessions/{session_id}")
+    @app.delete("/v1/sessions/{session_id:path}")
     async def forget(
         request: Request, session_id: str, tenant: str | None = None
     ) -> dict[str, Any]:
@@ -127,7 +127,7 @@ def install_admin_routes(app: FastAPI, state: RoutePort) -> None:
             "seconds": round(time.monotonic() - t0, 3),
         }
 
-    @app.delete("/v1/tenants/{tenant}")
+    @app.delete("/v1/tenants/{tenant:path}")
     async def shred_tenant(request: Request, tenant: str) -> dict[str, Any]:
         """Crypto-shred a tenant: its sessions leave L1 and L2 now, its data key and session
         records are destroyed in L3 (its chunk files are unreadable; the next gc removes

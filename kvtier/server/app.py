@@ -256,7 +256,7 @@ def _bad_request(port: RoutePort, request: Request, exc: ApiError) -> None:
 def _routes(app: FastAPI, port: RoutePort) -> None:
     """The health, metrics, model and completion routes, on the server's `RoutePort`."""
     cfg = port.config
-    limits = (cfg.max_body_bytes, cfg.body_timeout)
+    limits = (cfg.max_body_bytes, cfg.body_timeout, cfg.body_deadline, cfg.body_min_rate)
 
     @app.get("/healthz")
     async def healthz() -> dict[str, Any]:

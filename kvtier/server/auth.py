@@ -115,9 +115,10 @@ def _auth(request: Request) -> Auth:
 
 
 def unauthorized(message: str, code: str | None) -> ApiError:
-    return ApiError(
-        401, message, "invalid_request_error", None, code, headers={"WWW-Authenticate": "Bearer"}
-    )
+    """A 401; the connection closes after it, the request's body unread (a client without a
+    key cannot hold a connection by sending its body slowly)."""
+    headers = {"WWW-Authenticate": "Bearer", "Connection": "close"}
+    return ApiError(401, message, "invalid_request_error", None, code, headers=headers)
 
 
 async def authenticate(request: Request) -> None:

@@ -150,6 +150,7 @@ class TieredBackend:
 
     def __init__(self, model: Any, config: Any, model_id: str) -> None:
         from kvtier import CacheConfig, TieredCache
+        from kvtier.tiers.l3.cap import default_max_bytes
 
         # Private: the KV of every conversation is as sensitive as the conversation itself.
         Path(config.l3_root).mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -160,7 +161,8 @@ class TieredBackend:
                 # 0: the GPU memory plan's (kvtier.server.memplan), or the default without one
                 l1_bytes=config.l1_bytes or DEFAULT_L1_BYTES,
                 l2_bytes=config.l2_bytes,
-                l3_max_bytes=config.l3_max_bytes or None,
+                # 0: half the filesystem that holds L3 (kvtier.tiers.l3.cap)
+                l3_max_bytes=config.l3_max_bytes or default_max_bytes(Path(config.l3_root)),
                 l4_url=config.l4_url or None,
                 l4_ttl_s=config.l4_ttl_s,
                 l4_min_idle_s=config.l4_min_idle_s,

@@ -9,7 +9,6 @@ A chat request that offers `tools` gets the hermes tool-call parser (`--tool-cal
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 import uuid
@@ -21,10 +20,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvtier.errors import InvalidRequest, KvtierError, L1BudgetExceeded
 from kvtier.server.auth import tenant_of
-from kvtier.server.clientgone import watch
+from kvtier.server.clientgone import until_gone, watch
 from kvtier.server.devices_admin import DegradedTurn
 from kvtier.server.engine import Engine
 from kvtier.server.grammar import GrammarBook, spec_of
+from kvtier.server.grammarlimits import GrammarLimits
 from kvtier.server.http import MAX_SESSION_ID, ApiError, check_id
 from kvtier.server.jobs import (
     ContextExceeded,
@@ -45,17 +45,19 @@ if TYPE_CHECKING:  # pragma: no cover
 SOURCE_HEADER = "X-Kvtier-Restore-Source"
 
 
-def grammar_book(served: Any) -> GrammarBook:
-    """The served model's grammar compiler, made on first use."""
+def grammar_book(served: Any, config: Any = None, metrics: Any = None) -> GrammarBook:
+    """The served model's grammar compiler, made on first use (with `config`'s limits)."""
     if served.grammars is None:
         vocab = int(getattr(served.model.config, "vocab_size", 0) or len(served.tokenizer))
-        served.grammars = GrammarBook(served.tokenizer, vocab, served.eos_ids)
+        limits = GrammarLimits.from_config(config) if config is not None else None
+        served.grammars = GrammarBook(served.tokenizer, vocab, served.eos_ids, limits, metrics)
     return served.grammars  # type: ignore[no-any-return]
 
 
-async def grammar_of(served: Any, body: Any) -> Any:
-    """A new matcher per turn for the grammar the request asks for, or None (compiled off the
-    event loop: a large schema takes a while)."""
+async def grammar_of(state: RoutePort, request: Request, served: Any, body: Any) -> Any:
+    """A new matcher per turn for the grammar the request asks for, or None (compiled on the
+    grammar book's own threads, within its limits and deadline; given up when the client
+    leaves)."""
     if not hasattr(body, "response_format"):
         return None
     try:
@@ -73,8 +75,8 @@ async def grammar_of(served: Any, body: Any) -> Any:
                 "(tool_choice): the grammar decides where such a reply ends; send one of them",
                 param="ignore_eos",
             )
-        book = grammar_book(served)
-        compiled = await asyncio.to_thread(book.compile, spec)
+        book = grammar_book(served, state.config, state.metrics)
+        compiled = await book.compiled(spec, lambda: until_gone(request))
     except InvalidRequest as exc:
         param = "response_format" if body.response_format is not None else "tool_choice"
         raise ApiError(400, str(exc), param=param) from None
@@ -124,7 +126,7 @@ async def respond(
         frequency_penalty=body.frequency_penalty,
         repetition_penalty=body.repetition_penalty,
         logprobs=body.top(),
-        grammar=await grammar_of(engine.served, body),
+        grammar=await grammar_of(state, request, engine.served, body),
     )
     stream = await _start(engine, job)
     started = stream.started

@@ -7,6 +7,7 @@ TOML key `name` in the `[serve]` table. docs/configuration.md lists them all.
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import os
 import sys
 from collections.abc import Mapping
@@ -89,7 +90,8 @@ class ServerConfig:
     # (DEFAULT_L1_BYTES on the CPU and for a model placed across devices)
     l1_bytes: int = 0
     l2_bytes: int = 1 * 2**30
-    l3_max_bytes: int = 0  # L3's size cap (unreferenced chunks go first); 0 = no cap
+    # L3's size cap (unreferenced chunks go first); 0 = half the filesystem that holds L3
+    l3_max_bytes: int = 0
     # L4, the shared tier: redis://host:port/db; None (or "") = none. Hosts sharing one Redis
     # resume each other's sessions (docs/architecture.md, "L4")
     l4_url: str | None = None
@@ -161,19 +163,38 @@ class ServerConfig:
     paged_l1: bool = True
     batch_kv_bytes: int = 0  # the batch's KV page pool; 0 = room for max_concurrency contexts
     max_body_bytes: int = 4 * 2**20
+    # Structured output (kvtier.server.grammarlimits; docs/security.md, "Limits"): a schema's
+    # JSON text, a pattern's bounded repetitions, enum and const values; the wait for a
+    # grammar, the threads that compile, the compiled grammars kept (LRU)
+    grammar_max_schema_bytes: int = 64 * 2**10
+    grammar_max_repeat: int = 1000
+    grammar_max_enum: int = 1024
+    grammar_timeout: float = 10.0
+    grammar_threads: int = 2
+    grammar_cache_bytes: int = 128 * 2**20
     # Connections (kvtier.server.connguard; docs/serving.md, "Behind a proxy"): seconds a
     # connection has to send a request's line and headers, else it is closed
     header_timeout: float = 10.0
     body_timeout: float = 30.0  # longest wait for the next piece of a request body: then 408
+    # a whole request body: within this many seconds, and at least this many bytes a second
+    # after the first 5 s (kvtier.server.requestbody); else 408 and the connection closes
+    body_deadline: float = 60.0
+    body_min_rate: int = 1024
     # an idle keep-alive connection's life: longer than clients keep idle connections (httpx:
     # 5 s), so the client closes first (equal timeouts race a request against the close)
     keep_alive_timeout: float = 75.0
     max_connections: int = 0  # open connections; 0: the open-files limit less a reserve
+    # connections past max_connections kept for /healthz, /readyz and /metrics (any other
+    # request on one of them gets 503): probes never see the cap
+    probe_connections: int = 16
     max_open_files: int = 0  # the soft open-files limit set at start; 0: the hard limit
     log_level: str = "info"
     # Authentication (kvtier.server.auth): the API keys file; None = single-tenant and local
     api_keys: Path | None = None
     trust_tenant_header: bool = False  # with api_keys: X-Tenant names the tenant (a gateway's)
+    # serve on a non-loopback address without api_keys (else refused: anyone who reaches it
+    # would chat as any tenant)
+    insecure_no_auth: bool = False
     # Encryption at rest of L3 (docs/security.md): chunk payloads and session records sealed
     # with per-tenant data keys wrapped by the master key in this file (32 bytes, mode 0600).
     encrypt: bool = False
@@ -244,11 +265,24 @@ class ServerConfig:
                 f"degraded_kv: {self.degraded_kv!r} is unknown; use 'native' (K/V in the "
                 "model's dtype) or 'int8' (about twice the tokens on the surviving devices)"
             )
-        for name in ("header_timeout", "body_timeout", "keep_alive_timeout"):
+        for name in ("grammar_max_repeat", "grammar_max_enum", "grammar_threads"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}: must be at least 1, got {getattr(self, name)}")
+        for name in (
+            "header_timeout",
+            "body_timeout",
+            "keep_alive_timeout",
+            "grammar_timeout",
+            "body_deadline",
+        ):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name}: must be a positive number of seconds")
         if self.max_connections < 0 or self.max_open_files < 0:
             raise ConfigError("max_connections and max_open_files must not be negative (0: auto)")
+        if self.probe_connections < 0 or self.body_min_rate < 0:
+            raise ConfigError(
+                "probe_connections and body_min_rate must not be negative (0: none, no minimum)"
+            )
         if self.queue_timeout < 0 or self.max_queue < 0:
             raise ConfigError("queue_timeout and max_queue must not be negative")
         if self.session_ttl_s < 0 or self.max_sessions < 0:
@@ -257,6 +291,12 @@ class ServerConfig:
             raise ConfigError("l3_write_bound_s: must be a positive number of seconds")
         if not self.served_model_name:
             raise ConfigError("served_model_name: must not be empty")
+        if self.api_keys is None and not self.insecure_no_auth and not is_loopback(self.host):
+            raise ConfigError(
+                f"host {self.host}: serving beyond this machine without API keys lets any host "
+                "that reaches it chat as any tenant and read its sessions; give --api-keys FILE "
+                "(kvtier keys add), bind 127.0.0.1, or pass --insecure-no-auth to accept that"
+            )
         if self.trust_tenant_header and self.api_keys is None:
             raise ConfigError(
                 "trust_tenant_header: only with api_keys (without a keys file X-Tenant is "
@@ -314,8 +354,19 @@ class ServerConfig:
         }
 
 
+def is_loopback(host: str) -> bool:
+    """Whether `host` (an address or a name) is this machine's loopback alone."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
 _FIELDS = {f.name: f for f in fields(ServerConfig)}
 _SIZES = {"l1_bytes", "l2_bytes", "l3_max_bytes", "max_body_bytes", "batch_kv_bytes"}
+_SIZES |= {"grammar_max_schema_bytes", "grammar_cache_bytes"}
 
 
 def _from_toml(path: Path) -> dict[str, Any]:

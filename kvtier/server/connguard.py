@@ -14,7 +14,11 @@ EMFILE). Per server, with one ConnectionGuard:
   is accepted (asyncio accepts a burst of them before any reaches a protocol): past
   `max_connections`, a new connection closes the one that has waited longest for a request's
   headers (else the longest idle keep-alive one); when every connection is mid-request, or too
-  many closes are still under way, the new one gets 503 and is closed.
+  many closes are still under way, the new one takes one of `reserve` connections kept for
+  the probes (`/healthz`, `/readyz`, `/metrics`), else gets 503 and is closed;
+- `probes_only`, the app behind the reserve: while more than `max_connections` are open, a
+  request for any other path gets 503 (and its connection closes), so a probe is answered
+  however many clients hold connections mid-request.
 
 `raise_open_files` sets the process's soft RLIMIT_NOFILE at start (`max_open_files`), and
 `connection_cap` derives the automatic cap from it, leaving a reserve for the cache's files.
@@ -52,9 +56,10 @@ class ConnectionGuard:
     """What one server's connections share: how many are open, those waiting for a request's
     headers and those idle between requests (each oldest first), and what was closed."""
 
-    def __init__(self, header_timeout: float, max_connections: int) -> None:
+    def __init__(self, header_timeout: float, max_connections: int, reserve: int = 0) -> None:
         self.header_timeout = header_timeout
         self.max_connections = max_connections
+        self.reserve = reserve  # connections past the cap for the probes' paths alone
         # connections closed for new ones whose files are not released yet, at most: past it a
         # new connection is refused, so the files in use stay under max_connections + this
         self.slack = eviction_slack(max_connections)
@@ -73,13 +78,19 @@ class ConnectionGuard:
         files = self.open + self.pending
         if files - self.closing >= self.max_connections:
             victim = self.oldest() if files < self.max_connections + self.slack else None
-            if victim is None:
+            if victim is not None:
+                self.count("evicted")
+                victim.close_waiting()
+            elif files - self.closing >= self.max_connections + self.reserve:
                 self.count("refused")
                 return False
-            self.count("evicted")
-            victim.close_waiting()
         self.pending += 1
         return True
+
+    @property
+    def over_cap(self) -> bool:
+        """More connections are open than `max_connections`: the reserve is in use."""
+        return self.open - self.closing > self.max_connections
 
     def oldest(self) -> Any | None:
         """The connection to close for a new one: the longest wait for headers, else the
@@ -190,6 +201,31 @@ class _Listener(socket.socket):
                 conn.setblocking(False)
                 conn.send(_REFUSED)
             conn.close()
+
+
+def probes_only(app: Any, guard: ConnectionGuard, probes: frozenset[str]) -> Any:
+    """`app` (ASGI), answering 503 to any request but for the `probes` paths while the
+    guard's reserve is in use (`guard.over_cap`); the connection then closes."""
+
+    async def guarded(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"] not in probes and guard.over_cap:
+            guard.count("refused")
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 503,
+                    "headers": [
+                        (b"content-type", b"text/plain; charset=utf-8"),
+                        (b"connection", b"close"),
+                        (b"retry-after", b"1"),
+                    ],
+                }
+            )
+            await send({"type": "http.response.body", "body": b"too many open connections"})
+            return
+        await app(scope, receive, send)
+
+    return guarded
 
 
 def guarded_listener(sock: socket.socket, guard: ConnectionGuard) -> socket.socket:

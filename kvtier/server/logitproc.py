@@ -16,6 +16,7 @@ the draw: it advances the matchers and the counts and keeps each token's logprob
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -84,31 +85,49 @@ def decoding_of(job: Any) -> Decoding | None:
     return d
 
 
-def process(logits: torch.Tensor, decodings: list[Decoding | None]) -> list[int]:
+def process(
+    logits: torch.Tensor,
+    decodings: list[Decoding | None],
+    faults: dict[int, BaseException] | None = None,
+) -> None:
     """Penalties and grammar masks, in place, on the rows of `logits` that have a Decoding.
 
-    Returns the rows whose grammar leaves no token of the model's vocabulary (a grammar and a
-    vocabulary that do not fit): their logits are zeroed (any draw is safe), and the caller
-    fails their turns."""
+    A row whose processing raises, or whose grammar leaves no token of the model's vocabulary
+    (a grammar and a vocabulary that do not fit, `NoTokenAllowed`), is a fault of that row
+    alone: with `faults` it is put there (row -> exception) with its logits zeroed (any draw is
+    safe) and the other rows are processed as usual, for the caller to fail its turn; without,
+    the first such exception is raised."""
+    found: dict[int, BaseException] = {}
     for i, d in enumerate(decodings):
         if d is not None and d.penalized:
-            _penalize(logits[i], d)
+            try:
+                _penalize(logits[i], d)
+            except Exception as exc:
+                found[i] = exc
     masked = [
         (i, d.matcher)
         for i, d in enumerate(decodings)
-        if d is not None and d.matcher is not None and not d.matcher.is_terminated()
+        if i not in found
+        and d is not None
+        and d.matcher is not None
+        and not d.matcher.is_terminated()
     ]
-    if not masked:
-        return []
-    from kvtier.server.grammar import apply_masks
+    if masked:
+        from kvtier.server.grammar import apply_masks
 
-    rows = [i for i, _ in masked]
-    apply_masks(logits, rows, [m for _, m in masked])
-    # a row keeps a token where its largest logit is above -inf (a view per row: no copy)
-    dead = [r for r in rows if not bool(logits[r].max() > float("-inf"))]
-    if dead:
-        logits[dead] = 0.0
-    return dead
+        rows = [i for i, _ in masked]
+        apply_masks(logits, rows, [m for _, m in masked], found)
+        # a row keeps a token where its largest logit is above -inf (a view per row: no copy)
+        for r in rows:
+            if r not in found and not bool(logits[r].max() > float("-inf")):
+                found[r] = NoTokenAllowed()
+    if found:
+        logits[sorted(found)] = 0.0
+    if faults is None:
+        if found:
+            raise next(iter(found.values()))
+        return
+    faults.update(found)
 
 
 def _penalize(row: torch.Tensor, d: Decoding) -> None:
@@ -123,9 +142,27 @@ def _penalize(row: torch.Tensor, d: Decoding) -> None:
         row[ids] -= d.presence + d.frequency * counts
 
 
-def record(logits: torch.Tensor, decodings: list[Decoding | None], tokens: list[int]) -> None:
-    """After the draw: count each row's token, advance its matcher, keep its logprobs."""
-    want = [i for i, d in enumerate(decodings) if d is not None and d.logprobs is not None]
+# The log-probability reported for a token the mask or the penalties made impossible (-inf,
+# which JSON cannot carry), as vLLM reports it; such tokens are left out of `top`.
+LOGPROB_FLOOR = -9999.0
+
+
+def record(
+    logits: torch.Tensor,
+    decodings: list[Decoding | None],
+    tokens: list[int],
+    faults: dict[int, BaseException] | None = None,
+) -> None:
+    """After the draw: count each row's token, advance its matcher, keep its logprobs.
+
+    The rows in `faults` are skipped; a row whose matcher refuses its token is added to it
+    (without `faults`, that raises)."""
+    skip = faults if faults is not None else {}
+    want = [
+        i
+        for i, d in enumerate(decodings)
+        if d is not None and d.logprobs is not None and i not in skip
+    ]
     if want:
         logp = torch.log_softmax(logits[want].float(), dim=-1)
         k = max(int(decodings[i].logprobs or 0) for i in want)  # type: ignore[union-attr]
@@ -135,13 +172,20 @@ def record(logits: torch.Tensor, decodings: list[Decoding | None], tokens: list[
         for j, i in enumerate(want):
             d = decodings[i]
             assert d is not None and d.logprobs is not None
-            top = list(zip(top_il[j][: d.logprobs], top_vl[j][: d.logprobs], strict=True))
-            d.pending.append(TokenLogprob(tokens[i], chosen_l[j], top))
-    for d, token in zip(decodings, tokens, strict=True):
-        if d is None:
+            pairs = zip(top_il[j][: d.logprobs], top_vl[j][: d.logprobs], strict=True)
+            top = [(t, v) for t, v in pairs if math.isfinite(v)]
+            mine = chosen_l[j] if math.isfinite(chosen_l[j]) else LOGPROB_FLOOR
+            d.pending.append(TokenLogprob(tokens[i], mine, top))
+    for i, (d, token) in enumerate(zip(decodings, tokens, strict=True)):
+        if d is None or i in skip:
             continue
         d.counts[token] = d.counts.get(token, 0) + 1
         if d.repetition != 1.0:
             d.seen.add(token)
         if d.matcher is not None and not d.matcher.is_terminated():
-            d.matcher.accept_token(token)
+            try:
+                d.matcher.accept_token(token)
+            except Exception as exc:
+                if faults is None:
+                    raise
+                faults[i] = exc

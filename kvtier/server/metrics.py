@@ -139,6 +139,16 @@ class ServerMetrics:
             "1 while a lost device's layers run on the survivors (or a device is returning).",
             registry=registry,
         )
+        self.grammar_cache_bytes = Gauge(
+            "kvtier_server_grammar_cache_bytes",
+            "Compiled grammars kept for structured output (bounded by --grammar-cache-bytes).",
+            registry=registry,
+        )
+        self.grammar_cache_entries = Gauge(
+            "kvtier_server_grammar_cache_entries",
+            "Compiled grammars kept for structured output.",
+            registry=registry,
+        )
         self.failover_seconds = Gauge(
             "kvtier_server_failover_seconds",
             "Time of the last device failover, from the fault to serving again.",
@@ -261,6 +271,10 @@ class ServerMetrics:
         self.degraded.set(0 if state == "healthy" else 1)
         if failover_s is not None:
             self.failover_seconds.set(failover_s)
+
+    def grammar_cache(self, size: int, entries: int) -> None:
+        self.grammar_cache_bytes.set(size)
+        self.grammar_cache_entries.set(entries)
 
     def count(self, name: str, n: int = 1) -> None:
         {

@@ -122,7 +122,7 @@ def options(f: Callable[..., Any]) -> Callable[..., Any]:
             "--l3-max-bytes",
             callback=size_option,
             help="L3 size cap, e.g. 500GB; past it, chunks no session references go first "
-            "(default: no cap).",
+            "(default 0: half the filesystem that holds --l3-root).",
         ),
         click.option(
             "--l4-url",
@@ -323,6 +323,18 @@ def options(f: Callable[..., Any]) -> Callable[..., Any]:
             "(default 30).",
         ),
         click.option(
+            "--body-deadline",
+            type=float,
+            help="Seconds a whole request body may take to arrive; then 408 and the connection "
+            "closes (default 60).",
+        ),
+        click.option(
+            "--body-min-rate",
+            type=int,
+            help="Bytes a second a request body must come at, on average after its first 5 s; "
+            "slower gets 408 and the connection closes (default 1024; 0: no minimum).",
+        ),
+        click.option(
             "--keep-alive-timeout",
             type=float,
             help="Seconds an idle keep-alive connection stays open (default 75).",
@@ -332,6 +344,48 @@ def options(f: Callable[..., Any]) -> Callable[..., Any]:
             type=int,
             help="Open connections at most; past it a new one closes the longest waiting for "
             "its headers, or the longest idle (default 0: the open-files limit less a reserve).",
+        ),
+        click.option(
+            "--probe-connections",
+            type=int,
+            help="Connections past --max-connections kept for /healthz, /readyz and /metrics; "
+            "any other request on one gets 503 (default 16).",
+        ),
+        click.option(
+            "--grammar-max-schema-bytes",
+            help="Largest JSON schema (response_format, tool parameters) compiled, e.g. 64KiB "
+            "(default 64KiB).",
+        ),
+        click.option(
+            "--grammar-max-repeat",
+            type=int,
+            help="Most repetitions a schema's pattern may ask for ({n}, nested counts "
+            "multiplied) (default 1000).",
+        ),
+        click.option(
+            "--grammar-max-enum",
+            type=int,
+            help="Most enum and const values in one schema, in total (default 1024).",
+        ),
+        click.option(
+            "--grammar-timeout",
+            type=float,
+            help="Seconds a request waits for its grammar to compile; then 400 (default 10).",
+        ),
+        click.option(
+            "--grammar-threads",
+            type=int,
+            help="Grammars compiled at once, on threads of their own (default 2).",
+        ),
+        click.option(
+            "--grammar-cache-bytes",
+            help="Compiled grammars kept, least recently used dropped first (default 128MiB).",
+        ),
+        click.option(
+            "--insecure-no-auth/--no-insecure-no-auth",
+            default=None,
+            help="Serve on an address other than loopback without --api-keys: any host that "
+            "reaches it may chat as any tenant (default off: such a start is refused).",
         ),
         click.option(
             "--max-open-files",
@@ -424,11 +478,13 @@ def run_app(app: Any, config: ServerConfig, announce: str | None = None) -> None
 
     from kvtier.errors import ConfigError
     from kvtier.server import listen
+    from kvtier.server.auth import OPEN_PATHS
     from kvtier.server.connguard import (
         ConnectionGuard,
         connection_cap,
         guarded_listener,
         guarded_protocol,
+        probes_only,
         raise_open_files,
     )
 
@@ -466,18 +522,24 @@ def run_app(app: Any, config: ServerConfig, announce: str | None = None) -> None
         click.echo(f"kvtier serve: {exc}", err=True)
         raise SystemExit(2) from None
     guard = ConnectionGuard(
-        config.header_timeout, connection_cap(config.max_connections, open_files)
+        config.header_timeout,
+        connection_cap(config.max_connections, open_files),
+        config.probe_connections,
     )
     sockets = [guarded_listener(sock, guard) for sock in sockets]  # the cap, at accept
     logging.getLogger("kvtier.server").info(
-        "connections: at most %d open (%d open files), headers within %.3g s",
+        "connections: at most %d open and %d more for /healthz, /readyz and /metrics (%d open "
+        "files), headers within %.3g s, bodies within %.3g s at %d B/s at least",
         guard.max_connections,
+        guard.reserve,
         open_files,
         config.header_timeout,
+        config.body_deadline,
+        config.body_min_rate,
     )
     server = Server(
         uvicorn.Config(
-            app,
+            probes_only(app, guard, OPEN_PATHS),  # the reserve serves the probes alone
             host=config.host,
             port=config.port,
             http=guarded_protocol(guard),  # h11 with the header timeout

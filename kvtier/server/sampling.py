@@ -15,10 +15,18 @@ from typing import Any
 
 import torch
 
+# A temperature below GREEDY_BELOW samples as greedy (vLLM's `_SAMPLING_EPS`): dividing the
+# logits by less overflows them to inf, and their softmax to NaN, with nothing left to draw.
+from kvtier.server.schema import GREEDY_BELOW
+
+
+def is_greedy(temperature: float) -> bool:
+    return temperature < GREEDY_BELOW
+
 
 def make_generator(temperature: float, seed: int | None) -> torch.Generator | None:
     """A request's own CPU generator (None for greedy); unseeded requests get a fresh seed."""
-    if temperature <= 0:
+    if is_greedy(temperature):
         return None
     gen = torch.Generator()
     gen.manual_seed(seed if seed is not None else int(time.time_ns() % 2**62))
@@ -43,25 +51,39 @@ def sample_rows(
     temperatures: Sequence[float],
     top_ps: Sequence[float],
     gens: Sequence[torch.Generator | None],
+    faults: dict[int, BaseException] | None = None,
 ) -> list[int]:
     """`sample` for every row of `[rows, vocab]` logits (already masked), each with its own
     settings and generator: one argmax and one softmax for all rows, then a draw per row.
 
-    Row `i` gets the token `sample(logits[i], temperatures[i], top_ps[i], gens[i])` gives."""
+    Row `i` gets the token `sample(logits[i], temperatures[i], top_ps[i], gens[i])` gives.
+    With `faults` (row -> exception), the rows already in it are not drawn, and a row whose
+    draw raises is added to it (its token is then meaningless) instead of raising: one
+    request's bad row never costs the others their tokens."""
     tokens: list[int] = logits.argmax(dim=-1).tolist()
-    hot = [i for i, t in enumerate(temperatures) if t > 0]
+    skip = faults if faults is not None else {}
+    hot = [i for i, t in enumerate(temperatures) if not is_greedy(t) and i not in skip]
     if not hot:
         return tokens
     temps = torch.tensor([temperatures[i] for i in hot], dtype=logits.dtype, device=logits.device)
     probs = torch.softmax(logits[hot] / temps[:, None], dim=-1).cpu()
     for j, i in enumerate(hot):
-        p = probs[j]
-        if top_ps[i] < 1.0:
-            sorted_p, order = torch.sort(p, descending=True)
-            keep = torch.cumsum(sorted_p, dim=-1) - sorted_p < top_ps[i]
-            p = torch.zeros_like(p).scatter(0, order[keep], sorted_p[keep])
-        tokens[i] = draw(p, gens[i])
+        try:
+            p = probs[j]
+            if top_ps[i] < 1.0:
+                sorted_p, order = torch.sort(p, descending=True)
+                keep = torch.cumsum(sorted_p, dim=-1) - sorted_p < top_ps[i]
+                p = torch.zeros_like(p).scatter(0, order[keep], sorted_p[keep])
+            tokens[i] = draw(p, gens[i])
+        except Exception as exc:
+            if faults is None:
+                raise
+            faults[i] = exc
     return tokens
+
+
+class NothingToDraw(ValueError):
+    """A row's probabilities have no finite positive mass (NaN or all zero)."""
 
 
 def draw(probs: torch.Tensor, gen: torch.Generator | None) -> int:
@@ -73,6 +95,9 @@ def draw(probs: torch.Tensor, gen: torch.Generator | None) -> int:
     scheduler's thread at every step it joins (docs/benchmarks.md, "The agent API"). An id of
     probability 0 is never drawn."""
     cdf = torch.cumsum(probs.double(), dim=0)
+    total = float(cdf[-1])
+    if not (0.0 < total < float("inf")):  # NaN fails this too
+        raise NothingToDraw(f"the token probabilities sum to {total}: nothing can be drawn")
     u = torch.rand(1, generator=gen, dtype=torch.float64)
     i = int(torch.searchsorted(cdf, u * cdf[-1], right=True))
     if i >= len(cdf):  # u * total rounded up to the total: the last id that can be drawn

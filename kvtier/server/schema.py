@@ -103,6 +103,18 @@ class FunctionDef(_Strict):
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
+    @field_validator("parameters")
+    @classmethod
+    def _an_object(cls, params: dict[str, Any] | None) -> dict[str, Any] | None:
+        # a call's arguments are a JSON object (OpenAI's, and the hermes format's): a schema of
+        # anything else could never make a call
+        if params is not None and params.get("type", "object") != "object":
+            raise ValueError(
+                f"parameters has type {params.get('type')!r}; a function's parameters are a "
+                'JSON Schema of an object: {"type": "object", "properties": {...}}'
+            )
+        return params
+
 
 class Tool(_Strict):
     type: Literal["function"]
@@ -130,6 +142,16 @@ class ResponseFormat(_Strict):
     json_schema: JsonSchemaFormat | None = None
 
 
+# Stop strings a request may send, and their length: each token's text is searched for every
+# one of them on the scheduler's thread (OpenAI allows 4).
+MAX_STOPS = 32
+MAX_STOP_CHARS = 256
+# A temperature below this samples as greedy, as vLLM's does (kvtier.server.sampling)
+GREEDY_BELOW = 1e-5
+# `seed` seeds a 64-bit generator: the range of a signed 64-bit integer, as vLLM accepts
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+
+
 class StreamOptions(_Strict):
     include_usage: bool = False
 
@@ -143,7 +165,7 @@ class _Sampling(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     user: str | None = None
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
@@ -152,6 +174,27 @@ class _Sampling(_Strict):
     # max_tokens (benchmarks that need replies of a fixed length). Strict: pydantic would
     # otherwise read "yes" or 1 as true, and a client that sends the wrong type should learn it
     ignore_eos: bool = Field(default=False, strict=True)
+
+    @field_validator("temperature")
+    @classmethod
+    def _tiny_is_greedy(cls, t: float) -> float:
+        return 0.0 if t < GREEDY_BELOW else t
+
+    @field_validator("stop")
+    @classmethod
+    def _bounded_stops(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        listed = [stop] if isinstance(stop, str) else stop or []
+        if len(listed) > MAX_STOPS:
+            raise ValueError(
+                f"{len(listed)} stop strings; send at most {MAX_STOPS} (each token's text is "
+                "searched for every one)"
+            )
+        long = max((len(s) for s in listed), default=0)
+        if long > MAX_STOP_CHARS:
+            raise ValueError(
+                f"a stop string of {long} characters; use at most {MAX_STOP_CHARS} per string"
+            )
+        return stop
 
     @field_validator("n")
     @classmethod

@@ -27,7 +27,7 @@ from kvtier.server.jobs import Delta, Job, Stream
 from kvtier.server.logitproc import Decoding, NoTokenAllowed, process, record
 from kvtier.server.lookahead import Ticket, TokenReadback
 from kvtier.server.model import ServedModel
-from kvtier.server.sampling import ReplyText, sample_rows
+from kvtier.server.sampling import ReplyText, is_greedy, sample_rows
 from kvtier.server.turntrace import TurnTrace
 
 log = logging.getLogger("kvtier.server")
@@ -215,7 +215,7 @@ class StepRunner:
             self.overlap_steps
             and not timed
             and self.served.devices is None
-            and all(s.job.temperature <= 0 or s.decoding is not None for _, s in due)
+            and all(is_greedy(s.job.temperature) or s.decoding is not None for _, s in due)
             and any(s.decoding is None for _, s in due)
         )
         if ahead or len(due) == len(items):
@@ -248,25 +248,40 @@ class StepRunner:
 
     def _sample_host(self, logits: torch.Tensor, seqs: list[_Seq]) -> list[int]:
         """One token for each row of `logits` (`seqs` in order), drawn on the host after the
-        rows' penalties and grammar masks. A row whose grammar allows no token fails its turn
-        (its token is then never taken: the turn is gone)."""
+        rows' penalties and grammar masks. A row whose processing, draw or grammar raises (or
+        whose grammar allows no token) fails its own turn, and only its own: the other rows get
+        their tokens (a failed turn's token is never taken: the turn is gone)."""
         decodings = [s.decoding for s in seqs]
         processed = any(d is not None for d in decodings)
-        dead: list[int] = []
+        faults: dict[int, BaseException] = {}
         if processed:
             logits = logits.float().clone()  # the rows' penalties and masks go on a copy
-            dead = process(logits, decodings)
+            process(logits, decodings, faults)
         sampled = sample_rows(
             logits.float(),
             [s.job.temperature for s in seqs],
             [s.job.top_p for s in seqs],
             [s.gen for s in seqs],
+            faults,
         )
         if processed:
-            record(logits, decodings, sampled)
-        for j in dead:  # its grammar allows no token of this model: the turn fails
-            self.ends.fail(seqs[j], NoTokenAllowed())
+            record(logits, decodings, sampled, faults)
+        for j, exc in faults.items():
+            self._row_failed(seqs[j], exc)
         return sampled
+
+    def _row_failed(self, s: _Seq, exc: BaseException) -> None:
+        """One row's fault: its turn fails, the step's other rows go on."""
+        if not isinstance(exc, NoTokenAllowed):  # a request's own error, not a fault
+            log.error(
+                "session %s: its row of the step failed (%s: %s); that turn fails, the "
+                "others go on",
+                s.job.session_id[:64],
+                type(exc).__name__,
+                exc,
+                exc_info=exc,
+            )
+        self.ends.fail(s, exc)
 
     def _complete(self, p: _Pending) -> None:
         """The host side of a launched step: its tokens streamed, finished turns ended."""
@@ -309,17 +324,23 @@ class StepRunner:
             if s.job.max_tokens <= 0:
                 self._unplace(s, placed)
                 self.ends.finish(s, "length", flush=True)
-            else:
-                s.stream.clock.token(now)
-                self._take(s, token, placed)
+                continue
+            s.stream.clock.token(now)
+            try:
+                delta = s.reply.add(token)  # detokenizing and the stop search: this row's own
+            except Exception as exc:
+                self._unplace(s, placed)
+                self._row_failed(s, exc)
+                continue
+            self._take(s, token, delta, placed)
         if self.metrics is not None and hasattr(self.metrics, "step"):
             self.metrics.step(len(p.items), took)
 
-    def _take(self, s: _Seq, token: int, placed: int | None = None) -> None:
-        """A sampled token: stream its text, then end the reply or queue the token to be fed
-        (`placed`: it is in `s.tokens` at that index already, and may be fed already)."""
+    def _take(self, s: _Seq, token: int, delta: str, placed: int | None = None) -> None:
+        """A sampled token, `delta` the text it adds to the reply: stream it, then end the reply
+        or queue the token to be fed (`placed`: it is in `s.tokens` at that index already, and
+        may be fed already)."""
         reply = s.reply
-        delta = reply.add(token)
         d = s.decoding
         ends = reply.stopped or reply.eos or len(reply.ids) >= s.job.max_tokens
         if d is not None and d.logprobs is not None and (delta or ends):

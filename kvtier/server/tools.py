@@ -61,56 +61,128 @@ def call_text(name: str, arguments: str) -> str:
     return f'{CALL_OPEN}\n{{"name": {json.dumps(name, ensure_ascii=False)}, "arguments": {arguments}}}\n{CALL_CLOSE}'
 
 
+# Nesting a call's JSON may have: deeper is not a call (and never reaches the decoder, whose
+# recursion a reply of a thousand `[` would exhaust)
+MAX_CALL_DEPTH = 64
+_WS = " \t\r\n"
+_DECODER = json.JSONDecoder()
+
+
 def parse_tool_calls(text: str) -> tuple[str, list[ToolCall]]:
-    """(content, calls) of a reply: each well-formed `<tool_call>` block becomes a call, the text
-    outside the blocks the content. A block that is not a JSON object with a string `name`
-    and an object `arguments` stays in the content, as the model wrote it."""
+    """(content, calls) of a reply: each well-formed `<tool_call>` block becomes a call. A block
+    that is not a JSON object with a string `name` and an object `arguments` stays in the
+    content, as the model wrote it. Without calls the content is the reply; with calls, it is
+    the text between them, each piece without the whitespace that touched a call, the pieces
+    that are left joined by newlines. A streamed reply's content (`ContentFilter`) is the same
+    text, whatever its deltas."""
     calls: list[ToolCall] = []
-    content: list[str] = []
+    pieces: list[str] = []  # the text between calls (a malformed block is text)
+    piece = ""
     pos = 0
     while True:
         start = text.find(CALL_OPEN, pos)
         end = text.find(CALL_CLOSE, start + len(CALL_OPEN)) if start >= 0 else -1
         if start < 0 or end < 0:
-            content.append(text[pos:])
+            piece += text[pos:]
             break
         call = _call_of(text[start + len(CALL_OPEN) : end])
         if call is None:
-            content.append(text[pos : end + len(CALL_CLOSE)])
+            piece += text[pos : end + len(CALL_CLOSE)]
         else:
-            content.append(text[pos:start])
+            pieces.append(piece + text[pos:start])
+            piece = ""
             calls.append(call)
         pos = end + len(CALL_CLOSE)
-    out = "".join(content)
-    return (out.strip() if calls else out), calls
+    if not calls:
+        return piece, []
+    pieces.append(piece)
+    last = len(pieces) - 1
+    kept = [p.lstrip(_WS) if i else p for i, p in enumerate(pieces)]  # the side after a call
+    kept = [p.rstrip(_WS) if i < last else p for i, p in enumerate(kept)]  # before a call
+    return "\n".join(p for p in kept if p), calls
 
 
 def _call_of(block: str) -> ToolCall | None:
-    body = block.strip()
-    try:
-        obj = json.loads(body)
-    except ValueError:
+    """The call a block's JSON makes, its `arguments` as their own text (the value the JSON
+    object keeps: the last of duplicate keys, as any JSON decoder keeps it)."""
+    body = block.strip(_WS)
+    if not body.startswith("{") or _depth(body) > MAX_CALL_DEPTH:
         return None
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+    members = _members(body)
+    if members is None:
         return None
-    if not isinstance(obj.get("arguments"), dict):
+    name, arguments = members.get("name"), members.get("arguments")
+    if name is None or not isinstance(name[0], str):
+        return None
+    if arguments is None or not isinstance(arguments[0], dict):
         return None
     # the arguments' own text, not a re-serialization: the next turn renders it back verbatim
-    key = body.find('"arguments"')
-    colon = body.find(":", key + len('"arguments"'))
-    start = colon + 1
-    while body[start] in " \t\r\n":
-        start += 1
+    return ToolCall(name[0], arguments[1])
+
+
+def _members(body: str) -> dict[str, tuple[Any, str]] | None:
+    """The top-level members of the JSON object `body` (the whole of it), each key's value and
+    its text; None when `body` is not one JSON object."""
+    out: dict[str, tuple[Any, str]] = {}
+    i = _skip(body, 1)
+    if i < len(body) and body[i] == "}":
+        return out if _skip(body, i + 1) == len(body) else None
     try:
-        _value, end = json.JSONDecoder().raw_decode(body, start)
-    except ValueError:
+        while True:
+            if i >= len(body) or body[i] != '"':
+                return None
+            key, i = _DECODER.raw_decode(body, i)
+            i = _skip(body, i)
+            if i >= len(body) or body[i] != ":":
+                return None
+            start = _skip(body, i + 1)
+            value, end = _DECODER.raw_decode(body, start)
+            out[key] = (value, body[start:end])
+            i = _skip(body, end)
+            if i < len(body) and body[i] == ",":
+                i = _skip(body, i + 1)
+                continue
+            if i < len(body) and body[i] == "}":
+                return out if _skip(body, i + 1) == len(body) else None
+            return None
+    except (ValueError, RecursionError):
         return None
-    return ToolCall(obj["name"], body[start:end])
+
+
+def _skip(text: str, i: int) -> int:
+    while i < len(text) and text[i] in _WS:
+        i += 1
+    return i
+
+
+def _depth(text: str) -> int:
+    """The deepest nesting of arrays and objects in JSON `text` (brackets inside strings are
+    text)."""
+    depth = deepest = 0
+    in_string = escaped = False
+    for c in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif c == "\\":
+                escaped = True
+            elif c == '"':
+                in_string = False
+        elif c == '"':
+            in_string = True
+        elif c in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif c in "]}":
+            depth -= 1
+    return deepest
 
 
 class ContentFilter:
-    """The content deltas of a streamed reply that may call tools: text is held back from the
-    first `<tool_call>` on (and while it may still become one); the calls come at the end."""
+    """The content deltas of a streamed reply that may call tools. Text is sent as it comes,
+    but for what may still belong to a call: from a `<tool_call>` on (or the start of one),
+    and the whitespace at the end (which a call after it takes out). At the end, the rest of
+    the content that `parse_tool_calls` finds in the whole reply, and the calls."""
 
     def __init__(self) -> None:
         self.text = ""
@@ -124,23 +196,24 @@ class ContentFilter:
         at = self.text.find(CALL_OPEN, self.sent)
         if at >= 0:
             self.calling = True
-            out, self.sent = self.text[self.sent : at], at
-            return out
-        ready = len(self.text)
-        for k in range(min(len(CALL_OPEN) - 1, len(self.text)), 0, -1):
-            if CALL_OPEN.startswith(self.text[-k:]):
-                ready -= k
-                break
+            ready = at
+        else:
+            ready = len(self.text)
+            for k in range(min(len(CALL_OPEN) - 1, len(self.text)), 0, -1):
+                if CALL_OPEN.startswith(self.text[-k:]):
+                    ready -= k
+                    break
+        ready = len(self.text[:ready].rstrip(_WS))
         out = self.text[self.sent : ready] if ready > self.sent else ""
         self.sent = max(self.sent, ready)
         return out
 
     def finish(self) -> tuple[str, list[ToolCall]]:
         """(the content not yet sent, the calls) once the reply has ended."""
-        _, calls = parse_tool_calls(self.text)
-        if calls:
-            return "", calls  # the content before the first call was sent already
-        return self.text[self.sent :], []
+        content, calls = parse_tool_calls(self.text)
+        # what was sent is the start of the content: text before any block, up to its last
+        # character that is not whitespace, which no block's removal takes out
+        return content[self.sent :], calls
 
 
 def template_knows_tools(tokenizer: Any) -> bool:

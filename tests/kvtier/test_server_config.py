@@ -115,9 +115,18 @@ def test_default_model_is_seeded() -> None:
 
 def test_l3_size_cap_reaches_the_store(tmp_path: Path) -> None:
     """`--l3-max-bytes` (and KVTIER_L3_MAX_BYTES, TOML) caps the store the server opens."""
+    import os
+
     from kvtier.server.backend import TieredBackend
 
-    assert ServerConfig.load({}, env={}).l3_max_bytes == 0  # no cap by default
+    assert ServerConfig.load({}, env={}).l3_max_bytes == 0  # automatic by default:
+    auto = ServerConfig.load({"l3_root": str(tmp_path / "auto" / "l3")}, env={})
+    backend = TieredBackend(build_default("cpu").model, auto, "auto")
+    try:  # half the filesystem that holds L3
+        st = os.statvfs(tmp_path)
+        assert backend.cache.l3.max_bytes == int(st.f_blocks * st.f_frsize * 0.5)
+    finally:
+        backend.close()
     assert ServerConfig.load({}, env={"KVTIER_L3_MAX_BYTES": "2G"}).l3_max_bytes == 2 * 10**9
     cfg = ServerConfig.load({"l3_max_bytes": "64MiB", "l3_root": str(tmp_path / "l3")}, env={})
     backend = TieredBackend(build_default("cpu").model, cfg, "capped")
@@ -127,3 +136,15 @@ def test_l3_size_cap_reaches_the_store(tmp_path: Path) -> None:
         backend.close()
     with pytest.raises(ConfigError, match="l3_max_bytes"):
         ServerConfig.load({"l3_max_bytes": "lots"}, env={})
+
+
+def test_a_public_bind_without_keys_is_refused_unless_insecure_no_auth(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="--insecure-no-auth"):
+        ServerConfig.load({"host": "0.0.0.0"}, env={})
+    with pytest.raises(ConfigError, match="--api-keys"):
+        ServerConfig.load({"host": "192.0.2.7"}, env={})
+    assert ServerConfig.load({"host": "0.0.0.0", "insecure_no_auth": True}, env={}).host
+    for local in ("127.0.0.1", "127.0.0.2", "::1", "localhost"):
+        assert ServerConfig.load({"host": local}, env={}).host == local
+    keys = tmp_path / "keys.json"
+    assert ServerConfig.load({"host": "0.0.0.0", "api_keys": str(keys)}, env={}).host

@@ -8,14 +8,30 @@ its own (this cap, and gc) are reported to the evict listeners, outside the stor
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Callable
+from pathlib import Path
 
 from kvtier.errors import StoreFullError
 from kvtier.tiers.l3.index import ChunkRow, Index
 from kvtier.tiers.l3.stats import Counters
 
 log = logging.getLogger("kvtier.tiers.l3")  # the store logs under one name
+
+# The server's L3 cap when none is given: this share of the filesystem that holds L3, so a
+# store left to grow (15,000 short sessions left 2 GB) never fills the disk it shares
+DEFAULT_SHARE = 0.5
+
+
+def default_max_bytes(root: Path, share: float = DEFAULT_SHARE) -> int:
+    """`share` of the size of the filesystem holding `root` (its nearest existing parent)."""
+    where = Path(root)
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    st = os.statvfs(where)
+    return max(1, int(st.f_blocks * st.f_frsize * share))
+
 
 EvictListener = Callable[[list[bytes]], None]
 """Called with the keys of chunks the store deleted by itself (see `add_evict_listener`)."""
