@@ -18,6 +18,7 @@ import torch
 
 from kvtier.cache.restore import StagedPrefix
 from kvtier.cache.session import as_ids
+from kvtier.cache.writes import ChunkSource
 from kvtier.server.config import DEFAULT_L1_BYTES
 from kvtier.snapshot import CacheSnapshot
 from kvtier.types import RestoreSource
@@ -87,7 +88,7 @@ class PagedBackend(Backend, Protocol):
         tenant: str,
         ids: Sequence[int],
         start: int,
-        chunks: Sequence[torch.Tensor],
+        chunks: Sequence[ChunkSource],
     ) -> None: ...
 
 
@@ -252,7 +253,7 @@ class TieredBackend:
         tenant: str,
         ids: Sequence[int],
         start: int,
-        chunks: Sequence[torch.Tensor],
+        chunks: Sequence[ChunkSource],
     ) -> None:
         """Commit a turn from chunks of its pages (`TieredCache.commit_pages`)."""
         s = self.cache.session(session_id, tenant=tenant)

@@ -14,7 +14,7 @@ import dataclasses
 import functools
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -201,7 +201,7 @@ class CommitPages:
     `[start + j*C, ...)` from `pages` (held for the commit) into the buffer it is given."""
 
     start: int
-    chunks: list[Callable[[torch.Tensor], torch.Tensor]]
+    chunks: Sequence[Callable[[torch.Tensor], torch.Tensor]]
     pool: PagePool
     pages: list[int]
     copied: torch.cuda.Event | None = None  # recorded after the last gather (CUDA)
