@@ -120,6 +120,14 @@ CHECKSUM_FAILURE = Threshold(
     meaning="chunks whose checksum failed within `window_s`, more than",
     window_s=900,
 )
+COMMIT_FAILURES = Threshold(
+    "KvtierCommitFailures",
+    "warning",
+    value=0.0,
+    meaning="finished turns whose commit failed within `window_s` (their replies were "
+    "delivered; the K/V is recomputed), more than",
+    window_s=900,
+)
 DEVICE_LOST = Threshold(
     "KvtierDeviceLost",
     "critical",
@@ -213,6 +221,7 @@ ALL: tuple[Threshold, ...] = (
     L3_FILESYSTEM,
     L3_SHEDDING,
     CHECKSUM_FAILURE,
+    COMMIT_FAILURES,
     DEVICE_LOST,
     DIRTY_PAGES,
     PCIE_DOWNGRADE,

@@ -248,6 +248,23 @@ CASES: tuple[Case, ...] = (
         {_s("kvtier_checksum_failures_total"): "0x20"},
         "5m",
     ),
+    # -- commit failures: one in 15 minutes, of any reason, fires.
+    Case(
+        th.COMMIT_FAILURES.alert,
+        "firing: one device OOM",
+        {
+            _s("kvtier_commit_failures_total", reason="device_oom"): "0 0 0 1 1 1 1 1",
+            _s("kvtier_commit_failures_total", reason="l4"): "0x7",
+        },
+        "5m",
+        fires={},
+    ),
+    Case(
+        th.COMMIT_FAILURES.alert,
+        "quiet: every commit stored",
+        {_s("kvtier_commit_failures_total", reason="device_oom"): "0x20"},
+        "5m",
+    ),
     # -- a lost device fires at once; a placement with every device ok stays quiet.
     Case(
         th.DEVICE_LOST.alert,

@@ -49,6 +49,9 @@ EXPRESSIONS: dict[str, str] = {
     ),
     th.L3_SHEDDING.alert: "rate(kvtier_shed_writes_total[{window}]) > {value}",
     th.CHECKSUM_FAILURE.alert: "increase(kvtier_checksum_failures_total[{window}]) > {value}",
+    th.COMMIT_FAILURES.alert: (
+        "sum without (reason) (increase(kvtier_commit_failures_total[{window}])) > {value}"
+    ),
     th.DEVICE_LOST.alert: 'kvtier_server_devices{{state="lost"}} > {value}',
     th.DIRTY_PAGES.alert: (
         "(kvtier_memory_dirty_bytes + kvtier_memory_writeback_bytes)\n"
@@ -93,6 +96,7 @@ SUMMARIES: dict[str, str] = {
     th.L3_FILESYSTEM.alert: "The L3 filesystem on {{ $labels.instance }} is filling up.",
     th.L3_SHEDDING.alert: "kvtier sheds write-through copies because a write queue is full.",
     th.CHECKSUM_FAILURE.alert: "A chunk failed its checksum and was quarantined.",
+    th.COMMIT_FAILURES.alert: "Commits of finished turns failed; their replies were delivered.",
     th.DEVICE_LOST.alert: "A device of the model on {{ $labels.instance }} is lost; serving degraded.",
     th.DIRTY_PAGES.alert: "Dirty pages near the kernel's dirty threshold: writers will block.",
     th.PCIE_DOWNGRADE.alert: "GPU {{ $labels.gpu }} runs on a downgraded PCIe link.",
@@ -154,6 +158,11 @@ DESCRIPTIONS: dict[str, str] = {
     th.CHECKSUM_FAILURE.alert: (
         "More than {value} chunks failed their checksum in the last {window}. They were"
         " quarantined and recomputed (never used), but the device may be failing."
+    ),
+    th.COMMIT_FAILURES.alert: (
+        "More than {value} finished turns failed to store their K/V in the last {window}"
+        " (kvtier_commit_failures_total by reason: device_oom, l3_full, l3_io, l4, internal)."
+        " Their replies were delivered; the sessions recompute what was not stored."
     ),
     th.DEVICE_LOST.alert: (
         "More than {value} devices of the model's placement are lost: their layers run on the"

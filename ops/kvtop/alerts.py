@@ -149,6 +149,17 @@ def _cache(history: History, cur: Scrape) -> Iterator[Firing]:
     if inc is not None and inc > t.value:
         yield _fire(t, f"{inc:.0f} checksum failures")
 
+    t = th.COMMIT_FAILURES  # summed over every reason, as the rule's `sum without (reason)`
+    base = history.baseline(t.window_s)
+    incs = [
+        m.increase(base, cur, "kvtier_commit_failures_total", labels)
+        for labels in cur.samples.get("kvtier_commit_failures_total", {})
+    ]
+    if any(i is not None for i in incs):
+        inc = sum(i[0] for i in incs if i is not None)
+        if inc > t.value:
+            yield _fire(t, f"{inc:.0f} commits failed (replies delivered)")
+
     t = th.L4_DOWN  # no series without an L4: nothing to judge
     breaker, up = cur.get("kvtier_l4_breaker_state"), cur.get("kvtier_l4_up")
     if breaker is not None and breaker >= t.value:

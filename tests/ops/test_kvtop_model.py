@@ -256,6 +256,7 @@ def cases() -> list[tuple[str, list[Scrape], list[Scrape]]]:
     for t, name in (
         (T.L3_SHEDDING, "kvtier_shed_writes_total"),
         (T.CHECKSUM_FAILURE, "kvtier_checksum_failures_total"),
+        (T.COMMIT_FAILURES, "kvtier_commit_failures_total"),
         (T.OOM_KILL, "kvtier_vmstat_oom_kill_total"),
     ):
         out.append(
