@@ -100,14 +100,13 @@ def create_app(
             # layers across devices (--devices), with device failover
             served = await asyncio.to_thread(place_configured, served, config, state.metrics)
             await asyncio.to_thread(_warm_up, served)
-        except Exception as exc:  # readyz reports it; the process stays up for diagnosis
+        except Exception as exc:  # a server that cannot serve exits non-zero with the
+            # reason on one line (run.run_app), so that its supervisor restarts or reports it;
+            # /readyz gives the reason meanwhile
             state.load_error = exc
-            if isinstance(exc, (ConfigError, BudgetError)):  # ...unless a setting cannot work
-                state.fatal(exc)  # (exits non-zero with one line, as a held L3 root does)
-                return
-            log.exception("the model failed to load")
-            if is_fatal_device_error(exc):  # but not with its device lost: a restart fixes it
-                state.fatal(DeviceFault.of(exc))
+            if not isinstance(exc, (ConfigError, BudgetError)):  # a setting's says what to do
+                log.debug("the model failed to load", exc_info=True)
+            state.fatal(DeviceFault.of(exc) if is_fatal_device_error(exc) else exc)
             return
         if config.max_model_len:
             served.context_tokens = min(served.context_tokens, config.max_model_len)
@@ -144,16 +143,18 @@ def create_app(
         """`fn(*args)` in a thread (the cache, or the replicas with theirs); None when it
         failed. The L3 root cannot be used (another process holds it, unsafe permissions, a
         wrong or missing master key), or a setting cannot work (an L2 larger than the host's
-        memory): no waiting fixes that, so the server stops and says why rather than stay up
-        never ready. Anything else: readyz reports it, the process stays up for diagnosis."""
+        memory), or anything else failed: no waiting fixes that, so the server stops and says why
+        rather than stay up never ready."""
         try:
             return await asyncio.to_thread(fn, *args)
         except (StoreError, EncryptionError, BudgetError, ConfigError) as exc:
             state.load_error = exc
             state.fatal(exc)
-        except Exception as exc:
-            log.exception("%s", what)
+        except Exception as exc:  # exits too: a server that cannot serve says why and stops
+            log.error("%s: %s: %s", what, type(exc).__name__, exc)
+            log.debug("%s", what, exc_info=True)
             state.load_error = exc
+            state.fatal(exc)
         return None
 
     async def _serve(engine: Engine) -> None:

@@ -106,7 +106,10 @@ class State:
             return 503, {"status": "warming"}
         if engine is None or engine.draining or engine.leaving:
             why = "draining" if engine else ("failed" if self.load_error else "loading")
-            return 503, {"status": why}
+            body: dict[str, Any] = {"status": why}
+            if engine is None and self.load_error is not None:  # exiting: say why
+                body["reason"] = f"{type(self.load_error).__name__}: {self.load_error}"
+            return 503, body
         return 200, {"status": "ready", "model": self.config.served_model_name}
 
     def metrics_text(self) -> bytes:

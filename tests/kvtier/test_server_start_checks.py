@@ -16,6 +16,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 from fastapi.testclient import TestClient
 from server_proc import ROOT, free_port
 from test_server_startup import _config, _InProcess
@@ -152,3 +153,40 @@ def test_one_slot_warms_up_fully_and_serves(
         assert r.status_code == 200, r.text
     finally:
         srv.stop()
+
+
+# ---- D: a server that cannot serve exits, saying why -------------------------------------------
+
+
+def test_an_unusable_device_exits_non_zero_with_one_line(tmp_path: Path) -> None:
+    """`--device cuda` where there is no CUDA device used to print a traceback and stay up,
+    /healthz 200 and /readyz 503 without a reason; a supervisor never restarted it."""
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device")
+    started = time.monotonic()
+    code, lines = _serve(tmp_path / "l3", "--port", str(free_port()), "--device", "cuda")
+    assert code == 1, lines
+    assert time.monotonic() - started < 120
+    assert len(lines) == 1 and "Traceback" not in lines[0], lines
+    assert lines[0].startswith("kvtier serve: "), lines
+
+
+def test_readyz_gives_the_reason_while_a_failed_load_stops(tmp_path: Path) -> None:
+    broken = RuntimeError("the checkpoint is truncated at tensor 17")
+
+    def loader(config: ServerConfig) -> object:
+        raise broken
+
+    app = create_app(_config(tmp_path), loader=loader)
+    state = app.state.kvtier
+    stopped = threading.Event()
+    state.stop = stopped.set
+    with TestClient(app) as client:
+        assert stopped.wait(60)
+        ready = client.get("/readyz")
+    assert state.fatal_error is broken
+    assert ready.status_code == 503
+    assert ready.json() == {
+        "status": "failed",
+        "reason": "RuntimeError: the checkpoint is truncated at tensor 17",
+    }
