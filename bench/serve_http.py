@@ -431,10 +431,11 @@ def report(
             f"{'nvidia-smi used, peak (GiB)':34} {peak / 2**30:12.2f} {mem.budget / 2**30:12.2f} {peak / mem.budget:7.2f}"
         )
     failed, dropped = failures(result)
+    burst, ramp = args.burst, args.ramp
     arrivals = (
-        f"within {args.burst:g} s (burst)"
-        if args.burst is not None
-        else (f"over {args.ramp:g} s" if args.ramp is not None else "over the think time")
+        f"within {burst:g} s (burst)"
+        if burst is not None
+        else (f"over {ramp:g} s" if ramp is not None else "over the think time")
     )
     print(f"first turns arrived {arrivals}; failed turns {failed}, dropped connections {dropped}")
     print(

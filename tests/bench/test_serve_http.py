@@ -74,8 +74,9 @@ def test_the_table_shows_both_figures_against_the_ceiling(capsys: pytest.Capture
     steady = {"tok_s": 90.0, "tokens": 180.0, "opens": 1.75, "closes": 3.75}
     steady["prompt_tokens_p50"] = 300
     args = argparse.Namespace(
-        sessions=1, shape="qwen2-tiny", gpu_memory_gb=24.0, eos=False, max_tokens=64
+        sessions=1, shape="qwen2-tiny", gpu_memory_gb=24.0, eos=False, max_tokens=64, burst=2.0
     )
+    args.ramp = None
     args.in_process_toks = 100.0
     mem = MemorySampler("http://127.0.0.1:1")  # never started: its figures set by hand
     mem.used, mem.budget = [1.0 * 2**30, 3.0 * 2**30, 2.0 * 2**30], 4.0 * 2**30
@@ -88,6 +89,7 @@ def test_the_table_shows_both_figures_against_the_ceiling(capsys: pytest.Capture
     assert rows["GPU bytes used, median (GiB)"] == ["2.00", "4.00", "0.50"]
     assert "steady: 180 tokens from 1.8 s" in out and "to 3.8 s" in out
     assert "returning turns: 1, P50 20 prompt tokens each not from the cache" in out
+    assert "first turns arrived within 2 s (burst); failed turns 0, dropped connections 0" in out
 
 
 @pytest.mark.slow
