@@ -25,6 +25,7 @@ from kvtier.loadgen_metrics import (
 )
 
 RESTORED = ("l1", "l2", "l3", "l4")
+TIER_NAMES = {"l1": "L1 buffers"}  # the cache's own L1 tier; the others by their names: L2, L3
 L4_COUNTS = ("hits", "misses", "errors")  # kvtier_l4_*_total, when the server has an L4
 
 
@@ -367,21 +368,26 @@ def _tier_lines(t: dict[str, Any] | None) -> list[str]:
         lines.append("  (hits and restores: during the run, the counters' change over it)")
     elif t.get("counted"):
         lines.append(f"  (hits and restores: {t['counted']}; no scrape before the run)")
+    pool = t.get("pool")
+    # With paged L1 (the server's default) the sessions' L1 is the batch's page pool, "pool (L1)",
+    # and the cache's own L1 tier, its "L1 buffers", holds no chunk: the L1 hits are the pool's.
+    # The names are kvtier plan's and kvtop's.
+    paged = bool(pool) and pool.get("parked", 0) > 0 and not t["tiers"].get("l1", {}).get("chunks")
     for tier, v in t["tiers"].items():
         cap = v["capacity_bytes"]
         of = f" of {size(cap)} ({v['used_bytes'] / cap:.0%})" if cap else ""
+        hits = "" if paged and tier == "l1" else f", {plural(v['hits'], 'hit')}"
         lines.append(
-            f"  {tier:<3} {size(v['used_bytes'])}{of}, {plural(v['chunks'], 'chunk')}, "
-            f"{plural(v['hits'], 'hit')}"
+            f"  {TIER_NAMES.get(tier, tier.upper()):<10} {size(v['used_bytes'])}{of}, "
+            f"{plural(v['chunks'], 'chunk')}{hits}"
         )
-    pool = t.get("pool")
     if pool:
-        # parked: finished turns' K/V, kept for their sessions (with paged L1, their L1)
-        names = {"parked": "parked (sessions' L1)"}
-        lines.append(
-            "  batch page pool: "
-            + ", ".join(f"{names.get(k, k)} {size(pool[k])}" for k in POOL_STATES if k in pool)
-        )
+        by_state = ", ".join(f"{k} {size(pool[k])}" for k in POOL_STATES if k in pool)
+        if paged:
+            l1_hits = plural(t["tiers"]["l1"]["hits"], "hit") if "l1" in t["tiers"] else ""
+            lines.append(f"  pool (L1)  {by_state}" + (f"; {l1_hits}" if l1_hits else ""))
+        else:
+            lines.append(f"  page pool  {by_state}")
     l4 = t.get("l4")
     if l4:
         lines.append(

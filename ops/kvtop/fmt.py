@@ -109,6 +109,23 @@ def spark(values: Sequence[float], width: int) -> str:
     return "".join(out).rjust(width)
 
 
+def flow(fields: Sequence[Text], width: int, sep: str = "  ") -> list[Text]:
+    """`fields` joined by `sep` into lines of at most `width` cells, a field never split (one
+    wider than `width` alone on its line, cut there as the last resort)."""
+    out: list[Text] = []
+    line = Text()
+    for f in fields:
+        if line.cell_len and line.cell_len + len(sep) + f.cell_len > width:
+            out.append(line)
+            line = Text()
+        if line.cell_len:
+            line.append(sep)
+        line.append_text(f)
+    if line.cell_len:
+        out.append(line)
+    return out
+
+
 def blocks(counts: Sequence[float]) -> str:
     """Free blocks per order as one character each, on a log scale (empty order -> '·')."""
     import math

@@ -95,24 +95,7 @@ def host_lines(model: Model, width: int, compact: bool = False) -> list[Text]:
     rows += (gpus + tail) if compact else (tail + gpus)
     if not compact and not h.gpus and not h.empty:
         rows.append([Text("no GPU metrics (no NVIDIA driver, or --no-gpu)", style="dim")])
-    return [line for row in rows if row for line in _flow(row, width, _sep(row))]
-
-
-def _flow(fields: list[Text], width: int, sep: str = "  ") -> list[Text]:
-    """`fields` joined by `sep` into lines of at most `width` cells, a field never split (one
-    wider than `width` alone on its line, cut there as the last resort)."""
-    out: list[Text] = []
-    line = Text()
-    for f in fields:
-        if line.cell_len and line.cell_len + len(sep) + f.cell_len > width:
-            out.append(line)
-            line = Text()
-        if line.cell_len:
-            line.append(sep)
-        line.append_text(f)
-    if line.cell_len:
-        out.append(line)
-    return out
+    return [line for row in rows if row for line in fmt.flow(row, width, _sep(row))]
 
 
 class _Words(list):  # type: ignore[type-arg]

@@ -1,7 +1,7 @@
 """kvtop's L4 (Redis) row: the figures from the `kvtier_l4_*` families, and the line drawn.
 
 Pure, like the rest of kvtop: scrapes in, an `L4View` out (None when the endpoint has no L4,
-so the row is hidden rather than shown as zeros), and a line of whole fields for a width.
+so the row is hidden rather than shown as zeros), and its whole fields flowed into a width.
 """
 
 from __future__ import annotations
@@ -83,10 +83,9 @@ def l4_view(cur: Scrape, prev: Scrape | None, minute: Scrape | None) -> L4View |
     )
 
 
-def l4_line(v: L4View, width: int) -> Text:
+def l4_lines(v: L4View, width: int) -> list[Text]:
     """`L4 up  breaker closed  hit 88%  mem 1.2G/4G  errors 0  shed 0  get 1.2ms put 3.4ms
-    read .. write ..`: in that order, as many whole fields as fit in `width` (the rest left
-    out)."""
+    read .. write ..`: in that order, whole fields flowed into lines of `width` cells."""
     down = not v.up or v.breaker == "open"
     fields: list[Text] = [
         Text.assemble(("L4 ", "bold"), ("up", "green") if v.up else ("DOWN", "bold red")),
@@ -108,11 +107,4 @@ def l4_line(v: L4View, width: int) -> Text:
     fields.append(Text.assemble("shed ", (fmt.count(v.shed), "yellow" if v.shed else "")))
     fields.append(Text(f"get {fmt.seconds(v.get_seconds)} put {fmt.seconds(v.put_seconds)}"))
     fields.append(Text(f"read {fmt.rate(v.read_rate)} write {fmt.rate(v.write_rate)}"))
-    line = Text(no_wrap=True, overflow="ellipsis")
-    for i, field in enumerate(fields):
-        gap = "  " if i else ""
-        if i and line.cell_len + len(gap) + field.cell_len > width:
-            break
-        line.append(gap)
-        line.append_text(field)
-    return line
+    return fmt.flow(fields, width)

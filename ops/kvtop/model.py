@@ -362,13 +362,20 @@ def _tier(
     )
 
 
+# Sorts that list active sessions first, then idle, then hibernated: by bytes alone a small
+# screen fills with large sessions hibernated long ago. By last activity the active come first
+# anyway; by tenant the list is alphabetical.
+ACTIVE_FIRST = ("bytes", "tokens", "l1")
+RANK = {"active": 2, "idle": 1}  # descending: active, idle, then hibernated and any other
+
+
 def sort_key(name: str):  # type: ignore[no-untyped-def]
     """(key function, descending) for a sort column of the sessions table."""
     keys = {
-        "bytes": (lambda s: (s.bytes, s.tokens), True),
-        "tokens": (lambda s: (s.tokens, s.bytes), True),
+        "bytes": (lambda s: (RANK.get(s.state, 0), s.bytes, s.tokens), True),
+        "tokens": (lambda s: (RANK.get(s.state, 0), s.tokens, s.bytes), True),
         "last": (lambda s: s.last_active, True),
-        "l1": (lambda s: (s.chunks_l1, s.bytes), True),
+        "l1": (lambda s: (RANK.get(s.state, 0), s.chunks_l1, s.bytes), True),
         "tenant": (lambda s: (s.tenant, s.session_id), False),
     }
     return keys[name]

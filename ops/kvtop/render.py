@@ -18,8 +18,8 @@ from rich.text import Text
 
 from ops.kvtop import fmt
 from ops.kvtop.host import host_lines
-from ops.kvtop.l4 import l4_line
-from ops.kvtop.model import QUANTILES, Model, SessionsView, TierView
+from ops.kvtop.l4 import l4_lines
+from ops.kvtop.model import ACTIVE_FIRST, QUANTILES, Model, SessionsView, TierView
 from ops.kvtop.trends import trend_lines
 
 WIDE = 160  # columns from which panels sit side by side in two columns
@@ -65,7 +65,7 @@ def _body(model: Model, width: int, height: int, now: float) -> RenderableType:
         return _panel(model, focus, width, height, now)
     if width >= WIDE and height >= 30:
         return _wide(model, width, height, now)
-    t_h = _tiers_height(model)
+    t_h = _tiers_height(model, width)
     low_h = 0
     if height >= 20:
         # The host row gets the lines it needs, leaving the sessions panel up to 8 rows (4
@@ -76,7 +76,9 @@ def _body(model: Model, width: int, height: int, now: float) -> RenderableType:
         s_min = min(8 if model.l4 is None else 6, len(s.rows) + 4) if listed else 4
         host_h = len(host_lines(model, width - width // 2 - 4, compact=True)) + 2
         want = max(len(model.restore) + 3, host_h, 7)
-        low_h = max(7, min(want, height - t_h - s_min))
+        # every restore row shows (a source missing would be a cut field); the sessions
+        # list, a top N that says so in its title, gives up rows for it
+        low_h = max(7, len(model.restore) + 3, min(want, height - t_h - s_min))
     s_h = max(4, height - t_h - low_h)
     body = Layout()
     parts = [
@@ -94,43 +96,47 @@ def _body(model: Model, width: int, height: int, now: float) -> RenderableType:
     return body
 
 
-def _tiers_height(model: Model) -> int:
+def _tiers_height(model: Model, width: int) -> int:
     """The tiers panel's rows: the header and a row per tier (or the one-line note), the pool,
-    L4 and counters lines, the borders."""
+    L4 and counters lines as they flow into the panel's width, the borders."""
     lines = len(model.tiers) + 1 if model.tiers else 1
-    lines += sum(1 for shown in (model.pool, model.l4 is not None, model.counters) if shown)
-    return lines + 2
+    return lines + len(_below_tiers(model, width - 4)) + 2
 
 
 def _wide(model: Model, width: int, height: int, now: float) -> RenderableType:
-    """Two columns: Tiers over Sessions, Restore over Host. Each panel gets the rows its content
-    needs; rows a column has left over chart its trends (the cache's traffic on the left, the
-    serving figures on the right), and without trends the last panel of the column takes them."""
+    """Tiers across the whole width (its rows are wide: a bar and two sparklines per tier), then
+    two columns: Sessions on the left, Restore over Host on the right. Each panel gets the rows
+    its content needs; rows a column has left over chart its trends (the cache's traffic on
+    the left, the serving figures on the right), and without trends the last panel of the
+    column takes them."""
     left_w, right_w = width // 2, width - width // 2
-    t_h = min(_tiers_height(model), height // 3)
-    r_h = min(len(model.restore) + 4, height // 3)
+    t_h = min(_tiers_height(model, width), height // 3)
+    rest = height - t_h
+    r_h = min(len(model.restore) + 4, rest // 2)
     s = model.sessions
     s_need = len(s.rows) + 4 if s.detail is None and s.pinned is not None else 4
     h_need = len(host_lines(model, right_w - 4)) + 2
     traffic = tuple(t for t in model.trends if t.unit == "B/s")
     serving = tuple(t for t in model.trends if t.unit != "B/s")
-    left = [Layout(tiers_panel(model, left_w), size=t_h)]
+    left: list[Layout] = []
     right = [Layout(restore_panel(model, right_w), size=r_h)]
-    for column, rest, need, panel, charts, w in (
-        (left, height - t_h, s_need, lambda h: sessions_panel(model, left_w, h, now), traffic, left_w),
-        (right, height - r_h, h_need, lambda h: host_panel(model, right_w, h), serving, right_w),
+    for column, room, need, panel, charts, w in (
+        (left, rest, s_need, lambda h: sessions_panel(model, left_w, h, now), traffic, left_w),
+        (right, rest - r_h, h_need, lambda h: host_panel(model, right_w, h), serving, right_w),
     ):  # fmt: skip
-        spare = rest - need
+        spare = room - need
         if charts and spare >= 5:
             column.append(Layout(panel(need), size=need))
             column.append(Layout(trends_panel(charts, w, spare)))
         else:
-            column.append(Layout(panel(rest)))
+            column.append(Layout(panel(room)))
     columns = Layout(), Layout()
     columns[0].split_column(*left)
     columns[1].split_column(*right)
+    below = Layout()
+    below.split_row(*columns)
     body = Layout()
-    body.split_row(*columns)
+    body.split_column(Layout(tiers_panel(model, width), size=t_h), below)
     return body
 
 
@@ -204,9 +210,21 @@ def _title(n: int, model: Model) -> str:
     return f"[{n}] {TITLES[n]}{mark}"
 
 
+def tier_label(name: str, paged: bool) -> str:
+    """A tier row's name. The cache's own L1 tier is its "L1 buffers"; with paged L1 the
+    sessions' L1 is the batch's page pool, "pool (L1)" (the names `kvtier plan` gives them)."""
+    if name == "l1":
+        return "pool (L1)" if paged else "L1 buffers"
+    return name.upper()
+
+
 def tiers_panel(model: Model, width: int) -> Panel:
     inner = width - 4
-    fixed = 56  # every column but the bar and the two sparklines, with the gaps
+    paged = model.paged_l1
+    labels = [tier_label(t.name, paged is not None) for t in model.tiers]
+    # every column but the bar and the two sparklines at their widest, with the gaps: the
+    # name, used/cap 11, chunks 6, hit 4, in and out 8 each beside their sparklines, queues 11
+    fixed = max(map(len, labels), default=2) + 55
     spark_w = max(0, min(30, (inner - fixed) // 4))
     bar_w = max(6, min(30, inner - fixed - 2 * spark_w))
     table = Table.grid(padding=(0, 1))
@@ -218,60 +236,61 @@ def tiers_panel(model: Model, width: int) -> Panel:
             for h in ("", "used", "used/cap", "chunks", "hit", "in", "out", "q w/r")
         )
     )
-    paged = model.paged_l1
-    for t in model.tiers:
+    for t, label in zip(model.tiers, labels, strict=True):
         if t.name == "l1" and paged is not None:  # the sessions' L1 is the page pool
             t = dataclasses.replace(
                 t, used=paged.used, capacity=paged.capacity, chunks=paged.chunks
             )
-        table.add_row(*_tier_row(t, bar_w, spark_w))
+        table.add_row(*_tier_row(t, label, bar_w, spark_w))
     parts: list[RenderableType] = [table]
     if not model.tiers:
         parts = [Text("no cache metrics at this endpoint (host signals only)", style="dim")]
-    if model.pool:  # kvtier serve's batch: with paged L1 its parked pages are the sessions' L1
-        parts.append(_pool_line(model, inner))
-    if model.l4 is not None:  # hidden without an L4
-        parts.append(l4_line(model.l4, inner))
-    if model.counters:
-        line = Text(no_wrap=True, overflow="ellipsis")
-        for i, c in enumerate(model.counters):
-            bad = (bool(c.total) and c.name != "OOM retries") or bool(c.rate)
-            line.append(("  " if i else "") + f"{c.name} ")
-            line.append(fmt.count(c.total), style="bold red" if bad else "green")
-            if c.rate:
-                line.append(f" (+{fmt.per_s(c.rate)}/s)", style="red")
-        parts.append(line)
+    parts += _below_tiers(model, inner)
     return Panel(Group(*parts), title=_title(1, model), title_align="left")
 
 
-def _pool_line(model: Model, width: int) -> Text:
-    """The batch's page pool by state; with paged L1, what the L1 row then shows."""
+def _below_tiers(model: Model, width: int) -> list[Text]:
+    """The lines under the tier rows, each of whole fields flowed into `width`: the batch's page
+    pool (kvtier serve), L4 (hidden without one), the cache-wide counters."""
+    lines: list[Text] = []
+    if model.pool:
+        lines += fmt.flow(_pool_fields(model), width)
+    if model.l4 is not None:
+        lines += l4_lines(model.l4, width)
+    if model.counters:
+        fields = []
+        for c in model.counters:
+            bad = (bool(c.total) and c.name != "OOM retries") or bool(c.rate)
+            field = Text(f"{c.name} ") + Text(
+                fmt.count(c.total), style="bold red" if bad else "green"
+            )
+            if c.rate:
+                field.append(f" (+{fmt.per_s(c.rate)}/s)", style="red")
+            fields.append(field)
+        lines += fmt.flow(fields, width)
+    return lines
+
+
+def _pool_fields(model: Model) -> list[Text]:
+    """The batch's page pool by state. With paged L1 it is the sessions' L1 (the row above
+    shows it), and the cache's own L1 buffers follow: its copy staging."""
     paged = model.paged_l1
-    line = Text(no_wrap=True, overflow="ellipsis")
+    fields = [Text(f"{state} {fmt.size(nbytes)}") for state, nbytes in model.pool]
     if paged is None:
-        line.append("batch pages ", style="bold")
-    else:
-        line.append("L1 = page pool", style="bold")
-        if paged.sessions is not None:
-            line.append(f" ({paged.sessions} sessions)")
-        line.append(": ")
-    for i, (state, nbytes) in enumerate(model.pool):
-        line.append(("  " if i else "") + f"{state} {fmt.size(nbytes)}")
-        if state == "parked" and paged is None:
-            line.append(" (sessions' L1)", style="dim")
-    if paged is not None:  # the cache's own L1 buffers, where they fit: its copy staging
-        used, cap = paged.staging
-        staging = f"  staging {fmt.size(used)}/{fmt.size(cap)}"
-        if line.cell_len + len(staging) <= width:
-            line.append(staging, style="dim")
-    return line
+        return [Text("page pool ", style="bold") + fields[0], *fields[1:]]
+    label = Text("pool (L1)", style="bold")
+    if paged.sessions is not None:
+        label.append(f", {paged.sessions} sessions")
+    used, cap = paged.staging
+    buffers = Text(f"L1 buffers {fmt.size(used)}/{fmt.size(cap)}", style="dim")
+    return [label + Text(": ") + fields[0], *fields[1:], buffers]
 
 
-def _tier_row(t: TierView, bar_w: int, spark_w: int) -> list[Text | str]:
+def _tier_row(t: TierView, label: str, bar_w: int, spark_w: int) -> list[Text | str]:
     ratio = t.used / t.capacity if t.used is not None and t.capacity else None
     hit = fmt.pct(t.hit_ratio_recent if t.hit_ratio_recent is not None else t.hit_ratio)
     return [
-        Text(t.name.upper(), style="bold"),
+        Text(label, style="bold"),
         fmt.bar(ratio, bar_w),
         f"{fmt.size(t.used)}/{fmt.size(t.capacity)}",
         fmt.count(t.chunks),
@@ -315,6 +334,8 @@ def sessions_panel(model: Model, width: int, height: int, now: float) -> Panel:
         shown = min(len(s.rows), max(0, room))
         where = f" tenant {model.options.tenant}" if model.options.tenant else ""
         title += f" top {shown} of {s.total}{where} by {model.options.sort}"
+        if model.options.sort in ACTIVE_FIRST:
+            title += ", active first"
     return Panel(Group(*parts), title=title, title_align="left", height=height)
 
 
@@ -392,7 +413,10 @@ def _split(l1: int, l2: int, l3: int, width: int) -> Text:
 
 def restore_panel(model: Model, width: int, compact: bool = False) -> Panel:
     metric = model.restore_metric
-    table = Table(box=None, padding=(0, 1), pad_edge=False, show_edge=False, header_style="bold")
+    # compact, one space between columns: at 80 columns the panel has 36 cells inside, and its
+    # widest row (`recompute 12.3k  100% 12.3ms 12.3ms`) needs 35
+    pad = (0, 0, 0, 1) if compact else (0, 1)
+    table = Table(box=None, padding=pad, pad_edge=False, show_edge=False, header_style="bold")
     table.add_column("src", no_wrap=True)
     table.add_column("n" if compact else "restores", justify="right", no_wrap=True)
     if not compact:
@@ -425,8 +449,14 @@ def restore_panel(model: Model, width: int, compact: bool = False) -> Panel:
         table.add_row(*cells)
     what = "TTFT" if metric == "TTFT" else "restore time"
     title = f"{_title(3, model)} ({what})"
-    if not compact:
-        title += " decisions and percentiles (last 1m, else since start)"
+    if not compact:  # the longest that fits beside the borders
+        for more in (
+            " decisions and percentiles (last 1m, else since start)",
+            " percentiles: last 1m, else since start",
+        ):
+            if len(title + more) <= width - 6:
+                title += more
+                break
     return Panel(table, title=title, title_align="left")
 
 

@@ -143,7 +143,7 @@ def test_summary_reads_in_human_units() -> None:
     assert not WRONG_PLURAL.search(text), WRONG_PLURAL.search(text)
     assert max(len(line) for line in text.splitlines()) <= 100
     assert text.splitlines()[0] == "19 requests, 18 ok, 1 error (1 http 429); wall 61.2 s"
-    assert "  l1  568.0 KiB of 4.0 MiB (14%), 71 chunks, 6 hits" in text
+    assert "  L1 buffers 568.0 KiB of 4.0 MiB (14%), 71 chunks, 6 hits" in text
     assert "  sessions: 0 active, 8 idle, 3 hibernated, 0 pinned" in text
     assert "  restores: 6 from l1, 9 from l2, 0 from l3, 2 recomputed" in text
 
@@ -203,9 +203,17 @@ def test_the_batch_page_pool_is_reported_by_state() -> None:
     result = issue_result()
     result["tiers"] = tiers
     lines = format_report(result).splitlines()
-    pool = next(line for line in lines if line.startswith("  batch page pool: "))
-    assert (
-        pool == "  batch page pool: parked (sessions' L1) 80.0 KiB, running 48.0 KiB, free 31.9 MiB"
-    )
+    # the L1 buffers hold the sessions' chunks (71): the pool is not their L1
+    pool = next(line for line in lines if line.startswith("  page pool "))
+    assert pool == "  page pool  parked 80.0 KiB, running 48.0 KiB, free 31.9 MiB"
+    assert "  L1 buffers 568.0 KiB of 4.0 MiB (14%), 71 chunks, 6 hits" in lines
+    # paged L1: the L1 buffers hold no chunk, the parked pages are the sessions' L1 and the
+    # L1 hits theirs (kvtier plan and kvtop name them so too)
+    paged = text.replace('kvtier_tier_chunks{tier="l1"} 71.0', 'kvtier_tier_chunks{tier="l1"} 0.0')
+    assert paged != text
+    result["tiers"] = tiers_now(paged)
+    lines = format_report(result).splitlines()
+    assert "  pool (L1)  parked 80.0 KiB, running 48.0 KiB, free 31.9 MiB; 6 hits" in lines
+    assert "  L1 buffers 568.0 KiB of 4.0 MiB (14%), 0 chunks" in lines
     assert max(len(line) for line in lines) <= 100
     assert tiers_now((SCRAPES / "serve-2.txt").read_text())["pool"] is None  # no batch pool

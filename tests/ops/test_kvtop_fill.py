@@ -68,7 +68,7 @@ def test_a_short_terminal_has_no_trends() -> None:
 @pytest.mark.parametrize("size", [(80, 24), (160, 48)])
 def test_the_tiers_panel_has_room_for_the_pool_and_counters_lines(size: tuple[int, int]) -> None:
     body = "\n".join(text(pool_model(True), *size))
-    assert "batch pages parked 80.0K" in body
+    assert "page pool parked 80.0K" in body
     assert "shed writes 0" in body  # cut before: the pool line took its row
 
 
@@ -101,11 +101,11 @@ def test_paged_l1_shows_the_page_pool_on_the_l1_row() -> None:
     assert (p.used, p.capacity) == (16 * PAGE, 4096 * PAGE)
     for size in ((80, 24), (200, 60)):
         lines = text(model, *size)
-        l1 = _row(lines, "L1")
+        l1 = _row(lines, r"pool \(L1\)")
         assert l1[1] == "128K/32.0M" and l1[2] == str(sum(in_pages)), l1  # not 0 chunks
         body = "\n".join(lines)
-        assert f"L1 = page pool ({len(in_pages)} sessions): parked 80.0K" in body
-    assert "staging 0/1.00M" in "\n".join(text(model, 200, 60))
+        assert f"pool (L1), {len(in_pages)} sessions: parked 80.0K" in body
+        assert "L1 buffers 0/1.00M" in body  # the cache's own L1 tier: its copy staging
     # No session list: the pool still, its chunks unknown rather than 0.
     bare = paged_model(sessions=False).paged_l1
     assert bare is not None and bare.chunks is None and bare.sessions is None

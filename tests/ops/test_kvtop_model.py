@@ -99,7 +99,10 @@ def test_sessions_sorted_filtered_and_counted() -> None:
     assert len(s.sessions) == 6
     h = live_history()
     by_bytes = build(h, s, Options(), source="x", interval=1.0).sessions
-    assert [r.bytes for r in by_bytes.rows] == sorted((r.bytes for r in s.sessions), reverse=True)
+    # active first, then idle, then hibernated; by bytes within each state
+    rank = {"active": 0, "idle": 1, "hibernated": 2}
+    want = sorted(s.sessions, key=lambda r: (rank[r.state], -r.bytes))
+    assert [(r.state, r.bytes) for r in by_bytes.rows] == [(r.state, r.bytes) for r in want]
     assert dict(by_bytes.by_state) == {"active": 1, "idle": 3, "hibernated": 2, "pinned": 1}
     acme = build(h, s, Options(tenant="acme", sort="tenant"), source="x", interval=1.0).sessions
     assert {r.tenant for r in acme.rows} == {"acme"} and acme.total == 3

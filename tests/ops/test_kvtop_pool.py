@@ -43,5 +43,5 @@ def test_pool_figures_by_state() -> None:
 @pytest.mark.parametrize("size", [(80, 24), (120, 40)])
 def test_pool_line_shows_and_hides(size: tuple[int, int]) -> None:
     body = "\n".join(text(pool_model(True), *size))
-    assert "batch pages parked 80.0K" in body, body
-    assert "batch pages" not in "\n".join(text(pool_model(False), *size))
+    assert "page pool parked 80.0K" in body, body
+    assert "page pool" not in "\n".join(text(pool_model(False), *size))

@@ -91,10 +91,11 @@ def test_tiers_panel_shows_the_recorded_values() -> None:
 def test_sessions_panel_counts_and_top_list() -> None:
     body = "\n".join(text(live_model()))
     assert "active 1  idle 3  hibernated 2  pinned 1" in body
-    assert "top 6 of 6 by bytes" in body
+    assert "top 6 of 6 by bytes, active first" in body
     rows = [line for line in body.splitlines() if "agent-" in line]
-    assert "agent-5" in rows[0] and "idle*" in rows[0]  # the pinned session, the largest
-    assert "3/2/2" in rows[0] and "22.5K" in rows[0]  # 23040 bytes, L1/L2/L3 chunks
+    assert "agent-2" in rows[0] and "active" in rows[0]  # the one active session first
+    assert "agent-5" in rows[1] and "idle*" in rows[1]  # then the pinned session, the largest
+    assert "3/2/2" in rows[1] and "22.5K" in rows[1]  # 23040 bytes, L1/L2/L3 chunks
     assert "bytes ▼" in body
 
 
