@@ -71,6 +71,8 @@ def test_required_alerts_exist() -> None:
         "kvtier_l4_breaker_state >= 2",  # the shared L4 tier down
         "kvtier_l4_up == 0",
         "rate(kvtier_l4_errors_total",
+        "kvtier_l4_shard_replicas < 1",  # a cluster shard without a replica
+        "rate(kvtier_moved_sessions_total",  # moves that go on: a host flapping
     ):
         assert needle in exprs, needle
     rec = (PROM / "recording.yml").read_text()
