@@ -97,6 +97,7 @@ class CacheSnapshot:
     io_errors: int = 0
     oom_retries: int = 0
     record_errors: int = 0  # session records that could not be saved or deleted in L3
+    moved_sessions: int = 0  # sessions opened from another host's L4 record (a move)
     # Backpressure: times a commit or an eviction waited for copies to finish (L3 writes to
     # free L2 room, device copies to free in-flight room: kvtier.transfer.inflight), the
     # seconds of those waits, and the stored prefixes cut where waiting could make no room

@@ -208,6 +208,29 @@ L4_ERRORS = Threshold(
     meaning="failed L4 (Redis) operations per second over `window_s`, above",
     for_s=600,
 )
+L4_SHARD_NO_REPLICA = Threshold(
+    "KvtierL4ShardNoReplica",
+    "warning",
+    value=1.0,
+    meaning=(
+        "replicas attached to a Redis Cluster shard's primary (kvtier_l4_shard_replicas), below: "
+        "losing that primary loses its slots' chunks"
+    ),
+    for_s=300,
+)
+SESSION_MOVES = Threshold(
+    "KvtierSessionMoves",
+    "warning",
+    value=0.05,
+    meaning=(
+        "sessions per second moved to this host over `window_s` (opened from the L4 record of "
+        "another host that served them last), above, for `for_s`: a host that died moves its "
+        "sessions once; one that keeps leaving and returning (flapping) moves them again and "
+        "again"
+    ),
+    for_s=900,
+    window_s=300,
+)
 
 ALL: tuple[Threshold, ...] = (
     MEMORY_PSI_FULL,
@@ -231,5 +254,7 @@ ALL: tuple[Threshold, ...] = (
     GPU_BUDGET,
     L4_DOWN,
     L4_ERRORS,
+    L4_SHARD_NO_REPLICA,
+    SESSION_MOVES,
 )
 BY_ALERT: dict[str, Threshold] = {t.alert: t for t in ALL}

@@ -14,11 +14,20 @@ import json
 import math
 from dataclasses import dataclass
 
+from kvtier import haproxy
+
 KIB = 1024
 MIB = 1024 * KIB
 GIB = 1024 * MIB
 
 ROLE = "kvtier_host"
+HAPROXY_CONFIG = "/etc/haproxy/haproxy.cfg"  # Debian's haproxy package reads this file
+FLEET_WHY = (
+    "The fleet part: install HAProxy (Debian's package) and write its configuration from the "
+    "template `kvtier fleet haproxy-config` renders (kvtier/haproxy.cfg.j2): sessions stick to a "
+    "host by a consistent hash of X-Session-ID, /readyz takes a host out. Off by default; turn it "
+    "on for the host(s) that route (docs/deploy.md)."
+)
 ROLE_DEFAULTS_PATH = "ansible/roles/kvtier_host/defaults/main.yml"
 
 # ---- the recommended values, each with its reason -----------------------------------------------
@@ -209,6 +218,23 @@ ROLE_VARS: tuple[RoleVar, ...] = (
     _v("fstrim", FSTRIM_POLICY, FSTRIM_WHY + " One of offpeak, disabled, default."),
     _v("fstrim_oncalendar", FSTRIM_ONCALENDAR, "The off-peak window (systemd OnCalendar)."),
     _v("fstrim_randomized_delay", FSTRIM_RANDOMIZED_DELAY, "Spreads a fleet's trims apart."),
+    _v("fleet", False, FLEET_WHY),
+    _v(
+        "fleet_hosts",
+        [],
+        "The kvtier serve hosts behind HAProxy, 'host:port' each (the fleet part).",
+    ),
+    _v("fleet_config", HAPROXY_CONFIG, "HAProxy's configuration file (the fleet part)."),
+    _v("fleet_bind", haproxy.DEFAULTS["bind"], "HAProxy's listen address (the fleet part)."),
+    _v("fleet_check_ms", haproxy.DEFAULTS["check_ms"], "Period of the /readyz health checks (ms)."),
+    _v("fleet_fall", haproxy.DEFAULTS["fall"], "Failed checks that take a host out."),
+    _v("fleet_rise", haproxy.DEFAULTS["rise"], "Good checks that put a host back."),
+    _v("fleet_timeout_s", haproxy.DEFAULTS["timeout_s"], "The longest request (seconds)."),
+    _v(
+        "fleet_stats_bind",
+        haproxy.DEFAULTS["stats_bind"],
+        "Where HAProxy also serves its stats page and /metrics, e.g. ':8404' ('' for nowhere).",
+    ),
 )
 
 

@@ -18,7 +18,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 EXTS = "md|py|sh|yml|yaml|toml|json|cfg|ini|txt"
-NAME = re.compile(rf"(?<![\w/.<>$~-])((?:[\w.-]+/)*[\w.-]+\.(?:{EXTS}))(?![\w/])")
+# (a name followed by one more extension, `haproxy.cfg.j2`, is that longer name, not a .cfg)
+NAME = re.compile(rf"(?<![\w/.<>$~-])((?:[\w.-]+/)*[\w.-]+\.(?:{EXTS}))(?![\w/]|\.\w)")
 # Names that are not repo files: written by the program at run time, or on the user's host.
 NOT_REPO = re.compile(
     r"^(?:proc/|sys/|etc/|dev/|tmp/|var/|usr/|run/|home/|[A-Z_]+/)|"

@@ -26,6 +26,10 @@ def _quantiles(histogram: str, by: str = "", qs: tuple[float, ...] = (0.5, 0.99)
     ]
 
 
+# each L4 cluster shard's reads per second, over the selected hosts
+_SHARD_HITS = f"sum by (shard) (rate(kvtier_l4_shard_hits_total{{{SEL}}}[$__rate_interval]))"
+_SHARD_MISSES = f"sum by (shard) (rate(kvtier_l4_shard_misses_total{{{SEL}}}[$__rate_interval]))"
+
 # (row title, [(panel title, unit, description, [(expr, legend), ...]), ...])
 # Units are Grafana's names for base units: bytes, Bps, s, percentunit (ratio 0..1), ops.
 ROWS: list[tuple[str, list[tuple[str, str, str, list[tuple[str, str]]]]]] = [
@@ -527,6 +531,55 @@ ROWS: list[tuple[str, list[tuple[str, str, str, list[tuple[str, str]]]]]] = [
                         f"rate(kvtier_l4_writes_shed_total{{{SEL}}}[$__rate_interval])",
                         "shed {{instance}}",
                     ),
+                ],
+            ),
+        ],
+    ),
+    (
+        # One dashboard for the fleet: every host is a scrape target, told apart by the
+        # `instance` label Prometheus gives its series (docs/deploy.md).
+        "Fleet (hosts behind HAProxy, L4 on a Redis Cluster)",
+        [
+            (
+                "Sessions per host",
+                "short",
+                "Sessions each host holds in memory (active and idle: running, or between turns "
+                "with their K/V in L1), by instance. With HAProxy's consistent hash on "
+                "X-Session-ID they stay level; a host that leaves gives its sessions to the "
+                "others.",
+                [
+                    (
+                        f'sum by (instance) (kvtier_sessions{{{SEL}, state=~"active|idle"}})',
+                        "{{instance}}",
+                    )
+                ],
+            ),
+            (
+                "Moves",
+                "ops",
+                "Sessions per second moved to each host: opened from the L4 record of another "
+                "host that served them last. A burst when a host leaves or rejoins; moves that "
+                "go on are a host flapping (alert KvtierSessionMoves).",
+                [
+                    (
+                        "sum by (instance) "
+                        f"(rate(kvtier_moved_sessions_total{{{SEL}}}[$__rate_interval]))",
+                        "moved to {{instance}}",
+                    )
+                ],
+            ),
+            (
+                "L4 hit ratio per shard",
+                "percentunit",
+                "Chunk reads found over chunks looked up, by Redis Cluster primary (summed over "
+                "the selected hosts). One shard far below the others holds evicted or lost "
+                "slots; after a failover its ratio returns within seconds. A shard without a "
+                "replica fires KvtierL4ShardNoReplica.",
+                [
+                    (
+                        f"{_SHARD_HITS}\n/ ({_SHARD_HITS} + {_SHARD_MISSES})",
+                        "{{shard}}",
+                    )
                 ],
             ),
         ],

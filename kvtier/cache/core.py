@@ -212,6 +212,7 @@ class TieredCache:
                 l3=self.l3,
                 l4=self.l4,
                 make=lambda sid, tenant: Session(self, sid, tenant),
+                counters=counters,
             )
             self.finder.load_hibernated()
             self.directory.retry_shed = config.write_policy != "write_back"

@@ -25,6 +25,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from kvtier.cache.l4 import SharedTier
     from kvtier.cache.session import Session
     from kvtier.cache.sessiontable import SessionTable
+    from kvtier.cache.stats import Counters
     from kvtier.tiers.l3 import L3Store, SessionRecord
 
 
@@ -36,6 +37,7 @@ class SessionFinder:
     l3: L3Store
     l4: SharedTier | None
     make: Callable[[str, str], Session]  # a new Session of (session id, tenant) on its cache
+    counters: Counters
 
     def open(self, session_id: str, tenant: str = "default") -> Session:
         """Open a session, or find it again (after a restart from L3; hibernated on another
@@ -54,14 +56,15 @@ class SessionFinder:
                 return self._add(self.make(session_id, tenant))
         # outside the lock: an SQLite read of the index, a Redis round trip
         load = self.l3.load_session
-        found = [self.table.pending(key) or load(session_id, tenant)] if stored else []
-        if self.l4 is not None:
-            found.append(self.l4.lookup(tenant, session_id))
+        local = (self.table.pending(key) or load(session_id, tenant)) if stored else None
+        shared = self.l4.lookup(tenant, session_id) if self.l4 is not None else None
         with self.guard:
             self.guard.check_open()
             s = self.table.get(key)
             recs = [
-                r for r in found if r is not None and r.fingerprint == self.identity.fingerprint
+                r
+                for r in (local, shared)
+                if r is not None and r.fingerprint == self.identity.fingerprint
             ]
             rec = max(recs, key=lambda r: r.last_active, default=None)
             if s is None:
@@ -69,6 +72,10 @@ class SessionFinder:
                 self._add(s)
             elif rec and s.state is SessionState.HIBERNATED and rec.last_active > s.last_active:
                 self.from_record(rec, s)  # hibernated here, resumed elsewhere since
+            else:
+                return s
+            if rec is not None and rec is shared:  # another host served it last: a move
+                self.counters.moved_sessions += 1
             return s
 
     def _add(self, s: Session) -> Session:

@@ -53,6 +53,9 @@ class Counters:
     oom_retries: int = 0
     l3_full: int = 0
     record_errors: int = 0  # session record saves/deletes that failed (counted off the lock)
+    # sessions this host did not hold, or held and saw resumed elsewhere since, opened from
+    # their L4 record (another host served them: HAProxy moved them here); under the guard
+    moved_sessions: int = 0
     # Backpressure (docs/metrics.md): waits of a commit or an eviction for copies to finish
     # (L3 writes freeing L2 room, device copies freeing in-flight room) and their seconds;
     # drops: stored prefixes cut where even waiting made no room (recomputed from there).
@@ -175,6 +178,7 @@ def build_snapshot(
         io_errors=l3.io_errors,
         oom_retries=n.oom_retries,
         record_errors=n.record_errors,
+        moved_sessions=n.moved_sessions,
         backpressure_waits=n.backpressure_waits,
         backpressure_wait_seconds=n.backpressure_wait_seconds,
         backpressure_drops=n.backpressure_drops,

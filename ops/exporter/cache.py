@@ -141,6 +141,11 @@ def families(snap: CacheSnapshot) -> Iterator[Metric]:
         ("kvtier_io_errors", snap.io_errors, "I/O errors returned by the L3 device."),
         ("kvtier_oom_retries", snap.oom_retries, "GPU allocations retried after an OOM."),
         (
+            "kvtier_moved_sessions",
+            snap.moved_sessions,
+            "Sessions opened from their L4 record that another host served last (moved here).",
+        ),
+        (
             "kvtier_backpressure_waits",
             snap.backpressure_waits,
             "Times a commit or an eviction waited for copies to finish (L2 room, copies in "

@@ -470,6 +470,39 @@ CASES: tuple[Case, ...] = (
         {_s("kvtier_l4_errors_total"): "0+1x30"},
         "20m",
     ),
+    # -- a shard without a replica: a failover whose old primary never came back fires after 5
+    # minutes; one whose old primary rejoined as a replica within two is quiet.
+    Case(
+        th.L4_SHARD_NO_REPLICA.alert,
+        "firing: the promoted replica has none of its own",
+        {
+            _s("kvtier_l4_shard_replicas", shard="10.0.0.2:7001", slots="5461-10922"): "1 1 0x10",
+            _s("kvtier_l4_shard_replicas", shard="10.0.0.1:7000", slots="0-5460"): "1x12",
+        },
+        "10m",
+        fires={"shard": "10.0.0.2:7001", "slots": "5461-10922"},
+    ),
+    Case(
+        th.L4_SHARD_NO_REPLICA.alert,
+        "quiet: the old primary rejoined as a replica within two minutes",
+        {_s("kvtier_l4_shard_replicas", shard="10.0.0.2:7001", slots="5461-10922"): "1 1 0 0 1x10"},
+        "10m",
+    ),
+    # -- moves: a flapping host sends 6 sessions a minute here for half an hour; a host that
+    # died once moved 40 at one scrape, then none.
+    Case(
+        th.SESSION_MOVES.alert,
+        "firing: sessions keep moving here",
+        {_s("kvtier_moved_sessions_total"): "0+6x40"},
+        "30m",
+        fires={},
+    ),
+    Case(
+        th.SESSION_MOVES.alert,
+        "quiet: one host died, its sessions moved once",
+        {_s("kvtier_moved_sessions_total"): "0 0 0 40x40"},
+        "30m",
+    ),
 )
 
 

@@ -80,6 +80,8 @@ EXPRESSIONS: dict[str, str] = {
     # goes half open (1) between probes while Redis stays down; `up` keeps the alert held then.
     th.L4_DOWN.alert: "kvtier_l4_breaker_state >= {value}\nor\nkvtier_l4_up == 0",
     th.L4_ERRORS.alert: "rate(kvtier_l4_errors_total[{window}]) > {value}",
+    th.L4_SHARD_NO_REPLICA.alert: "kvtier_l4_shard_replicas < {value}",
+    th.SESSION_MOVES.alert: "rate(kvtier_moved_sessions_total[{window}]) > {value}",
 }
 
 SUMMARIES: dict[str, str] = {
@@ -112,6 +114,8 @@ SUMMARIES: dict[str, str] = {
     ),
     th.L4_DOWN.alert: "The shared L4 tier (Redis) of {{ $labels.instance }} is down.",
     th.L4_ERRORS.alert: "L4 (Redis) operations of {{ $labels.instance }} are failing.",
+    th.L4_SHARD_NO_REPLICA.alert: "L4 shard {{ $labels.shard }} has no replica.",
+    th.SESSION_MOVES.alert: "Sessions keep moving to {{ $labels.instance }}: a host is flapping.",
 }
 
 DESCRIPTIONS: dict[str, str] = {
@@ -204,6 +208,19 @@ DESCRIPTIONS: dict[str, str] = {
         "More than {value} L4 operations per second failed over the last {window} (timeouts,"
         " refused connections, values that failed verification): each failure is a restore from"
         " a lower tier or a recompute, and the breaker may open next."
+    ),
+    th.L4_SHARD_NO_REPLICA.alert: (
+        "For {for_} the Redis Cluster primary {{{{ $labels.shard }}}} (slots"
+        " {{{{ $labels.slots }}}}) has had fewer than {value} replica attached. Serving goes on,"
+        " but if that primary dies its slots have no one to take over: their chunks are lost"
+        " (recomputed) and L4 writes to them fail until the cluster is mended."
+    ),
+    th.SESSION_MOVES.alert: (
+        "For {for_} more than {value} sessions per second (over {window}) were moved to this host"
+        " from other hosts (opened from the L4 record of the host that served them last). One"
+        " host going away moves its sessions once; moves that go on mean a host keeps leaving"
+        " and rejoining HAProxy's pool (failing /readyz checks, restarting), and each move"
+        " costs the session a restore from L4 instead of a local one."
     ),
 }
 

@@ -172,6 +172,16 @@ def _cache(history: History, cur: Scrape) -> Iterator[Firing]:
     if r is not None and r > t.value:
         yield _fire(t, f"L4 {r:.1f} errors/s")
 
+    t = th.L4_SHARD_NO_REPLICA  # only a Redis Cluster L4 has shards
+    for d, replicas in cur.series("kvtier_l4_shard_replicas"):
+        if replicas < t.value:
+            yield _fire(t, f"L4 shard {d.get('shard', '?')} {replicas:.0f} replicas")
+
+    t = th.SESSION_MOVES
+    r = _window_rate(history, t, "kvtier_moved_sessions_total")
+    if r is not None and r > t.value:
+        yield _fire(t, f"{r * 60:.1f} sessions/min moved here")
+
     t = th.L3_FILESYSTEM
     avail, size = (
         cur.get("kvtier_l3_filesystem_avail_bytes"),

@@ -249,6 +249,52 @@ def test_bad_variables_fail_before_any_change(tmp_path: Path, more: dict, messag
     assert list(root.iterdir()) == []
 
 
+FLEET_HOSTS = ["127.0.0.1:8001", "127.0.0.1:8002", "[::1]:8003"]
+
+
+def test_fleet_part_writes_the_cli_configuration(converged: Converged, tmp_path: Path) -> None:
+    """kvtier_host_fleet on: HAProxy's configuration is the very text `kvtier fleet
+    haproxy-config` writes for the same hosts and options, and HAProxy accepts it. Off (the
+    converge above), the role writes no HAProxy file at all."""
+    assert not (converged.root / "etc/haproxy").exists()
+    root = tmp_path / "root"
+    shutil.copytree(converged.root, root, symlinks=True)
+    fleet = {
+        "kvtier_host_fleet": True,
+        "kvtier_host_fleet_hosts": FLEET_HOSTS,
+        "kvtier_host_fleet_check_ms": 300,
+        "kvtier_host_fleet_stats_bind": "127.0.0.1:8404",
+    }
+    run = _play(tmp_path, _vars(root, **fleet))
+    assert run.rc == 0 and run.recap["changed"] > 0, run.out[-4000:]
+    cfg = root / "etc/haproxy/haproxy.cfg"
+    assert stat.S_IMODE(cfg.stat().st_mode) == 0o644
+    cli = subprocess.run(
+        [sys.executable, "-m", "ops.cli", "fleet", "haproxy-config", "--hosts",
+         ",".join(FLEET_HOSTS), "--check-ms", "300", "--stats-bind", "127.0.0.1:8404"],
+        capture_output=True, text=True, cwd=REPO, timeout=60, check=True,
+    )  # fmt: skip
+    assert cfg.read_text() == cli.stdout
+    assert "    server kvtier3 [::1]:8003 check\n" in cli.stdout
+    again = _play(tmp_path, _vars(root, **fleet))
+    assert again.rc == 0 and again.recap["changed"] == 0, again.out[-4000:]
+    if shutil.which("haproxy") is None:
+        pytest.skip("haproxy is not installed (bootstrap installs it): `haproxy -c` not run")
+    check = subprocess.run(["haproxy", "-c", "-f", str(cfg)], capture_output=True, text=True)
+    assert check.returncode == 0, check.stdout + check.stderr
+
+
+@pytest.mark.parametrize(
+    "hosts", [[], ["10.0.0.1"], ["10.0.0.1:8000", "10.0.0.1:8000"], ["10.0.0.1:8000 check"]]
+)
+def test_fleet_part_refuses_bad_hosts(tmp_path: Path, hosts: list[str]) -> None:
+    root = tmp_path / "root"
+    root.mkdir()
+    run = _play(tmp_path, _vars(root, kvtier_host_fleet=True, kvtier_host_fleet_hosts=hosts))
+    assert run.rc != 0 and "kvtier_host_fleet_hosts must name each" in run.out, run.out[-3000:]
+    assert list(root.iterdir()) == []  # refused before any change
+
+
 SYSCTL_FILE = Path("/etc/sysctl.d/90-kvtier.conf")
 
 

@@ -71,6 +71,8 @@ def test_required_alerts_exist() -> None:
         "kvtier_l4_breaker_state >= 2",  # the shared L4 tier down
         "kvtier_l4_up == 0",
         "rate(kvtier_l4_errors_total",
+        "kvtier_l4_shard_replicas < 1",  # a cluster shard without a replica
+        "rate(kvtier_moved_sessions_total",  # moves that go on: a host flapping
     ):
         assert needle in exprs, needle
     rec = (PROM / "recording.yml").read_text()
@@ -187,3 +189,44 @@ def test_dashboard_is_generated_and_well_formed() -> None:
             "short",
         }
         assert p["targets"], p["title"]
+
+
+@needs_promtool
+def test_fleet_row_draws_hosts_moves_and_shards(tmp_path: Path) -> None:
+    """The fleet row: sessions per host, moves, L4 hit ratio per shard. The L4 shard families
+    exist only with a Redis Cluster, so the end-to-end test cannot query them: promtool parses
+    every expression of the row here instead (as recording rules, with the dashboard's
+    variables filled in)."""
+    dash = json.loads((REPO / "dashboards" / "grafana" / "kvtier.json").read_text())
+    panels, row = {}, None
+    for p in dash["panels"]:
+        if p["type"] == "row":
+            row = p["title"]
+        elif row is not None and row.startswith("Fleet"):
+            panels[p["title"]] = [t["expr"] for t in p["targets"]]
+    assert set(panels) == {"Sessions per host", "Moves", "L4 hit ratio per shard"}
+    assert "sum by (instance) (kvtier_sessions{" in panels["Sessions per host"][0]
+    assert "kvtier_moved_sessions_total" in panels["Moves"][0]
+    ratio = panels["L4 hit ratio per shard"][0]
+    assert "kvtier_l4_shard_hits_total" in ratio and "kvtier_l4_shard_misses_total" in ratio
+    exprs = [
+        e.replace("$instance", ".+").replace("$__rate_interval", "1m")
+        for es in panels.values()
+        for e in es
+    ]
+    doc = {
+        "groups": [
+            {
+                "name": "fleet",
+                "rules": [{"record": f"kvtier:fleet_{i}", "expr": e} for i, e in enumerate(exprs)],
+            }
+        ]
+    }
+    (tmp_path / "fleet.yml").write_text(yaml.safe_dump(doc))
+    out = subprocess.run(
+        ["promtool", "check", "rules", str(tmp_path / "fleet.yml")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr

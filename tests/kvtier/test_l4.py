@@ -26,6 +26,7 @@ from kvtier.tiers.l4 import codec, keys
 CHUNK = 16
 L4_KEYS = {
     "up",
+    "shards",  # a cluster's primaries: replicas, hits, misses ([] on one server)
     "breaker",
     "bytes_written",
     "bytes_read",
@@ -122,7 +123,9 @@ def test_session_hibernated_on_one_host_resumes_on_another(tmp_path: Path, model
         assert snap.l4["hits"] == 5 and snap.l4["up"] and snap.l4["breaker"] == "closed"
         assert snap.tier("l4").hits == 5
         assert dict(snap.restore_decisions)["l4"] == 1
+        assert snap.moved_sessions == 1  # A served it last: a move
         assert a.stats().l4["put_count"] == 5  # 4 full chunks + the tail
+        assert a.stats().moved_sessions == 0  # A opened it new
         # B hibernates the longer session (writing only its new chunks); a third host
         # resumes it from chunks written by A and by B
         hibernate_to_l4(b, "s1")
@@ -550,6 +553,13 @@ def test_turns_alternating_between_two_hosts_resume_from_l4(tmp_path: Path, mode
             hibernate_to_l4(cache, "s1")
             ids = torch.cat([seq, torch.tensor([[i + 1, i + 2, i + 3]])], dim=1)
         assert sources == ["recompute", "l4", "l4", "l4", "l4"]
+        # every turn but the first moved the session: B at turns 1 and 3, A at 2 and 4
+        assert [c.stats().moved_sessions for c in hosts] == [2, 2]
+        # a session that stays on its host is no move, though its record is in L4 too
+        turn(model, hosts[0], "s2", prompt(40, seed=1))
+        hibernate_to_l4(hosts[0], "s2")
+        turn(model, hosts[0], "s2", prompt(50, seed=1))
+        assert hosts[0].stats().moved_sessions == 2
     finally:
         for c in hosts:
             c.close()

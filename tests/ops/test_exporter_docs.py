@@ -55,6 +55,7 @@ def test_names_follow_the_conventions() -> None:
     allowed_labels |= {"generation", "part"}  # gc generations 0-2, the GPU plan's eight parts
     allowed_labels |= {"endpoint", "code"}  # the server's route templates, HTTP status codes
     allowed_labels |= {"reason"}  # a 400's error code: the server's own few
+    allowed_labels |= {"shard", "slots"}  # a Redis Cluster's primaries and their slot ranges
     for name, (kind, labels, _) in documented().items():
         assert labels <= allowed_labels, f"{name}: unbounded label in {labels}"
         assert (kind == "counter") == name.endswith("_total"), f"{name}: _total iff counter"

@@ -31,7 +31,8 @@ FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "gpu-h200"
 GIB = 1 << 30
 
 
-# The L4 stats the cache reports with an L4 (Redis) configured: `TieredCache.stats()["l4"]`.
+# The L4 stats the cache reports with an L4 (Redis) configured: `TieredCache.stats()["l4"]`;
+# a Redis Cluster here, so the per-shard families are exported too (one server: `shards` []).
 L4_STATS: dict[str, Any] = {
     "up": True,
     "breaker": "closed",
@@ -45,7 +46,11 @@ L4_STATS: dict[str, Any] = {
     "get_count": 34,
     "put_seconds_sum": 1.5,
     "put_count": 20,
-    "url": "redis://127.0.0.1:6379/0",
+    "url": "redis+cluster://127.0.0.1:7000",
+    "shards": [
+        {"shard": "127.0.0.1:7000", "slots": "0-8191", "replicas": 1, "hits": 20, "misses": 1},
+        {"shard": "127.0.0.1:7001", "slots": "8192-16383", "replicas": 0, "hits": 10, "misses": 3},
+    ],
 }
 
 

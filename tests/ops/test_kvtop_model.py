@@ -353,6 +353,25 @@ def cases() -> list[tuple[str, list[Scrape], list[Scrape]]]:
             [scrape(0, **{errors: one(0)}), scrape(10, **{errors: one(10 * e)})],
         )
     )
+
+    def shards(replicas: float) -> Scrape:
+        rows = [
+            ({"shard": "10.0.0.1:7000", "slots": "0-8191"}, 1.0),
+            ({"shard": "10.0.0.2:7001", "slots": "8192-16383"}, replicas),
+        ]
+        return scrape(0, kvtier_l4_shard_replicas=rows)
+
+    n = T.L4_SHARD_NO_REPLICA.value
+    out.append((T.L4_SHARD_NO_REPLICA.alert, [shards(n - 1)], [shards(n)]))
+    out.append((T.L4_SHARD_NO_REPLICA.alert, [shards(0)], [scrape(0)]))  # one server: no shards
+    moved, mv = "kvtier_moved_sessions_total", T.SESSION_MOVES.value
+    out.append(
+        (
+            T.SESSION_MOVES.alert,
+            [scrape(0, **{moved: one(0)}), scrape(100, **{moved: one(100 * mv + 1)})],
+            [scrape(0, **{moved: one(0)}), scrape(100, **{moved: one(100 * mv)})],
+        )
+    )
     return out
 
 
