@@ -1,11 +1,13 @@
 """A real trace through the tiers on a GPU: `kvtier replay` of a sampled slice against
 `python -m kvtier.server` with a 7B dummy model, in three configurations at two sizes.
 
-Configurations: kvtier (its tiers: the pool, 64 GiB of L2, L3); GPU-only prefix caching (the
-pool alone: the server has no switch that turns L2 and L3 off, so both are cut to 256 MiB, a
-few chunks, which the pool's parked pages and prefix sharing dwarf); no cache (`--cache none`,
-every prompt recomputed). Sizes: `--gpu-memory-utilization` for a 24 GiB GPU, and the whole
-card. nvidia-smi's used memory is sampled during each run; its peak is set against the budget.
+Configurations: kvtier (its tiers: the pool, 64 GiB of L2, L3); GPU-only prefix caching
+(`--cache pool`: the page pool alone, as vLLM's automatic prefix caching keeps K/V; a session
+resumes from its parked pages while the pool holds them and recomputes after; nothing goes to
+L2 or L3); no cache (`--cache none`, every prompt recomputed). Sizes: `--gpu-memory-utilization`
+for a 24 GiB GPU, and the whole card. nvidia-smi's used memory is sampled during each run; its
+peak is set against the budget. Each run's replay result goes to `OUT/SIZE-CONFIG/replay.json`
+with its plot (TTFT and hit ratio over time) beside it, `replay.png`.
 
     python3 bench/trace_gpu.py --trace TRACE [--sample 0.03 --speed 10 --duration 60]
 """
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -28,10 +31,11 @@ sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 from serve_http import start, utilization_for, write_model  # noqa: E402
 
 from kvtier.replay import ReplayConfig, run  # noqa: E402
+from kvtier.replay_report import plot_replay  # noqa: E402
 
 CONFIGS = {
     "kvtier": ["--l2-bytes", "64GiB"],
-    "gpu-only": ["--l2-bytes", "256MiB", "--l3-max-bytes", "256MiB"],
+    "gpu-only": ["--cache", "pool"],
     "no-cache": ["--cache", "none"],
 }
 
@@ -77,6 +81,11 @@ def one(args: argparse.Namespace, model: Path, size: str, name: str, work: Path)
         except subprocess.TimeoutExpired:
             proc.kill()
         smi.stop.set()
+    l3 = work / "l3"  # the pool alone and no cache write none of it; the tiers' goes
+    l3_files = sum(1 for f in l3.rglob("*") if f.is_file()) if l3.exists() else 0
+    shutil.rmtree(l3, ignore_errors=True)
+    (work / "replay.json").write_text(json.dumps(result, indent=1))
+    plot_replay(result, work / "replay.png")
     r = result["replay"]
     return {
         "config": name,
@@ -84,6 +93,7 @@ def one(args: argparse.Namespace, model: Path, size: str, name: str, work: Path)
         "card": torch.cuda.get_device_name(0),
         "budget_gib": args.utilization * total,
         "peak_gib": max(smi.used),
+        "l3_files": l3_files,
         **{k: r[k] for k in ("turns", "hit_ratio", "ttft_ms", "tpot_ms", "e2e_ms")},
         **{k: r[k] for k in ("tokens_per_s", "restore_mix", "failed_turns", "cut_prompts")},
     }
@@ -122,6 +132,15 @@ def targets(rows: list[dict[str, Any]]) -> list[str]:
                 ratio = (g["ttft_ms"]["p50"] or 0) / max(1e-9, k["ttft_ms"]["p50"] or 0)
                 verdict = "PASS" if ratio >= 3 else "FAIL"
                 out.append(f"24GiB: TTFT p50 GPU-only / kvtier = {ratio:.2f} (>= 3): {verdict}")
+    for r in rows:  # the baselines are what they say: nothing below the pool, or nothing at all
+        mix = r["restore_mix"]
+        below = r["l3_files"] + sum(n for src, n in mix.items() if src not in ("l1", "recompute"))
+        if r["config"] == "gpu-only":
+            verdict = "PASS" if below == 0 else "FAIL"
+            out.append(f"{r['size']} gpu-only: no restore or file below the pool: {verdict}")
+        elif r["config"] == "no-cache":
+            ok = r["hit_ratio"]["achieved"] == 0 and set(mix) <= {"recompute"}
+            out.append(f"{r['size']} no-cache: every prompt recomputed: {'PASS' if ok else 'FAIL'}")
     for r in rows:
         ok = r["failed_turns"] == 0 and r["peak_gib"] <= r["budget_gib"]
         out.append(
