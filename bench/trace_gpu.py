@@ -6,7 +6,8 @@ Configurations: kvtier (its tiers: the pool, 64 GiB of L2, L3); GPU-only prefix 
 resumes from its parked pages while the pool holds them and recomputes after; nothing goes to
 L2 or L3); no cache (`--cache none`, every prompt recomputed). Sizes: `--gpu-memory-utilization`
 for a 24 GiB GPU, and the whole card. nvidia-smi's used memory is sampled during each run; its
-peak is set against the budget. Each run's replay result goes to `OUT/SIZE-CONFIG/replay.json`
+peak is set against the budget. `--prefetch-ahead S` has kvtier's row prefetch each returning
+session S seconds before its turn (`kvtier replay --prefetch-ahead`). Each run's replay result goes to `OUT/SIZE-CONFIG/replay.json`
 with its plot (TTFT and hit ratio over time) beside it, `replay.png`.
 
     python3 bench/trace_gpu.py --trace TRACE [--sample 0.03 --speed 10 --duration 60]
@@ -72,6 +73,7 @@ def one(args: argparse.Namespace, model: Path, size: str, name: str, work: Path)
         cfg = ReplayConfig(
             trace=args.trace, url=url, speed=args.speed, sample=args.sample, seed=args.seed,
             duration=args.duration, max_output=args.max_output, timeout=args.turn_timeout,
+            prefetch_ahead=args.prefetch_ahead if name == "kvtier" else 0.0,
         )  # fmt: skip
         result = run(cfg)
     finally:
@@ -96,6 +98,7 @@ def one(args: argparse.Namespace, model: Path, size: str, name: str, work: Path)
         "l3_files": l3_files,
         **{k: r[k] for k in ("turns", "hit_ratio", "ttft_ms", "tpot_ms", "e2e_ms")},
         **{k: r[k] for k in ("tokens_per_s", "restore_mix", "failed_turns", "cut_prompts")},
+        "prefetch": r["prefetch"],
     }
 
 
@@ -159,6 +162,12 @@ def main() -> int:
     p.add_argument("--max-output", type=int, default=256, help="reply tokens at most")
     p.add_argument("--max-model-len", type=int, default=32768)
     p.add_argument("--turn-timeout", type=float, default=120.0)
+    p.add_argument(
+        "--prefetch-ahead",
+        type=float,
+        default=0.0,
+        help="kvtier's row: prefetch a returning session this many seconds before its turn",
+    )
     p.add_argument("--shape", default="qwen2-7b")
     p.add_argument("--device", default="cuda:0")
     p.add_argument("--start-timeout", type=float, default=180.0)
