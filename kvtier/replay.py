@@ -8,6 +8,10 @@ reply starts when that reply ends (the lag is recorded). Every conversation shar
 fresh for each run, so blocks shared across conversations are found by prefix sharing and a
 second run finds nothing of the first.
 
+With `prefetch_ahead` S, a returning turn's session is asked to read its stored K/V into L2
+(`POST /v1/sessions/{id}/prefetch`, an admin route) S seconds before the turn is due, so that its
+L3 reads overlap the wait rather than the turn; the turn itself still goes at its time.
+
 The result is `kvtier loadgen`'s (latency by restore source, server-side TTFT, the tiers'
 counters over the run) with the trace's own figures beside it (kvtier.replay_report).
 """
@@ -31,7 +35,7 @@ from kvtier import trace
 from kvtier.loadgen import Sample
 from kvtier.loadgen_metrics import server_ttft
 from kvtier.loadgen_report import report, tiers_during
-from kvtier.replay_report import replay_summary
+from kvtier.replay_report import prefetch_summary, replay_summary
 
 SOURCE_HEADER = "x-kvtier-restore-source"
 
@@ -51,6 +55,7 @@ class ReplayConfig:
     tenant: str | None = None  # None: replay-<run_id>
     api_key: str | None = None
     timeout: float = 600.0
+    prefetch_ahead: float = 0.0  # seconds before a returning turn to prefetch its session; 0: off
     run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:8])
 
 
@@ -64,6 +69,7 @@ class TurnSample(Sample):
     sent_tokens: int = 0  # the prompt as sent
     ideal_cached: int = 0
     cut: int = 0  # prompt tokens --max-input left out
+    prefetch: str | None = None  # "ok", or why the prefetch before it failed; None: none sent
 
 
 class ServerInfo:
@@ -128,9 +134,12 @@ class Replay:
         done: asyncio.Event,
         tick: Callable[[], None],
     ) -> None:
+        prefetch = None
         try:
             if after is not None:
                 await after.wait()  # the conversation's previous reply
+                if self.config.prefetch_ahead > 0:
+                    prefetch = asyncio.create_task(self.prefetch(client, t))
             await asyncio.sleep(max(0.0, self.t0 + t.at - time.perf_counter()))
             r = t.request
             blocks = r.blocks[: -(-t.input_tokens // trace.BLOCK_TOKENS)]
@@ -141,9 +150,27 @@ class Replay:
             )  # fmt: skip
             self.samples.append(s)
             await self.send(client, ids, t.output_tokens, s, self.headers(r.session))
+            if prefetch is not None:
+                s.prefetch = await prefetch
         finally:
             done.set()
             tick()
+
+    async def prefetch(self, client: httpx.AsyncClient, t: trace.Turn) -> str | None:
+        """`prefetch_ahead` seconds before the returning turn `t` is due, ask the server to read
+        its session's stored K/V into L2. "ok", or why not; None when the turn was due before
+        its previous reply ended (nothing is ahead of it then)."""
+        lead = self.t0 + t.at - time.perf_counter()
+        if lead <= 0:
+            return None
+        await asyncio.sleep(max(0.0, lead - self.config.prefetch_ahead))
+        sid = self.headers(t.request.session)["X-Session-ID"]
+        params = {} if self.config.api_key else {"tenant": self.tenant}
+        try:
+            rsp = await client.post(f"/v1/sessions/{sid}/prefetch", params=params)
+        except httpx.HTTPError as exc:
+            return type(exc).__name__
+        return "ok" if rsp.status_code == 200 else f"http {rsp.status_code}"
 
     async def send(
         self,
@@ -258,6 +285,7 @@ class Replay:
         self.samples.sort(key=lambda s: s.line)
         result = report(cfg, self.samples, wall, None, server, tiers, self.metrics_error)
         result["replay"] = replay_summary(turns, self.samples, wall, info.max_model_len, sl)
+        result["replay"]["prefetch"] = prefetch_summary(self.samples, cfg.prefetch_ahead)
         return result
 
 

@@ -76,6 +76,22 @@ def replay_summary(
     }
 
 
+def prefetch_summary(samples: Sequence[Any], ahead: float) -> dict[str, Any]:
+    """The prefetches sent ahead of returning turns (`--prefetch-ahead`): how many, how they
+    were answered, and where the turns after the answered ones restored from."""
+    sent = [s for s in samples if s.prefetch is not None]
+    done = [s for s in sent if s.prefetch == "ok"]
+    return {
+        "ahead_s": ahead,
+        "sent": len(sent),
+        "ok": len(done),
+        "failed": dict(Counter(s.prefetch for s in sent if s.prefetch != "ok")),
+        "restore_mix": dict(
+            sorted(Counter(s.source for s in done).items(), key=lambda kv: _source_key(kv[0]))
+        ),
+    }
+
+
 def format_replay(result: dict[str, Any]) -> str:
     """loadgen's summary, then the trace's figures."""
     r = result["replay"]
@@ -104,6 +120,15 @@ def format_replay(result: dict[str, Any]) -> str:
         f"  start behind the trace: p50 {ms(r['late_start_ms']['p50'])}, "
         f"p99 {ms(r['late_start_ms']['p99'])}",
     ]
+    pf = r.get("prefetch") or {}
+    if pf.get("sent"):
+        after = ", ".join(f"{src} {n}" for src, n in pf["restore_mix"].items()) or "none"
+        failed = ", ".join(f"{n} {why}" for why, n in pf["failed"].items())
+        lines.append(
+            f"  prefetched {pf['ahead_s']:g} s ahead: {pf['ok']} of {pf['sent']}"
+            + (f" ({failed} failed)" if failed else "")
+            + f"; those turns restored from: {after}"
+        )
     return "\n".join(lines)
 
 

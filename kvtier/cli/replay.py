@@ -65,6 +65,18 @@ import click
     "key names the tenant: a second run with the same --seed then finds the first one's blocks.",
 )
 @click.option(
+    "--prefetch-ahead",
+    type=float,
+    default=0.0,
+    show_default=True,
+    metavar="SECONDS",
+    help="Ask the server to read a returning turn's session into L2 (POST "
+    "/v1/sessions/{id}/prefetch) this many seconds before the turn is due, so that its L3 reads "
+    "overlap the wait; 0: off. The route is an admin's: a server without --api-keys answers it "
+    "on loopback, else --api-key must be an admin key. The report counts the prefetches and "
+    "where the turns after them restored from.",
+)
+@click.option(
     "--timeout", type=float, default=600.0, show_default=True, help="Seconds a turn may take."
 )
 @click.option(
@@ -101,6 +113,8 @@ def command(trace_file: str, out: Path, png: Path, **opts: object) -> None:
             raise click.BadParameter("must be at least 1", param_hint=f"--{name.replace('_', '-')}")
     if not 0 < float(str(opts["sample"])) <= 1:
         raise click.BadParameter("must be a fraction in (0, 1]", param_hint="--sample")
+    if float(str(opts["prefetch_ahead"])) < 0:
+        raise click.BadParameter("must not be negative (0: off)", param_hint="--prefetch-ahead")
     if not float(str(opts["speed"])) > 0:
         raise click.BadParameter("must be positive", param_hint="--speed")
     config = ReplayConfig(trace=trace_file, **opts)  # type: ignore[arg-type]

@@ -2,13 +2,15 @@
 
 `TieredBackend` is the real thing (kvtier.TieredCache). `RecomputeBackend` keeps nothing and
 recomputes every prompt: the baseline that restores are measured against, and the reference a
-test compares greedy output with. Calls for one session never overlap (the server serialises
+test compares greedy output with. `PoolBackend` keeps K/V in the batch's page pool alone (GPU-only
+prefix caching, as vLLM's automatic prefix caching does): the second baseline. Calls for one session never overlap (the server serialises
 them); calls for different sessions may run on different threads.
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -144,6 +146,96 @@ class RecomputeBackend:
 
     def close(self) -> None:
         return None
+
+
+class PoolBackend(RecomputeBackend):
+    """GPU-only prefix caching (`cache = "pool"`): K/V lives in the batch's page pool and
+    nowhere else, as a vLLM with automatic prefix caching keeps it. A finished turn's pages park
+    in the pool (paged L1 with no tier below it) and nothing is stored: no L2, no L3, no file. The
+    session's next turn starts from its parked pages while they are there (source "l1", their
+    tokens in the usage's `cached_tokens`); once the pool gave them to other turns it recomputes.
+
+    The batch calls `commit_pages` when a turn's pages park and `pages_dropped` when they go;
+    between the two the session is "known", which is what the admin routes act on (hibernate
+    and forget free the pages)."""
+
+    def __init__(self, model: Any) -> None:
+        super().__init__(model)
+        self._lock = threading.Lock()
+        self._parked: set[tuple[str, str]] = set()  # (tenant, session id) with pages in the pool
+        self._forgot: list[Callable[[str, str], object]] = []  # the engine's: free the pages
+
+    def resume_pages(
+        self, session_id: str, tenant: str, ids: Sequence[int], held: int
+    ) -> Restored | None:
+        """The parked pages hold the K/V of `ids`' first `held` tokens: the turn takes all of
+        them but the prompt's last token (its logits start the reply)."""
+        n = min(held, len(ids) - 1)
+        return Restored(None, n, RestoreSource.L1.value) if n > 0 else None
+
+    def restore_staged(self, session_id: str, tenant: str, ids: Sequence[int]) -> Restored:
+        return Restored(None, 0, RestoreSource.RECOMPUTE.value)  # nothing below the pool
+
+    def load_staged(
+        self,
+        session_id: str,
+        tenant: str,
+        staged: Any,
+        write: Callable[[int, torch.Tensor], None],
+    ) -> Any:
+        raise RuntimeError("the pool-only cache stages nothing: restore_staged restores nothing")
+
+    def release_staged(self, session_id: str, tenant: str, staged: Any) -> None:
+        return None
+
+    def commit_pages(
+        self,
+        session_id: str,
+        tenant: str,
+        ids: Sequence[int],
+        start: int,
+        chunks: Sequence[ChunkSource],
+    ) -> None:
+        """Nothing is gathered nor stored: the pages themselves stay, parked."""
+        with self._lock:
+            self._parked.add((tenant, session_id))
+
+    def pages_dropped(self, session_id: str, tenant: str) -> None:
+        with self._lock:
+            self._parked.discard((tenant, session_id))
+
+    def _known(self, session_id: str, tenant: str | None, drop: bool) -> bool:
+        with self._lock:
+            found = {k for k in self._parked if k[1] == session_id and tenant in (None, k[0])}
+            if drop:
+                self._parked -= found
+        return bool(found)
+
+    def hibernate(self, session_id: str, tenant: str | None = None) -> bool:
+        return self._known(session_id, tenant, drop=True)  # the engine frees its pages
+
+    def prefetch(self, session_id: str, tenant: str | None = None) -> bool:
+        return self._known(session_id, tenant, drop=False)  # in the pool already, or nowhere
+
+    def forget(self, session_id: str, tenant: str | None = None) -> bool:
+        return self._known(session_id, tenant, drop=True)
+
+    def tenants_of(self, session_id: str) -> list[str]:
+        with self._lock:
+            return sorted(t for t, sid in self._parked if sid == session_id)
+
+    def on_forget(self, fn: Callable[[str, str], object]) -> None:
+        self._forgot.append(fn)
+
+    def shred_tenant(self, tenant: str) -> dict[str, Any]:
+        """The tenant's parked pages are freed (nothing of it is stored anywhere else)."""
+        with self._lock:
+            gone = {k for k in self._parked if k[0] == tenant}
+            self._parked -= gone
+        for _, session_id in gone:
+            for fn in self._forgot:
+                fn(session_id, tenant)
+        return {"sessions": len(gone), "keys": 0, "chunks": 0, "encrypted": False}
 
 
 class TieredBackend:
@@ -320,4 +412,6 @@ def make_backend(served: Any, config: Any) -> Backend:
     """The cache the config asks for; `served.name` identifies the model in chunk fingerprints."""
     if config.cache == "none":
         return RecomputeBackend(served.model)
+    if config.cache == "pool":
+        return PoolBackend(served.model)
     return TieredBackend(served.model, config, served.name)

@@ -43,6 +43,8 @@ PROMPT_ORDERS = ("arrival", "shortest")
 DEFAULT_MAX_CONCURRENCY = {"cuda": 64, "cpu": 8}
 # The cache's L1 with its copy staging where no GPU memory plan sizes it
 DEFAULT_L1_BYTES = 256 * 2**20
+# `cache`: the tiers (the default), the page pool alone (GPU-only prefix caching), nothing
+CACHES = ("tiered", "pool", "none")
 # `load_format`: vLLM's names (docs/configuration.md)
 LOAD_FORMATS = ("auto", "dummy")
 
@@ -85,7 +87,9 @@ class ServerConfig:
     # as int8 with a scale per token and head: about twice the tokens in the same bytes)
     degraded_kv: str = "native"
     seed: int = 0  # seed of the built-in model's random weights
-    cache: str = "tiered"  # "tiered" (L1/L2/L3) or "none" (recompute every prefix; a baseline)
+    # "tiered" (L1/L2/L3), "pool" (the batch's page pool alone, as vLLM's automatic prefix
+    # caching: nothing stored; a baseline) or "none" (recompute every prefix; a baseline)
+    cache: str = "tiered"
     # the cache's GPU buffers (L1) with the copy staging; 0: the GPU memory plan sizes it
     # (DEFAULT_L1_BYTES on the CPU and for a model placed across devices)
     l1_bytes: int = 0
@@ -217,8 +221,16 @@ class ServerConfig:
                 f"load_format: {self.load_format!r} is unknown; use 'auto' (the weights in "
                 "--model) or 'dummy' (random weights from its config.json alone)"
             )
-        if self.cache not in ("tiered", "none"):
-            raise ConfigError(f"cache: {self.cache!r} is unknown; use 'tiered' or 'none'")
+        if self.cache not in CACHES:
+            raise ConfigError(f"cache: {self.cache!r} is unknown; use 'tiered', 'pool' or 'none'")
+        if self.cache == "pool" and not (
+            self.batching and self.paged_l1 and self.codec == "native" and not self.devices
+        ):
+            raise ConfigError(
+                "cache: 'pool' keeps K/V in the batch's page pool, so it needs batching and "
+                "paged_l1 on, the native codec and one device (no --devices); drop the flag "
+                "that turns one off, or use --cache none for a baseline without any cache"
+            )
         if self.max_concurrency < 0 or self.l1_bytes < 0 or self.max_model_len < 0:
             raise ConfigError(
                 "max_concurrency, l1_bytes and max_model_len must not be negative (0: automatic)"

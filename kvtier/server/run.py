@@ -14,7 +14,7 @@ from typing import Any
 
 import click
 
-from kvtier.server.config import PROMPT_ORDERS, ServerConfig
+from kvtier.server.config import CACHES, PROMPT_ORDERS, ServerConfig
 from kvtier.types import CODECS, WRITE_POLICIES
 from kvtier.units import size_option
 
@@ -84,8 +84,12 @@ def options(f: Callable[..., Any]) -> Callable[..., Any]:
         ),
         click.option(
             "--cache",
-            type=click.Choice(["tiered", "none"]),
-            help="tiered (default): L1/L2/L3 (and L4); none recomputes every prompt (a baseline).",
+            type=click.Choice(list(CACHES)),
+            help="tiered (default): L1/L2/L3 (and L4). pool: GPU-only prefix caching, as vLLM's "
+            "automatic prefix caching: K/V stays in the batch's page pool alone (a finished "
+            "turn's pages park there for its session's next turn) and nothing is stored in "
+            "L2 or L3; a session whose pages were taken for others recomputes (a baseline; "
+            "needs batching and paged L1). none: every prompt recomputed (a baseline).",
         ),
         click.option(
             "--gpu-memory-utilization",
