@@ -41,7 +41,7 @@ import threading
 from array import array
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvtier.errors import KvtierError
 from kvtier.paged import BatchRunner, PagePool
@@ -65,10 +65,11 @@ from kvtier.server.stepping import StepOutput, StepRunner
 from kvtier.server.turn import Turn
 from kvtier.tiers.l3 import io as l3_io
 
+if TYPE_CHECKING:  # pragma: no cover
+    from kvtier.server.config import ServerConfig
+
 log = logging.getLogger("kvtier.server")
 
-DEFAULT_BATCH_TOKENS = 1024
-DEFAULT_DECODING_PROMPT_TOKENS = 192
 # The pool's page gauges (/metrics) are refreshed every this many iterations: a parked page
 # set can hold thousands of pages, and a scrape every few seconds needs no fresher figure.
 POOL_GAUGE_EVERY = 64
@@ -96,7 +97,7 @@ class BatchScheduler:
         self,
         served: ServedModel,
         backend: Backend,
-        config: Any,
+        config: ServerConfig,
         metrics: Any = None,
         on_error: Callable[[BaseException], Any] | None = None,
     ) -> None:
@@ -105,27 +106,23 @@ class BatchScheduler:
         self.config = config
         self.metrics = metrics
         model = served.model
-        if bool(getattr(config, "fused_kernels", True)) and served.device.type == "cuda":
-            fuse(model, bool(getattr(config, "fused_attention", True)))
+        if config.fused_kernels and served.device.type == "cuda":
+            fuse(model, config.fused_attention)
         geometry, dtype, per_token = model_kv(model)
         self.max_batch = int(config.max_concurrency)
-        self.batch_tokens = max(
-            int(getattr(config, "batch_tokens", DEFAULT_BATCH_TOKENS)), self.max_batch
-        )
+        self.batch_tokens = max(int(config.batch_tokens), self.max_batch)
         self.prefill_step = int(config.prefill_step)
         # prompt tokens of a step that also decodes (0: no lower budget than batch_tokens)
-        self.decoding_prompt_tokens = int(
-            getattr(config, "decoding_prompt_tokens", DEFAULT_DECODING_PROMPT_TOKENS)
-        )
+        self.decoding_prompt_tokens = int(config.decoding_prompt_tokens)
         # prompts one decoding step's budget takes whole go first: oldest first, or the
         # shortest first with `prompt_order` "shortest" (kvtier.server.promptorder)
         self.prompts = PromptOrder(
             self.decoding_prompt_tokens or self.batch_tokens,
             self.prefill_step,
-            str(getattr(config, "prompt_order", "arrival")) == "shortest",
+            config.prompt_order == "shortest",
         )
         # turns admitted in one step (0: no limit but the budget, slots and pages)
-        self.admissions_per_step = int(getattr(config, "admissions_per_step", 0))
+        self.admissions_per_step = int(config.admissions_per_step)
         self.pool: PagePool = make_pool(  # sharded by layer on a model placed across devices
             served,
             geometry,
@@ -150,24 +147,24 @@ class BatchScheduler:
         self.running: list[Turn] = []
         # Prefix pages shared between a tenant's running sequences; not with a lossy codec (a
         # session restored from L1 would read another's approximate prefix, not its own).
-        self.share_prefixes = str(getattr(config, "codec", "native")) == "native"
+        self.share_prefixes = config.codec == "native"
         # Parked pages (`park_pages`): a finished turn's pages stay as its session's, the least
         # recently parked going first; its next turn starts from them (architecture.md)
-        self.park_pages = bool(getattr(config, "park_pages", False)) and self._keep_kv
+        self.park_pages = bool(config.park_pages) and self._keep_kv
         # Paged L1 (`paged_l1`): the pool is the sessions' L1. A finished turn stores its new
         # chunks in L2 straight from its pages and parks them; the cache keeps no L1 copy.
         # The next turn starts from the parked pages, or restores from L2/L3 when they went.
         self._paged: PagedBackend | None = None  # the backend, when the pool is its L1
         if (
-            bool(getattr(config, "paged_l1", True))
+            config.paged_l1
             and isinstance(backend, PagedBackend)
-            and str(getattr(config, "codec", "native")) == "native"
+            and config.codec == "native"
             and type(self.pool) is PagePool  # one device: not a pool sharded across devices
         ):
             self._paged = backend
         self.paged_l1 = self._paged is not None
         self.park_pages = self.park_pages or self.paged_l1
-        self.chunk_tokens = int(getattr(config, "chunk_tokens", 256))
+        self.chunk_tokens = int(config.chunk_tokens)
         # finished turns commit (or abort) on `helpers` threads of their own; `on_error` hears
         # of every error that fails a request (the engine's: a lost device stops the server)
         self.commits = TurnCommits(
@@ -195,7 +192,7 @@ class BatchScheduler:
             self.tables,
             self._cond,
             helpers,
-            float(getattr(config, "queue_timeout", 30.0)),
+            float(config.queue_timeout),
             arrive=self._arrive,
             fail=self._restore_failed,
             closed=lambda: self._closed,
@@ -224,7 +221,7 @@ class BatchScheduler:
             served,
             backend,
             max_batch=self.max_batch,
-            overlap_steps=bool(getattr(config, "overlap_steps", True)),
+            overlap_steps=bool(config.overlap_steps),
             metrics=metrics,
         )
         # the policy: what runs each step, what is admitted, what is preempted
@@ -246,7 +243,7 @@ class BatchScheduler:
             decoding_prompt_tokens=self.decoding_prompt_tokens,
             admissions_per_step=self.admissions_per_step,
         )
-        isolate = bool(getattr(config, "isolate_cpus", False)) and served.device.type == "cuda"
+        isolate = bool(config.isolate_cpus) and served.device.type == "cuda"
         self._switch_interval = tune_interpreter(config, served.device)  # given back at close
         if served.devices is not None:
             served.devices.attach(self)  # device failover runs on this scheduler's thread
@@ -451,7 +448,7 @@ class BatchScheduler:
         """Whether the step is to replay CUDA graphs: `cuda_graphs` asks and the pool is on one
         CUDA device (a graph cannot span the devices of a model placed across several)."""
         return (
-            bool(getattr(self.config, "cuda_graphs", False))
+            bool(self.config.cuda_graphs)
             and self.pool.device.type == "cuda"
             and self.served.devices is None
         )
