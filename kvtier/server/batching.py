@@ -55,7 +55,7 @@ from kvtier.server.loading import StagedLoader
 from kvtier.server.logitproc import decoding_of
 from kvtier.server.memplan import decode_graphs, model_kv, page_size, pool_bytes
 from kvtier.server.model import ServedModel
-from kvtier.server.parking import PageTables
+from kvtier.server.parking import Key, PageTables
 from kvtier.server.promptorder import PromptOrder
 from kvtier.server.restoring import RestoreWorkers, helper_threads
 from kvtier.server.sampling import ReplyText, make_generator
@@ -212,7 +212,7 @@ class BatchScheduler:
             paged_l1=self.paged_l1,
             chunk_tokens=self.chunk_tokens,
         )
-        self._dropping: list[tuple[str, str]] = []  # parked tables to free (`drop_parked`)
+        self._dropping: list[Key] = []  # parked tables to free (`drop_parked`)
         self._iterations = 0  # scheduler iterations, for the pool's gauges
         self._events = EventPost()  # this iteration's events, handed over together
         # the model runner; overlapped steps (kvtier.server.lookahead) unless turned off
@@ -279,7 +279,7 @@ class BatchScheduler:
         """Free the session's parked pages (if any, and not claimed by a turn on its way in)
         on the scheduler's thread, at its next iteration."""
         with self._cond:
-            self._dropping.append((tenant, session_id))
+            self._dropping.append(Key(tenant, session_id))
             self._cond.notify_all()
 
     def close(self) -> None:
@@ -317,11 +317,11 @@ class BatchScheduler:
         if commit_failure is not None:
             commit_failure(reason)
 
-    def _pages_dropped(self, key: tuple[str, str]) -> None:
+    def _pages_dropped(self, key: Key) -> None:
         try:
-            self._pages().pages_dropped(key[1], key[0])
+            self._pages().pages_dropped(key.session_id, key.tenant)
         except Exception:
-            log.exception("marking session %s hibernated failed", key[1][:64])
+            log.exception("marking session %s hibernated failed", key.session_id[:64])
 
     # ---- the scheduler thread -----------------------------------------------------------------
 

@@ -22,7 +22,7 @@ from kvtier.cache.restore import StagedPrefix
 from kvtier.paged import PagedSequence, PagePool
 from kvtier.server.loading import StagedLoader
 from kvtier.server.pagecopy import append_kv, copy_in, copy_out
-from kvtier.server.parking import PageTables, Parked
+from kvtier.server.parking import PageTables, Parked, key_of
 from kvtier.server.turn import Turn
 
 
@@ -64,7 +64,7 @@ class TurnPages:
         shares; `own` (from `PageTables.own_pages`) its session's parked pages, which hold that
         K/V already."""
         s.trace.admitting(self.pool().device, s.stream.clock)
-        stale = self.tables.current().pop((s.job.tenant, s.job.session_id), None)
+        stale = self.tables.current().pop(key_of(s), None)
         if own is not None:
             assert stale is own
             seq, stale = own.table, None

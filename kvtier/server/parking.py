@@ -18,7 +18,7 @@ import threading
 from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from kvtier.paged import PagedSequence, PagePool
 from kvtier.server.pageshare import PrefixPages, page_keys
@@ -27,7 +27,12 @@ from kvtier.types import RestoreSource
 if TYPE_CHECKING:  # pragma: no cover
     from kvtier.server.turn import Turn
 
-Key = tuple[str, str]  # (tenant, session id)
+
+class Key(NamedTuple):
+    """A session's key in the page tables."""
+
+    tenant: str
+    session_id: str
 
 
 @dataclasses.dataclass(eq=False)
@@ -40,7 +45,7 @@ class Parked:
 
 
 def key_of(s: Turn) -> Key:
-    return (s.job.tenant, s.job.session_id)
+    return Key(s.job.tenant, s.job.session_id)
 
 
 class PageTables:

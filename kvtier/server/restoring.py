@@ -18,7 +18,7 @@ from kvtier.cache.restore import StagedPrefix, common_prefix
 from kvtier.errors import L1BudgetExceeded
 from kvtier.server.backend import Backend, PagedBackend, Restored
 from kvtier.server.jobs import Job, Started
-from kvtier.server.parking import PageTables, key_of
+from kvtier.server.parking import Key, PageTables, key_of
 from kvtier.server.turntrace import TurnTrace
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -63,7 +63,7 @@ class RestoreWorkers:
         arrive: Callable[[Turn], None],
         fail: Callable[[Turn, BaseException], None],
         closed: Callable[[], bool],
-        dropping: Callable[[tuple[str, str]], bool],
+        dropping: Callable[[Key], bool],
     ) -> None:
         self.backend = backend
         self.paged = paged
