@@ -209,15 +209,18 @@ def run_scenario(args, model, dev: str, scen: str, n: int, fleet_ceiling, fit_st
     weights = serve.weight_bytes(model)
     l2_bytes = max(int(l1_bytes * args.l2_factor), per_token * 256)
     sched_config = SimpleNamespace(
-        max_concurrency=batch,
-        batch_tokens=args.batch_tokens,
-        decoding_prompt_tokens=args.decoding_prompt_tokens,
-        prefill_step=args.prefill_step,
-        batch_kv_bytes=l1_bytes,  # the pool of a configuration without paged L1
-        isolate_cpus=False,
-        stacks=args.stacks,
-        gc_garbage=args.gc_garbage,
-        helper_threads=args.helper_threads,
+        **ServerConfig(cuda_graphs=False).as_dict()  # the server's settings, but for these
+        | dict(
+            max_concurrency=batch,
+            batch_tokens=args.batch_tokens,
+            decoding_prompt_tokens=args.decoding_prompt_tokens,
+            prefill_step=args.prefill_step,
+            batch_kv_bytes=l1_bytes,  # the pool of a configuration without paged L1
+            isolate_cpus=False,
+            stacks=args.stacks,
+            gc_garbage=args.gc_garbage,
+            helper_threads=args.helper_threads,
+        )
     )
     system = min(args.system, args.context // 2)
     ctxs = contexts(n, args.context, system, args.seed)

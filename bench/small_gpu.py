@@ -352,19 +352,22 @@ def run_kvtier(model, ctxs, bank, n: int, think, args, device: str, tmp: Path, c
     warmup = args.warmup + sum(think) / 2  # the first arrivals (spread over a think) settle
     limit = args.time_limit + (warmup - args.warmup)
     cfg = SimpleNamespace(
-        max_concurrency=slots,
-        batch_tokens=args.batch_tokens,
-        decoding_prompt_tokens=ServerConfig.decoding_prompt_tokens,
-        prefill_step=args.prefill_step,
-        batch_kv_bytes=plan.pool,
-        isolate_cpus=False,
-        stacks=False,
-        gc_garbage=False,
-        helper_threads=0,
-        cuda_graphs=True,
-        overlap_steps=True,
-        paged_l1=True,
-        chunk_tokens=args.chunk_tokens,
+        **ServerConfig().as_dict()  # the server's settings, but for these
+        | dict(
+            max_concurrency=slots,
+            batch_tokens=args.batch_tokens,
+            decoding_prompt_tokens=ServerConfig.decoding_prompt_tokens,
+            prefill_step=args.prefill_step,
+            batch_kv_bytes=plan.pool,
+            isolate_cpus=False,
+            stacks=False,
+            gc_garbage=False,
+            helper_threads=0,
+            cuda_graphs=True,
+            overlap_steps=True,
+            paged_l1=True,
+            chunk_tokens=args.chunk_tokens,
+        )
     )
     fc.fresh(device)
     model.set_attn_implementation("sdpa")

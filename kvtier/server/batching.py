@@ -23,8 +23,10 @@ hands back a transformers Cache over the first `covered` prompt tokens) and only
 5. runs the batch as one flattened forward (`kvtier.paged.BatchRunner`) and samples one token
    for every sequence whose tokens are all fed. When they are all greedy, the tokens stay on
    the device for the next step, which is launched before the host reads them
-   (`kvtier.server.lookahead`: the GPU does not wait on this thread). The step itself, its
-   sampling and the tokens' way to the requests are in `kvtier.server.stepping`.
+   (`kvtier.server.lookahead`: the GPU does not wait on this thread). The step itself and its
+   sampling are in `kvtier.server.stepping`, which returns what it gave each turn;
+6. ends the turns the step ended (`_ended`): their text streamed, their pages parked or freed,
+   their commits started.
 
 A finished turn's new K/V is stored off this thread (`kvtier.server.committing`); its pages
 stay parked as the session's L1 (`kvtier.server.parking`). Restores never stall the batch.
@@ -38,8 +40,8 @@ import sys
 import threading
 from array import array
 from collections import deque
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from kvtier.errors import KvtierError
 from kvtier.paged import BatchRunner, PagePool
@@ -53,19 +55,21 @@ from kvtier.server.loading import StagedLoader
 from kvtier.server.logitproc import decoding_of
 from kvtier.server.memplan import decode_graphs, model_kv, page_size, pool_bytes
 from kvtier.server.model import ServedModel
-from kvtier.server.parking import PageTables
+from kvtier.server.parking import Key, PageTables
 from kvtier.server.promptorder import PromptOrder
 from kvtier.server.restoring import RestoreWorkers, helper_threads
 from kvtier.server.sampling import ReplyText, make_generator
 from kvtier.server.schedthread import tune_interpreter
 from kvtier.server.scheduler import TurnScheduler
-from kvtier.server.stepping import StepRunner, _Seq
+from kvtier.server.stepping import StepOutput, StepRunner
+from kvtier.server.turn import Turn
 from kvtier.tiers.l3 import io as l3_io
+
+if TYPE_CHECKING:  # pragma: no cover
+    from kvtier.server.config import ServerConfig
 
 log = logging.getLogger("kvtier.server")
 
-DEFAULT_BATCH_TOKENS = 1024
-DEFAULT_DECODING_PROMPT_TOKENS = 192
 # The pool's page gauges (/metrics) are refreshed every this many iterations: a parked page
 # set can hold thousands of pages, and a scrape every few seconds needs no fresher figure.
 POOL_GAUGE_EVERY = 64
@@ -93,7 +97,7 @@ class BatchScheduler:
         self,
         served: ServedModel,
         backend: Backend,
-        config: Any,
+        config: ServerConfig,
         metrics: Any = None,
         on_error: Callable[[BaseException], Any] | None = None,
     ) -> None:
@@ -102,27 +106,23 @@ class BatchScheduler:
         self.config = config
         self.metrics = metrics
         model = served.model
-        if bool(getattr(config, "fused_kernels", True)) and served.device.type == "cuda":
-            fuse(model, bool(getattr(config, "fused_attention", True)))
+        if config.fused_kernels and served.device.type == "cuda":
+            fuse(model, config.fused_attention)
         geometry, dtype, per_token = model_kv(model)
         self.max_batch = int(config.max_concurrency)
-        self.batch_tokens = max(
-            int(getattr(config, "batch_tokens", DEFAULT_BATCH_TOKENS)), self.max_batch
-        )
+        self.batch_tokens = max(int(config.batch_tokens), self.max_batch)
         self.prefill_step = int(config.prefill_step)
         # prompt tokens of a step that also decodes (0: no lower budget than batch_tokens)
-        self.decoding_prompt_tokens = int(
-            getattr(config, "decoding_prompt_tokens", DEFAULT_DECODING_PROMPT_TOKENS)
-        )
+        self.decoding_prompt_tokens = int(config.decoding_prompt_tokens)
         # prompts one decoding step's budget takes whole go first: oldest first, or the
         # shortest first with `prompt_order` "shortest" (kvtier.server.promptorder)
         self.prompts = PromptOrder(
             self.decoding_prompt_tokens or self.batch_tokens,
             self.prefill_step,
-            str(getattr(config, "prompt_order", "arrival")) == "shortest",
+            config.prompt_order == "shortest",
         )
         # turns admitted in one step (0: no limit but the budget, slots and pages)
-        self.admissions_per_step = int(getattr(config, "admissions_per_step", 0))
+        self.admissions_per_step = int(config.admissions_per_step)
         self.pool: PagePool = make_pool(  # sharded by layer on a model placed across devices
             served,
             geometry,
@@ -140,31 +140,31 @@ class BatchScheduler:
         self._keep_kv = not isinstance(backend, RecomputeBackend)
         helpers = helper_threads(config, served.device)
         self._cond = threading.Condition()
-        self._arrived: list[_Seq] = []
+        self._arrived: list[Turn] = []
         self._restoring = 0  # submitted jobs whose restore has not finished
         self._closed = False
-        self.waiting: deque[_Seq] = deque()
-        self.running: list[_Seq] = []
+        self.waiting: deque[Turn] = deque()
+        self.running: list[Turn] = []
         # Prefix pages shared between a tenant's running sequences; not with a lossy codec (a
         # session restored from L1 would read another's approximate prefix, not its own).
-        self.share_prefixes = str(getattr(config, "codec", "native")) == "native"
+        self.share_prefixes = config.codec == "native"
         # Parked pages (`park_pages`): a finished turn's pages stay as its session's, the least
         # recently parked going first; its next turn starts from them (architecture.md)
-        self.park_pages = bool(getattr(config, "park_pages", False)) and self._keep_kv
+        self.park_pages = bool(config.park_pages) and self._keep_kv
         # Paged L1 (`paged_l1`): the pool is the sessions' L1. A finished turn stores its new
         # chunks in L2 straight from its pages and parks them; the cache keeps no L1 copy.
         # The next turn starts from the parked pages, or restores from L2/L3 when they went.
         self._paged: PagedBackend | None = None  # the backend, when the pool is its L1
         if (
-            bool(getattr(config, "paged_l1", True))
+            config.paged_l1
             and isinstance(backend, PagedBackend)
-            and str(getattr(config, "codec", "native")) == "native"
+            and config.codec == "native"
             and type(self.pool) is PagePool  # one device: not a pool sharded across devices
         ):
             self._paged = backend
         self.paged_l1 = self._paged is not None
         self.park_pages = self.park_pages or self.paged_l1
-        self.chunk_tokens = int(getattr(config, "chunk_tokens", 256))
+        self.chunk_tokens = int(config.chunk_tokens)
         # finished turns commit (or abort) on `helpers` threads of their own; `on_error` hears
         # of every error that fails a request (the engine's: a lost device stops the server)
         self.commits = TurnCommits(
@@ -192,7 +192,7 @@ class BatchScheduler:
             self.tables,
             self._cond,
             helpers,
-            float(getattr(config, "queue_timeout", 30.0)),
+            float(config.queue_timeout),
             arrive=self._arrive,
             fail=self._restore_failed,
             closed=lambda: self._closed,
@@ -212,7 +212,7 @@ class BatchScheduler:
             paged_l1=self.paged_l1,
             chunk_tokens=self.chunk_tokens,
         )
-        self._dropping: list[tuple[str, str]] = []  # parked tables to free (`drop_parked`)
+        self._dropping: list[Key] = []  # parked tables to free (`drop_parked`)
         self._iterations = 0  # scheduler iterations, for the pool's gauges
         self._events = EventPost()  # this iteration's events, handed over together
         # the model runner; overlapped steps (kvtier.server.lookahead) unless turned off
@@ -220,9 +220,8 @@ class BatchScheduler:
             runner,
             served,
             backend,
-            self,
             max_batch=self.max_batch,
-            overlap_steps=bool(getattr(config, "overlap_steps", True)),
+            overlap_steps=bool(config.overlap_steps),
             metrics=metrics,
         )
         # the policy: what runs each step, what is admitted, what is preempted
@@ -234,6 +233,7 @@ class BatchScheduler:
             tables=self.tables,
             loader=self.loader,
             steps=self.steps,
+            drain=self._drain,
             prompts=self.prompts,
             fail=self.fail,
             out_of_room=self._out_of_room,
@@ -243,7 +243,7 @@ class BatchScheduler:
             decoding_prompt_tokens=self.decoding_prompt_tokens,
             admissions_per_step=self.admissions_per_step,
         )
-        isolate = bool(getattr(config, "isolate_cpus", False)) and served.device.type == "cuda"
+        isolate = bool(config.isolate_cpus) and served.device.type == "cuda"
         self._switch_interval = tune_interpreter(config, served.device)  # given back at close
         if served.devices is not None:
             served.devices.attach(self)  # device failover runs on this scheduler's thread
@@ -258,7 +258,7 @@ class BatchScheduler:
         """Queue a job; its events go to `stream`; the future resolves after Finished/Failed."""
         done: concurrent.futures.Future[None] = concurrent.futures.Future()
         tok = self.served.tokenizer
-        s = _Seq(
+        s = Turn(
             job=job,
             stream=stream,
             admitted=admitted,
@@ -279,7 +279,7 @@ class BatchScheduler:
         """Free the session's parked pages (if any, and not claimed by a turn on its way in)
         on the scheduler's thread, at its next iteration."""
         with self._cond:
-            self._dropping.append((tenant, session_id))
+            self._dropping.append(Key(tenant, session_id))
             self._cond.notify_all()
 
     def close(self) -> None:
@@ -294,14 +294,14 @@ class BatchScheduler:
         self.pages.release_held()  # the scheduler's thread is gone: the commits' pages go here
         sys.setswitchinterval(self._switch_interval)
 
-    def _arrive(self, s: _Seq) -> None:
+    def _arrive(self, s: Turn) -> None:
         """A restored turn waits for the scheduler thread."""
         with self._cond:
             self._restoring -= 1
             self._arrived.append(s)
             self._cond.notify_all()
 
-    def _restore_failed(self, s: _Seq, exc: BaseException) -> None:
+    def _restore_failed(self, s: Turn, exc: BaseException) -> None:
         self.commits.report(s, exc)
         with self._cond:
             self._restoring -= 1
@@ -317,11 +317,11 @@ class BatchScheduler:
         if commit_failure is not None:
             commit_failure(reason)
 
-    def _pages_dropped(self, key: tuple[str, str]) -> None:
+    def _pages_dropped(self, key: Key) -> None:
         try:
-            self._pages().pages_dropped(key[1], key[0])
+            self._pages().pages_dropped(key.session_id, key.tenant)
         except Exception:
-            log.exception("marking session %s hibernated failed", key[1][:64])
+            log.exception("marking session %s hibernated failed", key.session_id[:64])
 
     # ---- the scheduler thread -----------------------------------------------------------------
 
@@ -363,19 +363,19 @@ class BatchScheduler:
 
     def _iterate(self) -> None:
         if self.served.devices is not None:
-            self.steps.drain()
+            self._drain()
             self.served.devices.poll(self)  # between steps: fail over or restore a device
         cancelled = [s for s in [*self.running, *self.waiting] if s.stream.cancelled.is_set()]
         if cancelled:
-            self.steps.drain()  # their tokens of the step in flight first
+            self._drain()  # their tokens of the step in flight first
             for s in cancelled:
                 if not s.gone:
                     self.finish(s, "cancelled")
         items = self.turns.schedule()
         if items:
-            self.steps.step(items)
+            self.run_step(items)
         else:
-            self.steps.drain()
+            self._drain()
             self.loader.wait_first(self.running)
         self._deliver()
         self._iterations += 1
@@ -383,7 +383,7 @@ class BatchScheduler:
         if idle or self._iterations % POOL_GAUGE_EVERY == 1:
             self.tables.report(self.metrics)
 
-    def settled(self, timeout: float) -> list[_Seq]:
+    def settled(self, timeout: float) -> list[Turn]:
         """Running, waiting and arrived sequences, once restores holding L1 have handed theirs
         over (at most `timeout` s): for a device failover (kvtier.server.rehome)."""
 
@@ -394,7 +394,7 @@ class BatchScheduler:
             self._cond.wait_for(over, timeout=timeout)
             return [*self.running, *self.waiting, *self._arrived]
 
-    def fail_queued(self, s: _Seq, exc: BaseException) -> None:
+    def fail_queued(self, s: Turn, exc: BaseException) -> None:
         """Fail a sequence that may still be in the arrived list."""
         with self._cond:
             if s in self._arrived:
@@ -423,7 +423,7 @@ class BatchScheduler:
                 self.pages.preempt(s)
             else:
                 self.running.remove(s)
-                s.paged = None  # its pages go with the old pool; `cached` is what its Cache holds
+                s.lose_pages()  # they go with the old pool; `cached` is what its Cache holds
                 self.waiting.appendleft(s)
 
     def detach_pool(self) -> PagePool:
@@ -448,7 +448,7 @@ class BatchScheduler:
         """Whether the step is to replay CUDA graphs: `cuda_graphs` asks and the pool is on one
         CUDA device (a graph cannot span the devices of a model placed across several)."""
         return (
-            bool(getattr(self.config, "cuda_graphs", False))
+            bool(self.config.cuda_graphs)
             and self.pool.device.type == "cuda"
             and self.served.devices is None
         )
@@ -460,20 +460,46 @@ class BatchScheduler:
             return []
         return self.runner.capture_graphs(decode_graphs=decode_graphs(self.config))
 
-    # ---- what the step runner needs (stepping.TurnEnds) ---------------------------------------
+    # ---- the step and its outcome -------------------------------------------------------------
 
-    def lost_in_step(self, exc: BaseException, items: list[Any]) -> bool:
-        """A failed step: whether a device was lost (its sequences wait for the survivors)."""
-        devices = self.served.devices
-        return devices is not None and devices.lost_in_step(self, exc, items)
+    def run_step(self, items: list[tuple[Turn, Sequence[int]]]) -> None:
+        """Run a step of `items` (`StepRunner.step`), then end the turns it ended."""
+        self._ended(self.steps.step(items))
 
-    def post(self, s: _Seq, event: Any) -> None:
+    def _drain(self) -> None:
+        """Take the step in flight's tokens (`StepRunner.drain`), and end the turns it ended."""
+        self._ended(self.steps.drain())
+
+    def _ended(self, out: StepOutput) -> None:
+        """What the steps gave their turns, in order: the first token's time, the text, and the
+        end of each reply that ended (or the fault of each that failed); a failed forward
+        fails its turns, unless a device was lost (they wait for the survivors)."""
+        for o in out.turns:
+            s = o.turn
+            if o.ttft is not None:
+                self.observe_ttft(s, o.ttft)
+            if o.delta is not None:
+                self.post(s, o.delta)
+            if o.fault is not None:
+                self.fail(s, o.fault)
+            elif o.reason is not None:
+                self.finish(s, o.reason, flush=o.flush)
+        if out.failed is not None:
+            exc, items = out.failed.exc, out.failed.items
+            devices = self.served.devices
+            if devices is not None and devices.lost_in_step(self, exc, items):
+                return  # a device was lost: its sequences wait to run on the survivors
+            log.error("batched forward failed (%d sequences)", len(items), exc_info=exc)
+            for s, _ in items:
+                self.fail(s, exc)
+
+    def post(self, s: Turn, event: Delta) -> None:
         self._events.post(s.stream, event)
 
     def _deliver(self) -> None:
         self._events.send()
 
-    def _out_of_room(self, s: _Seq) -> None:
+    def _out_of_room(self, s: Turn) -> None:
         """Alone in a full pool: the reply ends here, as at the end of the context."""
         log.warning(
             "session %s: the batch KV pool is full with this one reply; it ends at %d tokens "
@@ -485,8 +511,8 @@ class BatchScheduler:
 
     # ---- leaving ------------------------------------------------------------------------------
 
-    def _leave(self, s: _Seq) -> None:
-        s.gone = True
+    def _leave(self, s: Turn) -> None:
+        s.end()
         # its pages are read (a commit) or freed next; if its prefix never reached them, they
         # go now, so that nothing of them is committed
         if s.loading is not None and self.loader.finish(s) is not None:
@@ -495,12 +521,12 @@ class BatchScheduler:
             self.running.remove(s)
         elif s in self.waiting:
             self.waiting.remove(s)
-        if s.held is not None:  # never admitted: its claimed table may be freed again
+        held = s.unclaim()
+        if held is not None:  # never admitted: its claimed table may be freed again
             with self._cond:
-                s.held.claimed = False
-            s.held = None
+                held.claimed = False
 
-    def finish(self, s: _Seq, reason: str, flush: bool = False) -> None:
+    def finish(self, s: Turn, reason: str, flush: bool = False) -> None:
         """End the turn: its reply's last events, its pages parked or freed, and its commit off
         this thread (which holds the pages it stores from until it is done)."""
         self._leave(s)
@@ -522,7 +548,7 @@ class BatchScheduler:
         self._deliver()  # its deltas reach the client before Finished
         self.commits.submit(self.commits.commit, s, reason, fed, new)
 
-    def fail(self, s: _Seq, exc: BaseException) -> None:
+    def fail(self, s: Turn, exc: BaseException) -> None:
         """The request fails: free its pages, and abort its session off this thread."""
         self.commits.error(exc)
         self._leave(s)
@@ -536,6 +562,6 @@ class BatchScheduler:
         if self.metrics is not None:
             self.metrics.count(name, n)
 
-    def observe_ttft(self, s: _Seq, seconds: float) -> None:
+    def observe_ttft(self, s: Turn, seconds: float) -> None:
         if self.metrics is not None and s.restored is not None and not s.job.internal:
             self.metrics.ttft(s.restored.source, seconds)

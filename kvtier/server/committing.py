@@ -15,7 +15,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -24,6 +24,9 @@ from kvtier.server.backend import Backend, PagedBackend
 from kvtier.server.jobs import Failed, Finished
 from kvtier.server.kvpages import CommitPages
 from kvtier.server.pagecopy import append_kv
+
+if TYPE_CHECKING:  # pragma: no cover
+    from kvtier.server.turn import Turn
 
 log = logging.getLogger("kvtier.server")
 
@@ -55,7 +58,7 @@ class TurnCommits:
         paged: PagedBackend | None,
         chunk_tokens: int,
         threads: int,
-        release_l1: Callable[[Any], None],
+        release_l1: Callable[[Turn], None],
         count: Callable[[str, int], None],
         on_error: Callable[[BaseException], Any] | None = None,
         hand_back: Callable[[CommitPages], None] | None = None,
@@ -85,7 +88,9 @@ class TurnCommits:
         )
         old.shutdown(wait=True)
 
-    def commit(self, s: Any, reason: str, fed: int, new: Any) -> None:
+    def commit(
+        self, s: Turn, reason: str, fed: int, new: CommitPages | torch.Tensor | None
+    ) -> None:
         """Store the turn's K/V (its first `fed` tokens), then close its stream. The reply is
         delivered whatever the commit meets (a device OOM, full tiers, an I/O error, L4 down):
         the turn's K/V past what was stored is dropped, to be recomputed at the session's next
@@ -97,9 +102,11 @@ class TurnCommits:
                 if new is None:  # nothing to store (an int8 pool): the stored prefix stays
                     backend.abort(job.session_id, job.tenant)
                 else:
+                    assert isinstance(new, CommitPages)
                     self._commit_pages(s, fed, new)
             else:
                 if new is not None:
+                    assert isinstance(new, torch.Tensor)
                     append_kv(s.restored.kv, new)
                 # Commit what the KV now covers, also after a disconnect: a returning client finds it.
                 backend.commit(job.session_id, job.tenant, s.tokens[:fed])
@@ -119,7 +126,7 @@ class TurnCommits:
         )
         s.done.set_result(None)
 
-    def _commit_pages(self, s: Any, fed: int, new: CommitPages) -> None:
+    def _commit_pages(self, s: Turn, fed: int, new: CommitPages) -> None:
         """Store the turn's chunks from its held pages, then hand the pages back."""
         job = s.job
         assert self.paged is not None
@@ -139,7 +146,7 @@ class TurnCommits:
                     new.copied = None
             self._hand_back(new)
 
-    def _commit_failed(self, s: Any, exc: BaseException) -> None:
+    def _commit_failed(self, s: Turn, exc: BaseException) -> None:
         """A commit failed after its reply was generated: the session keeps what was stored
         before (the rest is recomputed at its next turn); counted and logged, never the
         reply's failure."""
@@ -161,7 +168,7 @@ class TurnCommits:
         except BaseException:
             log.exception("abort after a failed commit failed for session %s", job.session_id[:64])
 
-    def abort(self, s: Any, exc: BaseException) -> None:
+    def abort(self, s: Turn, exc: BaseException) -> None:
         """Forget the turn's half-written step, then fail its request with `exc`."""
         job = s.job
         try:
@@ -174,7 +181,7 @@ class TurnCommits:
             self._release_l1(s)
         self.report(s, exc)
 
-    def report(self, s: Any, exc: BaseException) -> None:
+    def report(self, s: Turn, exc: BaseException) -> None:
         """The request fails with `exc`: its stream and its future say so."""
         self.error(exc)  # a restore's or a commit's (once more for a step's: idempotent)
         if isinstance(exc, KvtierError):

@@ -22,8 +22,8 @@ from kvtier.cache.restore import StagedPrefix
 from kvtier.paged import PagedSequence, PagePool
 from kvtier.server.loading import StagedLoader
 from kvtier.server.pagecopy import append_kv, copy_in, copy_out
-from kvtier.server.parking import PageTables, Parked
-from kvtier.server.stepping import _Seq
+from kvtier.server.parking import PageTables, Parked, key_of
+from kvtier.server.turn import Turn
 
 
 class TurnPages:
@@ -32,9 +32,9 @@ class TurnPages:
         pool: Callable[[], PagePool],
         tables: PageTables,
         loader: StagedLoader,
-        running: list[_Seq],
-        waiting: deque[_Seq],
-        fail: Callable[[_Seq, BaseException], None],
+        running: list[Turn],
+        waiting: deque[Turn],
+        fail: Callable[[Turn, BaseException], None],
         count: Callable[[str, int], None],
         *,
         paged_l1: bool,
@@ -58,18 +58,18 @@ class TurnPages:
         self._handed: list[CommitPages] = []
         self.holding = 0  # commits holding pages now
 
-    def admit(self, s: _Seq, shared: list[int] | None = None, own: Parked | None = None) -> bool:
+    def admit(self, s: Turn, shared: list[int] | None = None, own: Parked | None = None) -> bool:
         """Give a waiting sequence pages for all its known tokens and copy in its cached K/V;
         `shared` (from `PageTables.shareable`) are full pages of its cached prefix that it
         shares; `own` (from `PageTables.own_pages`) its session's parked pages, which hold that
         K/V already."""
         s.trace.admitting(self.pool().device, s.stream.clock)
-        stale = self.tables.current().pop((s.job.tenant, s.job.session_id), None)
+        stale = self.tables.current().pop(key_of(s), None)
         if own is not None:
             assert stale is own
             seq, stale = own.table, None
             self.tables.trim(seq, s.cached)
-            s.held = None
+            s.unclaim()
             self.parked_turns += 1
             self._count("parked_turns", 1)
         else:
@@ -91,13 +91,12 @@ class TurnPages:
                 else:
                     copy_in(self.pool(), s.restored.kv, seq, seq.length, s.cached)
                 s.trace.copied_in()
-            s.spilled = None
         except BaseException as exc:
             self.tables.free(seq)
             self._fail(s, exc)
             return False
         seq.length = s.cached
-        s.paged = seq
+        s.run_in(seq)
         self.running.append(s)
         if shared:
             self.shared_pages += len(shared)
@@ -106,7 +105,7 @@ class TurnPages:
             self.tables.register(s, seq)
         return True
 
-    def release(self, s: _Seq) -> None:
+    def release(self, s: Turn) -> None:
         """`s` leaves the pool: drop its reference to each page (a shared page stays)."""
         if s.loading is not None:
             self.loader.finish(s)
@@ -114,22 +113,23 @@ class TurnPages:
             self.tables.free(s.paged)
             s.paged = None
 
-    def copy_out(self, s: _Seq) -> torch.Tensor | None:
+    def copy_out(self, s: Turn) -> torch.Tensor | None:
         """K/V of tokens [cached, fed) from the pages (nothing from an int8 pool)."""
         assert s.paged is not None
         return copy_out(self.pool(), s.paged, s.cached)
 
-    def preempt(self, s: _Seq) -> None:
+    def preempt(self, s: Turn) -> None:
         """Move a running sequence's K/V into its session's Cache, free its pages, requeue it."""
         self.running.remove(s)
         failed = self.loader.finish(s) if s.loading is not None else None  # the gather reads it
         if failed is not None:
             self._fail(s, failed)
             return
+        spilled = None
         try:
             assert s.restored is not None and s.paged is not None
             if self.paged_l1:  # no Cache to take it: it waits beside the pool, in host memory
-                s.spilled = self.pool().to_host(s.paged.pages, 0, s.paged.length)
+                spilled = self.pool().to_host(s.paged.pages, 0, s.paged.length)
             else:
                 new = self.copy_out(s)
                 if new is not None:
@@ -137,14 +137,13 @@ class TurnPages:
         except BaseException as exc:
             self._fail(s, exc)
             return
-        assert s.paged is not None
-        if not self.pool().quantized or s.spilled is not None:  # an int8 pool's: not in a Cache
-            s.cached = s.paged.length
+        # an int8 pool's K/V is not in a Cache: those tokens are recomputed
+        s.preempt(spilled, kept=not self.pool().quantized or spilled is not None)
         self.preemptions += 1
         self.release(s)
         self.waiting.appendleft(s)
 
-    def chunks_out(self, s: _Seq) -> CommitPages | None:
+    def chunks_out(self, s: Turn) -> CommitPages | None:
         """Paged L1: what a finished turn's commit stores, from the chunk its restored prefix
         ends in to its last fed token. Nothing is gathered here: the commit gathers each chunk
         when it stores it, into a gather buffer of the cache's (`TieredCache.commit_pages`),

@@ -10,13 +10,17 @@ from __future__ import annotations
 
 import concurrent.futures
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvtier.cache.restore import StagedPrefix
 from kvtier.paged import PagedSequence, PagePool
 from kvtier.server.backend import PagedBackend
+
+if TYPE_CHECKING:  # pragma: no cover
+    from kvtier.server.turn import Turn
+    from kvtier.transfer.staging import Handle
 
 
 class StagedLoader:
@@ -26,13 +30,13 @@ class StagedLoader:
     def __init__(
         self,
         backend: Callable[[], PagedBackend],
-        register: Callable[[Any, PagedSequence], None],
+        register: Callable[[Turn, PagedSequence], None],
     ) -> None:
         self._backend = backend
         self._register = register
         self.executor = concurrent.futures.ThreadPoolExecutor(1, "kvtier-load")
 
-    def start(self, s: Any, seq: PagedSequence, pool: PagePool) -> None:
+    def start(self, s: Turn, seq: PagedSequence, pool: PagePool) -> None:
         """Copy `s`'s staged prefix into `seq`'s pages past those it shares (`s.loading`)."""
         assert s.restored is not None
         staged, s.restored.kv = s.restored.kv, None
@@ -41,8 +45,8 @@ class StagedLoader:
         s.loading = self.executor.submit(self._issue, s, staged, pool, pages, start)
 
     def _issue(
-        self, s: Any, staged: StagedPrefix, pool: PagePool, pages: list[int], start: int
-    ) -> Any:
+        self, s: Turn, staged: StagedPrefix, pool: PagePool, pages: list[int], start: int
+    ) -> Handle:
         """On the loader thread: issue a staged prefix's copies into `pages` from token
         `start` on, then unpin it (a slot is reused only once its copies are done). Returns
         their Handle."""
@@ -57,19 +61,21 @@ class StagedLoader:
             backend.release_staged(job.session_id, job.tenant, staged)
 
     @staticmethod
-    def done(s: Any) -> bool:
+    def done(s: Turn) -> bool:
         """Whether a loading turn's copies are done (or failed to be issued)."""
         fut = s.loading
+        assert fut is not None
         if not fut.done():
             return False
         return fut.exception() is not None or fut.result().done()
 
-    def finish(self, s: Any) -> BaseException | None:
+    def finish(self, s: Turn) -> BaseException | None:
         """A turn's staged prefix is in its pages, or must be taken as if it were (the turn
         leaves): waits for the copies to be issued, orders the compute stream after them (free
         once they are done) before anything reads or frees the pages, and lets them be shared.
         Returns the error when they could not be issued: the pages hold no prefix."""
         fut, s.loading = s.loading, None
+        assert fut is not None
         try:
             handle = fut.result()
         except BaseException as exc:
@@ -80,7 +86,7 @@ class StagedLoader:
         return None
 
     @staticmethod
-    def wait_first(running: Iterable[Any]) -> None:
+    def wait_first(running: Iterable[Turn]) -> None:
         """Nothing to step but turns whose prefix is still being copied in: sleep until the
         first one's copies are done (rather than spin through empty iterations)."""
         for s in running:

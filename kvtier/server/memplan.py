@@ -319,7 +319,7 @@ def planned_config(config: Any, plan: DeviceMemoryPlan | None) -> Any:
 def decode_graphs(config: Any) -> bool:
     """Whether the step records decode-only graphs too (`decode_graphs`, on by default): one
     answer for the scheduler's capture and this plan's measurement of it."""
-    return bool(getattr(config, "decode_graphs", True))
+    return bool(config.decode_graphs)
 
 
 def profile_graphs(
@@ -457,7 +457,7 @@ def offline_plan(
 def pool_bytes(served: Any, config: Any, per_token: int) -> int:
     """The page pool's byte budget: `batch_kv_bytes`, or room for `max_concurrency` full contexts
     (at most half the free GPU memory on CUDA, 1 GiB on the CPU)."""
-    given = int(getattr(config, "batch_kv_bytes", 0) or 0)
+    given = int(config.batch_kv_bytes or 0)
     if given:
         return given
     want = int(config.max_concurrency) * int(served.context_tokens) * per_token

@@ -18,13 +18,21 @@ import threading
 from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, NamedTuple
 
 from kvtier.paged import PagedSequence, PagePool
 from kvtier.server.pageshare import PrefixPages, page_keys
 from kvtier.types import RestoreSource
 
-Key = tuple[str, str]  # (tenant, session id)
+if TYPE_CHECKING:  # pragma: no cover
+    from kvtier.server.turn import Turn
+
+
+class Key(NamedTuple):
+    """A session's key in the page tables."""
+
+    tenant: str
+    session_id: str
 
 
 @dataclasses.dataclass(eq=False)
@@ -36,8 +44,8 @@ class Parked:
     claimed: bool = False  # paged L1: a restored turn of the session starts from them
 
 
-def key_of(s: Any) -> Key:
-    return (s.job.tenant, s.job.session_id)
+def key_of(s: Turn) -> Key:
+    return Key(s.job.tenant, s.job.session_id)
 
 
 class PageTables:
@@ -89,7 +97,7 @@ class PageTables:
         """Pages the parked tables hold (a page tables share counts once)."""
         return len({p for t in self.parked.values() for p in t.table.pages})
 
-    def report(self, metrics: Any) -> None:
+    def report(self, metrics: Turn) -> None:
         """The pool's pages by state for /metrics (a page parked tables share counts once),
         where the metrics take them (a bench's step log may not)."""
         pages = getattr(metrics, "pages", None)
@@ -97,7 +105,7 @@ class PageTables:
             pool = self.pool
             pages(self.pages(), pool.num_free, pool.num_pages, pool.page_bytes)
 
-    def park(self, s: Any) -> bool:
+    def park(self, s: Turn) -> bool:
         """Keep a finished turn's pages as its session's; False where they may not stay: parking
         off, an ephemeral session, an int8 pool (its pages are approximate, and the session's
         Cache did not take them)."""
@@ -107,9 +115,8 @@ class PageTables:
         old = parked.pop(key_of(s), None)
         if old is not None:
             self.free(old.table)
-        table = s.paged
+        table = s.park()
         parked[key_of(s)] = Parked(table, array("q", s.tokens[: table.length]))
-        s.paged = None
         return True
 
     def drop(self, keys: Iterable[Key]) -> None:
@@ -120,7 +127,7 @@ class PageTables:
                 del self.parked[key]
                 self.free(p.table)
 
-    def own_pages(self, s: Any) -> Parked | None:
+    def own_pages(self, s: Turn) -> Parked | None:
         """`s`'s session's parked pages when they hold exactly its restored prefix: restored
         from L1 (what the last turn committed, whose pages these are), the same ids, and no
         page it will write held by another table."""
@@ -139,7 +146,7 @@ class PageTables:
             return None
         return p
 
-    def pages_wanted(self, s: Any, own: Parked | None, running: bool) -> tuple[int, list[int]]:
+    def pages_wanted(self, s: Turn, own: Parked | None, running: bool) -> tuple[int, list[int]]:
         """Free pages `s`'s admission takes, and the pages it shares (see the scheduler's
         `TurnPages.admit`); `running`: whether any sequence runs (holds pages to share)."""
         if own is not None:  # pages past `cached` go; a shared page at `cached` is copied
@@ -159,7 +166,7 @@ class PageTables:
         self.index().drop(table.pages[n // size :])
         table.length = min(table.length, n)
 
-    def unpark(self, pages: int, waiting: Iterable[Any], keep: Parked | None = None) -> bool:
+    def unpark(self, pages: int, waiting: Iterable[Turn], keep: Parked | None = None) -> bool:
         """Free parked tables, least recently parked first (not `keep`, nor a table a restored
         turn has claimed), until `pages` more pages are free; then the claimed tables of the
         `waiting` turns, latest first. Whether that many are free."""
@@ -182,16 +189,15 @@ class PageTables:
                 self.spill(s)
         return self.pool.num_free >= goal
 
-    def spill(self, s: Any) -> None:
+    def spill(self, s: Turn) -> None:
         """A waiting turn gives up its claimed parked table: the K/V of its cached prefix waits
         beside the pool in host memory (as a preempted turn's does), outside the GPU memory
         budget, and goes back in when it is admitted. (A copy on the GPU beside the pool ran a
         24 GiB server out of memory.)"""
-        p: Parked = s.held
-        s.held = None
-        if self.current().get(key_of(s)) is not p:
+        p = s.unclaim()
+        if p is None or self.current().get(key_of(s)) is not p:
             return
-        s.spilled = self.pool.to_host(p.table.pages, 0, s.cached)
+        s.spill(self.pool.to_host(p.table.pages, 0, s.cached))
         del self.parked[key_of(s)]
         self.free(p.table)
 
@@ -211,7 +217,7 @@ class PageTables:
         self.current()
         return self.prefixes
 
-    def page_keys(self, s: Any) -> list[bytes]:
+    def page_keys(self, s: Turn) -> list[bytes]:
         """Content keys of the full pages of `s`'s cached prefix (tenant and token ids)."""
         size = self.pool.page_size
         if s.keys is None or s.keys[:2] != (s.cached, size):
@@ -219,14 +225,14 @@ class PageTables:
             s.keys = (s.cached, size, keys)
         return s.keys[2]
 
-    def shareable(self, s: Any) -> list[int]:
+    def shareable(self, s: Turn) -> list[int]:
         """Pages a running sequence holds for the longest run of `s`'s leading full cached
         pages (the same tenant and tokens from position 0)."""
         if s.cached < self.pool.page_size or not self.sharing():
             return []
         return self.index().lookup(self.page_keys(s))
 
-    def register(self, s: Any, table: PagedSequence) -> None:
+    def register(self, s: Turn, table: PagedSequence) -> None:
         """`s`'s full prefix pages in `table` may be shared from now on (when sharing)."""
         if self.sharing():
             self.index().register(self.page_keys(s), table)

@@ -15,7 +15,10 @@ hold them all back.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # pragma: no cover
+    from kvtier.server.turn import Turn
 
 # a prompt that got no chunk in this many steps in a row goes ahead of shorter ones (with half
 # the budget) until its prompt is in
@@ -31,17 +34,17 @@ class PromptOrder:
         self.prefill_step = prefill_step
         self.shortest_first = shortest_first
 
-    def order(self, s: Any) -> tuple[bool, bool, float]:
+    def order(self, s: Turn) -> tuple[bool, bool, float]:
         """The sort key of a prefilling turn: the first gets the budget first."""
         long = s.unfed > self.short
         order = float(s.unfed) if long or self.shortest_first else s.admitted
         return (s.passed_over < PASSED_OVER_STEPS, long, order)
 
-    def chunks(self, prefilling: list[Any], budget: int) -> list[tuple[Any, Sequence[int]]]:
+    def chunks(self, prefilling: list[Turn], budget: int) -> list[tuple[Turn, Sequence[int]]]:
         """Each prefilling turn's next prompt chunk within `budget` tokens, in order."""
         prefilling.sort(key=self.order)
         half = max(budget // 2, 1)
-        items: list[tuple[Any, Sequence[int]]] = []
+        items: list[tuple[Turn, Sequence[int]]] = []
         for s in prefilling:
             if budget <= 0:
                 s.passed_over += 1

@@ -79,7 +79,7 @@ def _reload(sched: Any, cache: Any) -> None:
         if s.restored is None or isinstance(s.restored.kv, StagedPrefix):
             continue  # a staged prefix is in L2: the new pool's pages take it at admission
         if s.restored.kv is None:  # nothing restored, or parked pages of the old pool
-            s.held, s.cached = None, 0
+            s.lose_prefix()
             continue
         owner = getattr(s.restored.kv, "owner", None)
         if owner is not None and getattr(owner, "bufs", None) is not None:

@@ -12,14 +12,17 @@ import concurrent.futures
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvtier.cache.restore import StagedPrefix, common_prefix
 from kvtier.errors import L1BudgetExceeded
 from kvtier.server.backend import Backend, PagedBackend, Restored
 from kvtier.server.jobs import Job, Started
-from kvtier.server.parking import PageTables, key_of
+from kvtier.server.parking import Key, PageTables, key_of
 from kvtier.server.turntrace import TurnTrace
+
+if TYPE_CHECKING:  # pragma: no cover
+    from kvtier.server.turn import Turn
 
 # Restore threads, and as many commit threads, on a CUDA device. A restore from L2 spends most
 # of its time waiting (for locks, the GIL, its copies), so more threads admit more returning
@@ -57,10 +60,10 @@ class RestoreWorkers:
         threads: int,
         queue_timeout: float,
         *,
-        arrive: Callable[[Any], None],
-        fail: Callable[[Any, BaseException], None],
+        arrive: Callable[[Turn], None],
+        fail: Callable[[Turn, BaseException], None],
         closed: Callable[[], bool],
-        dropping: Callable[[tuple[str, str]], bool],
+        dropping: Callable[[Key], bool],
     ) -> None:
         self.backend = backend
         self.paged = paged
@@ -75,29 +78,29 @@ class RestoreWorkers:
         self.holding = 0
         self.released = 0
 
-    def submit(self, s: Any) -> None:
+    def submit(self, s: Turn) -> None:
         self.executor.submit(self.restore, s)
 
     def shutdown(self) -> None:
         self.executor.shutdown(wait=True)
 
-    def restore(self, s: Any) -> None:
+    def restore(self, s: Turn) -> None:
         job = s.job
         s.trace.restore = time.perf_counter()
         try:
-            s.restored = self._resume_held(s)
-            if s.restored is None:
-                s.restored = self._when_room(job, s.trace)
-                s.holds_l1 = in_l1(s.restored)
+            restored, holds = self._resume_held(s), False
+            if restored is None:
+                restored = self._when_room(job, s.trace)
+                holds = in_l1(restored)
         except BaseException as exc:  # nothing restored, nothing to abort
             self._fail(s, exc)
             return
-        s.cached = s.restored.covered
+        s.begin(restored, holds)
         if self.tables.share_prefixes and s.cached >= self.tables.pool.page_size:
             # the prefix's page keys (a hash per page) here, not on the scheduler's thread
             self.tables.page_keys(s)
         s.trace.restored = time.perf_counter()
-        s.stream.put(Started(s.restored.source, s.cached, len(job.prompt_ids)))
+        s.stream.put(Started(restored.source, s.cached, len(job.prompt_ids)))
         self._arrive(s)
 
     def _when_room(self, job: Job, trace: TurnTrace) -> Restored:
@@ -134,7 +137,7 @@ class RestoreWorkers:
                     self.holding += 1
             return restored
 
-    def _resume_held(self, s: Any) -> Restored | None:
+    def _resume_held(self, s: Turn) -> Restored | None:
         """Paged L1: start from the session's parked pages, claimed so that nothing frees
         them before the turn is admitted, when the cache vouches for their tokens."""
         if self.paged is None:
@@ -156,15 +159,14 @@ class RestoreWorkers:
             with self._cond:
                 p.claimed = False
             return None
-        s.held = p
+        s.claim(p)
         return restored
 
-    def release_l1(self, s: Any) -> None:
+    def release_l1(self, s: Turn) -> None:
         """A restored turn was committed or aborted, or (paged L1) its prefix went from L1 into
         its pages: its session's L1 may be evicted, or is free, again."""
         with self._cond:
-            if s.holds_l1:
-                s.holds_l1 = False
+            if s.let_go_of_l1():
                 self.holding -= 1
             self.released += 1
             self._cond.notify_all()

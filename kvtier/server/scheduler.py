@@ -22,7 +22,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from kvtier.server.kvpages import TurnPages
     from kvtier.server.loading import StagedLoader
     from kvtier.server.parking import PageTables, Parked
-    from kvtier.server.stepping import StepRunner, _Seq
+    from kvtier.server.stepping import StepRunner
+    from kvtier.server.turn import Turn
 
 
 class TurnScheduler:
@@ -30,15 +31,16 @@ class TurnScheduler:
         self,
         *,
         pool: Callable[[], PagePool],
-        running: list[_Seq],
-        waiting: deque[_Seq],
+        running: list[Turn],
+        waiting: deque[Turn],
         pages: TurnPages,
         tables: PageTables,
         loader: StagedLoader,
         steps: StepRunner,
+        drain: Callable[[], None],
         prompts: PromptOrder,
-        fail: Callable[[_Seq, BaseException], None],
-        out_of_room: Callable[[_Seq], None],
+        fail: Callable[[Turn, BaseException], None],
+        out_of_room: Callable[[Turn], None],
         max_batch: int,
         batch_tokens: int,
         prefill_step: int,
@@ -51,7 +53,8 @@ class TurnScheduler:
         self.pages = pages
         self.tables = tables
         self.loader = loader
-        self._steps = steps  # only to take a step in flight's tokens before a preemption
+        self._steps = steps  # only to see whether a step is in flight
+        self._drain = drain  # take its tokens, and end the turns it ended
         self.prompts = prompts
         self._fail = fail
         self._out_of_room = out_of_room
@@ -61,7 +64,7 @@ class TurnScheduler:
         self.decoding_prompt_tokens = decoding_prompt_tokens
         self.admissions_per_step = admissions_per_step
 
-    def schedule(self) -> list[tuple[_Seq, Sequence[int]]]:
+    def schedule(self) -> list[tuple[Turn, Sequence[int]]]:
         """The step's items: (turn, its tokens to feed), and the admissions and preemptions
         that make room for them."""
         pool = self.pool()
@@ -76,10 +79,10 @@ class TurnScheduler:
             need = sum(pool.pages_needed(s.paged, 1) for s in self.decoding() if s.paged)
             if need <= pool.num_free or self.unpark(need - pool.num_free):
                 break
-            if (
-                self._steps.pending is not None
-            ):  # its finished turns may free pages; and a preempted
-                self._steps.drain()  # sequence must hold its real tokens, not placeholders
+            if self._steps.pending is not None:
+                # its finished turns may free pages; and a preempted sequence must hold its
+                # real tokens, not placeholders
+                self._drain()
                 continue
             if self.pages.await_held():  # room that commits are about to hand back
                 continue
@@ -89,7 +92,7 @@ class TurnScheduler:
             else:
                 self.pages.preempt(victim)
             need = 0
-        items: list[tuple[_Seq, Sequence[int]]] = [(s, s.tokens[-1:]) for s in self.decoding()]
+        items: list[tuple[Turn, Sequence[int]]] = [(s, s.tokens[-1:]) for s in self.decoding()]
         decoding = bool(items)
         budget = self.batch_tokens - len(items)
         if items and self.decoding_prompt_tokens:
@@ -143,7 +146,7 @@ class TurnScheduler:
         items += self.prompts.chunks(prefilling, budget)
         return items
 
-    def decoding(self) -> list[_Seq]:
+    def decoding(self) -> list[Turn]:
         return [s for s in self.running if s.unfed == 1 and s.loading is None]
 
     def unpark(self, pages: int, keep: Parked | None = None) -> bool:

@@ -2,97 +2,46 @@
 
 `StepRunner` runs what the scheduler (kvtier/server/batching.py) chose (`_launch`: the forward,
 then sampling on the host, or for an all-greedy step on the device only) and takes the tokens
-(`_complete`: stream the text, end the replies that are done). It decides nothing about what
-runs: how a turn ends (its events, its commit) is the scheduler's, reached through `TurnEnds`. With overlapped steps (`overlap_steps`, kvtier.server.lookahead) the
-tokens of a step are taken after the next step was launched, so the GPU never waits for this
-thread; a reply that ended meanwhile drops the row it had in the running step (`_unplace`).
-Everything else (admission, restores, pages, the end of a turn) stays in batching.py.
+(`_complete`: the text each adds to its reply, and whether the reply is done). It decides
+nothing about what runs, and ends no turn: `step` returns a `StepOutput`, what the steps whose
+tokens it took gave each turn (its text, its finish reason or its fault), and the scheduler
+ends the turns (their events, their pages, their commits). With overlapped steps
+(`overlap_steps`, kvtier.server.lookahead) the tokens of a step are taken after the next step
+was launched, so the GPU never waits for this thread; a reply that ended meanwhile drops the
+row it had in the running step (`_unplace`), and its turn takes nothing more from that step.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
 import time
-from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
-from kvtier.paged import BatchRunner, Feed, PagedSequence, PagePool, SeqInput
-from kvtier.server.backend import Backend, Restored
-from kvtier.server.jobs import Delta, Job, Stream
-from kvtier.server.logitproc import Decoding, NoTokenAllowed, process, record
+from kvtier.paged import BatchRunner, Feed, PagePool, SeqInput
+from kvtier.server.backend import Backend
+from kvtier.server.jobs import Delta
+from kvtier.server.logitproc import NoTokenAllowed, process, record
 from kvtier.server.lookahead import Ticket, TokenReadback
 from kvtier.server.model import ServedModel
-from kvtier.server.sampling import ReplyText, is_greedy, sample_rows
-from kvtier.server.turntrace import TurnTrace
+from kvtier.server.sampling import is_greedy, sample_rows
+from kvtier.server.turn import Turn
 
 log = logging.getLogger("kvtier.server")
-
-
-@dataclass(eq=False)
-class _Seq:
-    """One request inside the scheduler."""
-
-    job: Job
-    stream: Stream
-    admitted: float
-    done: concurrent.futures.Future[None]
-    reply: ReplyText
-    gen: torch.Generator | None
-    # prompt + sampled tokens; the last sampled one is fed in the next step. An array: no
-    # Python object per id, so the cyclic collector never walks them (a list of a running
-    # turn's 3,000 ids was walked id by id by every collection that reached it)
-    tokens: array[int]
-    restored: Restored | None = None
-    cached: int = 0  # leading tokens whose K/V the session's Cache holds
-    paged: PagedSequence | None = None  # its pages while running, None while waiting
-    first: bool = False  # the first token's logits arrived (TTFT observed)
-    trace: TurnTrace = field(default_factory=TurnTrace)  # where the time to its first token went
-    # content keys of the full pages of the cached prefix, for (cached, page size)
-    keys: tuple[int, int, list[bytes]] | None = None
-    # its last token is a placeholder whose value is on the device: (tensor, row)
-    feed: tuple[torch.Tensor, int] | None = None
-    gone: bool = False  # it left the scheduler (finished or failed)
-    # paged L1 (`paged_l1`): its session's parked pages that hold its cached prefix (a
-    # `kvtier.server.parking.Parked`), and the K/V [layer, k|v, token, head, dim] of its first `cached`
-    # tokens while it waits after a preemption
-    held: Any = None
-    holds_l1: bool = (
-        False  # restored into L1, and L1 not yet released (see `RestoreWorkers.release_l1`)
-    )
-    spilled: torch.Tensor | None = None
-    # paged L1: the copies of its staged prefix into its pages (a transfer Handle) while they
-    # run; it joins no step until they are done
-    loading: Any = None
-    # steps in a row whose prompt budget ran out before its turn (`kvtier.server.promptorder`)
-    passed_over: int = 0
-    # its logits processing (penalties, grammar, logprobs), None when it asks for none
-    decoding: Decoding | None = None
-
-    @property
-    def fed(self) -> int:
-        """Tokens whose K/V exists (in pages while running, in the Cache while waiting)."""
-        return self.paged.length if self.paged is not None else self.cached
-
-    @property
-    def unfed(self) -> int:
-        """Tokens still to feed: 1 while it decodes, more while its prompt prefills."""
-        return len(self.tokens) - self.fed
 
 
 @dataclass(eq=False)
 class _Pending:
     """A launched step whose tokens the host has not taken yet."""
 
-    items: list[tuple[_Seq, Sequence[int]]]
+    items: list[tuple[Turn, Sequence[int]]]
     start: float
     # the sequences due a token: (sequence, its row of the sampled logits, the index of its
     # placeholder in `tokens` when the token stayed on the device for the next step, or None)
-    due: list[tuple[_Seq, int, int | None]] = field(default_factory=list)
+    due: list[tuple[Turn, int, int | None]] = field(default_factory=list)
     sampled: list[int] = field(default_factory=list)  # tokens sampled on the host, `due` order
     # greedy tokens still on their way to the host (overlapped), with the rows that the host
     # samples once they are read (a grammar, penalties, logprobs: `kvtier.server.logitproc`)
@@ -104,14 +53,49 @@ class _Pending:
 PREFILL_SAMPLE_TOKENS = 512
 
 
-class TurnEnds(Protocol):
-    """What the step runner needs of its scheduler: how a turn fails, ends and streams."""
+@dataclass(eq=False)
+class TurnOutput:
+    """What one step gave one turn: the text its token added (with the token's logprobs when
+    asked), its first token's time, and whether its reply ended (`reason`) or it failed."""
 
-    def fail(self, s: _Seq, exc: BaseException) -> None: ...
-    def finish(self, s: _Seq, reason: str, flush: bool = False) -> None: ...
-    def post(self, s: _Seq, event: Any) -> None: ...
-    def observe_ttft(self, s: _Seq, seconds: float) -> None: ...
-    def lost_in_step(self, exc: BaseException, items: list[Any]) -> bool: ...
+    turn: Turn
+    delta: Delta | None = None
+    reason: str | None = None  # finished: "stop", "length" or "cancelled"
+    flush: bool = False  # the reply's held-back text goes out with its end
+    fault: BaseException | None = None  # it failed (its row of the step, or its text)
+    ttft: float | None = None  # its first token, this many s after it was admitted
+
+
+@dataclass(eq=False)
+class StepFault:
+    """A forward that failed: its error and the turns it ran (none of them took a token)."""
+
+    exc: BaseException
+    items: list[tuple[Turn, Sequence[int]]]
+
+
+@dataclass(eq=False)
+class StepOutput:
+    """What the steps whose tokens one call took gave their turns, in the order they took
+    them (a turn appears once per step); `failed`: the step launched by that call failed."""
+
+    turns: list[TurnOutput] = field(default_factory=list)
+    failed: StepFault | None = None
+    ended: set[Turn] = field(default_factory=set)  # it takes nothing more from these steps
+
+    def took(self, s: Turn) -> TurnOutput:
+        """`s`'s output of the step whose token it takes now."""
+        o = TurnOutput(s)
+        self.turns.append(o)
+        return o
+
+    def finish(self, o: TurnOutput, reason: str, flush: bool = False) -> None:
+        o.reason, o.flush = reason, flush
+        self.ended.add(o.turn)
+
+    def fail(self, s: Turn, exc: BaseException) -> None:
+        self.turns.append(TurnOutput(s, fault=exc))
+        self.ended.add(s)
 
 
 class StepRunner:
@@ -122,7 +106,6 @@ class StepRunner:
         runner: BatchRunner,
         served: ServedModel,
         backend: Backend,
-        ends: TurnEnds,
         *,
         max_batch: int,
         overlap_steps: bool,
@@ -131,7 +114,6 @@ class StepRunner:
         self.runner = runner
         self.served = served
         self.backend = backend
-        self.ends = ends
         self.metrics = metrics
         # an all-greedy step's tokens stay on the device for the next step (kvtier.server.lookahead)
         self.overlap_steps = overlap_steps
@@ -150,31 +132,38 @@ class StepRunner:
 
     # ---- the step -----------------------------------------------------------------------------
 
-    def step(self, items: list[tuple[_Seq, Sequence[int]]]) -> None:
+    def step(self, items: list[tuple[Turn, Sequence[int]]]) -> StepOutput:
         """Launch a step; then take the tokens of the step before it (overlapped: the GPU runs
         this one meanwhile), then this step's own unless they may wait (`kvtier.server.
-        lookahead`)."""
+        lookahead`). What they gave each turn comes back; a forward that failed comes back as
+        `failed`, and the step before it stays in flight (its tokens are taken next)."""
+        out = StepOutput()
         before, self.pending = self.pending, None
-        launched = self._launch(items)
+        launched = self._launch(items, out)
+        if launched is None:
+            self.pending = before
+            return out
         if before is not None:
-            self._complete(before)
-        if launched is not None:
-            if launched.ticket is not None:
-                self.pending = launched
-            else:
-                self._complete(launched)
+            self._complete(before, out)
+        if launched.ticket is not None:
+            self.pending = launched
+        else:
+            self._complete(launched, out)
+        return out
 
-    def drain(self) -> None:
+    def drain(self) -> StepOutput:
         """Take the tokens of the step in flight, if any (before anything that needs every
         sequence's tokens on the host: preemption, cancellation, a device failover)."""
+        out = StepOutput()
         before, self.pending = self.pending, None
         if before is not None:
-            self._complete(before)
+            self._complete(before, out)
+        return out
 
-    def _launch(self, items: list[tuple[_Seq, Sequence[int]]]) -> _Pending | None:
+    def _launch(self, items: list[tuple[Turn, Sequence[int]]], out: StepOutput) -> _Pending | None:
         """Run the forward of `items` and sample: on the host (synchronously), or for an
         all-greedy step on the device only, each due sequence getting a placeholder token that
-        the next step feeds from the device. None: the forward failed (handled here)."""
+        the next step feeds from the device. None: the forward failed (`out.failed`)."""
         start = time.perf_counter()
         batch = [SeqInput(s.paged, toks) for s, toks in items]  # type: ignore[arg-type]
         if self.pool.quantized:
@@ -195,11 +184,7 @@ class StepRunner:
                     torch.cuda.synchronize(self.pool.device)
                 self.backend.observe_prefill(prompt, time.perf_counter() - start)
         except BaseException as exc:
-            if self.ends.lost_in_step(exc, items):
-                return None  # a device was lost: its sequences wait to run on the survivors
-            log.exception("batched forward failed (%d sequences)", len(items))
-            for s, _ in items:
-                self.ends.fail(s, exc)
+            out.failed = StepFault(exc, items)
             return None
         for s, _ in items:
             s.feed = None  # fed now (its placeholder's value arrives with the step before)
@@ -227,7 +212,7 @@ class StepRunner:
         if allowed is not None:  # one call (each torch call gives the GIL up and back)
             chosen = torch.where(allowed, chosen, float("-inf"))
         if not ahead:
-            p.sampled = self._sample_host(chosen, [s for _, s in due])
+            p.sampled = self._sample_host(chosen, [s for _, s in due], out)
             p.due = [(s, j, None) for j, (_, s) in enumerate(due)]
             return p
         # the rows the host samples: copied to the host with the tokens, before the next step
@@ -246,7 +231,7 @@ class StepRunner:
             s.feed = (tokens, k)
         return p
 
-    def _sample_host(self, logits: torch.Tensor, seqs: list[_Seq]) -> list[int]:
+    def _sample_host(self, logits: torch.Tensor, seqs: list[Turn], out: StepOutput) -> list[int]:
         """One token for each row of `logits` (`seqs` in order), drawn on the host after the
         rows' penalties and grammar masks. A row whose processing, draw or grammar raises (or
         whose grammar allows no token) fails its own turn, and only its own: the other rows get
@@ -267,10 +252,11 @@ class StepRunner:
         if processed:
             record(logits, decodings, sampled, faults)
         for j, exc in faults.items():
-            self._row_failed(seqs[j], exc)
+            self._row_failed(seqs[j], exc, out)
         return sampled
 
-    def _row_failed(self, s: _Seq, exc: BaseException) -> None:
+    @staticmethod
+    def _row_failed(s: Turn, exc: BaseException, out: StepOutput) -> None:
         """One row's fault: its turn fails, the step's other rows go on."""
         if not isinstance(exc, NoTokenAllowed):  # a request's own error, not a fault
             log.error(
@@ -281,16 +267,17 @@ class StepRunner:
                 exc,
                 exc_info=exc,
             )
-        self.ends.fail(s, exc)
+        out.fail(s, exc)
 
-    def _complete(self, p: _Pending) -> None:
-        """The host side of a launched step: its tokens streamed, finished turns ended."""
+    def _complete(self, p: _Pending, out: StepOutput) -> None:
+        """The host side of a launched step: each due turn's token, the text it adds, and
+        whether its reply ended, into `out`."""
         if p.ticket is not None:
             host = p.ticket.wait()
             sampled = [host[row] for _, row, _ in p.due]
             if p.ticket.kept is not None:  # sampled on the host, off the device's stream
                 rows = [j for j, (s, _, _) in enumerate(p.due) if s.decoding is not None]
-                drawn = self._sample_host(p.ticket.kept, [p.due[j][0] for j in rows])
+                drawn = self._sample_host(p.ticket.kept, [p.due[j][0] for j in rows], out)
                 for j, token in zip(rows, drawn, strict=True):
                     sampled[j] = token
         else:
@@ -302,15 +289,16 @@ class StepRunner:
             if not s.first and not s.gone:
                 s.trace.step(took)
         for (s, _, placed), token in zip(p.due, sampled, strict=True):
-            if s.gone:
+            if s.gone or s in out.ended:
                 continue  # it ended before this step's tokens arrived
             if placed is not None:
                 s.tokens[placed] = token
                 if len(s.tokens) == placed + 1:
                     s.feed = None  # not fed yet (no step ran since): the host has it now
+            o = out.took(s)
             if not s.first:
                 s.first = True
-                self.ends.observe_ttft(s, now - s.admitted)
+                o.ttft = now - s.admitted
                 assert s.restored is not None
                 s.trace.log_first(
                     s.job.session_id,
@@ -323,43 +311,46 @@ class StepRunner:
                 )
             if s.job.max_tokens <= 0:
                 self._unplace(s, placed)
-                self.ends.finish(s, "length", flush=True)
+                out.finish(o, "length", flush=True)
                 continue
             s.stream.clock.token(now)
             try:
                 delta = s.reply.add(token)  # detokenizing and the stop search: this row's own
             except Exception as exc:
                 self._unplace(s, placed)
-                self._row_failed(s, exc)
+                self._row_failed(s, exc, out)
                 continue
-            self._take(s, token, delta, placed)
+            self._take(o, token, delta, placed, out)
         if self.metrics is not None and hasattr(self.metrics, "step"):
             self.metrics.step(len(p.items), took)
 
-    def _take(self, s: _Seq, token: int, delta: str, placed: int | None = None) -> None:
-        """A sampled token, `delta` the text it adds to the reply: stream it, then end the reply
-        or queue the token to be fed (`placed`: it is in `s.tokens` at that index already, and
-        may be fed already)."""
+    def _take(
+        self, o: TurnOutput, token: int, delta: str, placed: int | None, out: StepOutput
+    ) -> None:
+        """A sampled token, `delta` the text it adds to the reply: its text to stream, then the
+        reply's end or the token queued to be fed (`placed`: it is in the turn's tokens at that
+        index already, and may be fed already)."""
+        s = o.turn
         reply = s.reply
         d = s.decoding
         ends = reply.stopped or reply.eos or len(reply.ids) >= s.job.max_tokens
         if d is not None and d.logprobs is not None and (delta or ends):
-            self.ends.post(s, Delta(delta, d.take_pending()))
+            o.delta = Delta(delta, d.take_pending())
         elif delta:
-            self.ends.post(s, Delta(delta))
+            o.delta = Delta(delta)
         if reply.stopped:
             self._unplace(s, placed)
-            self.ends.finish(s, "stop")
+            out.finish(o, "stop")
         elif reply.eos or len(reply.ids) >= s.job.max_tokens or s.stream.cancelled.is_set():
             self._unplace(s, placed)
             if s.stream.cancelled.is_set():
-                self.ends.finish(s, "cancelled")
+                out.finish(o, "cancelled")
             else:
-                self.ends.finish(s, "stop" if reply.eos else "length", flush=True)
+                out.finish(o, "stop" if reply.eos else "length", flush=True)
         elif placed is None:
             s.tokens.append(token)
 
-    def _unplace(self, s: _Seq, placed: int | None) -> None:
+    def _unplace(self, s: Turn, placed: int | None) -> None:
         """The reply ended at the token placed at `s.tokens[placed]`: as if it had never been
         queued, drop it (and a placeholder after it), and the K/V a running step wrote for it."""
         if placed is None:

@@ -414,8 +414,8 @@ def test_admission_leaves_the_decoders_their_next_page(tmp_path: Path) -> None:
     import concurrent.futures
 
     from kvtier.server.backend import Restored
-    from kvtier.server.batching import _Seq
     from kvtier.server.sampling import ReplyText
+    from kvtier.server.turn import Turn
 
     served = _build("llama")
     page_bytes = 2 * 2 * 2 * 16 * 4 * PAGE_SIZE
@@ -424,8 +424,8 @@ def test_admission_leaves_the_decoders_their_next_page(tmp_path: Path) -> None:
     sched.close()  # no scheduler thread: the test drives the steps
     loop = asyncio.new_event_loop()
 
-    def seq(n: int) -> _Seq:
-        s = _Seq(
+    def seq(n: int) -> Turn:
+        s = Turn(
             job=_job("x", _prompts(n, [n])[0], 100),
             stream=Stream(loop),
             admitted=0.0,
@@ -439,7 +439,7 @@ def test_admission_leaves_the_decoders_their_next_page(tmp_path: Path) -> None:
 
     a, b = seq(32), seq(30)
     sched.waiting.append(a)
-    sched.steps.step(sched.turns.schedule())  # a's prompt fills 2 pages exactly; one token sampled
+    sched.run_step(sched.turns.schedule())  # a's prompt fills 2 pages exactly; one token sampled
     assert (a.fed, len(a.tokens), sched.pool.num_free) == (32, 33, 2)
     sched.waiting.append(b)  # needs 2 pages; a needs 1 for its next token
     items = sched.turns.schedule()
@@ -455,8 +455,8 @@ def test_a_step_that_decodes_takes_few_prompt_tokens(tmp_path: Path) -> None:
     import concurrent.futures
 
     from kvtier.server.backend import Restored
-    from kvtier.server.batching import _Seq
     from kvtier.server.sampling import ReplyText
+    from kvtier.server.turn import Turn
 
     served = _build("llama")
     config = _config(tmp_path, decoding_prompt_tokens=8, batch_tokens=96, prefill_step=48)
@@ -464,8 +464,8 @@ def test_a_step_that_decodes_takes_few_prompt_tokens(tmp_path: Path) -> None:
     sched.close()  # no scheduler thread: the test drives the steps
     loop = asyncio.new_event_loop()
 
-    def seq(prompt: list[int]) -> _Seq:
-        s = _Seq(
+    def seq(prompt: list[int]) -> Turn:
+        s = Turn(
             job=_job("x", prompt, 100),
             stream=Stream(loop),
             admitted=0.0,
@@ -480,13 +480,13 @@ def test_a_step_that_decodes_takes_few_prompt_tokens(tmp_path: Path) -> None:
     short, long_ = _prompts(21, [6, 100])
     a, b = seq(short), seq(long_)
     sched.waiting.append(a)
-    sched.steps.step(sched.turns.schedule())  # a alone: its whole prompt, then it decodes
+    sched.run_step(sched.turns.schedule())  # a alone: its whole prompt, then it decodes
     assert a.fed == 6 and len(a.tokens) == 7
     sched.waiting.append(b)
     for _ in range(3):
         items = sched.turns.schedule()
         assert [len(t) for _, t in items] == [1, 8]  # a's token, 8 of b's prompt
-        sched.steps.step(items)
+        sched.run_step(items)
     sched._leave(a)  # a is done: nothing decodes
     sched.pool.release(a.paged)
     items = sched.turns.schedule()
@@ -501,10 +501,10 @@ def _waiting(prompt: list[int], loop: asyncio.AbstractEventLoop, served: Any) ->
     import concurrent.futures
 
     from kvtier.server.backend import Restored
-    from kvtier.server.batching import _Seq
     from kvtier.server.sampling import ReplyText
+    from kvtier.server.turn import Turn
 
-    s = _Seq(
+    s = Turn(
         job=_job("x", prompt, 100),
         stream=Stream(loop),
         admitted=0.0,
@@ -535,7 +535,7 @@ def test_admissions_per_step_spreads_arrivals_over_steps(tmp_path: Path) -> None
         sched.close()  # no scheduler thread: the test drives the steps
         for p in prompts[:1] if decoder else []:  # admitted and prefilled: it decodes next
             sched.waiting.append(_waiting(p, loop, served))
-            sched.steps.step(sched.turns.schedule())
+            sched.run_step(sched.turns.schedule())
         for p in prompts:
             sched.waiting.append(_waiting(p, loop, served))
         counts = []
@@ -543,7 +543,7 @@ def test_admissions_per_step_spreads_arrivals_over_steps(tmp_path: Path) -> None
             before = len(sched.running)
             items = sched.turns.schedule()
             counts.append(len(sched.running) - before)
-            sched.steps.step(items)
+            sched.run_step(items)
         return counts
 
     assert admitted_per_step(0) == [5]

@@ -17,9 +17,10 @@ from test_batching import _build, _greedy_alone, _job, _prompts
 from test_batching_share import _close, _drive, _first_turns, _next_prompts, _reply, _restored
 
 from kvtier.errors import ConfigError
-from kvtier.server.batching import BatchScheduler, _Seq
+from kvtier.server.batching import BatchScheduler
 from kvtier.server.config import ServerConfig
 from kvtier.server.promptorder import PASSED_OVER_STEPS
+from kvtier.server.turn import Turn
 
 BUDGET = 16  # prompt tokens in a step that decodes (`decoding_prompt_tokens`)
 
@@ -92,7 +93,7 @@ def _decoder_prompt_shorts(
     seed: int,
     length: int,
     shorts: list[int],
-) -> tuple[_Seq, list[int], _Seq, list[_Seq]]:
+) -> tuple[Turn, list[int], Turn, list[Turn]]:
     """New sessions to queue by hand: "d" (20 prompt tokens, 48 to decode), a `length`-token
     prompt and its turn (2 tokens), and one-token turns of the `shorts` lengths."""
     d = _restored(sched, loop, _job("d", _prompts(seed, [20])[0], 48), check=False)

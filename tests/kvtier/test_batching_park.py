@@ -27,9 +27,10 @@ from test_batching_share import (
 )
 
 from kvtier.server.backend import TieredBackend
-from kvtier.server.batching import BatchScheduler, _Seq
+from kvtier.server.batching import BatchScheduler
 from kvtier.server.model import ServedModel
 from kvtier.server.pageshare import page_keys
+from kvtier.server.turn import Turn
 
 
 def _parked_pages(sched: BatchScheduler) -> set[int]:
@@ -58,7 +59,7 @@ def _parked_fleet(
     return ref, served, firsts, sched, backend, replies
 
 
-def _run_recording_starts(sched: BatchScheduler, turns: list[_Seq]) -> dict[str, list[int]]:
+def _run_recording_starts(sched: BatchScheduler, turns: list[Turn]) -> dict[str, list[int]]:
     """Queue `turns` together and step until they are done; each session's page table as its
     turn was admitted."""
     starts: dict[str, list[int]] = {}
@@ -74,7 +75,7 @@ def _run_recording_starts(sched: BatchScheduler, turns: list[_Seq]) -> dict[str,
     return starts
 
 
-def _run_alone(sched: BatchScheduler, turn: _Seq) -> None:
+def _run_alone(sched: BatchScheduler, turn: Turn) -> None:
     """Queue `turn` and step until it is done."""
     _drive(sched, lambda step: sched.waiting.append(turn) if step == 0 else None)
 

@@ -24,12 +24,13 @@ from test_multi_device import _poison
 
 from kvtier.paged.sharded import ShardedPagePool
 from kvtier.server.backend import RecomputeBackend, TieredBackend
-from kvtier.server.batching import BatchScheduler, _Seq
+from kvtier.server.batching import BatchScheduler
 from kvtier.server.failover import DEGRADED, place
 from kvtier.server.jobs import Job, Stream
 from kvtier.server.memplan import PAGE_SIZE
 from kvtier.server.model import ServedModel
 from kvtier.server.sampling import ReplyText, make_generator
+from kvtier.server.turn import Turn
 
 COMMON = 100  # tokens every session's conversation starts with: 6 full pages of 16
 FULL = COMMON // PAGE_SIZE
@@ -53,10 +54,10 @@ def _first_turns(
 
 def _restored(
     sched: BatchScheduler, loop: asyncio.AbstractEventLoop, job: Job, check: bool = True
-) -> _Seq:
+) -> Turn:
     """A turn restored from the backend (on this thread), ready to queue; `check`: it restores
     at least the common prefix (a committed earlier turn)."""
-    s = _Seq(
+    s = Turn(
         job=job,
         stream=Stream(loop),
         admitted=0.0,
@@ -80,15 +81,15 @@ def _drive(sched: BatchScheduler, hook: Callable[[int], None]) -> None:
             return
         items = sched.turns.schedule()
         if items:
-            sched.steps.step(items)
+            sched.run_step(items)
         else:  # as the scheduler's thread does
-            sched.steps.drain()
+            sched._drain()
             sched.loader.wait_first(sched.running)
         sched._deliver()
     raise AssertionError("the turns did not finish")
 
 
-def _reply(served: ServedModel, s: _Seq) -> str:
+def _reply(served: ServedModel, s: Turn) -> str:
     s.done.result(60)  # committed
     return bytes(t for t in s.reply.ids if t not in served.eos_ids).decode()
 

@@ -1,0 +1,113 @@
+"""The walk of a returning turn through the server's parts, measured (docs/architecture.md,
+"A returning turn, through the parts").
+
+A tiny model on the CPU serves a session's first turn; its parked pages are then dropped and the
+session hibernated, so that its next turn restores its prefix from L2, is admitted into pages,
+steps and commits: the walk of the architecture. A profile function in every thread
+(`sys.setprofile`, and `threading.setprofile` for the threads the scheduler starts) records each
+call into a kvtier module from that turn's submission until its commit is done, with the kvtier
+module it was called from (the nearest kvtier frame of its thread; none at a thread's root).
+
+A *move* is a call from one kvtier module into another (or into kvtier from outside it); the
+walk is its moves in the order each is first made (a move made again, the next token's step or
+the next chunk's copy, is the same way through the code and counts once). A *re-entry* is a
+move into a module the walk had entered before: the walk left it, and comes back in another
+way. A part that is entered once, from one place, adds no re-entry; a call back up (the step
+ending a turn in the scheduler that called it) adds one, and so does every further way into a
+module.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from test_batching import _build, _config, _job, _one, _prompts, _run
+
+from kvtier.server.backend import TieredBackend
+from kvtier.server.batching import BatchScheduler
+
+# The re-entries this walk makes (printed by the test): 72 to 79 in runs on 2 CPU cores, as the
+# threads' timing decides a few moves (the cache's background writes, whether the prefix's copies
+# are done when the scheduler looks); a change that adds ways back into the parts fails here.
+MAX_REENTRIES = 80
+
+
+class Walk:
+    """Records moves between kvtier modules while `on` (any thread)."""
+
+    def __init__(self) -> None:
+        self.on = False
+        self.moves: dict[tuple[str, str], int] = {}  # move -> its order of first occurrence
+        self._lock = threading.Lock()
+
+    def profile(self, frame: FrameType, event: str, arg: Any) -> None:
+        if not self.on or event != "call":
+            return
+        mod = frame.f_globals.get("__name__", "")
+        if not mod.startswith("kvtier"):
+            return
+        up = frame.f_back
+        while up is not None and not up.f_globals.get("__name__", "").startswith("kvtier"):
+            up = up.f_back
+        caller = up.f_globals["__name__"] if up is not None else "-"
+        if caller == mod:
+            return
+        with self._lock:
+            self.moves.setdefault((caller, mod), len(self.moves))
+
+    def figures(self) -> tuple[int, int, int]:
+        """(moves, modules entered, re-entries)."""
+        entered = Counter(mod for _, mod in self.moves)
+        return len(self.moves), len(entered), len(self.moves) - len(entered)
+
+    def report(self) -> str:
+        order = sorted(self.moves, key=self.moves.__getitem__)
+        return "\n".join(f"  {a} -> {b}" for a, b in order)
+
+
+def test_a_returning_turns_walk_through_the_parts(tmp_path: Path) -> None:
+    walk = Walk()
+    threading.setprofile(walk.profile)  # the threads the backend and the scheduler start
+    sys.setprofile(walk.profile)
+    try:
+        served = _build("llama")
+        config = _config(tmp_path, paged_l1=True)
+        backend = TieredBackend(served.model, config, served.name)
+        sched = BatchScheduler(served, backend, config)
+        try:
+            first = _prompts(41, [80])[0]
+            reply = _run(sched, _one(sched, _job("w", first, 8)))[0]
+            sched.drop_parked("w", "t")  # its pages go: the next turn restores from L2
+            deadline = time.monotonic() + 30
+            while sched.tables.parked and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert not sched.tables.parked
+            backend.hibernate("w", "t")
+            second = first + list(reply.text.encode()) + _prompts(42, [12])[0]
+
+            async def returning() -> Any:
+                walk.on = True
+                try:
+                    return await _one(sched, _job("w", second, 4))
+                finally:
+                    walk.on = False
+
+            back = _run(sched, returning())[0]
+        finally:
+            sched.close()
+            backend.close()
+    finally:
+        sys.setprofile(None)
+        threading.setprofile(None)  # type: ignore[arg-type]
+    assert back.started is not None and back.started.source == "l2"
+    assert back.started.cached_tokens >= len(first)
+    moves, modules, reentries = walk.figures()
+    print(f"\nthe walk: {moves} moves into {modules} kvtier modules, {reentries} re-entries")
+    print(walk.report())
+    assert reentries <= MAX_REENTRIES, walk.report()
