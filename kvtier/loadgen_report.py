@@ -372,7 +372,11 @@ def _tier_lines(t: dict[str, Any] | None) -> list[str]:
     # With paged L1 (the server's default) the sessions' L1 is the batch's page pool, "pool (L1)",
     # and the cache's own L1 tier, its "L1 buffers", holds no chunk: the L1 hits are the pool's.
     # The names are kvtier plan's and kvtop's.
-    paged = bool(pool) and pool.get("parked", 0) > 0 and not t["tiers"].get("l1", {}).get("chunks")
+    paged = (
+        pool is not None
+        and pool.get("parked", 0) > 0
+        and not t["tiers"].get("l1", {}).get("chunks")
+    )
     for tier, v in t["tiers"].items():
         cap = v["capacity_bytes"]
         of = f" of {size(cap)} ({v['used_bytes'] / cap:.0%})" if cap else ""
