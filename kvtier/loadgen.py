@@ -207,15 +207,8 @@ class Fleet:
                     if not line.startswith("data: ") or line == "data: [DONE]":
                         continue
                     event = json.loads(line[6:])
-                    if "error" in event:
-                        sample.error = f"stream error: {event['error'].get('message')}"
+                    if take_event(sample, event):
                         break
-                    if event.get("usage"):
-                        u = event["usage"]
-                        sample.prompt_tokens = u["prompt_tokens"]
-                        sample.completion_tokens = u["completion_tokens"]
-                        details = u.get("prompt_tokens_details") or {}
-                        sample.cached_tokens = details.get("cached_tokens", 0)
                     for choice in event.get("choices", []):
                         piece = choice.get("delta", {}).get("content")
                         if piece:
@@ -413,6 +406,21 @@ class Fleet:
 
 
 CONTEXT_EXCEEDED = "context_length_exceeded"
+
+
+def take_event(sample: Any, event: dict[str, Any]) -> bool:
+    """A streamed event's error or usage into `sample` (a loadgen or replay sample); True when
+    the event is an error, which ends the stream."""
+    if "error" in event:
+        sample.error = f"stream error: {event['error'].get('message')}"
+        return True
+    if event.get("usage"):
+        u = event["usage"]
+        sample.prompt_tokens = u["prompt_tokens"]
+        sample.completion_tokens = u["completion_tokens"]
+        details = u.get("prompt_tokens_details") or {}
+        sample.cached_tokens = details.get("cached_tokens", 0)
+    return False
 
 
 def refusal(status: int, raw: bytes) -> str:

@@ -32,7 +32,7 @@ from typing import Any
 import httpx
 
 from kvtier import trace
-from kvtier.loadgen import Sample
+from kvtier.loadgen import Sample, take_event
 from kvtier.loadgen_metrics import server_ttft
 from kvtier.loadgen_report import report, tiers_during
 from kvtier.replay_report import prefetch_summary, replay_summary
@@ -203,15 +203,8 @@ class Replay:
                     if not line.startswith("data: ") or line == "data: [DONE]":
                         continue
                     event = json.loads(line[6:])
-                    if "error" in event:
-                        s.error = f"stream error: {event['error'].get('message')}"
+                    if take_event(s, event):
                         break
-                    if event.get("usage"):
-                        u = event["usage"]
-                        s.prompt_tokens = u["prompt_tokens"]
-                        s.completion_tokens = u["completion_tokens"]
-                        details = u.get("prompt_tokens_details") or {}
-                        s.cached_tokens = details.get("cached_tokens", 0)
                     if any(c.get("text") is not None for c in event.get("choices", [])):
                         now = time.perf_counter()
                         if s.ttft is None:

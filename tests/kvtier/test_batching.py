@@ -32,8 +32,9 @@ from kvtier.server.metrics import ServerMetrics
 from kvtier.server.model import ServedModel, _wrap, byte_tokenizer, cache_kwarg
 
 
-def _build(kind: str, seed: int = 0) -> ServedModel:
-    """A tiny random Llama or Qwen2 over the server's byte tokenizer (id 256 = end)."""
+def _build(kind: str, seed: int = 0, layers: int = 2, kv_heads: int | None = None) -> ServedModel:
+    """A tiny random Llama or Qwen2 over the server's byte tokenizer (id 256 = end), of
+    `layers` layers (`kv_heads`: the K/V heads, by default 2 for Llama and 1 for Qwen2)."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     tok = byte_tokenizer()
@@ -41,7 +42,7 @@ def _build(kind: str, seed: int = 0) -> ServedModel:
         vocab_size=len(tok),
         hidden_size=64,
         intermediate_size=128,
-        num_hidden_layers=2,
+        num_hidden_layers=layers,
         num_attention_heads=4,
         max_position_embeddings=4096,
         bos_token_id=None,
@@ -51,10 +52,11 @@ def _build(kind: str, seed: int = 0) -> ServedModel:
     )
     torch.manual_seed(seed)
     if kind == "llama":
-        model: Any = LlamaForCausalLM(LlamaConfig(num_key_value_heads=2, **common))
+        model: Any = LlamaForCausalLM(LlamaConfig(num_key_value_heads=kv_heads or 2, **common))
     else:
-        model = Qwen2ForCausalLM(Qwen2Config(num_key_value_heads=1, **common))
-    return _wrap(model.eval().to(torch.float32), tok, name=f"test-{kind}-{seed}")
+        model = Qwen2ForCausalLM(Qwen2Config(num_key_value_heads=kv_heads or 1, **common))
+    name = f"test-{kind}-{seed}" + (f"-{layers}" if layers != 2 else "")
+    return _wrap(model.eval().to(torch.float32), tok, name=name)
 
 
 def _config(tmp_path: Path, **over: Any) -> SimpleNamespace:

@@ -13,42 +13,23 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-import torch
 from device_ledger import DeviceLedger, armed
-from test_batching import _config, _greedy_alone, _job, _one, _run
-from transformers import LlamaConfig, LlamaForCausalLM
+from test_batching import _build, _config, _greedy_alone, _job, _one, _run
 
 from kvtier.server.backend import TieredBackend
 from kvtier.server.batching import BatchScheduler
 from kvtier.server.memplan import activation_estimate
-from kvtier.server.model import ServedModel, _wrap, byte_tokenizer
+from kvtier.server.model import ServedModel
 
 SESSIONS = 64
 PROMPT = 300  # tokens: ten chunks of 32, the last one partial
 REPLY = 4
 
 
-def _deep(seed: int = 0) -> ServedModel:
+def _deep() -> ServedModel:
     """A tiny Llama with many layers: a chunk of its K/V (64 KiB) outweighs one step's
     activations, as a 7B model's 3,000-token turn (172 MB) outweighs a decode step's."""
-    tok = byte_tokenizer()
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=len(tok),
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=8,
-            num_attention_heads=4,
-            num_key_value_heads=4,
-            max_position_embeddings=4096,
-            bos_token_id=None,
-            eos_token_id=tok.eos_token_id,
-            pad_token_id=tok.eos_token_id,
-            tie_word_embeddings=False,
-        )
-    )
-    return _wrap(model.eval().to(torch.float32), tok, name=f"deep-{seed}")
+    return _build("llama", layers=8, kv_heads=4)
 
 
 def test_a_burst_of_finishing_turns_stays_within_the_plan(tmp_path: Path) -> None:
