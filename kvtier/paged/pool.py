@@ -369,7 +369,8 @@ class PagePool:
                 raise ValueError(
                     f"out is {tuple(out.shape)} {out.dtype}, need {self._span(end - start)}"
                 )
-            return torch.index_select(self._flat(), 2, slots, out=out)
+            with torch.no_grad():  # a copy for storage: never part of a graph
+                return torch.index_select(self._flat(), 2, slots, out=out)
         data = self._flat().index_select(2, slots)
         if self.quantized:
             data = dequantize_kv(data, self._flat_scales().index_select(2, slots), self.dtype)
