@@ -18,8 +18,9 @@ same value size and the same number of connections:
 `--cluster` runs the same figures on a Redis Cluster of 3 masters and 3 replicas the bench starts
 itself (`redis-server --cluster-enabled`, joined by `redis-cli --cluster create`): kvtier through
 `L4Store("redis+cluster://...")`, raw through redis-py's `RedisCluster`. Each raw value sits in
-the same hash slot as its kvtier chunk (same hash tag), so both sides load the same shards; the
-parallel read uses up to `--streams` connections per shard on both sides.
+the same hash slot as its kvtier chunk (same hash tag), so both sides load the same shards. The
+parallel read splits each shard's keys in up to `--streams` parts, run `--streams` at a time,
+on both sides (as `L4Store` does).
 
 Ratios are medians of the per-round ratios, which cancels slow drift of a shared machine.
 
