@@ -3,6 +3,10 @@
 `gpu_memory_utilization` (vLLM's name and meaning) is a fraction of the device's memory. Inside
 that budget live, in the order they are planned:
 
+- **context**: the device memory outside torch's allocator (the CUDA context, kernel modules,
+  other libraries' buffers), measured once the profiling forwards ran: what `nvidia-smi` counts
+  and torch does not (on an H100 with CUDA 13 about 0.8 GiB, which an early plan left out, so
+  that `nvidia-smi` read 2 % over the budget under load);
 - **weights**: measured once they are resident (`torch.cuda.memory_allocated`);
 - **activations**: the peak of one forward at the largest step, measured by a profiling
   forward (vLLM's profile run), or estimated from the config offline (`kvtier plan`);
@@ -37,7 +41,12 @@ from kvtier.paged.attention import VARLEN_PAGE, varlen_block_table_supported
 
 log = logging.getLogger("kvtier.server")
 
-PARTS = ("weights", "activations", "graphs", "staging", "l1", "inflight", "pool", "headroom")
+PARTS = (
+    "context", "weights", "activations", "graphs", "staging", "l1", "inflight", "pool", "headroom",
+)  # fmt: skip
+# The context's bytes where nothing measured them (`kvtier plan` offline): what an H100 with
+# CUDA 13 and torch 2.11 held outside torch's allocator once the server was ready.
+CONTEXT_ESTIMATE = 800 << 20
 # Kept free besides the parts: the caching allocator rounds blocks (2 MiB for large ones) and
 # keeps freed blocks of one size apart from another's. At most this many bytes, and at most
 # HEADROOM_SHARE of the budget on a small device.
@@ -65,6 +74,7 @@ class DeviceMemoryPlan:
     device: str
     total_bytes: int  # the device's memory (or the cap it runs under)
     utilization: float
+    context: int
     weights: int
     activations: int
     graphs: int
@@ -82,6 +92,12 @@ class DeviceMemoryPlan:
     @property
     def headroom(self) -> int:
         return self.budget_bytes - sum(getattr(self, p) for p in PARTS[:-1])
+
+    @property
+    def allocator_fraction(self) -> float:
+        """The cap on torch's allocator, as a fraction of the device: the budget less the
+        context, which the allocator never sees."""
+        return max(0.0, (self.budget_bytes - self.context) / self.total_bytes)
 
     @property
     def l1_bytes(self) -> int:
@@ -154,6 +170,7 @@ def plan_memory(
     l1_bytes: int = 0,
     inflight: int | None = None,
     pool_bytes: int = 0,
+    context: int = CONTEXT_ESTIMATE,
 ) -> DeviceMemoryPlan:
     """The plan of one device, or a ConfigError saying what fits.
 
@@ -174,11 +191,11 @@ def plan_memory(
             f"l1_bytes ({_fmt(l1_total)}) must exceed the transfer engine's staging buffers "
             f"({_fmt(staging)}); raise l1_bytes or leave it out (the plan sizes it)"
         )
-    fixed = weights + activations + graphs + l1_total + inflight + headroom
+    fixed = context + weights + activations + graphs + l1_total + inflight + headroom
     left = budget - fixed
     pool = pool_bytes or left
     parts = (
-        f"weights {_fmt(weights)}, activations {_fmt(activations)}, CUDA graphs {_fmt(graphs)}, "
+        f"the CUDA context {_fmt(context)}, weights {_fmt(weights)}, activations {_fmt(activations)}, CUDA graphs {_fmt(graphs)}, "
         f"L1 with staging {_fmt(l1_total)}, copies in flight {_fmt(inflight)}, headroom "
         f"{_fmt(headroom)}"
     )
@@ -209,6 +226,7 @@ def plan_memory(
         device=device,
         total_bytes=int(total_bytes),
         utilization=float(utilization),
+        context=int(context),
         weights=int(weights),
         activations=int(activations),
         graphs=int(graphs),
@@ -292,6 +310,7 @@ def build_plan(served: Any, config: Any) -> DeviceMemoryPlan | None:
     staging = staging_estimate(chunk, lossless=str(config.codec) == "native")
     total = int(torch.cuda.get_device_properties(device).total_memory)
     plan = plan_memory(
+        context=context_bytes(device),
         device=str(device),
         total_bytes=total,
         utilization=float(config.gpu_memory_utilization),
@@ -305,8 +324,19 @@ def build_plan(served: Any, config: Any) -> DeviceMemoryPlan | None:
         pool_bytes=int(config.batch_kv_bytes),
     )
     torch.cuda.empty_cache()  # the profile's blocks go back: the pool is sized to need them
-    torch.cuda.set_per_process_memory_fraction(plan.utilization, device)
+    # torch's allocator gets the budget less the context, which lives outside it
+    torch.cuda.set_per_process_memory_fraction(plan.allocator_fraction, device)
     return plan
+
+
+def context_bytes(device: torch.device) -> int:
+    """Device memory in use outside torch's allocator: the device's used bytes (what
+    `nvidia-smi` shows, every process on it) less what this process's allocator reserved. On a
+    device shared with another process this counts that process too, which the budget must
+    leave room for all the same."""
+    torch.cuda.synchronize(device)
+    free, total = torch.cuda.mem_get_info(device)
+    return max(0, int(total - free) - int(torch.cuda.memory_reserved(device)))
 
 
 def planned_config(config: Any, plan: DeviceMemoryPlan | None) -> Any:

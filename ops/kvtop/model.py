@@ -28,7 +28,9 @@ QUANTILES = (0.5, 0.9, 0.99)
 HUGE_ORDER = 9  # 2 MiB blocks with 4 KiB pages: what THP, hugetlb and large pinned buffers need
 # The GPU memory plan's parts in plan order (kvtier.server.memplan.PARTS): kvtop shows them so
 # whatever order the exposition has; a part it does not know follows them.
-PLAN_PARTS = ("weights", "activations", "graphs", "staging", "l1", "inflight", "pool", "headroom")
+PLAN_PARTS = (
+    "context", "weights", "activations", "graphs", "staging", "l1", "inflight", "pool", "headroom",
+)  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -169,6 +169,7 @@ class PlanStandIn:
 def h200_plan(used: int = 100 * GIB) -> PlanStandIn:
     """The plan of an H200 (141 GB) at 0.9: 126.9 GB, the page pool getting what is left."""
     parts = {
+        "context": 800 << 20,
         "weights": 16 * GIB,
         "activations": 3 * GIB,
         "graphs": 2 * GIB,

@@ -20,7 +20,17 @@ from test_exporter_inputs import (
 from kvtier.server.metrics import ServerMetrics
 from ops.exporter import CacheCollector, HostCollector
 
-ORDER = ["weights", "activations", "graphs", "staging", "l1", "inflight", "pool", "headroom"]
+ORDER = [
+    "context",
+    "weights",
+    "activations",
+    "graphs",
+    "staging",
+    "l1",
+    "inflight",
+    "pool",
+    "headroom",
+]
 
 
 def samples(registry: CollectorRegistry, prefix: str) -> list[tuple[str, dict[str, str], float]]:
