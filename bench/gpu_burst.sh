@@ -15,6 +15,7 @@ OUT="${1:-${OUT:-gpu-out}}"
 mkdir -p "$OUT"
 export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 STEPS="${STEPS:-whole gpu24}"
+ARRIVALS="${ARRIVALS:-burst stagger}"  # "burst" alone: no staggered baseline
 SECONDS_RUN="${SECONDS_RUN:-45}"
 FLEET="--turns 20 --think-ms 200 --system-chars 2900 --user-chars 60 --tool-chars 60"
 # the quickstart's 24 GB flags (docs/quickstart.md): 0.95 of a 24 GiB card, a 512-token step,
@@ -28,7 +29,7 @@ for step in $STEPS; do
     gpu24) args="--sessions 128 $GPU24"; n=128 ;;
     *) echo "unknown step $step"; continue ;;
   esac
-  for arrival in burst stagger; do
+  for arrival in $ARRIVALS; do
     echo "== $step $arrival $(date +%T)"
     if [ "$arrival" = burst ]; then how="--burst 2"; else how="--ramp 20"; fi
     timeout 280 python3 bench/serve_http.py $args $FLEET $how --duration "$SECONDS_RUN" \
