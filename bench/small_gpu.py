@@ -291,6 +291,7 @@ def make_plan(model, args, device: str, cap: float, slots: int, per_token: int, 
         activations = max(activations, eager)
         release(device)
         total = cap_bytes(cap, device)
+        context = memplan.context_bytes(torch.device(device))
     else:
         weights = serve.weight_bytes(model)
         hidden, inter = int(cfg.hidden_size), int(cfg.intermediate_size)
@@ -301,6 +302,7 @@ def make_plan(model, args, device: str, cap: float, slots: int, per_token: int, 
             ),
         )
         graphs = 0
+        context = 0  # no CUDA context off CUDA
         # the budget that leaves the pool `--cpu-pool-sessions` contexts after the parts (the
         # copies in flight as much as the staging) and the plan's headroom
         need = weights + activations + l1 + staging + args.cpu_pool_sessions * max_ctx * per_token
@@ -319,6 +321,7 @@ def make_plan(model, args, device: str, cap: float, slots: int, per_token: int, 
         per_token=per_token,
         context_tokens=max_ctx,
         l1_bytes=l1,
+        context=context,
     )
 
 
