@@ -341,15 +341,10 @@ class Fleet:
 
     async def metrics(self, client: httpx.AsyncClient) -> str | None:
         """The server's /metrics text, or None (the reason in `self.metrics_error`)."""
-        try:
-            resp = await client.get("/metrics")
-        except httpx.HTTPError as exc:
-            self.metrics_error = f"GET /metrics failed: {type(exc).__name__}: {exc}"
-            return None
-        if resp.status_code != 200:
-            self.metrics_error = f"GET /metrics answered {resp.status_code}"
-            return None
-        return resp.text
+        text, error = await scrape_metrics(client)
+        if error is not None:
+            self.metrics_error = error
+        return text
 
     async def run(self) -> dict[str, Any]:
         cfg = self.config
@@ -406,6 +401,17 @@ class Fleet:
 
 
 CONTEXT_EXCEEDED = "context_length_exceeded"
+
+
+async def scrape_metrics(client: httpx.AsyncClient) -> tuple[str | None, str | None]:
+    """(the server's /metrics text, None), or (None, why not)."""
+    try:
+        resp = await client.get("/metrics")
+    except httpx.HTTPError as exc:
+        return None, f"GET /metrics failed: {type(exc).__name__}: {exc}"
+    if resp.status_code != 200:
+        return None, f"GET /metrics answered {resp.status_code}"
+    return resp.text, None
 
 
 def take_event(sample: Any, event: dict[str, Any]) -> bool:

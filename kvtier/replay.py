@@ -32,7 +32,7 @@ from typing import Any
 import httpx
 
 from kvtier import trace
-from kvtier.loadgen import Sample, take_event
+from kvtier.loadgen import Sample, scrape_metrics, take_event
 from kvtier.loadgen_metrics import server_ttft
 from kvtier.loadgen_report import report, tiers_during
 from kvtier.replay_report import prefetch_summary, replay_summary
@@ -217,15 +217,10 @@ class Replay:
             s.error = f"{type(exc).__name__}: {exc}"
 
     async def metrics(self, client: httpx.AsyncClient) -> str | None:
-        try:
-            resp = await client.get("/metrics")
-        except httpx.HTTPError as exc:
-            self.metrics_error = f"GET /metrics failed: {type(exc).__name__}: {exc}"
-            return None
-        if resp.status_code != 200:
-            self.metrics_error = f"GET /metrics answered {resp.status_code}"
-            return None
-        return resp.text
+        text, error = await scrape_metrics(client)
+        if error is not None:
+            self.metrics_error = error
+        return text
 
     async def run(self) -> dict[str, Any]:
         cfg = self.config
