@@ -172,6 +172,8 @@ class TurnPages:
         """(The scheduler's thread) free the pages commits handed back: a page no table holds
         any more is free again; pages of a pool a failover replaced went with it. Returns how
         many commits handed theirs back."""
+        if not self._handed:  # every step asks: no lock while nothing came back
+            return 0
         with self._back:
             done, self._handed = self._handed, []
         for c in done:
