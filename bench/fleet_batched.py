@@ -16,9 +16,9 @@ import torch
 from fleet_serve import TENANT, Fleet, Measure, Window, count_sources, seed, session_name
 from stacks import StackSampler
 
-from kvtier.server.batching import BatchScheduler
-from kvtier.server.jobs import Delta, Job, Started, Stream
-from kvtier.server.model import ServedModel, byte_tokenizer
+from kvtier.server.batch.batching import BatchScheduler
+from kvtier.server.batch.jobs import Delta, Job, Started, Stream
+from kvtier.server.devices.model import ServedModel, byte_tokenizer
 
 # ---- (d, e) kvtier batched: the BatchScheduler -------------------------------------------------
 

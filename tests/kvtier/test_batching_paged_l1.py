@@ -30,8 +30,8 @@ from test_batching_share import (
 from kvtier.cache.restore import StagedPrefix
 from kvtier.errors import KvtierError
 from kvtier.server.backend import TieredBackend
-from kvtier.server.batching import BatchScheduler
-from kvtier.server.memplan import PAGE_SIZE
+from kvtier.server.batch.batching import BatchScheduler
+from kvtier.server.devices.memplan import PAGE_SIZE
 from kvtier.types import SessionState
 
 

@@ -27,10 +27,10 @@ from test_batching_share import (
 )
 
 from kvtier.server.backend import TieredBackend
-from kvtier.server.batching import BatchScheduler
-from kvtier.server.model import ServedModel
-from kvtier.server.pageshare import page_keys
-from kvtier.server.turn import Turn
+from kvtier.server.batch.batching import BatchScheduler
+from kvtier.server.batch.turn import Turn
+from kvtier.server.devices.model import ServedModel
+from kvtier.server.pages.pageshare import page_keys
 
 
 def _parked_pages(sched: BatchScheduler) -> set[int]:

@@ -24,13 +24,13 @@ from test_multi_device import _poison
 
 from kvtier.paged.sharded import ShardedPagePool
 from kvtier.server.backend import RecomputeBackend, TieredBackend
-from kvtier.server.batching import BatchScheduler
-from kvtier.server.failover import DEGRADED, place
-from kvtier.server.jobs import Job, Stream
-from kvtier.server.memplan import PAGE_SIZE
-from kvtier.server.model import ServedModel
-from kvtier.server.sampling import ReplyText, make_generator
-from kvtier.server.turn import Turn
+from kvtier.server.batch.batching import BatchScheduler
+from kvtier.server.batch.jobs import Job, Stream
+from kvtier.server.batch.turn import Turn
+from kvtier.server.decoding.sampling import ReplyText, make_generator
+from kvtier.server.devices.failover import DEGRADED, place
+from kvtier.server.devices.memplan import PAGE_SIZE
+from kvtier.server.devices.model import ServedModel
 
 COMMON = 100  # tokens every session's conversation starts with: 6 full pages of 16
 FULL = COMMON // PAGE_SIZE

@@ -30,7 +30,7 @@ from typing import Any
 from test_batching import _build, _config, _job, _one, _prompts, _run
 
 from kvtier.server.backend import TieredBackend
-from kvtier.server.batching import BatchScheduler
+from kvtier.server.batch.batching import BatchScheduler
 
 # The re-entries this walk makes (printed by the test): 72 to 79 in runs on 2 CPU cores, as the
 # threads' timing decides a few moves (the cache's background writes, whether the prefix's copies

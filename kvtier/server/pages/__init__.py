@@ -1,0 +1,1 @@
+"""The page manager: see README.md beside this file."""
