@@ -319,7 +319,7 @@ def resident_sessions(sched: BatchScheduler) -> int:
     changing them)."""
     for _ in range(20):
         try:
-            keys = set(list(sched.tables.parked))
+            keys = set(list(sched.pages.tables.parked))
             keys |= {(s.job.tenant, s.job.session_id) for s in list(sched.running)}
             return len(keys)
         except RuntimeError:  # changed size during iteration

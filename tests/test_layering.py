@@ -63,7 +63,7 @@ def test_clean_tree_passes() -> None:
         ("kvtier/server/batch/scheduler.py", "+import torch\n", "scheduler's policy"),
         (
             "kvtier/server/devices/model.py",
-            "+import kvtier.server.pages.kvpages\n",
+            "+import kvtier.server.pages.manager\n",
             "folders call down",
         ),
         (
@@ -72,6 +72,7 @@ def test_clean_tree_passes() -> None:
             "folders call down",
         ),
         ("kvtier/server/batch/jobs.py", "+import kvtier.server.http.common\n", "folders call down"),
+        ("kvtier/server/batch/batching.py", "+import kvtier.server.pages.parking\n", "its face"),
     ],
 )
 def test_violation_fails(tmp_path: Path, rel: str, source: str, contract: str) -> None:

@@ -192,7 +192,9 @@ def test_greedy_batch_equals_each_session_alone_across_restores(
     finally:
         sched.close()
         backend.close()
-    parked = sum(len(p.table.pages) for p in sched.tables.parked.values())  # paged L1 keeps them
+    parked = sum(
+        len(p.table.pages) for p in sched.pages.tables.parked.values()
+    )  # paged L1 keeps them
     assert sched.pool.num_free + parked == sched.pool.num_pages
 
 
@@ -329,7 +331,9 @@ def test_full_pool_queues_and_preempts_then_completes(tmp_path: Path) -> None:
     finally:
         sched.close()
         backend.close()
-    parked = sum(len(p.table.pages) for p in sched.tables.parked.values())  # paged L1 keeps them
+    parked = sum(
+        len(p.table.pages) for p in sched.pages.tables.parked.values()
+    )  # paged L1 keeps them
     assert sched.pool.num_free + parked == sched.pool.num_pages
 
 
@@ -441,10 +445,10 @@ def test_admission_leaves_the_decoders_their_next_page(tmp_path: Path) -> None:
 
     a, b = seq(32), seq(30)
     sched.waiting.append(a)
-    sched.run_step(sched.turns.schedule())  # a's prompt fills 2 pages exactly; one token sampled
+    sched.run_step(sched.schedule())  # a's prompt fills 2 pages exactly; one token sampled
     assert (a.fed, len(a.tokens), sched.pool.num_free) == (32, 33, 2)
     sched.waiting.append(b)  # needs 2 pages; a needs 1 for its next token
-    items = sched.turns.schedule()
+    items = sched.schedule()
     assert [s for s, _ in items] == [a] and list(sched.waiting) == [b]
     sched.runner.step([SeqInput(s.paged, t) for s, t in items if s.paged])  # no PoolExhausted
     loop.close()
@@ -482,16 +486,16 @@ def test_a_step_that_decodes_takes_few_prompt_tokens(tmp_path: Path) -> None:
     short, long_ = _prompts(21, [6, 100])
     a, b = seq(short), seq(long_)
     sched.waiting.append(a)
-    sched.run_step(sched.turns.schedule())  # a alone: its whole prompt, then it decodes
+    sched.run_step(sched.schedule())  # a alone: its whole prompt, then it decodes
     assert a.fed == 6 and len(a.tokens) == 7
     sched.waiting.append(b)
     for _ in range(3):
-        items = sched.turns.schedule()
+        items = sched.schedule()
         assert [len(t) for _, t in items] == [1, 8]  # a's token, 8 of b's prompt
         sched.run_step(items)
     sched._leave(a)  # a is done: nothing decodes
     sched.pool.release(a.paged)
-    items = sched.turns.schedule()
+    items = sched.schedule()
     assert [(s, len(t)) for s, t in items] == [(b, 48)]  # prefill_step, under batch_tokens
     loop.close()
     with pytest.raises(ConfigError, match="decoding_prompt_tokens"):
@@ -537,13 +541,13 @@ def test_admissions_per_step_spreads_arrivals_over_steps(tmp_path: Path) -> None
         sched.close()  # no scheduler thread: the test drives the steps
         for p in prompts[:1] if decoder else []:  # admitted and prefilled: it decodes next
             sched.waiting.append(_waiting(p, loop, served))
-            sched.run_step(sched.turns.schedule())
+            sched.run_step(sched.schedule())
         for p in prompts:
             sched.waiting.append(_waiting(p, loop, served))
         counts = []
         while sched.waiting:
             before = len(sched.running)
-            items = sched.turns.schedule()
+            items = sched.schedule()
             counts.append(len(sched.running) - before)
             sched.run_step(items)
         return counts

@@ -85,9 +85,9 @@ def test_a_returning_turns_walk_through_the_parts(tmp_path: Path) -> None:
             reply = _run(sched, _one(sched, _job("w", first, 8)))[0]
             sched.drop_parked("w", "t")  # its pages go: the next turn restores from L2
             deadline = time.monotonic() + 30
-            while sched.tables.parked and time.monotonic() < deadline:
+            while sched.pages.tables.parked and time.monotonic() < deadline:
                 time.sleep(0.01)
-            assert not sched.tables.parked
+            assert not sched.pages.tables.parked
             backend.hibernate("w", "t")
             second = first + list(reply.text.encode()) + _prompts(42, [12])[0]
 

@@ -35,24 +35,25 @@ stay parked as the session's L1 (`kvtier.server.pages.parking`). Restores never 
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import logging
 import sys
 import threading
 from array import array
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from kvtier.errors import KvtierError
 from kvtier.paged import BatchRunner, PagePool
 from kvtier.server.backend import Backend, PagedBackend, RecomputeBackend
-from kvtier.server.batch.committing import TurnCommits
+from kvtier.server.batch.committing import TurnCommits, report_failure
+from kvtier.server.batch.counters import Counters
 from kvtier.server.batch.eventpost import EventPost
 from kvtier.server.batch.jobs import Delta, Job, Stream
 from kvtier.server.batch.promptorder import PromptOrder
 from kvtier.server.batch.restoring import RestoreWorkers, helper_threads
 from kvtier.server.batch.schedthread import tune_interpreter
-from kvtier.server.batch.scheduler import TurnScheduler
+from kvtier.server.batch.scheduler import Item, RunQueues, Schedule, TurnScheduler
 from kvtier.server.batch.stepping import StepOutput, StepRunner
 from kvtier.server.batch.turn import Turn
 from kvtier.server.decoding.logitproc import decoding_of
@@ -60,9 +61,7 @@ from kvtier.server.decoding.sampling import ReplyText, make_generator
 from kvtier.server.devices.failover import make_pool
 from kvtier.server.devices.memplan import decode_graphs, model_kv, page_size, pool_bytes
 from kvtier.server.devices.model import ServedModel
-from kvtier.server.pages.kvpages import TurnPages
-from kvtier.server.pages.loading import StagedLoader
-from kvtier.server.pages.parking import Key, PageTables
+from kvtier.server.pages import Key, Pages
 from kvtier.tiers.l3 import io as l3_io
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -140,17 +139,7 @@ class BatchScheduler:
         self._keep_kv = not isinstance(backend, RecomputeBackend)
         helpers = helper_threads(config, served.device)
         self._cond = threading.Condition()
-        self._arrived: list[Turn] = []
-        self._restoring = 0  # submitted jobs whose restore has not finished
-        self._closed = False
-        self.waiting: deque[Turn] = deque()
-        self.running: list[Turn] = []
-        # Prefix pages shared between a tenant's running sequences; not with a lossy codec (a
-        # session restored from L1 would read another's approximate prefix, not its own).
-        self.share_prefixes = config.codec == "native"
-        # Parked pages (`park_pages`): a finished turn's pages stay as its session's, the least
-        # recently parked going first; its next turn starts from them (architecture.md)
-        self.park_pages = bool(config.park_pages) and self._keep_kv
+        self.counters = Counters(metrics)
         # Paged L1 (`paged_l1`): the pool is the sessions' L1. A finished turn stores its new
         # chunks in L2 straight from its pages and parks them; the cache keeps no L1 copy.
         # The next turn starts from the parked pages, or restores from L2/L3 when they went.
@@ -163,58 +152,21 @@ class BatchScheduler:
         ):
             self._paged = backend
         self.paged_l1 = self._paged is not None
-        self.park_pages = self.park_pages or self.paged_l1
         self.chunk_tokens = int(config.chunk_tokens)
-        # finished turns commit (or abort) on `helpers` threads of their own; `on_error` hears
-        # of every error that fails a request (the engine's: a lost device stops the server)
-        self.commits = TurnCommits(
-            backend,
-            self._paged,
-            self.chunk_tokens,
-            helpers,
-            lambda s: self.restores.release_l1(s),
-            self._count,
-            on_error,
-            hand_back=lambda pages: self.pages.hand_back(pages),
-            failures=self._commit_failed,
-        )
-        self.tables = PageTables(
-            lambda: self.pool,
+        # the page manager. Parked pages (`park_pages`): a finished turn's pages stay as its
+        # session's, the least recently parked going first; its next turn starts from them
+        # (docs/architecture.md). Prefix pages are shared between a tenant's running turns;
+        # not with a lossy codec (a session restored from L1 would read another's approximate
+        # prefix, not its own).
+        self.pages = Pages(
+            self.pool,
             self._cond,
-            lambda key: self.commits.submit(self._pages_dropped, key),
-            park=self.park_pages,
-            share=self.share_prefixes,
-            paged_l1=self.paged_l1,
-        )
-        self.restores = RestoreWorkers(
-            backend,
             self._paged,
-            self.tables,
-            self._cond,
-            helpers,
-            float(config.queue_timeout),
-            arrive=self._arrive,
-            fail=self._restore_failed,
-            closed=lambda: self._closed,
-            dropping=lambda key: key in self._dropping,
-        )
-        # paged L1: issues the copies of staged prefixes into their pages
-        self.loader = StagedLoader(self._pages, self.tables.register)
-        # the page manager: admissions into the pool, preemptions out of it, the way out
-        self.pages = TurnPages(
-            lambda: self.pool,
-            self.tables,
-            self.loader,
-            self.running,
-            self.waiting,
-            self.fail,
-            self._count,
-            paged_l1=self.paged_l1,
+            self.counters.count,
+            park=(bool(config.park_pages) and self._keep_kv) or self.paged_l1,
+            share=config.codec == "native",
             chunk_tokens=self.chunk_tokens,
         )
-        self._dropping: list[Key] = []  # parked tables to free (`drop_parked`)
-        self._iterations = 0  # scheduler iterations, for the pool's gauges
-        self._events = EventPost()  # this iteration's events, handed over together
         # the model runner; overlapped steps (kvtier.server.batch.lookahead) unless turned off
         self.steps = StepRunner(
             runner,
@@ -224,25 +176,43 @@ class BatchScheduler:
             overlap_steps=bool(config.overlap_steps),
             metrics=metrics,
         )
-        # the policy: what runs each step, what is admitted, what is preempted
+        # the policy, and the turns' queues it owns: what runs each step, what is admitted,
+        # what is preempted
         self.turns = TurnScheduler(
-            pool=lambda: self.pool,
-            running=self.running,
-            waiting=self.waiting,
+            cond=self._cond,
             pages=self.pages,
-            tables=self.tables,
-            loader=self.loader,
-            steps=self.steps,
-            drain=self._drain,
             prompts=self.prompts,
-            fail=self.fail,
-            out_of_room=self._out_of_room,
             max_batch=self.max_batch,
             batch_tokens=self.batch_tokens,
             prefill_step=self.prefill_step,
             decoding_prompt_tokens=self.decoding_prompt_tokens,
             admissions_per_step=self.admissions_per_step,
         )
+        self.queues: RunQueues = self.turns.queues
+        # restores run on `helpers` threads, and finished turns commit (or abort) on as many of
+        # their own; `on_error` hears of every error that fails a request (the engine's: a lost
+        # device stops the server)
+        self.restores = RestoreWorkers(
+            backend,
+            self._paged,
+            self.pages,
+            self.queues,
+            helpers,
+            float(config.queue_timeout),
+            report=functools.partial(report_failure, on_error=on_error),
+        )
+        self.commits = TurnCommits(
+            backend,
+            self._paged,
+            self.chunk_tokens,
+            helpers,
+            self.counters,
+            release_l1=self.restores.release_l1,
+            hand_back=self.pages.hand_back,
+            on_error=on_error,
+        )
+        self._iterations = 0  # scheduler iterations, for the pool's gauges
+        self._events = EventPost()  # this iteration's events, handed over together
         isolate = bool(config.isolate_cpus) and served.device.type == "cuda"
         self._switch_interval = tune_interpreter(config, served.device)  # given back at close
         if served.devices is not None:
@@ -268,10 +238,7 @@ class BatchScheduler:
             tokens=array("q", job.prompt_ids),
             decoding=decoding_of(job),
         )
-        with self._cond:
-            if self._closed:
-                raise KvtierError("the batch scheduler is closed; the server is shutting down")
-            self._restoring += 1
+        self.queues.submitted()
         self.restores.submit(s)
         return done
 
@@ -279,73 +246,49 @@ class BatchScheduler:
         """Free the session's parked pages (if any, and not claimed by a turn on its way in)
         on the scheduler's thread, at its next iteration."""
         with self._cond:
-            self._dropping.append(Key(tenant, session_id))
+            self.pages.drop_parked(Key(tenant, session_id))
             self._cond.notify_all()
 
     def close(self) -> None:
         """Stop once every submitted job has finished; then stop the restore and commit pools."""
         with self._cond:
-            self._closed = True
+            self.queues.closed = True
             self._cond.notify_all()
         self._thread.join()
         self.restores.shutdown()
-        self.loader.close()
         self.commits.shutdown()
-        self.pages.release_held()  # the scheduler's thread is gone: the commits' pages go here
+        self.pages.close()  # the scheduler's thread is gone: the commits' pages go here
         sys.setswitchinterval(self._switch_interval)
 
-    def _arrive(self, s: Turn) -> None:
-        """A restored turn waits for the scheduler thread."""
-        with self._cond:
-            self._restoring -= 1
-            self._arrived.append(s)
-            self._cond.notify_all()
+    @property
+    def running(self) -> list[Turn]:
+        return self.queues.running
 
-    def _restore_failed(self, s: Turn, exc: BaseException) -> None:
-        self.commits.report(s, exc)
-        with self._cond:
-            self._restoring -= 1
-            self._cond.notify_all()
-
-    def _pages(self) -> PagedBackend:
-        """The backend, on a path that runs only with paged L1."""
-        assert self._paged is not None
-        return self._paged
-
-    def _commit_failed(self, reason: str) -> None:
-        commit_failure = getattr(self.metrics, "commit_failure", None)
-        if commit_failure is not None:
-            commit_failure(reason)
-
-    def _pages_dropped(self, key: Key) -> None:
-        try:
-            self._pages().pages_dropped(key.session_id, key.tenant)
-        except Exception:
-            log.exception("marking session %s hibernated failed", key.session_id[:64])
+    @property
+    def waiting(self) -> deque[Turn]:
+        return self.queues.waiting
 
     # ---- the scheduler thread -----------------------------------------------------------------
 
     def _main(self, isolate: bool) -> None:
         if isolate:
             l3_io.isolate_caller()
+        q = self.queues
         while True:
             with self._cond:
                 while not (
-                    self._arrived
-                    or self._dropping
-                    or self.waiting
-                    or self.running
+                    q.arrived
+                    or self.pages.dropping()
+                    or q.busy()
                     or self.steps.pending
-                    or self._closed
+                    or q.closed
                     or self._devices()
                 ):
                     self._cond.wait()
-                self.waiting.extend(self._arrived)
-                self._arrived.clear()
-                dropping, self._dropping = self._dropping, []
-                self.tables.drop(dropping)
-                if self._closed and not (self.waiting or self.running or self.steps.pending):
-                    if self._restoring == 0:
+                q.take_arrived()
+                self.pages.drop_asked()
+                if q.closed and not (q.busy() or self.steps.pending):
+                    if q.restoring == 0:
                         return
                     self._cond.wait()
                     continue
@@ -354,7 +297,7 @@ class BatchScheduler:
             except BaseException as exc:  # a bug here must not leave clients hanging
                 log.exception("batch scheduler iteration failed")
                 self.steps.pending = None
-                for s in [*self.running, *self.waiting]:
+                for s in q.all():
                     self.fail(s, exc)
 
     def _devices(self) -> bool:
@@ -362,46 +305,77 @@ class BatchScheduler:
         return self.served.devices is not None and self.served.devices.pending
 
     def _iterate(self) -> None:
+        q = self.queues
         if self.served.devices is not None:
             self._drain()
             self.served.devices.poll(self)  # between steps: fail over or restore a device
-        cancelled = [s for s in [*self.running, *self.waiting] if s.stream.cancelled.is_set()]
+        cancelled = [s for s in q.all() if s.stream.cancelled.is_set()]
         if cancelled:
             self._drain()  # their tokens of the step in flight first
             for s in cancelled:
                 if not s.gone:
                     self.finish(s, "cancelled")
-        items = self.turns.schedule()
+        items = self.schedule()
         if items:
             self.run_step(items)
         else:
             self._drain()
-            self.loader.wait_first(self.running)
+            self.pages.wait_loading(q.running)
         self._deliver()
+        self.report_dropped()
         self._iterations += 1
-        idle = not (self.running or self.waiting)  # and when it goes idle, for an exact figure
+        idle = not q.busy()  # and when it goes idle, for an exact figure
         if idle or self._iterations % POOL_GAUGE_EVERY == 1:
-            self.tables.report(self.metrics)
+            self.counters.pages(*self.pages.figures())
+
+    def schedule(self) -> list[Item]:
+        """The policy's schedule, after what it asks first: the turns it fails or cuts short,
+        and the step in flight's tokens taken (then it schedules again)."""
+        while True:
+            plan: Schedule = self.turns.schedule(self.steps.pending is not None)
+            for s, exc in plan.failed:
+                self.fail(s, exc)
+            if plan.cut is not None:
+                self._out_of_room(plan.cut)
+            if plan.drain:
+                self._drain()
+            elif not plan.again:
+                return plan.items
+
+    def report_dropped(self) -> None:
+        """Paged L1: the sessions whose parked pages went are in L2/L3 alone now; the cache
+        hears of it off this thread."""
+        if self._paged is not None:
+            for key in self.pages.dropped():
+                self.commits.submit(self._paged_dropped, key)
+
+    def _paged_dropped(self, key: Key) -> None:
+        assert self._paged is not None
+        try:
+            self._paged.pages_dropped(key.session_id, key.tenant)
+        except Exception:
+            log.exception("marking session %s hibernated failed", key.session_id[:64])
 
     def settled(self, timeout: float) -> list[Turn]:
-        """Running, waiting and arrived sequences, once restores holding L1 have handed theirs
+        """Running, waiting and arrived turns, once restores holding L1 have handed theirs
         over (at most `timeout` s): for a device failover (kvtier.server.devices.rehome)."""
+        q = self.queues
 
         def over() -> bool:
-            return self.restores.holding <= len(self.running + list(self.waiting) + self._arrived)
+            return self.restores.holding <= len(q.all()) + len(q.arrived)
 
         with self._cond:
             self._cond.wait_for(over, timeout=timeout)
-            return [*self.running, *self.waiting, *self._arrived]
+            return [*q.all(), *q.arrived]
 
     def fail_queued(self, s: Turn, exc: BaseException) -> None:
-        """Fail a sequence that may still be in the arrived list."""
+        """Fail a turn that may still be in the arrived list."""
         with self._cond:
-            if s in self._arrived:
-                self._arrived.remove(s)
+            if s in self.queues.arrived:
+                self.queues.arrived.remove(s)
         self.fail(s, exc)
 
-    # ---- device failover's port (kvtier.server.devices.failover.SchedulerPort) ------------------------
+    # ---- device failover's port (kvtier.server.devices.failover.SchedulerPort) ----------------
 
     def locked(self) -> threading.Condition:
         """The scheduler's lock (its condition), as a context manager: what another thread
@@ -414,17 +388,11 @@ class BatchScheduler:
             self._cond.notify_all()
 
     def evacuate(self, keep: bool) -> None:
-        """Every running sequence leaves the pool and waits at the head of the queue, in its
-        order. With `keep` its K/V first moves to its session's Cache (`TurnPages.preempt`); without,
-        its pages are dropped unread (they go with the pool) and the tokens they held are
-        recomputed when it is admitted again. On the scheduler's thread, between steps."""
-        for s in reversed(list(self.running)):
-            if keep:
-                self.pages.preempt(s)
-            else:
-                self.running.remove(s)
-                s.lose_pages()  # they go with the old pool; `cached` is what its Cache holds
-                self.waiting.appendleft(s)
+        """Every running turn leaves the pool and waits at the head of the queue, in its order
+        (`TurnScheduler.evacuate`); one whose K/V could not be kept fails. On the scheduler's
+        thread, between steps."""
+        for s, exc in self.turns.evacuate(keep):
+            self.fail(s, exc)
 
     def detach_pool(self) -> PagePool:
         """Let go of the page pool and the runner; returns the pool. No step may run until
@@ -436,6 +404,7 @@ class BatchScheduler:
     def install_pool(self, pool: PagePool, runner: BatchRunner) -> None:
         """A new page pool and its runner (after `detach_pool`)."""
         self.pool = pool
+        self.pages.replace_pool(pool)
         self.steps.replace_runner(runner)
 
     @property
@@ -462,7 +431,7 @@ class BatchScheduler:
 
     # ---- the step and its outcome -------------------------------------------------------------
 
-    def run_step(self, items: list[tuple[Turn, Sequence[int]]]) -> None:
+    def run_step(self, items: list[Item]) -> None:
         """Run a step of `items` (`StepRunner.step`), then end the turns it ended."""
         self._ended(self.steps.step(items))
 
@@ -488,10 +457,15 @@ class BatchScheduler:
             exc, items = out.failed.exc, out.failed.items
             devices = self.served.devices
             if devices is not None and devices.lost_in_step(self, exc, items):
-                return  # a device was lost: its sequences wait to run on the survivors
+                return  # a device was lost: its turns wait to run on the survivors
             log.error("batched forward failed (%d sequences)", len(items), exc_info=exc)
             for s, _ in items:
                 self.fail(s, exc)
+
+    def observe_ttft(self, s: Turn, seconds: float) -> None:
+        """A turn's first token came `seconds` after its submission."""
+        if s.restored is not None and not s.job.internal:
+            self.counters.ttft(s.restored.source, seconds)
 
     def post(self, s: Turn, event: Delta) -> None:
         self._events.post(s.stream, event)
@@ -513,18 +487,8 @@ class BatchScheduler:
 
     def _leave(self, s: Turn) -> None:
         s.end()
-        # its pages are read (a commit) or freed next; if its prefix never reached them, they
-        # go now, so that nothing of them is committed
-        if s.loading is not None and self.loader.finish(s) is not None:
-            self.pages.release(s)
-        if s in self.running:
-            self.running.remove(s)
-        elif s in self.waiting:
-            self.waiting.remove(s)
-        held = s.unclaim()
-        if held is not None:  # never admitted: its claimed table may be freed again
-            with self._cond:
-                held.claimed = False
+        self.pages.leave(s)
+        self.queues.leave(s)
 
     def finish(self, s: Turn, reason: str, flush: bool = False) -> None:
         """End the turn: its reply's last events, its pages parked or freed, and its commit off
@@ -537,16 +501,19 @@ class BatchScheduler:
         fed = s.fed
         try:
             if self.paged_l1:
-                new: Any = self.pages.chunks_out(s)
+                chunks = self.pages.chunks_out(s)
             else:
                 new = self.pages.copy_out(s) if (self._keep_kv and s.paged is not None) else None
         except BaseException as exc:
             self.fail(s, exc)
             return
-        if reason == "cancelled" or not self.tables.park(s):  # a client gone: its L1 is freed too
+        if reason == "cancelled" or not self.pages.park(s):  # a client gone: its L1 is freed too
             self.pages.release(s)
         self._deliver()  # its deltas reach the client before Finished
-        self.commits.submit(self.commits.commit, s, reason, fed, new)
+        if self.paged_l1:
+            self.commits.submit(self.commits.commit_pages, s, reason, fed, chunks)
+        else:
+            self.commits.submit(self.commits.commit_cache, s, reason, fed, new)
 
     def fail(self, s: Turn, exc: BaseException) -> None:
         """The request fails: free its pages, and abort its session off this thread."""
@@ -555,13 +522,3 @@ class BatchScheduler:
         self.pages.release(s)
         self._deliver()
         self.commits.submit(self.commits.abort, s, exc)
-
-    # ---- metrics (optional) -------------------------------------------------------------------
-
-    def _count(self, name: str, n: int = 1) -> None:
-        if self.metrics is not None:
-            self.metrics.count(name, n)
-
-    def observe_ttft(self, s: Turn, seconds: float) -> None:
-        if self.metrics is not None and s.restored is not None and not s.job.internal:
-            self.metrics.ttft(s.restored.source, seconds)

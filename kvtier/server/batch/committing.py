@@ -21,9 +21,9 @@ import torch
 
 from kvtier.errors import KvtierError, L4Unavailable, StoreError, StoreFullError
 from kvtier.server.backend import Backend, PagedBackend
+from kvtier.server.batch.counters import Counters
 from kvtier.server.batch.jobs import Failed, Finished
-from kvtier.server.pages.kvpages import CommitPages
-from kvtier.server.pages.pagecopy import append_kv
+from kvtier.server.pages import CommitPages, append_kv
 
 if TYPE_CHECKING:  # pragma: no cover
     from kvtier.server.batch.turn import Turn
@@ -47,10 +47,11 @@ def failure_reason(exc: BaseException) -> str:
 class TurnCommits:
     """Commits and aborts of finished turns on `threads` commit threads (`executor`).
 
-    `release_l1(s)` is told when a restored turn's session may leave L1 again, `count(name, n)`
-    counts tokens for /metrics, `on_error(exc)` hears of every error that fails a request or a
-    commit (the engine's: a lost device stops the server), `hand_back(pages)` takes the pages a
-    commit held back to the scheduler's thread, and `failures(reason)` counts a failed commit."""
+    `release_l1(s)` is told when a restored turn's session may leave L1 again (the restore
+    workers' `release_l1`), `counters` take the tokens and the failed commits for /metrics,
+    `on_error(exc)` hears of every error that fails a request or a commit (the engine's: a lost
+    device stops the server), and `hand_back(pages)` takes the pages a commit held back to the
+    scheduler's thread (the page manager's `hand_back`)."""
 
     def __init__(
         self,
@@ -58,21 +59,19 @@ class TurnCommits:
         paged: PagedBackend | None,
         chunk_tokens: int,
         threads: int,
+        counters: Counters,
         release_l1: Callable[[Turn], None],
-        count: Callable[[str, int], None],
+        hand_back: Callable[[CommitPages], None],
         on_error: Callable[[BaseException], Any] | None = None,
-        hand_back: Callable[[CommitPages], None] | None = None,
-        failures: Callable[[str], None] | None = None,
     ) -> None:
         self.backend = backend
         self.paged = paged
         self.chunk_tokens = chunk_tokens
         self.executor = concurrent.futures.ThreadPoolExecutor(threads, "kvtier-commit")
+        self.counters = counters
         self._release_l1 = release_l1
-        self._count = count
+        self._hand_back = hand_back
         self._on_error = on_error
-        self._hand_back = hand_back or (lambda c: None)  # held pages back to the scheduler
-        self._failures = failures or (lambda reason: None)  # kvtier_commit_failures_total
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future[Any]:
         return self.executor.submit(fn, *args)
@@ -88,45 +87,64 @@ class TurnCommits:
         )
         old.shutdown(wait=True)
 
-    def commit(
-        self, s: Turn, reason: str, fed: int, new: CommitPages | torch.Tensor | None
-    ) -> None:
-        """Store the turn's K/V (its first `fed` tokens), then close its stream. The reply is
-        delivered whatever the commit meets (a device OOM, full tiers, an I/O error, L4 down):
-        the turn's K/V past what was stored is dropped, to be recomputed at the session's next
-        turn, and the failure is counted by reason (`commit_failures`)."""
-        job, backend = s.job, self.backend
-        assert s.restored is not None
+    # A commit stores the turn's K/V (its first `fed` tokens), then closes its stream. The
+    # reply is delivered whatever the commit meets (a device OOM, full tiers, an I/O error, L4
+    # down): the turn's K/V past what was stored is dropped, to be recomputed at the session's
+    # next turn, and the failure is counted by reason (`_commit_failed`).
+
+    def commit_pages(self, s: Turn, reason: str, fed: int, pages: CommitPages | None) -> None:
+        """Paged L1: store the turn's new chunks from the pages it holds (`Pages.chunks_out`;
+        None from an int8 pool, where the stored prefix stays), then close its stream."""
+        assert self.paged is not None
         try:
-            if self.paged is not None:
-                if new is None:  # nothing to store (an int8 pool): the stored prefix stays
-                    backend.abort(job.session_id, job.tenant)
-                else:
-                    assert isinstance(new, CommitPages)
-                    self._commit_pages(s, fed, new)
+            if pages is None:
+                self.backend.abort(s.job.session_id, s.job.tenant)
             else:
-                if new is not None:
-                    assert isinstance(new, torch.Tensor)
-                    append_kv(s.restored.kv, new)
-                # Commit what the KV now covers, also after a disconnect: a returning client finds it.
-                backend.commit(job.session_id, job.tenant, s.tokens[:fed])
-            if job.ephemeral:
-                backend.forget(job.session_id, job.tenant)
-            elif reason == "cancelled":
-                backend.hibernate(job.session_id, job.tenant)  # the client went away: free its L1
+                self._store_chunks(s, fed, pages)
+            self._session_after(s, reason)
         except BaseException as exc:
             self._commit_failed(s, exc)
+        self._close(s, reason)
+
+    def commit_cache(self, s: Turn, reason: str, fed: int, new: torch.Tensor | None) -> None:
+        """Append the K/V copied out of the turn's pages (`Pages.copy_out`; None from an int8
+        pool) to its session's Cache and commit what the Cache covers, as the per-request
+        worker does; then close its stream."""
+        job = s.job
+        assert s.restored is not None
+        try:
+            if new is not None:
+                append_kv(s.restored.kv, new)
+            # what the KV covers, also after a disconnect: a returning client finds it
+            self.backend.commit(job.session_id, job.tenant, s.tokens[:fed])
+            self._session_after(s, reason)
+        except BaseException as exc:
+            self._commit_failed(s, exc)
+        self._close(s, reason)
+
+    def _session_after(self, s: Turn, reason: str) -> None:
+        """An ephemeral session is forgotten; one whose client went away leaves L1."""
+        job = s.job
+        if job.ephemeral:
+            self.backend.forget(job.session_id, job.tenant)
+        elif reason == "cancelled":
+            self.backend.hibernate(job.session_id, job.tenant)
+
+    def _close(self, s: Turn, reason: str) -> None:
+        """The turn's tokens counted, its session free to leave L1, its stream's Finished."""
+        job = s.job
+        assert s.restored is not None
         total = len(job.prompt_ids)
         if not job.internal:
-            self._count("completion_tokens", len(s.reply.ids))
-            self._count("prompt_tokens", total)
+            self.counters.count("completion_tokens", len(s.reply.ids))
+            self.counters.count("prompt_tokens", total)
         self._release_l1(s)
         s.stream.put(
             Finished(reason, total, len(s.reply.ids), s.restored.covered, s.restored.source)
         )
         s.done.set_result(None)
 
-    def _commit_pages(self, s: Turn, fed: int, new: CommitPages) -> None:
+    def _store_chunks(self, s: Turn, fed: int, new: CommitPages) -> None:
         """Store the turn's chunks from its held pages, then hand the pages back."""
         job = s.job
         assert self.paged is not None
@@ -152,7 +170,7 @@ class TurnCommits:
         reply's failure."""
         job = s.job
         reason = failure_reason(exc)
-        self._failures(reason)
+        self.counters.commit_failure(reason)
         log.warning(
             "session %s: the commit failed (%s: %r); the reply is delivered, its K/V past the "
             "stored prefix is recomputed at the next turn",
@@ -182,20 +200,34 @@ class TurnCommits:
         self.report(s, exc)
 
     def report(self, s: Turn, exc: BaseException) -> None:
-        """The request fails with `exc`: its stream and its future say so."""
-        self.error(exc)  # a restore's or a commit's (once more for a step's: idempotent)
-        if isinstance(exc, KvtierError):
-            log.warning("session %s: %s: %s", s.job.session_id[:64], type(exc).__name__, exc)
-        else:
-            log.error("generation failed for session %s: %r", s.job.session_id[:64], exc)
-        s.stream.put(Failed(exc))
-        if not s.done.done():
-            s.done.set_result(None)
+        """The request fails with `exc` (`report_failure`)."""
+        report_failure(s, exc, self._on_error)
 
     def error(self, exc: BaseException) -> None:
-        if self._on_error is None:
-            return
-        try:
-            self._on_error(exc)
-        except Exception:  # the request's own failure goes on to its client regardless
-            log.exception("handling a failed request's error failed")
+        """`on_error` hears of `exc` (`notify`)."""
+        notify(self._on_error, exc)
+
+
+def notify(on_error: Callable[[BaseException], Any] | None, exc: BaseException) -> None:
+    """`on_error` hears of an error that fails a request or a commit."""
+    if on_error is None:
+        return
+    try:
+        on_error(exc)
+    except Exception:  # the request's own failure goes on to its client regardless
+        log.exception("handling a failed request's error failed")
+
+
+def report_failure(
+    s: Turn, exc: BaseException, on_error: Callable[[BaseException], Any] | None
+) -> None:
+    """The request fails with `exc`: its stream and its future say so, and `on_error` hears of
+    it (a restore's, a step's or a commit's: once more for a step's, which is idempotent)."""
+    notify(on_error, exc)
+    if isinstance(exc, KvtierError):
+        log.warning("session %s: %s: %s", s.job.session_id[:64], type(exc).__name__, exc)
+    else:
+        log.error("generation failed for session %s: %r", s.job.session_id[:64], exc)
+    s.stream.put(Failed(exc))
+    if not s.done.done():
+        s.done.set_result(None)

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvtier.errors import InvalidRequest, KvtierError
+from kvtier.errors import ContextExceeded, InvalidRequest, KvtierError
 from kvtier.server.reqmetrics import TurnClock
 
 # The warm-up's session: '#' is outside what clients may send as a session id or tenant
@@ -24,10 +24,6 @@ class Overloaded(KvtierError):
     def __init__(self, message: str, retry_after: int) -> None:
         super().__init__(message)
         self.retry_after = retry_after
-
-
-class ContextExceeded(InvalidRequest):
-    """The prompt alone does not fit in the model's context."""
 
 
 class Draining(KvtierError):
@@ -141,11 +137,3 @@ def check_fits(served: Any, config: Any, prompt_tokens: int, max_tokens: int | N
             f"prompt {prompt_tokens} tokens, server limit {config.max_tokens_limit})"
         )
     return max_tokens
-
-
-def pool_too_small(tokens: int, capacity: int) -> ContextExceeded:
-    """A conversation longer than the batch's page pool holds (`capacity` tokens)."""
-    return ContextExceeded(
-        f"the conversation has {tokens} tokens but the batch KV pool holds {capacity}; shorten "
-        "it, or raise batch_kv_bytes (or turn batching off)"
-    )

@@ -9,7 +9,6 @@ aborted; when L1 is full of such sessions, a restore waits for one to be release
 from __future__ import annotations
 
 import concurrent.futures
-import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -19,10 +18,11 @@ from kvtier.errors import L1BudgetExceeded
 from kvtier.server.backend import Backend, PagedBackend, Restored
 from kvtier.server.batch.jobs import Job, Started
 from kvtier.server.batch.turntrace import TurnTrace
-from kvtier.server.pages.parking import Key, PageTables, key_of
 
 if TYPE_CHECKING:  # pragma: no cover
+    from kvtier.server.batch.scheduler import RunQueues
     from kvtier.server.batch.turn import Turn
+    from kvtier.server.pages import Pages
 
 # Restore threads, and as many commit threads, on a CUDA device. A restore from L2 spends most
 # of its time waiting (for locks, the GIL, its copies), so more threads admit more returning
@@ -47,31 +47,27 @@ def in_l1(restored: Restored) -> bool:
 class RestoreWorkers:
     """Restores turns on `threads` threads (`executor`) and counts the L1 they hold.
 
-    `cond` is the scheduler's condition, which guards `holding` and `released` too. A restored
-    turn goes to `arrive(s)`, a failed one to `fail(s, exc)`; `closed()` says the scheduler is
-    shutting down, and `dropping(key)` that a session's parked pages are to be freed."""
+    A restored turn arrives in the scheduler's `queues`; a failed one is reported (`report`,
+    the commit threads' `TurnCommits.report`) and never arrives. The queues' condition guards
+    `holding` and `released` too."""
 
     def __init__(
         self,
         backend: Backend,
         paged: PagedBackend | None,
-        tables: PageTables,
-        cond: threading.Condition,
+        pages: Pages,
+        queues: RunQueues,
         threads: int,
         queue_timeout: float,
-        *,
-        arrive: Callable[[Turn], None],
-        fail: Callable[[Turn, BaseException], None],
-        closed: Callable[[], bool],
-        dropping: Callable[[Key], bool],
+        report: Callable[[Turn, BaseException], None],
     ) -> None:
         self.backend = backend
         self.paged = paged
-        self.tables = tables
-        self._cond = cond
+        self.pages = pages
+        self.queues = queues
+        self._cond = queues.cond
         self.queue_timeout = queue_timeout
-        self._arrive, self._fail = arrive, fail
-        self._closed, self._dropping = closed, dropping
+        self._report = report
         self.executor = concurrent.futures.ThreadPoolExecutor(threads, "kvtier-restore")
         # L1 room: turns restored and not yet committed or aborted hold their session in L1;
         # each commit or abort makes one evictable again (`release_l1`)
@@ -93,15 +89,14 @@ class RestoreWorkers:
                 restored = self._when_room(job, s.trace)
                 holds = in_l1(restored)
         except BaseException as exc:  # nothing restored, nothing to abort
-            self._fail(s, exc)
+            self._report(s, exc)
+            self.queues.not_restored()
             return
         s.begin(restored, holds)
-        if self.tables.share_prefixes and s.cached >= self.tables.pool.page_size:
-            # the prefix's page keys (a hash per page) here, not on the scheduler's thread
-            self.tables.page_keys(s)
+        self.pages.prepare(s)
         s.trace.restored = time.perf_counter()
         s.stream.put(Started(restored.source, s.cached, len(job.prompt_ids)))
-        self._arrive(s)
+        self.queues.arrive(s)
 
     def _when_room(self, job: Job, trace: TurnTrace) -> Restored:
         """`backend.restore`, waiting while L1 is full of sessions whose turns are running: each
@@ -121,15 +116,15 @@ class RestoreWorkers:
                     restored = self.backend.restore(job.session_id, job.tenant, job.prompt_ids)
             except L1BudgetExceeded:
                 with self._cond:
-                    if self.holding == 0 or self._closed():
+                    if self.holding == 0 or self.queues.closed:
                         raise
                     t0 = time.perf_counter()
                     moved = self._cond.wait_for(
-                        lambda seen=seen: self.released != seen or self._closed(),  # type: ignore[misc]
+                        lambda seen=seen: self.released != seen or self.queues.closed,  # type: ignore[misc]
                         timeout=max(0.0, deadline - time.monotonic()),
                     )
                     trace.room_wait_s += time.perf_counter() - t0
-                if not moved or self._closed():
+                if not moved or self.queues.closed:
                     raise
                 continue
             if in_l1(restored):
@@ -142,22 +137,17 @@ class RestoreWorkers:
         them before the turn is admitted, when the cache vouches for their tokens."""
         if self.paged is None:
             return None
-        job, key = s.job, key_of(s)
-        with self._cond:
-            p = self.tables.parked.get(key)
-            if p is None or p.claimed or self.tables.stale:
-                return None
-            if self._dropping(key):  # to be freed (an admin's hibernate): not L1 any more
-                return None
-            p.claimed = True
+        job = s.job
+        p = self.pages.claim_parked(s)
+        if p is None:
+            return None
         held = common_prefix(p.tokens, job.prompt_ids)
         try:
             restored = self.paged.resume_pages(job.session_id, job.tenant, job.prompt_ids, held)
         except Exception:  # the restore below meets the same error and reports it
             restored = None
         if restored is None:
-            with self._cond:
-                p.claimed = False
+            self.pages.unclaim(p)
             return None
         s.claim(p)
         return restored

@@ -32,7 +32,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from kvtier.server.batch.jobs import Job, Stream
     from kvtier.server.decoding.logitproc import Decoding
     from kvtier.server.decoding.sampling import ReplyText
-    from kvtier.server.pages.parking import Parked
+    from kvtier.server.pages import Parked
     from kvtier.transfer.staging import Handle
 
 

@@ -9,7 +9,7 @@ issuing its dozen copies on the scheduler thread would delay the next step's lau
 from __future__ import annotations
 
 import concurrent.futures
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import torch
@@ -17,6 +17,7 @@ import torch
 from kvtier.cache.restore import StagedPrefix
 from kvtier.paged import PagedSequence, PagePool
 from kvtier.server.backend import PagedBackend
+from kvtier.server.pages.parking import PageTables
 
 if TYPE_CHECKING:  # pragma: no cover
     from kvtier.server.batch.turn import Turn
@@ -25,15 +26,12 @@ if TYPE_CHECKING:  # pragma: no cover
 
 class StagedLoader:
     """Issues staged prefixes' copies into pages on one thread (`executor`); `backend` is the
-    cache behind the pool and `register(s, table)` makes a loaded prefix's pages shareable."""
+    cache behind the pool (paged L1; with none nothing is staged) and `tables` makes a loaded
+    prefix's pages shareable."""
 
-    def __init__(
-        self,
-        backend: Callable[[], PagedBackend],
-        register: Callable[[Turn, PagedSequence], None],
-    ) -> None:
+    def __init__(self, backend: PagedBackend | None, tables: PageTables) -> None:
         self._backend = backend
-        self._register = register
+        self._tables = tables
         self.executor = concurrent.futures.ThreadPoolExecutor(1, "kvtier-load")
 
     def start(self, s: Turn, seq: PagedSequence, pool: PagePool) -> None:
@@ -50,7 +48,8 @@ class StagedLoader:
         """On the loader thread: issue a staged prefix's copies into `pages` from token
         `start` on, then unpin it (a slot is reused only once its copies are done). Returns
         their Handle."""
-        job, backend = s.job, self._backend()
+        job, backend = s.job, self._backend
+        assert backend is not None, "a staged prefix comes from a paged L1 backend"
 
         def write(first: int, chunks: torch.Tensor) -> None:
             pool.write_chunks(pages, first, chunks, start)
@@ -82,7 +81,7 @@ class StagedLoader:
             return exc
         handle.wait_stream()
         if s.paged is not None and not s.gone:
-            self._register(s, s.paged)
+            self._tables.register(s, s.paged)
         return None
 
     @staticmethod

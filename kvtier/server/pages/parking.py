@@ -17,7 +17,7 @@ import dataclasses
 import threading
 from array import array
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, NamedTuple
 
 from kvtier.paged import PagedSequence, PagePool
@@ -49,33 +49,32 @@ def key_of(s: Turn) -> Key:
 
 
 class PageTables:
-    """Parked tables (least recently parked first) and the prefix-page index of the current
-    pool. `pool_of` names the pool (a failover replaces it); `dropped(key)` hears of a parked
-    table freed to make room (paged L1: the session is in L2/L3 alone now)."""
+    """Parked tables (least recently parked first) and the prefix-page index of `pool` (a
+    failover replaces it: `replace_pool`). With paged L1 a parked table freed to make room is
+    its session's L1 going: `take_dropped` hands those sessions' keys over, for the cache."""
 
     def __init__(
         self,
-        pool_of: Callable[[], PagePool],
+        pool: PagePool,
         cond: threading.Condition,
-        dropped: Callable[[Key], object],
         *,
         park: bool,
         share: bool,
         paged_l1: bool,
     ) -> None:
-        self._pool_of = pool_of
+        self.pool = pool
         self._cond = cond
-        self._dropped = dropped
         self.park_pages = park
         self.share_prefixes = share
         self.paged_l1 = paged_l1
         self.parked: OrderedDict[Key, Parked] = OrderedDict()
-        self.prefixes = PrefixPages(pool_of())
-        self._state_pool: PagePool | None = pool_of()  # the pool the two above belong to
+        self.prefixes = PrefixPages(pool)
+        self._state_pool: PagePool | None = pool  # the pool the two above belong to
+        self._dropped: list[Key] = []  # paged L1: sessions whose parked table went
 
-    @property
-    def pool(self) -> PagePool:
-        return self._pool_of()
+    def replace_pool(self, pool: PagePool) -> None:
+        """The pool the tables name from now on; they are emptied at their next use."""
+        self.pool = pool
 
     @property
     def stale(self) -> bool:
@@ -87,23 +86,19 @@ class PageTables:
         if self.stale:
             self.prefixes = PrefixPages(self.pool)
             if self.paged_l1:
-                for key in self.parked:
-                    self._dropped(key)
+                self._dropped.extend(self.parked)
             self.parked.clear()
             self._state_pool = self.pool
         return self.parked
 
+    def take_dropped(self) -> list[Key]:
+        """Paged L1: the sessions whose parked tables went since the last call."""
+        dropped, self._dropped = self._dropped, []
+        return dropped
+
     def pages(self) -> int:
         """Pages the parked tables hold (a page tables share counts once)."""
         return len({p for t in self.parked.values() for p in t.table.pages})
-
-    def report(self, metrics: Turn) -> None:
-        """The pool's pages by state for /metrics (a page parked tables share counts once),
-        where the metrics take them (a bench's step log may not)."""
-        pages = getattr(metrics, "pages", None)
-        if pages is not None:
-            pool = self.pool
-            pages(self.pages(), pool.num_free, pool.num_pages, pool.page_bytes)
 
     def park(self, s: Turn) -> bool:
         """Keep a finished turn's pages as its session's; False where they may not stay: parking
@@ -148,7 +143,7 @@ class PageTables:
 
     def pages_wanted(self, s: Turn, own: Parked | None, running: bool) -> tuple[int, list[int]]:
         """Free pages `s`'s admission takes, and the pages it shares (see the scheduler's
-        `TurnPages.admit`); `running`: whether any sequence runs (holds pages to share)."""
+        `Pages.admit`); `running`: whether any sequence runs (holds pages to share)."""
         if own is not None:  # pages past `cached` go; a shared page at `cached` is copied
             self.trim(own.table, s.cached)
             return self.pool.pages_needed(own.table, len(s.tokens) - s.cached), []
@@ -181,7 +176,7 @@ class PageTables:
                 table = parked.pop(key).table
             self.free(table)
             if self.paged_l1:  # the session is in L2/L3 alone now
-                self._dropped(key)
+                self._dropped.append(key)
         for s in reversed(list(waiting)):  # claimed tables: their turns wait beside the pool
             if self.pool.num_free >= goal:
                 break
