@@ -156,11 +156,8 @@ class TurnScheduler:
         budget = self.batch_tokens - len(out.items)
         if out.items and self.decoding_prompt_tokens:
             # Turns decode in this step: a few prompt tokens ride along, so each of their
-            # tokens waits one short step. On an H200 (7B, 64 decoding over 3,000-token
-            # contexts) a step took 14 ms alone, 26 ms with 196 prompt tokens and 125 ms with
-            # 930, i.e. prompt tokens cost half as much in small pieces. 192 rather than 128:
-            # turns then wait less for their prompt's turn and the batch runs fuller (the
-            # fleet bench on an H200: 3,140 tok/s against 2,924 with 64 sessions).
+            # tokens waits one short step (docs/architecture.md, "The batching scheduler",
+            # has the measurements behind `decoding_prompt_tokens`).
             budget = min(budget, self.decoding_prompt_tokens)
         prefilling = [s for s in q.running if s.loading is None and s.unfed > 1]
         # A long prompt (a new conversation) does not hold back admissions: room is what the
