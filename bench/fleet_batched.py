@@ -16,9 +16,9 @@ import torch
 from fleet_serve import TENANT, Fleet, Measure, Window, count_sources, seed, session_name
 from stacks import StackSampler
 
-from kvtier.server.batching import BatchScheduler
-from kvtier.server.jobs import Delta, Job, Started, Stream
-from kvtier.server.model import ServedModel, byte_tokenizer
+from kvtier.server.batch.batching import BatchScheduler
+from kvtier.server.batch.jobs import Delta, Job, Started, Stream
+from kvtier.server.devices.model import ServedModel, byte_tokenizer
 
 # ---- (d, e) kvtier batched: the BatchScheduler -------------------------------------------------
 
@@ -319,7 +319,7 @@ def resident_sessions(sched: BatchScheduler) -> int:
     changing them)."""
     for _ in range(20):
         try:
-            keys = set(list(sched.tables.parked))
+            keys = set(list(sched.pages.tables.parked))
             keys |= {(s.job.tenant, s.job.session_id) for s in list(sched.running)}
             return len(keys)
         except RuntimeError:  # changed size during iteration

@@ -62,7 +62,7 @@ Configurations:
                where every session has a slot already (`fit`). The two combine:
                `kvtier-b128-p256`
   kvtier-...-shortest  with the prompts a decoding step takes whole shortest first, not
-               oldest first (kvtier.server.promptorder; the order before)
+               oldest first (kvtier.server.batch.promptorder; the order before)
   kvtier-...-nodg, kvtier-...-unfused  the two switches above on any variant:
                `kvtier-b96-p256-nodg`
 

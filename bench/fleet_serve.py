@@ -30,7 +30,7 @@ from transformers import DynamicCache
 
 from kvtier.server.backend import TieredBackend
 from kvtier.server.config import ServerConfig
-from kvtier.server.pagecopy import append_kv
+from kvtier.server.pages.pagecopy import append_kv
 
 OOM_NAMES = ("OutOfMemoryError", "L1BudgetExceeded", "PoolExhausted")
 
@@ -474,7 +474,7 @@ def run_sequential(
     """Today's engine: one process, one model, each ready session's whole turn at a time
     (restore, prefill of the new tokens, decode, commit), first come first served. TTFT counts
     from the end of the session's think time, its wait in the queue included."""
-    from kvtier.server.model import cache_kwarg
+    from kvtier.server.devices.model import cache_kwarg
 
     m = Measure("kvtier-seq")
     kw = cache_kwarg(model)

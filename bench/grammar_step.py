@@ -31,11 +31,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from models import build
 
 from kvtier.server.backend import RecomputeBackend
-from kvtier.server.batching import BatchScheduler
+from kvtier.server.batch.batching import BatchScheduler
+from kvtier.server.batch.jobs import Delta, Finished, Job, Stream
 from kvtier.server.config import ServerConfig
-from kvtier.server.grammar import GrammarBook, GrammarSpec
-from kvtier.server.jobs import Delta, Finished, Job, Stream
-from kvtier.server.model import _wrap, byte_tokenizer
+from kvtier.server.decoding.grammar import GrammarBook, GrammarSpec
+from kvtier.server.devices.model import _wrap, byte_tokenizer
 
 
 class Steps:

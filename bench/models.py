@@ -42,7 +42,7 @@ def build(shape: str, device: str, dtype: torch.dtype, seed: int = 0):
     needed ~45 GB on the way."""
     from transformers import Qwen2Config
 
-    from kvtier.server.model import random_model
+    from kvtier.server.devices.model import random_model
 
     cfg = Qwen2Config(max_position_embeddings=32768, **SHAPES[shape])
     cfg._name_or_path = f"random-{shape}"

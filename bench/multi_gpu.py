@@ -48,12 +48,12 @@ from kvtier.paged import PagedSequence
 from kvtier.paged.sharded import ShardedPagePool
 from kvtier.placement import Placement, parse_devices
 from kvtier.server.backend import RecomputeBackend, TieredBackend
-from kvtier.server.batching import BatchScheduler
+from kvtier.server.batch.batching import BatchScheduler
+from kvtier.server.batch.jobs import Delta, Finished, Job, Stream
 from kvtier.server.config import ServerConfig
-from kvtier.server.failover import place
-from kvtier.server.jobs import Delta, Finished, Job, Stream
-from kvtier.server.memplan import page_size
-from kvtier.server.model import ServedModel, byte_tokenizer
+from kvtier.server.devices.failover import place
+from kvtier.server.devices.memplan import page_size
+from kvtier.server.devices.model import ServedModel, byte_tokenizer
 
 SHAPES: dict[str, dict[str, int]] = {
     "full": dict(layers=32, hidden=4096, inter=14336, heads=32, kv_heads=8),  # Llama-3-8B

@@ -1,6 +1,6 @@
 """The replicas section of `bench/multi_gpu.py` (`--layout replicas` or `both`).
 
-Data-parallel replicas (kvtier.server.replicas): one engine per device, each with its own copy
+Data-parallel replicas (kvtier.server.batch.replicas): one engine per device, each with its own copy
 of the model, page pool and batch scheduler, sharing one tiered cache (L2/L3). Measured, through
 the server's engines (restores, commits, the batch, greedy turns):
 
@@ -25,11 +25,11 @@ from typing import Any
 import torch
 
 from kvtier.server.backend import TieredBackend
-from kvtier.server.engine import Engine
-from kvtier.server.jobs import Delta, Finished, Job
-from kvtier.server.memplan import build_plan, planned_config
-from kvtier.server.model import ServedModel
-from kvtier.server.replicas import ReplicaSet, build_replicas
+from kvtier.server.batch.engine import Engine
+from kvtier.server.batch.jobs import Delta, Finished, Job
+from kvtier.server.batch.replicas import ReplicaSet, build_replicas
+from kvtier.server.devices.memplan import build_plan, planned_config
+from kvtier.server.devices.model import ServedModel
 
 
 @dataclasses.dataclass

@@ -1,4 +1,4 @@
-"""Host time per streamed token of a reply (`kvtier.server.sampling.ReplyText`), by reply length.
+"""Host time per streamed token of a reply (`kvtier.server.decoding.sampling.ReplyText`), by reply length.
 
 The batch scheduler turns every sampled token of every sequence into text on its own thread, so
 this cost is paid per sequence per step. The ceiling is one `tokenizer.decode` of one token, the
@@ -14,8 +14,8 @@ import argparse
 import random
 import time
 
-from kvtier.server.model import byte_tokenizer
-from kvtier.server.sampling import ReplyText
+from kvtier.server.decoding.sampling import ReplyText
+from kvtier.server.devices.model import byte_tokenizer
 
 
 def per_token(tok, ids: list[int], stop: tuple[str, ...]) -> float:

@@ -25,7 +25,7 @@ from models import build
 
 from kvtier.server.backend import TieredBackend
 from kvtier.server.config import ServerConfig
-from kvtier.server.pagecopy import append_kv
+from kvtier.server.pages.pagecopy import append_kv
 
 
 def main() -> None:

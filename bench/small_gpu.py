@@ -25,7 +25,7 @@ At every cap:
                 sessions' L1 (`paged_l1`, CUDA graphs), restoring from and committing to a
                 TieredCache with L2 in pinned host RAM and L3 on disk in a temporary directory.
                 The page pool is sized by the server's GPU memory plan
-                (kvtier.server.memplan: weights, measured activations, CUDA graphs, staging, the
+                (kvtier.server.devices.memplan: weights, measured activations, CUDA graphs, staging, the
                 cache's L1, copies in flight, headroom; the pool gets what is left of
                 `--gpu-memory-utilization` of the cap). `--sessions 32,128`: 32 sessions with a
                 short think time (`--think`), and 128 with a think time that keeps about as many
@@ -91,8 +91,8 @@ from transformers import DynamicCache
 from kvtier.errors import ConfigError
 from kvtier.geometry import KVGeometry
 from kvtier.integrations.hf import set_cudnn_attention
-from kvtier.server import memplan
 from kvtier.server.config import ServerConfig
+from kvtier.server.devices import memplan
 
 GIB = 2**30
 # the fleet's token ids (fleet_concurrent.contexts, Fleet.append) go up to this
@@ -264,7 +264,7 @@ def _plan(**kw: Any) -> memplan.DeviceMemoryPlan:
 
 def make_plan(model, args, device: str, cap: float, slots: int, per_token: int, max_ctx: int):
     """The GPU memory plan of a kvtier configuration under the cap, as the server builds it
-    (kvtier.server.memplan.build_plan) with the cap as the device's memory: the weights
+    (kvtier.server.devices.memplan.build_plan) with the cap as the device's memory: the weights
     resident now, the activations of the batch's largest step and of a prefill chunk
     measured, the CUDA graphs and the staging estimated. The cache's L1 holds, besides its
     staging, one initial context: the bench seeds every session through it (its first turn,

@@ -41,7 +41,7 @@ import threading
 import time
 from types import FrameType
 
-from kvtier.server.turntrace import thread_cpu
+from kvtier.server.batch.turntrace import thread_cpu
 
 OUTER = ("_iterate", "_main")  # the scheduler's loop: report the frame just inside it
 HELPERS = ("kvtier-restore", "kvtier-commit")  # thread pools sampled beside the scheduler

@@ -73,6 +73,10 @@ class InvalidRequest(KvtierError, ValueError):
     """A client request is malformed; the message tells the client what to send instead."""
 
 
+class ContextExceeded(InvalidRequest):
+    """The prompt alone does not fit in the model's context (or the batch's page pool)."""
+
+
 # ---- encryption at rest -----------------------------------------------------------------------
 
 

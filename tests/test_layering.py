@@ -51,12 +51,28 @@ def test_clean_tree_passes() -> None:
         ("kvtier/bad_upward2.py", "from ops import cli\n", "kvtier never imports ops"),
         ("ops/parsers/bad_torch.py", "import torch\n", "stay pure"),
         ("ops/parsers/bad_io.py", "import os\n", "stay pure"),
-        ("kvtier/cache/bad_up.py", "import kvtier.server.app\n", "never imports the server"),
+        ("kvtier/cache/bad_up.py", "import kvtier.server.http.app\n", "never imports the server"),
         ("kvtier/cache/guard.py", "+import kvtier.cache.core\n", "call down only"),
         ("kvtier/cache/restoreplan.py", "+import torch\n", "import no torch"),
         ("kvtier/cache/catalog.py", "+import kvtier.tiers.l2\n", "import no tier"),
-        ("kvtier/server/stepping.py", "+import kvtier.server.batching\n", "scheduler's parts"),
-        ("kvtier/server/scheduler.py", "+import torch\n", "scheduler's policy"),
+        (
+            "kvtier/server/batch/stepping.py",
+            "+import kvtier.server.batch.batching\n",
+            "scheduler's parts",
+        ),
+        ("kvtier/server/batch/scheduler.py", "+import torch\n", "scheduler's policy"),
+        (
+            "kvtier/server/devices/model.py",
+            "+import kvtier.server.pages.manager\n",
+            "folders call down",
+        ),
+        (
+            "kvtier/server/decoding/tools.py",
+            "+import kvtier.server.batch.jobs\n",
+            "folders call down",
+        ),
+        ("kvtier/server/batch/jobs.py", "+import kvtier.server.http.common\n", "folders call down"),
+        ("kvtier/server/batch/batching.py", "+import kvtier.server.pages.parking\n", "its face"),
     ],
 )
 def test_violation_fails(tmp_path: Path, rel: str, source: str, contract: str) -> None:

@@ -174,16 +174,16 @@ def test_the_reach_check_finds_a_planted_reach(tmp_path: Path) -> None:
 
 # (module, function) whose parameter `port`/`state` is the routes' face of the server
 ROUTE_FUNCTIONS = [
-    ("kvtier/server/app.py", "_routes"),
-    ("kvtier/server/app.py", "_install_errors"),
-    ("kvtier/server/admin.py", "install_admin_routes"),
-    ("kvtier/server/devices_admin.py", "install_device_routes"),
-    ("kvtier/server/completions.py", "respond"),
+    ("kvtier/server/http/app.py", "_routes"),
+    ("kvtier/server/http/app.py", "_install_errors"),
+    ("kvtier/server/http/admin.py", "install_admin_routes"),
+    ("kvtier/server/http/devices_admin.py", "install_device_routes"),
+    ("kvtier/server/http/completions.py", "respond"),
 ]
 
 
 def _port_members() -> set[str]:
-    tree = ast.parse((REPO / "kvtier/server/state.py").read_text())
+    tree = ast.parse((REPO / "kvtier/server/http/state.py").read_text())
     port = next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == "RoutePort")
     names = {n.name for n in port.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
     names |= {n.target.id for n in port.body if isinstance(n, ast.AnnAssign)}  # type: ignore[union-attr]

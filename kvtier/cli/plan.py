@@ -17,7 +17,7 @@ from kvtier.humanize import size as _fmt
 from kvtier.units import size_option
 
 if TYPE_CHECKING:  # pragma: no cover
-    from kvtier.server.memplan import DeviceMemoryPlan
+    from kvtier.server.devices.memplan import DeviceMemoryPlan
 
 
 def read_model_config(path: Path) -> dict[str, object]:
@@ -299,7 +299,7 @@ def _gpu_plan(
 ) -> tuple[DeviceMemoryPlan | None, str | None]:
     """The server's GPU memory plan for a device of `total` bytes, from the config alone; or
     None and the reason `kvtier serve` would refuse it."""
-    from kvtier.server.memplan import offline_plan
+    from kvtier.server.devices.memplan import offline_plan
 
     if min(shape.max_concurrency, shape.batch_tokens, shape.prefill_step) <= 0:
         raise click.UsageError(

@@ -17,7 +17,7 @@ The chunk helpers (`chunk_pages`, `gather`, `scatter`) map a run of tokens of a 
 from the L2 chunk layout `[layer, k|v, token, kv_head, head_dim]`, so a transfer engine can move a
 256-token chunk between pages and an L2 slot.
 
-With `kv_dtype="int8"` (degraded mode, kvtier.server.streaming) the pool stores K/V as int8
+With `kv_dtype="int8"` (degraded mode, kvtier.server.devices.streaming) the pool stores K/V as int8
 with a float32 scale per (token, kv head) (`kvtier.paged.quant`): `kv` is int8 and `scales`
 `[layer, k|v, page, offset, kv_head]` holds the scales, so the same bytes hold about twice the
 tokens of fp16/bf16. Writers (`write_layer`, `scatter`) quantize; readers (`gather_layer`,

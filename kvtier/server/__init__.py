@@ -15,7 +15,7 @@ __all__ = ["ServerConfig", "create_app"]
 
 def __getattr__(name: str) -> Any:
     if name == "create_app":
-        from kvtier.server.app import create_app
+        from kvtier.server.http.app import create_app
 
         return create_app
     raise AttributeError(f"module 'kvtier.server' has no attribute {name!r}")

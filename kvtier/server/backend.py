@@ -251,7 +251,7 @@ class TieredBackend:
             CacheConfig(
                 l3_root=config.l3_root,
                 l3_cold_root=config.l3_cold_root,
-                # 0: the GPU memory plan's (kvtier.server.memplan), or the default without one
+                # 0: the GPU memory plan's (kvtier.server.devices.memplan), or the default without one
                 l1_bytes=config.l1_bytes or DEFAULT_L1_BYTES,
                 l2_bytes=config.l2_bytes,
                 # 0: half the filesystem that holds L3 (kvtier.tiers.l3.cap)

@@ -70,13 +70,13 @@ class ServerConfig:
     device: str | None = None  # "cpu", "cuda", "cuda:1"; None = cuda when available
     # The one GPU memory budget of the process, as a fraction of the device's memory: the
     # weights, the activations' peak, the CUDA graphs, the copy staging, the cache's L1, copies
-    # in flight and the page pool all live inside it (kvtier.server.memplan; `kvtier plan`)
+    # in flight and the page pool all live inside it (kvtier.server.devices.memplan; `kvtier plan`)
     gpu_memory_utilization: float = 0.9
     # decoder layers across devices: "auto" (every visible GPU), "0,1"; "" = all on `device`
     devices: str = ""
     # data-parallel replicas: one engine (its own model copy, page pool and batch) per device,
     # sharing the host tiers (L2/L3, L4): "auto" (every visible GPU), "0,1", "cpu,cpu"; "" = one
-    # engine (kvtier.server.replicas; docs/architecture.md, "Replicas")
+    # engine (kvtier.server.batch.replicas; docs/architecture.md, "Replicas")
     replicas: str = ""
     # degraded mode (a device lost): turns longer than sinks + window run over the first
     # `degraded_sinks` and the last `degraded_window` tokens (StreamingLLM); 0 = off (fewer
@@ -122,7 +122,7 @@ class ServerConfig:
     max_queue: int = 256  # requests waiting for a slot; beyond it: 429 at once
     queue_timeout: float = 30.0  # longest wait for a slot before 429 + Retry-After
     max_tokens_limit: int = 4096  # largest max_tokens a request may ask for
-    # how tool calls are read out of a reply to a request with `tools` (kvtier.server.tools):
+    # how tool calls are read out of a reply to a request with `tools` (kvtier.server.decoding.tools):
     # "hermes" (<tool_call> blocks; Qwen2.5, Hermes), or "none" (the reply stays text)
     tool_call_parser: str = "hermes"
     prefill_step: int = 512  # prompt tokens per forward, so other sessions interleave
@@ -167,7 +167,7 @@ class ServerConfig:
     paged_l1: bool = True
     batch_kv_bytes: int = 0  # the batch's KV page pool; 0 = room for max_concurrency contexts
     max_body_bytes: int = 4 * 2**20
-    # Structured output (kvtier.server.grammarlimits; docs/security.md, "Limits"): a schema's
+    # Structured output (kvtier.server.decoding.grammarlimits; docs/security.md, "Limits"): a schema's
     # JSON text, a pattern's bounded repetitions, enum and const values; the wait for a
     # grammar, the threads that compile, the compiled grammars kept (LRU)
     grammar_max_schema_bytes: int = 64 * 2**10
@@ -176,12 +176,12 @@ class ServerConfig:
     grammar_timeout: float = 10.0
     grammar_threads: int = 2
     grammar_cache_bytes: int = 128 * 2**20
-    # Connections (kvtier.server.connguard; docs/serving.md, "Behind a proxy"): seconds a
+    # Connections (kvtier.server.http.connguard; docs/serving.md, "Behind a proxy"): seconds a
     # connection has to send a request's line and headers, else it is closed
     header_timeout: float = 10.0
     body_timeout: float = 30.0  # longest wait for the next piece of a request body: then 408
     # a whole request body: within this many seconds, and at least this many bytes a second
-    # after the first 5 s (kvtier.server.requestbody); else 408 and the connection closes
+    # after the first 5 s (kvtier.server.http.requestbody); else 408 and the connection closes
     body_deadline: float = 60.0
     body_min_rate: int = 1024
     # an idle keep-alive connection's life: longer than clients keep idle connections (httpx:
@@ -193,7 +193,7 @@ class ServerConfig:
     probe_connections: int = 16
     max_open_files: int = 0  # the soft open-files limit set at start; 0: the hard limit
     log_level: str = "info"
-    # Authentication (kvtier.server.auth): the API keys file; None = single-tenant and local
+    # Authentication (kvtier.server.http.auth): the API keys file; None = single-tenant and local
     api_keys: Path | None = None
     trust_tenant_header: bool = False  # with api_keys: X-Tenant names the tenant (a gateway's)
     # serve on a non-loopback address without api_keys (else refused: anyone who reaches it

@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disa
 if TYPE_CHECKING:  # pragma: no cover
     from kvtier.server.reqmetrics import TurnClock
 
-# `reason` of kvtier_commit_failures_total (kvtier.server.committing.failure_reason)
+# `reason` of kvtier_commit_failures_total (kvtier.server.batch.committing.failure_reason)
 COMMIT_FAILURE_REASONS = ("device_oom", "l3_full", "l3_io", "l4", "internal")
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -232,7 +232,7 @@ class ServerMetrics:
             child.observe(time.perf_counter() - self._gc_start)
 
     def gpu_memory_plan(self, plan: Any) -> None:
-        """Export the GPU memory plan (kvtier.server.memplan.DeviceMemoryPlan): each part's
+        """Export the GPU memory plan (kvtier.server.devices.memplan.DeviceMemoryPlan): each part's
         bytes (`plan.parts()`), the budget they fill (`plan.budget_bytes`), and the bytes the
         process holds on the device, read at every scrape (`plan.used_bytes()`). Called again
         with a newer plan (the measured figures recorded), it replaces the figures."""

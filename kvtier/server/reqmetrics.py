@@ -6,7 +6,7 @@ inter-token latency) into the histograms of `kvtier.server.metrics.ServerMetrics
 streamed one once its last chunk is sent or its client left) by route template (`endpoint`,
 e.g. `/v1/sessions/{session_id}`) and status code, and notes when the request arrived.
 
-A `TurnClock` rides on each running turn's stream (`kvtier.server.jobs.Stream`): the thread
+A `TurnClock` rides on each running turn's stream (`kvtier.server.batch.jobs.Stream`): the thread
 that runs the turn notes its admission and each of its tokens (one histogram observation per
 token, nothing more), and the engine reads the rest once the turn has ended. The server's own
 warm-up request (`kvtier.server.warm_request`) counts nowhere.

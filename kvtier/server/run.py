@@ -459,7 +459,7 @@ def load_config(flags: dict[str, Any]) -> ServerConfig:
 
 def serve(config: ServerConfig, registry: Any = None) -> None:
     """Serve until SIGINT/SIGTERM; then drain (finish requests, hibernate sessions) and return."""
-    from kvtier.server.app import create_app
+    from kvtier.server.http.app import create_app
 
     run_app(create_app(config, registry=registry), config)
 
@@ -481,9 +481,9 @@ def run_app(app: Any, config: ServerConfig, announce: str | None = None) -> None
     import uvicorn
 
     from kvtier.errors import ConfigError
-    from kvtier.server import listen
-    from kvtier.server.auth import OPEN_PATHS
-    from kvtier.server.connguard import (
+    from kvtier.server.http import listen
+    from kvtier.server.http.auth import OPEN_PATHS
+    from kvtier.server.http.connguard import (
         ConnectionGuard,
         connection_cap,
         guarded_listener,

@@ -1,6 +1,6 @@
 """One streamed chat completion through the whole app, in process, before the server is ready.
 
-The engine's warm-up (kvtier.server.engine) runs the model's paths: kernels, graphs, the cache.
+The engine's warm-up (kvtier.server.batch.engine) runs the model's paths: kernels, graphs, the cache.
 What it cannot reach is the rest of a request's way: the HTTP route, the scheduler thread's
 first turn (admission, sampling, delivery of events) and the streamed response. On an H200 the
 first request after every start paid 13-20 ms there (2-3x a recompute of its prompt), and only

@@ -56,7 +56,7 @@ __all__ = [
 ]
 
 # The default bound of copies in flight (`inflight_bytes_max`), in staging buffers' worth: as
-# much again as the staging (what kvtier.server.memplan sets aside for them).
+# much again as the staging (what kvtier.server.devices.memplan sets aside for them).
 INFLIGHT_STAGINGS = 1
 _STAGES = 4  # staging buffers of a GPU engine: two per direction
 

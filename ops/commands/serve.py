@@ -50,7 +50,7 @@ def command(**flags: Any) -> None:
         config = load_config(flags)
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from None
-    from kvtier.server.app import create_app
+    from kvtier.server.http.app import create_app
 
     registry = CollectorRegistry()
     app = create_app(config, registry=registry)

@@ -26,7 +26,7 @@ SOURCES = ("l1", "l2", "l3", "l4", "recompute")  # l4 only where there are l4 re
 SORTS = ("bytes", "tokens", "last", "l1", "tenant")  # the `s` key cycles through these
 QUANTILES = (0.5, 0.9, 0.99)
 HUGE_ORDER = 9  # 2 MiB blocks with 4 KiB pages: what THP, hugetlb and large pinned buffers need
-# The GPU memory plan's parts in plan order (kvtier.server.memplan.PARTS): kvtop shows them so
+# The GPU memory plan's parts in plan order (kvtier.server.devices.memplan.PARTS): kvtop shows them so
 # whatever order the exposition has; a part it does not know follows them.
 PLAN_PARTS = (
     "context", "weights", "activations", "graphs", "staging", "l1", "inflight", "pool", "headroom",

@@ -152,8 +152,8 @@ def test_dashboard_and_recording_rules_return_data(tmp_path: Path) -> None:
     from prometheus_client import start_http_server
 
     from kvtier import CacheConfig, TieredCache
+    from kvtier.server.devices.model import build_default
     from kvtier.server.metrics import ServerMetrics
-    from kvtier.server.model import build_default
     from ops.exporter import make_registry
 
     model = build_default("cpu").model  # the server's built-in random Llama

@@ -24,12 +24,12 @@ from transformers import DynamicCache
 from kvtier.errors import ConfigError
 from kvtier.paged import SeqInput
 from kvtier.server.backend import RecomputeBackend, TieredBackend
-from kvtier.server.batching import BatchScheduler
+from kvtier.server.batch.batching import BatchScheduler
+from kvtier.server.batch.jobs import ContextExceeded, Delta, Finished, Job, Started, Stream
 from kvtier.server.config import ServerConfig
-from kvtier.server.jobs import ContextExceeded, Delta, Finished, Job, Started, Stream
-from kvtier.server.memplan import PAGE_SIZE
+from kvtier.server.devices.memplan import PAGE_SIZE
+from kvtier.server.devices.model import ServedModel, _wrap, byte_tokenizer, cache_kwarg
 from kvtier.server.metrics import ServerMetrics
-from kvtier.server.model import ServedModel, _wrap, byte_tokenizer, cache_kwarg
 
 
 def _build(kind: str, seed: int = 0, layers: int = 2, kv_heads: int | None = None) -> ServedModel:
@@ -192,7 +192,9 @@ def test_greedy_batch_equals_each_session_alone_across_restores(
     finally:
         sched.close()
         backend.close()
-    parked = sum(len(p.table.pages) for p in sched.tables.parked.values())  # paged L1 keeps them
+    parked = sum(
+        len(p.table.pages) for p in sched.pages.tables.parked.values()
+    )  # paged L1 keeps them
     assert sched.pool.num_free + parked == sched.pool.num_pages
 
 
@@ -329,7 +331,9 @@ def test_full_pool_queues_and_preempts_then_completes(tmp_path: Path) -> None:
     finally:
         sched.close()
         backend.close()
-    parked = sum(len(p.table.pages) for p in sched.tables.parked.values())  # paged L1 keeps them
+    parked = sum(
+        len(p.table.pages) for p in sched.pages.tables.parked.values()
+    )  # paged L1 keeps them
     assert sched.pool.num_free + parked == sched.pool.num_pages
 
 
@@ -416,8 +420,8 @@ def test_admission_leaves_the_decoders_their_next_page(tmp_path: Path) -> None:
     import concurrent.futures
 
     from kvtier.server.backend import Restored
-    from kvtier.server.sampling import ReplyText
-    from kvtier.server.turn import Turn
+    from kvtier.server.batch.turn import Turn
+    from kvtier.server.decoding.sampling import ReplyText
 
     served = _build("llama")
     page_bytes = 2 * 2 * 2 * 16 * 4 * PAGE_SIZE
@@ -441,10 +445,10 @@ def test_admission_leaves_the_decoders_their_next_page(tmp_path: Path) -> None:
 
     a, b = seq(32), seq(30)
     sched.waiting.append(a)
-    sched.run_step(sched.turns.schedule())  # a's prompt fills 2 pages exactly; one token sampled
+    sched.run_step(sched.schedule())  # a's prompt fills 2 pages exactly; one token sampled
     assert (a.fed, len(a.tokens), sched.pool.num_free) == (32, 33, 2)
     sched.waiting.append(b)  # needs 2 pages; a needs 1 for its next token
-    items = sched.turns.schedule()
+    items = sched.schedule()
     assert [s for s, _ in items] == [a] and list(sched.waiting) == [b]
     sched.runner.step([SeqInput(s.paged, t) for s, t in items if s.paged])  # no PoolExhausted
     loop.close()
@@ -457,8 +461,8 @@ def test_a_step_that_decodes_takes_few_prompt_tokens(tmp_path: Path) -> None:
     import concurrent.futures
 
     from kvtier.server.backend import Restored
-    from kvtier.server.sampling import ReplyText
-    from kvtier.server.turn import Turn
+    from kvtier.server.batch.turn import Turn
+    from kvtier.server.decoding.sampling import ReplyText
 
     served = _build("llama")
     config = _config(tmp_path, decoding_prompt_tokens=8, batch_tokens=96, prefill_step=48)
@@ -482,16 +486,16 @@ def test_a_step_that_decodes_takes_few_prompt_tokens(tmp_path: Path) -> None:
     short, long_ = _prompts(21, [6, 100])
     a, b = seq(short), seq(long_)
     sched.waiting.append(a)
-    sched.run_step(sched.turns.schedule())  # a alone: its whole prompt, then it decodes
+    sched.run_step(sched.schedule())  # a alone: its whole prompt, then it decodes
     assert a.fed == 6 and len(a.tokens) == 7
     sched.waiting.append(b)
     for _ in range(3):
-        items = sched.turns.schedule()
+        items = sched.schedule()
         assert [len(t) for _, t in items] == [1, 8]  # a's token, 8 of b's prompt
         sched.run_step(items)
     sched._leave(a)  # a is done: nothing decodes
     sched.pool.release(a.paged)
-    items = sched.turns.schedule()
+    items = sched.schedule()
     assert [(s, len(t)) for s, t in items] == [(b, 48)]  # prefill_step, under batch_tokens
     loop.close()
     with pytest.raises(ConfigError, match="decoding_prompt_tokens"):
@@ -503,8 +507,8 @@ def _waiting(prompt: list[int], loop: asyncio.AbstractEventLoop, served: Any) ->
     import concurrent.futures
 
     from kvtier.server.backend import Restored
-    from kvtier.server.sampling import ReplyText
-    from kvtier.server.turn import Turn
+    from kvtier.server.batch.turn import Turn
+    from kvtier.server.decoding.sampling import ReplyText
 
     s = Turn(
         job=_job("x", prompt, 100),
@@ -537,13 +541,13 @@ def test_admissions_per_step_spreads_arrivals_over_steps(tmp_path: Path) -> None
         sched.close()  # no scheduler thread: the test drives the steps
         for p in prompts[:1] if decoder else []:  # admitted and prefilled: it decodes next
             sched.waiting.append(_waiting(p, loop, served))
-            sched.run_step(sched.turns.schedule())
+            sched.run_step(sched.schedule())
         for p in prompts:
             sched.waiting.append(_waiting(p, loop, served))
         counts = []
         while sched.waiting:
             before = len(sched.running)
-            items = sched.turns.schedule()
+            items = sched.schedule()
             counts.append(len(sched.running) - before)
             sched.run_step(items)
         return counts
@@ -571,7 +575,7 @@ def test_scheduler_gil_switch_interval_and_helper_threads(tmp_path: Path) -> Non
     Its restore and commit pools have 2 threads each on the CPU, or as many as configured."""
     import sys
 
-    from kvtier.server.schedthread import SWITCH_INTERVAL_S
+    from kvtier.server.batch.schedthread import SWITCH_INTERVAL_S
 
     served = _build("llama")
     before = sys.getswitchinterval()
@@ -595,7 +599,7 @@ def test_scheduler_gil_switch_interval_and_helper_threads(tmp_path: Path) -> Non
 def test_sample_rows_draws_what_each_row_draws_alone() -> None:
     """The batch samples all rows at once; each row must get the token it gets alone (the
     per-request path), so a seeded request's reply does not depend on batching or neighbours."""
-    from kvtier.server.sampling import make_generator, sample, sample_rows
+    from kvtier.server.decoding.sampling import make_generator, sample, sample_rows
 
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(6, 257, generator=g) * 3
@@ -621,7 +625,7 @@ def test_event_post_keeps_each_streams_order_with_one_wakeup() -> None:
     per token for a streaming client); a send while the last wake-up is unopened adds none."""
     import threading
 
-    from kvtier.server.eventpost import EventPost
+    from kvtier.server.batch.eventpost import EventPost
 
     async def main() -> tuple[list[list[Any]], int]:
         loop = asyncio.get_running_loop()
@@ -665,7 +669,7 @@ def test_event_post_keeps_each_streams_order_with_one_wakeup() -> None:
 def test_engine_runs_unbatched_where_the_pool_cannot_be_made(tmp_path: Path) -> None:
     """A model or budget the page pool cannot take: the engine warns and runs each request on
     its own thread, and the reply is the same greedy reply."""
-    from kvtier.server.engine import Engine
+    from kvtier.server.batch.engine import Engine
 
     ref = _build("qwen2")
     served = _build("qwen2")
@@ -744,7 +748,7 @@ def test_restores_wait_for_l1_room_held_by_running_turns(tmp_path: Path) -> None
 @pytest.mark.parametrize("overlap", [True, False])
 def test_overlapped_steps_end_replies_exactly(overlap: bool, tmp_path: Path) -> None:
     """All greedy: a step starts before the last one's tokens are on the host, its decode tokens
-    fed from the device (kvtier.server.lookahead). A reply that ends meanwhile (a stop string,
+    fed from the device (kvtier.server.batch.lookahead). A reply that ends meanwhile (a stop string,
     max_tokens) drops the row it had in the running step: replies and committed KV are what the
     synchronous scheduler gives, and the next turn goes on exactly."""
     ref = _build("qwen2")

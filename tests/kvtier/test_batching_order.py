@@ -17,10 +17,10 @@ from test_batching import _build, _greedy_alone, _job, _prompts
 from test_batching_share import _close, _drive, _first_turns, _next_prompts, _reply, _restored
 
 from kvtier.errors import ConfigError
-from kvtier.server.batching import BatchScheduler
+from kvtier.server.batch.batching import BatchScheduler
+from kvtier.server.batch.promptorder import PASSED_OVER_STEPS
+from kvtier.server.batch.turn import Turn
 from kvtier.server.config import ServerConfig
-from kvtier.server.promptorder import PASSED_OVER_STEPS
-from kvtier.server.turn import Turn
 
 BUDGET = 16  # prompt tokens in a step that decodes (`decoding_prompt_tokens`)
 

@@ -30,8 +30,8 @@ from test_batching_share import (
 from kvtier.cache.restore import StagedPrefix
 from kvtier.errors import KvtierError
 from kvtier.server.backend import TieredBackend
-from kvtier.server.batching import BatchScheduler
-from kvtier.server.memplan import PAGE_SIZE
+from kvtier.server.batch.batching import BatchScheduler
+from kvtier.server.devices.memplan import PAGE_SIZE
 from kvtier.types import SessionState
 
 
@@ -59,7 +59,7 @@ def test_turns_start_from_their_pages_and_the_cache_keeps_no_l1_copy(
         assert sched.paged_l1
         _no_l1(backend)
         _accounted(sched)
-        tables = {sid: list(p.table.pages) for (_, sid), p in sched.tables.parked.items()}
+        tables = {sid: list(p.table.pages) for (_, sid), p in sched.pages.tables.parked.items()}
         nexts = _next_prompts(firsts, replies, 50)
         turns = [_restored(sched, loop, _job(f"g{i}", p, 16)) for i, p in enumerate(nexts)]
         assert all(s.restored is not None and s.restored.source == "l1" for s in turns)
@@ -90,11 +90,11 @@ def test_once_its_pages_went_a_turn_restores_from_l2_and_after_a_restart_from_l3
     try:
         sessions = [backend.cache.session(f"r{i}", "t") for i in range(2)]
         assert all(s.state is SessionState.IDLE and s.in_pages for s in sessions)
-        assert sched.turns.unpark(sched.pool.num_pages - sched.pool.num_free)  # every page goes
-        assert not sched.tables.parked
-        sched.commits.executor.submit(
-            lambda: None
-        ).result()  # the cache hears of it off this thread
+        every = sched.pool.num_pages - sched.pool.num_free
+        assert sched.pages.make_room(every, sched.waiting)  # every page goes
+        assert not sched.pages.tables.parked
+        sched.report_dropped()  # as the scheduler's iteration does after scheduling
+        sched.commits.executor.submit(lambda: None).result()  # the cache hears of it there
         assert all(s.state is SessionState.HIBERNATED and not s.in_pages for s in sessions)
         second = _next_prompts([firsts[0]], [replies[0]], 51)[0]
         turn = _restored(sched, loop, _job("r0", second, 12))
@@ -131,7 +131,9 @@ def test_once_its_pages_went_a_turn_restores_from_l2_and_after_a_restart_from_l3
     sched = BatchScheduler(served, backend, config)
     sched.close()
     sched.commits.executor = concurrent.futures.ThreadPoolExecutor(1)  # finished turns commit here
-    sched.loader.executor = concurrent.futures.ThreadPoolExecutor(1)  # staged prefixes load here
+    sched.pages.loader.executor = concurrent.futures.ThreadPoolExecutor(
+        1
+    )  # staged prefixes load here
     loop = asyncio.new_event_loop()
     try:
         third = _next_prompts([second], [second_reply], 52)[0]
@@ -215,16 +217,16 @@ def test_pages_through_l2_and_back_are_bit_identical(device: str, tmp_path: Path
     sched, backend, replies = _first_turns(served, tmp_path, jobs, paged_l1=True)
     loop = asyncio.new_event_loop()
     try:
-        parked = sched.tables.parked[("t", "b0")].table
+        parked = sched.pages.tables.parked[("t", "b0")].table
         before = sched.pool.gather(parked.pages, 0, parked.length).clone()
-        assert sched.turns.unpark(sched.pool.num_pages - sched.pool.num_free)
+        assert sched.pages.make_room(sched.pool.num_pages - sched.pool.num_free, sched.waiting)
         second = _next_prompts([firsts[0]], [replies[0]], 55)[0]
         turn = _restored(sched, loop, _job("b0", second, 4))
         assert turn.restored is not None and turn.restored.source == "l2"
         assert turn.cached == before.shape[2]  # every token the parked pages held
         _run_alone(sched, turn)
         _reply(served, turn)
-        again = sched.tables.parked[("t", "b0")].table
+        again = sched.pages.tables.parked[("t", "b0")].table
         after = sched.pool.gather(again.pages, 0, turn.cached)
         assert after.dtype == before.dtype and torch.equal(after, before)
     finally:
@@ -242,9 +244,9 @@ def test_a_turn_that_fails_before_admission_lets_its_claimed_pages_go(tmp_path: 
     try:
         second = _next_prompts(firsts, replies, 56)[0]
         turn = _restored(sched, loop, _job("f0", second, 6))
-        parked = sched.tables.parked[("t", "f0")]
+        parked = sched.pages.tables.parked[("t", "f0")]
         assert parked.claimed and turn.held is parked
-        assert not sched.turns.unpark(1)  # claimed: nothing to free
+        assert not sched.pages.make_room(1, sched.waiting)  # claimed: nothing to free
         sched.waiting.append(turn)
         sched.fail(turn, KvtierError("the client went away"))
         assert turn.done.result(60) is None  # failed and aborted
@@ -270,7 +272,7 @@ def test_a_staged_prefix_that_never_reaches_its_pages_fails_its_turn_and_loses_n
     )
     loop = asyncio.new_event_loop()
     try:
-        assert sched.turns.unpark(sched.pool.num_pages - sched.pool.num_free)
+        assert sched.pages.make_room(sched.pool.num_pages - sched.pool.num_free, sched.waiting)
         sched.commits.executor.submit(lambda: None).result()  # the session is in L2/L3 alone now
         second = _next_prompts(firsts, replies, 57)[0]
         turn = _restored(sched, loop, _job("x0", second, 6))

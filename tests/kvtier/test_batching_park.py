@@ -27,14 +27,14 @@ from test_batching_share import (
 )
 
 from kvtier.server.backend import TieredBackend
-from kvtier.server.batching import BatchScheduler
-from kvtier.server.model import ServedModel
-from kvtier.server.pageshare import page_keys
-from kvtier.server.turn import Turn
+from kvtier.server.batch.batching import BatchScheduler
+from kvtier.server.batch.turn import Turn
+from kvtier.server.devices.model import ServedModel
+from kvtier.server.pages.pageshare import page_keys
 
 
 def _parked_pages(sched: BatchScheduler) -> set[int]:
-    return {p for parked in sched.tables.parked.values() for p in parked.table.pages}
+    return {p for parked in sched.pages.tables.parked.values() for p in parked.table.pages}
 
 
 def _accounted(sched: BatchScheduler) -> None:
@@ -85,9 +85,9 @@ def test_a_returning_turn_starts_from_its_parked_pages(kind: str, tmp_path: Path
     ref, served, firsts, sched, backend, replies = _parked_fleet(kind, tmp_path, "p", 3)
     loop = asyncio.new_event_loop()
     try:
-        assert set(sched.tables.parked) == {("t", f"p{i}") for i in range(3)}
+        assert set(sched.pages.tables.parked) == {("t", f"p{i}") for i in range(3)}
         _accounted(sched)
-        tables = {sid: list(p.table.pages) for (_, sid), p in sched.tables.parked.items()}
+        tables = {sid: list(p.table.pages) for (_, sid), p in sched.pages.tables.parked.items()}
         nexts = _next_prompts(firsts, replies, 40)
         turns = [_restored(sched, loop, _job(f"p{i}", p, 16)) for i, p in enumerate(nexts)]
         assert all(s.restored is not None and s.restored.source == "l1" for s in turns)
@@ -97,7 +97,7 @@ def test_a_returning_turn_starts_from_its_parked_pages(kind: str, tmp_path: Path
             assert starts[sid][: len(pages)] == pages
         for p, s in zip(nexts, turns, strict=True):
             assert _reply(served, s) == _greedy_alone(ref, p, 16)
-        assert set(sched.tables.parked) == {("t", f"p{i}") for i in range(3)}  # parked again
+        assert set(sched.pages.tables.parked) == {("t", f"p{i}") for i in range(3)}  # parked again
         _accounted(sched)
     finally:
         _close(sched, backend, loop)
@@ -117,14 +117,14 @@ def test_parked_pages_make_room_least_recent_first(tmp_path: Path) -> None:
     )
     loop = asyncio.new_event_loop()
     try:
-        assert sorted(sched.tables.parked) == [("t", "r0"), ("t", "r1")]
-        oldest = next(iter(sched.tables.parked))
-        newest = list(sched.tables.parked)[-1]
+        assert sorted(sched.pages.tables.parked) == [("t", "r0"), ("t", "r1")]
+        oldest = next(iter(sched.pages.tables.parked))
+        newest = list(sched.pages.tables.parked)[-1]
         # a third session's first turn needs more than the free pages: the oldest goes
         third = _restored(sched, loop, jobs[2], check=False)
         _run_alone(sched, third)
         assert _reply(served, third) == _greedy_alone(ref, firsts[2], 8)
-        assert oldest not in sched.tables.parked and newest in sched.tables.parked
+        assert oldest not in sched.pages.tables.parked and newest in sched.pages.tables.parked
         _accounted(sched)
         # the newest parked session still starts from its pages
         i = int(newest[1][1:])
@@ -153,13 +153,13 @@ def test_a_turn_restored_from_l2_copies_in_and_frees_the_old_parked_pages(tmp_pa
             if step == 0:
                 sched.waiting.append(turn)
             elif turn.paged is not None and not seen:  # admitted: its old pages went
-                seen.append(("t", "h0") in sched.tables.parked)
+                seen.append(("t", "h0") in sched.pages.tables.parked)
 
         _drive(sched, hook)
         assert seen == [False]
         assert sched.pages.parked_turns == 0 and turn.trace.copy_in_s > 0  # copied from its Cache
         assert _reply(served, turn) == _greedy_alone(ref, nxt, 16)
-        assert ("t", "h0") in sched.tables.parked  # parked again, with this turn's pages
+        assert ("t", "h0") in sched.pages.tables.parked  # parked again, with this turn's pages
         _accounted(sched)
     finally:
         _close(sched, backend, loop)
@@ -180,7 +180,11 @@ def test_a_diverging_turn_reuses_its_pages_and_its_written_pages_lose_their_keys
         _run_alone(sched, turn)
         assert _reply(served, turn) == _greedy_alone(ref, second, 8)
         registered = page_keys("t", second, 16, turn.cached // 16)
-        assert len(sched.tables.index().lookup(registered)) == len(registered) > (COMMON + 3) // 16
+        assert (
+            len(sched.pages.tables.index().lookup(registered))
+            == len(registered)
+            > (COMMON + 3) // 16
+        )
 
         edit = COMMON + 3
         third = second[:edit] + [35] * 5 + second[edit + 5 :]
@@ -191,7 +195,7 @@ def test_a_diverging_turn_reuses_its_pages_and_its_written_pages_lose_their_keys
         assert sched.pages.parked_turns == 2
         assert _reply(served, turn) == _greedy_alone(ref, third, 12)
         # page `edit // 16` on were written: their old keys are gone
-        assert len(sched.tables.index().lookup(registered)) <= edit // 16
+        assert len(sched.pages.tables.index().lookup(registered)) <= edit // 16
         _accounted(sched)
     finally:
         _close(sched, backend, loop)
@@ -207,7 +211,7 @@ def test_ephemeral_turns_park_nothing(tmp_path: Path) -> None:
     sched, backend, _ = _first_turns(served, tmp_path, jobs, park_pages=True, paged_l1=False)
     loop = asyncio.new_event_loop()
     try:
-        assert list(sched.tables.parked) == [("t", "e1")]
+        assert list(sched.pages.tables.parked) == [("t", "e1")]
         _accounted(sched)
     finally:
         _close(sched, backend, loop)
@@ -219,7 +223,7 @@ def test_parking_off_frees_every_page(tmp_path: Path) -> None:
     sched, backend, _ = _first_turns(served, tmp_path, jobs, paged_l1=False)
     loop = asyncio.new_event_loop()
     try:
-        assert not sched.tables.parked and sched.pool.num_free == sched.pool.num_pages
+        assert not sched.pages.tables.parked and sched.pool.num_free == sched.pool.num_pages
     finally:
         _close(sched, backend, loop)
 
@@ -242,8 +246,8 @@ def test_a_turn_that_would_write_a_page_another_table_holds_copies_in_instead(
         for p, s in zip(seconds, turns, strict=True):
             assert _reply(served, s) == _greedy_alone(ref, p, 8)
         assert sched.pages.shared_pages == FULL  # the second took the first's common pages
-        shared = sched.tables.parked[("t", "w0")].table.pages[:FULL]
-        assert shared == sched.tables.parked[("t", "w1")].table.pages[:FULL]
+        shared = sched.pages.tables.parked[("t", "w0")].table.pages[:FULL]
+        assert shared == sched.pages.tables.parked[("t", "w1")].table.pages[:FULL]
         assert all(sched.pool.refcount(p) == 2 for p in shared)
 
         edit = 40  # inside the common prefix

@@ -24,13 +24,13 @@ from test_multi_device import _poison
 
 from kvtier.paged.sharded import ShardedPagePool
 from kvtier.server.backend import RecomputeBackend, TieredBackend
-from kvtier.server.batching import BatchScheduler
-from kvtier.server.failover import DEGRADED, place
-from kvtier.server.jobs import Job, Stream
-from kvtier.server.memplan import PAGE_SIZE
-from kvtier.server.model import ServedModel
-from kvtier.server.sampling import ReplyText, make_generator
-from kvtier.server.turn import Turn
+from kvtier.server.batch.batching import BatchScheduler
+from kvtier.server.batch.jobs import Job, Stream
+from kvtier.server.batch.turn import Turn
+from kvtier.server.decoding.sampling import ReplyText, make_generator
+from kvtier.server.devices.failover import DEGRADED, place
+from kvtier.server.devices.memplan import PAGE_SIZE
+from kvtier.server.devices.model import ServedModel
 
 COMMON = 100  # tokens every session's conversation starts with: 6 full pages of 16
 FULL = COMMON // PAGE_SIZE
@@ -48,7 +48,9 @@ def _first_turns(
     results = _run(sched, *(_one(sched, job) for job in jobs))
     sched.close()
     sched.commits.executor = concurrent.futures.ThreadPoolExecutor(1)  # finished turns commit here
-    sched.loader.executor = concurrent.futures.ThreadPoolExecutor(1)  # staged prefixes load here
+    sched.pages.loader.executor = concurrent.futures.ThreadPoolExecutor(
+        1
+    )  # staged prefixes load here
     return sched, backend, [r.text for r in results]
 
 
@@ -67,7 +69,7 @@ def _restored(
         tokens=list(job.prompt_ids),
     )
     sched.restores.restore(s)
-    sched._arrived.remove(s)
+    sched.queues.arrived.remove(s)
     assert not check or s.cached >= COMMON, "the next turn restores the committed first turn"
     return s
 
@@ -79,12 +81,12 @@ def _drive(sched: BatchScheduler, hook: Callable[[int], None]) -> None:
         hook(step)
         if not (sched.running or sched.waiting):
             return
-        items = sched.turns.schedule()
+        items = sched.schedule()
         if items:
             sched.run_step(items)
         else:  # as the scheduler's thread does
             sched._drain()
-            sched.loader.wait_first(sched.running)
+            sched.pages.wait_loading(sched.running)
         sched._deliver()
     raise AssertionError("the turns did not finish")
 
@@ -106,7 +108,7 @@ def _conversations(n: int) -> list[list[int]]:
 
 def _close(sched: BatchScheduler, backend: TieredBackend, loop: asyncio.AbstractEventLoop) -> None:
     sched.commits.executor.shutdown(wait=True)
-    sched.loader.executor.shutdown(wait=True)
+    sched.pages.loader.executor.shutdown(wait=True)
     backend.close()
     loop.close()
 
@@ -145,7 +147,7 @@ def test_one_tenants_sessions_share_their_common_prefix_pages(kind: str, tmp_pat
         for p, s in zip(nexts, turns, strict=True):
             assert _reply(served, s) == _greedy_alone(ref, p, 16)
         assert pool.num_free == pool.num_pages
-        assert len(sched.tables.prefixes) == 0  # the index forgot the turns that left
+        assert len(sched.pages.tables.prefixes) == 0  # the index forgot the turns that left
     finally:
         _close(sched, backend, loop)
 
@@ -228,7 +230,7 @@ def test_a_holder_leaving_first_leaves_the_sharers_pages(tmp_path: Path) -> None
         for p, n, s in zip(nexts, lengths, (holder, sharer, late), strict=True):
             assert _reply(served, s) == _greedy_alone(ref, p, n)
         assert pool.num_free == pool.num_pages
-        assert len(sched.tables.prefixes) == 0
+        assert len(sched.pages.tables.prefixes) == 0
     finally:
         _close(sched, backend, loop)
 
@@ -258,7 +260,7 @@ def test_shared_pages_survive_preemption_in_a_full_pool(tmp_path: Path) -> None:
         for p, s in zip(nexts, turns, strict=True):
             assert _reply(served, s) == _greedy_alone(ref, p, 40)
         assert sched.pool.num_free == sched.pool.num_pages
-        assert len(sched.tables.prefixes) == 0
+        assert len(sched.pages.tables.prefixes) == 0
     finally:
         _close(sched, backend, loop)
 
@@ -272,7 +274,7 @@ def test_no_sharing_with_a_lossy_codec(tmp_path: Path) -> None:
             served, RecomputeBackend(served.model), _config(tmp_path, codec=codec)
         )
         sched.close()
-        assert sched.share_prefixes is shares
+        assert sched.pages.tables.share_prefixes is shares
 
 
 def test_a_device_lost_while_pages_are_shared(tmp_path: Path) -> None:

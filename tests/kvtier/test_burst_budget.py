@@ -17,9 +17,9 @@ from device_ledger import DeviceLedger, armed
 from test_batching import _build, _config, _greedy_alone, _job, _one, _run
 
 from kvtier.server.backend import TieredBackend
-from kvtier.server.batching import BatchScheduler
-from kvtier.server.memplan import activation_estimate
-from kvtier.server.model import ServedModel
+from kvtier.server.batch.batching import BatchScheduler
+from kvtier.server.devices.memplan import activation_estimate
+from kvtier.server.devices.model import ServedModel
 
 SESSIONS = 64
 PROMPT = 300  # tokens: ten chunks of 32, the last one partial

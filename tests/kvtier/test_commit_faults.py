@@ -20,7 +20,7 @@ from test_batching import _build, _config, _greedy_alone, _job, _one, _run
 from kvtier.errors import L4Unavailable, StoreFullError, StoreIOError
 from kvtier.paged import PagePool
 from kvtier.server.backend import TieredBackend
-from kvtier.server.batching import BatchScheduler
+from kvtier.server.batch.batching import BatchScheduler
 from kvtier.server.metrics import ServerMetrics
 
 FAULTS: dict[str, BaseException] = {

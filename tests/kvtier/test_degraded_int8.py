@@ -24,10 +24,10 @@ from kvtier.paged.quant import dequantize_kv, quantize_kv
 from kvtier.paged.sharded import ShardedPagePool
 from kvtier.placement import Placement
 from kvtier.server.backend import TieredBackend
-from kvtier.server.batching import BatchScheduler
+from kvtier.server.batch.batching import BatchScheduler
 from kvtier.server.config import ServerConfig
-from kvtier.server.devices_admin import DEGRADED_KV_HEADER, DegradedTurn
-from kvtier.server.failover import DEGRADED, DRAINING, HEALTHY, RESTORING, place
+from kvtier.server.devices.failover import DEGRADED, DRAINING, HEALTHY, RESTORING, place
+from kvtier.server.http.devices_admin import DEGRADED_KV_HEADER, DegradedTurn
 from kvtier.server.metrics import ServerMetrics
 
 CPU = torch.device("cpu")

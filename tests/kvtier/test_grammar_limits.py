@@ -18,11 +18,11 @@ from test_structured_output import _grammar_job
 
 from kvtier.errors import InvalidRequest
 from kvtier.server.backend import RecomputeBackend
-from kvtier.server.batching import BatchScheduler
-from kvtier.server.grammar import GrammarBook, GrammarSpec, spec_of
-from kvtier.server.grammarlimits import GrammarLimits, check_schema, pattern_repeat
+from kvtier.server.batch.batching import BatchScheduler
+from kvtier.server.decoding.grammar import GrammarBook, GrammarSpec, spec_of
+from kvtier.server.decoding.grammarlimits import GrammarLimits, check_schema, pattern_repeat
+from kvtier.server.devices.model import byte_tokenizer
 from kvtier.server.metrics import ServerMetrics
-from kvtier.server.model import byte_tokenizer
 
 xgrammar = pytest.importorskip("xgrammar")
 
@@ -143,7 +143,7 @@ def test_a_json_schema_reply_keeps_the_schemas_property_order(tmp_path: Path) ->
     served = _build("llama")
     backend = RecomputeBackend(served.model)
     sched = BatchScheduler(served, backend, _config(tmp_path))
-    from kvtier.server.completions import grammar_book
+    from kvtier.server.http.completions import grammar_book
 
     book = grammar_book(served)
     props = {

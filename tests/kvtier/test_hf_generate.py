@@ -88,7 +88,7 @@ def test_append_kv_takes_copy_outs_tensor_into_any_cache(tmp_path: Path) -> None
     plain DynamicCache gets the same K/V layer by layer."""
     from transformers import DynamicCache
 
-    from kvtier.server.pagecopy import append_kv
+    from kvtier.server.pages.pagecopy import append_kv
 
     model = tiny_llama()
     cfg = CacheConfig(

@@ -401,7 +401,7 @@ def test_l4_url_reaches_the_server_cache(tmp_path: Path, redis_server) -> None:
     """`kvtier serve --l4-url` (KVTIER_L4_URL, TOML l4_url) gives the server's cache an L4."""
     from kvtier.server.backend import TieredBackend
     from kvtier.server.config import ServerConfig
-    from kvtier.server.model import build_default
+    from kvtier.server.devices.model import build_default
 
     assert ServerConfig.load({}, env={}).l4_url is None
     toml = tmp_path / "kvtier.toml"

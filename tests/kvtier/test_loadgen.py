@@ -83,7 +83,7 @@ def end_after_x(root: Path) -> Path:
     "y" for ever: it ends after two tokens unless the end token is ignored."""
     import torch
 
-    from kvtier.server.model import build_default
+    from kvtier.server.devices.model import build_default
 
     served = build_default("cpu")
     model, eos = served.model, 256

@@ -1,4 +1,4 @@
-"""The overlapped step's readback (kvtier.server.lookahead.TokenReadback): greedy tokens, and the
+"""The overlapped step's readback (kvtier.server.batch.lookahead.TokenReadback): greedy tokens, and the
 rows the host samples itself copied out in the same wait."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvtier.server.lookahead import TokenReadback
+from kvtier.server.batch.lookahead import TokenReadback
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 

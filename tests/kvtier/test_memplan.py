@@ -1,4 +1,4 @@
-"""The GPU memory plan's arithmetic (kvtier.server.memplan) and `kvtier plan --gpu-memory-utilization`.
+"""The GPU memory plan's arithmetic (kvtier.server.devices.memplan) and `kvtier plan --gpu-memory-utilization`.
 
 The CUDA side (the profile run, the budget enforced through the allocator, graphs measured) runs
 in the GPU bench (bench/small_gpu.py); here: what the plan promises from its inputs."""
@@ -15,7 +15,7 @@ from kvtier.cli.plan import command as plan_command
 from kvtier.errors import ConfigError
 from kvtier.geometry import KVGeometry
 from kvtier.server.config import DEFAULT_L1_BYTES, ServerConfig
-from kvtier.server.memplan import (
+from kvtier.server.devices.memplan import (
     PARTS,
     WARM_UP_L1_TOKENS,
     offline_plan,

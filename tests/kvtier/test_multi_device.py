@@ -25,9 +25,9 @@ from kvtier.paged import PagedSequence, PagePool
 from kvtier.paged.sharded import ShardedPagePool
 from kvtier.placement import DeviceLost, Placement, parse_devices
 from kvtier.server.backend import TieredBackend
-from kvtier.server.batching import BatchScheduler
-from kvtier.server.failover import DEGRADED, DRAINING, HEALTHY, RESTORING, place
-from kvtier.server.jobs import Delta, Finished, Stream
+from kvtier.server.batch.batching import BatchScheduler
+from kvtier.server.batch.jobs import Delta, Finished, Stream
+from kvtier.server.devices.failover import DEGRADED, DRAINING, HEALTHY, RESTORING, place
 
 CPU = torch.device("cpu")
 
@@ -265,7 +265,7 @@ def test_http_fail_and_restore_a_device(tmp_path: Path) -> None:
 def test_devices_settings_from_flags_environment_and_toml(tmp_path: Path) -> None:
     from kvtier.placement import devices_setting
     from kvtier.server.config import ServerConfig
-    from kvtier.server.failover import place_configured
+    from kvtier.server.devices.failover import place_configured
 
     toml = tmp_path / "kvtier.toml"
     toml.write_text("[serve]\ndevices = [0, 1]\ndegraded_window = 512\n")

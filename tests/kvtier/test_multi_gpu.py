@@ -20,9 +20,9 @@ from kvtier.paged import PagedSequence, PagePool
 from kvtier.paged.sharded import ShardedPagePool
 from kvtier.placement import Placement
 from kvtier.server.backend import TieredBackend
-from kvtier.server.batching import BatchScheduler
-from kvtier.server.failover import DEGRADED, DRAINING, HEALTHY, place
-from kvtier.server.model import ServedModel, _wrap, byte_tokenizer
+from kvtier.server.batch.batching import BatchScheduler
+from kvtier.server.devices.failover import DEGRADED, DRAINING, HEALTHY, place
+from kvtier.server.devices.model import ServedModel, _wrap, byte_tokenizer
 
 pytestmark = [
     pytest.mark.gpu,

@@ -7,7 +7,7 @@ import gc
 
 from kvtier.geometry import KVGeometry
 from kvtier.paged import PagedSequence, PagePool
-from kvtier.server.pageshare import PrefixPages, page_keys
+from kvtier.server.pages.pageshare import PrefixPages, page_keys
 
 GEO = KVGeometry(2, 2, 16, 16, "float32", "gqa")
 

@@ -11,7 +11,7 @@ from click.testing import CliRunner
 from kvtier.cli.plan import command
 from kvtier.geometry import KVGeometry
 from kvtier.humanize import size as _fmt
-from kvtier.server.memplan import offline_plan
+from kvtier.server.devices.memplan import offline_plan
 
 MODELS = Path(__file__).resolve().parents[2] / "configs" / "models"
 # Published architectures: layers x KV heads x head dim x 2 (K and V) x 2 bytes (bf16).

@@ -25,12 +25,12 @@ from test_multi_device import _turn
 from kvtier import CacheConfig, TieredCache
 from kvtier.placement import DeviceLost
 from kvtier.server.backend import TieredBackend
-from kvtier.server.batching import BatchScheduler
-from kvtier.server.devices_admin import device_readiness
-from kvtier.server.failover import DEGRADED, DRAINING, FAILED, HEALTHY, RESTORING, place
-from kvtier.server.jobs import Finished
+from kvtier.server.batch.batching import BatchScheduler
+from kvtier.server.batch.jobs import Finished
+from kvtier.server.devices.failover import DEGRADED, DRAINING, FAILED, HEALTHY, RESTORING, place
+from kvtier.server.devices.model import cache_kwarg
+from kvtier.server.http.devices_admin import device_readiness
 from kvtier.server.metrics import ServerMetrics
-from kvtier.server.model import cache_kwarg
 from kvtier.types import SessionState
 
 CPU = torch.device("cpu")

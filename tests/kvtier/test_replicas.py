@@ -18,9 +18,9 @@ import torch
 from test_batching import _build, _config, _greedy_alone, _job, _prompts
 
 from kvtier.errors import ConfigError
+from kvtier.server.batch.jobs import Delta, Finished, Started
+from kvtier.server.batch.replicas import ReplicaSet, build_replicas, clone_served, replica_devices
 from kvtier.server.config import ServerConfig
-from kvtier.server.jobs import Delta, Finished, Started
-from kvtier.server.replicas import ReplicaSet, build_replicas, clone_served, replica_devices
 
 CPU = torch.device("cpu")
 

@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from kvtier.server.model import byte_tokenizer
-from kvtier.server.sampling import ReplyText
+from kvtier.server.decoding.sampling import ReplyText
+from kvtier.server.devices.model import byte_tokenizer
 
 
 def _byte_fallback_tokenizer():

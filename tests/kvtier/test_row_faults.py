@@ -14,10 +14,10 @@ import torch
 from test_batching import _build, _config, _greedy_alone, _job, _prompts
 
 from kvtier.server.backend import RecomputeBackend
-from kvtier.server.batching import BatchScheduler
-from kvtier.server.jobs import Delta, Failed, Finished, Job, Stream
-from kvtier.server.logitproc import LOGPROB_FLOOR, Decoding, record
-from kvtier.server.sampling import NothingToDraw, make_generator, sample_rows
+from kvtier.server.batch.batching import BatchScheduler
+from kvtier.server.batch.jobs import Delta, Failed, Finished, Job, Stream
+from kvtier.server.decoding.logitproc import LOGPROB_FLOOR, Decoding, record
+from kvtier.server.decoding.sampling import NothingToDraw, make_generator, sample_rows
 
 xgrammar = pytest.importorskip("xgrammar")
 
@@ -68,8 +68,8 @@ async def _collect(sched: BatchScheduler, job: Job) -> tuple[str, Any]:
 def test_a_fault_in_one_row_of_sixteen_fails_that_turn_alone(where: str, tmp_path: Path) -> None:
     served = _build("llama")
     ref = _build("llama")
-    from kvtier.server.completions import grammar_book
-    from kvtier.server.grammar import GrammarSpec
+    from kvtier.server.decoding.grammar import GrammarSpec
+    from kvtier.server.http.completions import grammar_book
 
     book = grammar_book(served)
     compiled = book.compile(GrammarSpec("json"))
@@ -120,7 +120,7 @@ def test_a_row_with_nothing_to_draw_is_its_own_fault() -> None:
 
 
 def test_a_tiny_temperature_samples_as_greedy() -> None:
-    from kvtier.server.schema import ChatRequest
+    from kvtier.server.http.schema import ChatRequest
 
     body = {"model": "m", "messages": [{"role": "user", "content": "x"}], "temperature": 1e-40}
     assert ChatRequest.model_validate(body).temperature == 0.0

@@ -1,11 +1,11 @@
-"""The host's draw of a sampled token (kvtier.server.sampling.draw): the distribution it is
+"""The host's draw of a sampled token (kvtier.server.decoding.sampling.draw): the distribution it is
 given, never an id of probability 0, the same ids for the same seed."""
 
 from __future__ import annotations
 
 import torch
 
-from kvtier.server.sampling import draw, sample_rows
+from kvtier.server.decoding.sampling import draw, sample_rows
 
 
 def test_draws_follow_the_distribution() -> None:

@@ -11,7 +11,7 @@ import pytest
 from pydantic import ValidationError
 
 from kvtier.server.config import ServerConfig
-from kvtier.server.schema import ChatRequest, CompletionRequest
+from kvtier.server.http.schema import ChatRequest, CompletionRequest
 
 HELLO = [{"role": "user", "content": "hi"}]
 
@@ -49,7 +49,7 @@ def test_other_errors_are_kept_whole_and_in_order() -> None:
 
 
 def test_http_app_names_the_typo_and_lists_the_accepted_fields(tmp_path: Path) -> None:
-    from kvtier.server.app import create_app
+    from kvtier.server.http.app import create_app
 
     # No lifespan runs here: no model loads; bodies are validated before the model is needed.
     app = create_app(ServerConfig(l3_root=tmp_path / "l3"))

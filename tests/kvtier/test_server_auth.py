@@ -20,8 +20,8 @@ from server_proc import Server
 
 from kvtier import apikeys
 from kvtier.errors import ConfigError
-from kvtier.server.app import create_app
 from kvtier.server.config import ServerConfig
+from kvtier.server.http.app import create_app
 
 SMALL = ("--l1-bytes", "32MiB", "--l2-bytes", "32MiB", "--chunk-tokens", "32")
 

@@ -8,7 +8,7 @@ import pytest
 
 from kvtier.errors import ConfigError
 from kvtier.server.config import ServerConfig, default_l3_root, parse_size
-from kvtier.server.model import build_default, byte_tokenizer
+from kvtier.server.devices.model import build_default, byte_tokenizer
 
 
 def test_precedence_flags_over_env_over_toml(tmp_path: Path) -> None:
@@ -59,7 +59,7 @@ def test_writer_and_isolation_settings() -> None:
 def test_cudnn_attention_is_off_unless_asked() -> None:
     import torch
 
-    from kvtier.server.app import _load
+    from kvtier.server.http.app import _load
 
     before = torch.backends.cuda.cudnn_sdp_enabled()
     try:

@@ -1,6 +1,6 @@
 """Connections that never finish their headers must not take the server down: the header timeout
 closes them, the cap on open connections keeps file descriptors for the requests that do come,
-and the open-files limit is set at start (kvtier.server.connguard)."""
+and the open-files limit is set at start (kvtier.server.http.connguard)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from server_proc import Server
 
 from kvtier.errors import ConfigError
 from kvtier.server.config import ServerConfig
-from kvtier.server.connguard import (
+from kvtier.server.http.connguard import (
     MAX_AUTO_CONNECTIONS,
     ConnectionGuard,
     connection_cap,

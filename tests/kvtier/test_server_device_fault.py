@@ -1,4 +1,4 @@
-"""A device fault that loses the CUDA context stops the server (kvtier.server.devicefault).
+"""A device fault that loses the CUDA context stops the server (kvtier.server.devices.devicefault).
 
 On CUDA, a device-side assert or an illegal memory access leaves every later call on the device
 failing. The server must then not answer 500 to every request while /readyz says ready: the
@@ -22,10 +22,10 @@ import torch
 from fastapi.testclient import TestClient
 
 from kvtier.errors import KvtierError
-from kvtier.server.app import create_app
+from kvtier.server.batch.engine import Engine
 from kvtier.server.config import ServerConfig
-from kvtier.server.devicefault import DeviceFault, is_fatal_device_error
-from kvtier.server.engine import Engine
+from kvtier.server.devices.devicefault import DeviceFault, is_fatal_device_error
+from kvtier.server.http.app import create_app
 
 ILLEGAL = "CUDA error: an illegal memory access was encountered\nCUDA kernel errors might be..."
 CHAT = {"model": "default", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}

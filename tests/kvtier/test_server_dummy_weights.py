@@ -20,9 +20,9 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
-from kvtier.server.app import _load, create_app
 from kvtier.server.config import ServerConfig
-from kvtier.server.model import load_dummy
+from kvtier.server.devices.model import load_dummy
+from kvtier.server.http.app import _load, create_app
 from kvtier.server.run import load_config
 
 VOCAB = 257  # the byte tokenizer's: 256 bytes and the end token
@@ -133,7 +133,7 @@ def test_a_tokenizer_longer_than_the_embeddings_warms_up_and_serves(
     config 257 embeddings: prompts the warm-up makes stay below 257 (an id of 257 is an
     IndexError on the CPU, a device-side assert on CUDA), and a request whose text encodes to
     id 257 gets a 400 instead of reaching the model."""
-    from kvtier.server.model import byte_tokenizer
+    from kvtier.server.devices.model import byte_tokenizer
 
     root = _config_dir(tmp_path / "model", "llama")
     tok = byte_tokenizer()

@@ -16,8 +16,8 @@ import httpx
 import pytest
 from server_proc import Server
 
-from kvtier.server.model import DEFAULT_SHAPE, byte_tokenizer
-from kvtier.server.prompting import NORMALIZE_SLACK, max_prompt_chars, token_chars
+from kvtier.server.devices.model import DEFAULT_SHAPE, byte_tokenizer
+from kvtier.server.http.prompting import NORMALIZE_SLACK, max_prompt_chars, token_chars
 
 SMALL = ("--l1-bytes", "32MiB", "--l2-bytes", "32MiB")
 

@@ -12,7 +12,7 @@ import httpx
 import pytest
 from server_proc import Server
 
-from kvtier.server.schema import MAX_STOPS
+from kvtier.server.http.schema import MAX_STOPS
 
 SMALL = ("--l1-bytes", "32MiB", "--l2-bytes", "32MiB")
 

@@ -115,7 +115,7 @@ def test_sigterm_finishes_in_flight_then_hibernates_and_exits_0(tmp_path: Path) 
 
 
 def test_model_path_loads_a_saved_directory(tmp_path: Path) -> None:
-    from kvtier.server.model import build_default
+    from kvtier.server.devices.model import build_default
 
     served = build_default("cpu", seed=3)
     model_dir = tmp_path / "tiny-llama"

@@ -22,9 +22,9 @@ from server_proc import ROOT, free_port
 from test_server_startup import _config, _InProcess
 
 from kvtier.errors import BudgetError, ConfigError
-from kvtier.server import listen
-from kvtier.server.app import create_app
 from kvtier.server.config import ServerConfig
+from kvtier.server.http import listen
+from kvtier.server.http.app import create_app
 
 SMALL = ["--l1-bytes", "32MiB", "--l3-writer", "threads", "--log-level", "warning"]
 

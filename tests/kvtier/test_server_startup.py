@@ -23,10 +23,10 @@ import uvicorn
 from server_proc import ROOT, Server, free_port
 
 from kvtier import CacheConfig, apikeys
-from kvtier.server.app import create_app
 from kvtier.server.backend import PrefillEstimate
+from kvtier.server.batch.engine import WARM_UP_TOKENS
 from kvtier.server.config import ServerConfig
-from kvtier.server.engine import WARM_UP_TOKENS
+from kvtier.server.http.app import create_app
 
 GUESS_FIELD = "initial_prefill_s_per_token"  # the cost model's configured prefill guess
 # L3 chunks a start leaves: the warm-up prompt's (1024 tokens: 4 and a 1-token tail) and the

@@ -19,9 +19,9 @@ import pytest
 
 from kvtier.errors import L1BudgetExceeded
 from kvtier.server.backend import make_backend
+from kvtier.server.batch.engine import Engine
 from kvtier.server.config import ServerConfig
-from kvtier.server.engine import Engine
-from kvtier.server.model import build_default
+from kvtier.server.devices.model import build_default
 
 # The built-in model's K/V: 2 layers x (K, V) x 2 heads x 16 x 4 bytes = 512 bytes a token, held
 # in L1 by 256-token chunks of 128 KiB

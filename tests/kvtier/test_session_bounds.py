@@ -120,7 +120,7 @@ def test_serve_settings_reach_the_cache(tmp_path: Path) -> None:
     from kvtier.errors import ConfigError
     from kvtier.server.backend import TieredBackend
     from kvtier.server.config import ServerConfig
-    from kvtier.server.model import build_default
+    from kvtier.server.devices.model import build_default
 
     default = ServerConfig.load({}, env={})
     assert (default.session_ttl_s, default.max_sessions, default.l3_write_bound_s) == (

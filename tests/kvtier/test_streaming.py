@@ -2,7 +2,7 @@
 the trained tiny Llama of test_codecs (perplexity and greedy agreement against full attention).
 
 A degraded turn runs over the first S tokens and the last W tokens of the prompt, positions
-given anew (kvtier.server.streaming); its reply then extends that view. Emulated here
+given anew (kvtier.server.devices.streaming); its reply then extends that view. Emulated here
 teacher-forced: a 512-token prompt, the next 256 tokens scored, full attention against the
 sinks + window view, on held-out texts of the training distribution.
 
@@ -25,7 +25,7 @@ from test_codecs import _corpus, _train
 
 from kvtier.geometry import KVGeometry
 from kvtier.paged import BatchRunner, PagedSequence, PagePool, SeqInput
-from kvtier.server.streaming import streaming_ids
+from kvtier.server.devices.streaming import streaming_ids
 
 PROMPT, SCORED, TEXTS = 512, 256, 4
 VIEWS = ((4, 16), (0, 16), (4, 64), (0, 64), (4, 128), (4, 256))  # (sinks, window); 0: none

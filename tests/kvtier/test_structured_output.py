@@ -14,9 +14,9 @@ from test_batching import _build, _config, _greedy_alone, _job, _one, _prompts, 
 
 from kvtier.errors import InvalidRequest
 from kvtier.server.backend import RecomputeBackend
-from kvtier.server.batching import BatchScheduler
-from kvtier.server.grammar import GrammarBook, spec_of
-from kvtier.server.tools import call_text, hermes_messages, parse_tool_calls, render_prompt
+from kvtier.server.batch.batching import BatchScheduler
+from kvtier.server.decoding.grammar import GrammarBook, spec_of
+from kvtier.server.decoding.tools import call_text, hermes_messages, parse_tool_calls, render_prompt
 
 xgrammar = pytest.importorskip("xgrammar")
 
@@ -209,7 +209,7 @@ def test_logprobs_and_penalties_in_the_batch(tmp_path: Path) -> None:
             import asyncio
             import time
 
-            from kvtier.server.jobs import Delta, Finished, Stream
+            from kvtier.server.batch.jobs import Delta, Finished, Stream
 
             stream = Stream(asyncio.get_running_loop())
             job = _job("lp", prompt, 12, logprobs=3)
@@ -291,8 +291,8 @@ def test_host_masks_equal_xgrammars_own(vocab: int) -> None:
     import torch
     import xgrammar as xgr
 
-    from kvtier.server.grammar import GrammarSpec, apply_masks
-    from kvtier.server.model import byte_tokenizer
+    from kvtier.server.decoding.grammar import GrammarSpec, apply_masks
+    from kvtier.server.devices.model import byte_tokenizer
 
     book = GrammarBook(byte_tokenizer(), vocab, frozenset([256]))
     matchers = []

@@ -10,8 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtier.server.schema import ChatRequest
-from kvtier.server.tools import (
+from kvtier.server.decoding.tools import (
     CALL_CLOSE,
     CALL_OPEN,
     MAX_CALL_DEPTH,
@@ -19,6 +18,7 @@ from kvtier.server.tools import (
     call_text,
     parse_tool_calls,
 )
+from kvtier.server.http.schema import ChatRequest
 
 CALL = call_text("f", '{"a": 1}')
 

@@ -148,4 +148,4 @@ def test_serve_help_loads_no_model_stack() -> None:
         [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True
     )
     loaded = set(json.loads(out.stdout.splitlines()[-1]))
-    assert not loaded & {"torch", "transformers", "fastapi", "kvtier.server.app"}
+    assert not loaded & {"torch", "transformers", "fastapi", "kvtier.server.http.app"}

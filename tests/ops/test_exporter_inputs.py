@@ -149,7 +149,7 @@ def full_registry(l3_root: Path) -> CollectorRegistry:
 
 @dataclass
 class PlanStandIn:
-    """What `ServerMetrics.gpu_memory_plan` reads of kvtier.server.memplan.DeviceMemoryPlan (its
+    """What `ServerMetrics.gpu_memory_plan` reads of kvtier.server.devices.memplan.DeviceMemoryPlan (its
     interface, without torch or a GPU): the parts in plan order, their sum, the bytes held now."""
 
     parts_bytes: dict[str, int]

@@ -134,7 +134,7 @@ def test_only_what_the_index_knows_is_exported(tmp_path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def model() -> Any:
-    from kvtier.server.model import build_default
+    from kvtier.server.devices.model import build_default
 
     return build_default("cpu").model
 

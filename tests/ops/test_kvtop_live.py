@@ -92,7 +92,7 @@ def live_exporter(tmp: Path, session_id: str = "agent-{i}") -> Iterator[Live]:
     """The exporter (cache + host collectors, l3_root set) on 127.0.0.1, workload running;
     `session_id` formats the sessions' ids (`lg-ca4283a0-{i:05d}`: ids as loadgen makes them)."""
     from kvtier import CacheConfig, TieredCache
-    from kvtier.server.model import build_default
+    from kvtier.server.devices.model import build_default
     from ops.exporter import make_registry
 
     model = build_default("cpu").model  # the server's built-in random Llama

@@ -1,0 +1,1 @@
+"""The batch engine: see README.md beside this file."""

@@ -1,0 +1,1 @@
+"""The devices: see README.md beside this file."""

@@ -1,0 +1,1 @@
+"""The HTTP routes: see README.md beside this file."""
