@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Behaviour and speed unchanged by a restructuring: the GPU fleet's step P50 and tok/s of this
+# tree against a base tree (an export of an earlier commit: `git archive REV kvtier bench`), on
+# the same card in the same call, alternating base and this tree (bench/agent_fleet.py
+# --concurrent, the fit scenario, the `kvtier` configuration).
+#
+#   BASE=path/to/base bash bench/gpu_speed_check.sh [OUT]     # about 3 minutes per pair
+#   PAIRS=2 SECONDS_RUN=20 ...
+set -uo pipefail
+cd "$(dirname "$0")/.."
+: "${BASE:?set BASE to the base tree (git archive REV kvtier bench | tar -x -C BASE)}"
+OUT="${1:-${OUT:-gpu-out}}"
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+here=$(pwd)
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/card.txt"
+run() {  # run TREE LABEL
+  (cd "$1" && PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" timeout 240 python3 bench/agent_fleet.py \
+    --concurrent --configs kvtier --hibernate-sessions 0 --time-limit "${SECONDS_RUN:-20}" \
+    --out "$OUT/$2" >"$OUT/$2.txt" 2>&1)
+  echo "exit $?" >>"$OUT/$2.txt"
+}
+for i in $(seq "${PAIRS:-1}"); do
+  run "$BASE" "base-$i"
+  run "$here" "new-$i"
+done
+python3 - "$OUT" <<'PY'
+import pathlib, re, sys
+out = pathlib.Path(sys.argv[1])
+row = re.compile(r"^\s+kvtier\s+([\d,.]+)\s+\S+\s+\S+\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)")
+dec = re.compile(r"kvtier: (\d+) decode-only steps \(P50 ([\d.]+) ms\)")
+print(f"{'run':<8} {'tok/s':>8} {'TTFT P50':>9} {'step P50':>9} {'step P99':>9} {'decode-only P50':>16}  (ms)")
+for f in sorted(out.glob("*-[0-9]*.txt")):
+    text = f.read_text()
+    rows = [row.match(line) for line in text.splitlines()]
+    rows = [r for r in rows if r]
+    d = dec.search(text)
+    if not rows:
+        print(f"{f.stem:<8} no kvtier row: {text[-300:]!r}")
+        continue
+    r = rows[-1]
+    print(f"{f.stem:<8} {r[1]:>8} {r[2]:>9} {r[4]:>9} {r[5]:>9} {d[2] if d else '-':>16}")
+PY
