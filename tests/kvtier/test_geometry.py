@@ -328,6 +328,6 @@ def test_plan_command(tmp_path) -> None:  # type: ignore[no-untyped-def]
     assert "57344 bytes/token" in out.output
     # L1 is the page pool left after the CUDA context, 14.2 GiB of weights and the rest: 12
     # chunks of 14 MiB per session, not the 146 sessions the whole 24 GiB would hold
-    assert "L1        5.1 GiB            30" in out.output
+    assert "L1        4.9 GiB            30" in out.output
     bad = CliRunner().invoke(command, [*args, "--gpu-mem", "lots"])
     assert bad.exit_code != 0 and "512MiB" in bad.output

@@ -9,7 +9,19 @@ that budget live, in the order they are planned:
   that `nvidia-smi` read 2 % over the budget under load);
 - **weights**: measured once they are resident (`torch.cuda.memory_allocated`);
 - **activations**: the peak of one forward at the largest step, measured by a profiling
-  forward (vLLM's profile run), or estimated from the config offline (`kvtier plan`);
+  forward (vLLM's profile run), or estimated from the config offline (`kvtier plan`), plus one
+  prompt chunk's attention over a full context (`attention_estimate`, the formula below; at
+  start `profile_attention` also runs it on the device over a full context and takes the
+  larger, as SDPA's flash kernel may add accumulators): the profiling forwards' contexts are
+  short, while a prefilling row of a mixed step copies its whole context's K and
+  V out of the pages, one copy per query head (kvtier.paged.reference._flash_lower_right, in
+  groups of heads of at most `FLASH_KV_BYTES`; all of Qwen2-7B's copies at once are 348 MB
+  at 24K tokens). The rows and layers attend one after another, so one row's worth at a
+  time:
+  `batch_tokens * heads * head_dim * e + 2 * c * ctx * head_dim * e + c * batch_tokens *
+  (head_dim * e + 4)`, `ctx` the context rounded up to whole pages of 256, `c` the query heads
+  per call (`FLASH_KV_BYTES // (2 * ctx * head_dim * e)`, 1 to `heads`), `e` the dtype's
+  bytes: 137.0 MiB for Qwen2-7B in bf16 at 32K tokens and a 1,024-token step;
 - **graphs**: the CUDA graphs of the batched step, every bucket captured into one shared
   memory pool: the largest bucket's intermediates plus the one logits buffer they all write
   (estimated here, then measured after the capture and recorded);
@@ -22,9 +34,10 @@ that budget live, in the order they are planned:
 
 A budget too small for the weights plus one full-context session is refused at start with the
 figures and what fits. `l1_bytes` and `batch_kv_bytes` stay as overrides, checked against the
-budget. The plan is pure arithmetic (`plan_memory`) plus two measurements
-(`profile_activations`, `DeviceMemoryPlan.measured`); the server builds it once the weights are
-resident (kvtier.server.http.app), and the same arithmetic prints offline as `kvtier plan --gpu`.
+budget. The plan is pure arithmetic (`plan_memory`) plus measurements (`profile_activations`,
+`profile_attention`, `profile_graphs`, `DeviceMemoryPlan.measured`); the server builds it once
+the weights are resident (kvtier.server.http.app), and the same arithmetic prints offline as
+`kvtier plan --gpu`.
 """
 
 from __future__ import annotations
@@ -38,6 +51,7 @@ import torch
 from kvtier.errors import ConfigError
 from kvtier.humanize import size as _fmt
 from kvtier.paged.attention import VARLEN_PAGE, varlen_block_table_supported
+from kvtier.paged.reference import prefill_attention_bytes
 
 log = logging.getLogger("kvtier.server")
 
@@ -147,6 +161,62 @@ def activation_estimate(
     tensors per token alive at once, and the kept rows' logits in float32."""
     per_token = (6 * hidden + 3 * intermediate) * element
     return tokens * per_token + logits_rows * vocab * 4
+
+
+def attention_estimate(
+    geometry: Any, heads: int, context_tokens: int, query_tokens: int, page: int = VARLEN_PAGE
+) -> int:
+    """The peak bytes of one prompt chunk's attention of `query_tokens` over `context_tokens`,
+    one layer of one row, in the batched step's prefill path (`prefill_attention_bytes`): what
+    the profiling forwards, whose contexts are short, do not reach. `page`: the pool's page
+    size (the context is read in whole pages; 256 rounds up as far as any)."""
+    return prefill_attention_bytes(
+        context_tokens=context_tokens,
+        query_tokens=query_tokens,
+        heads=heads,
+        kv_heads=geometry.num_kv_heads,
+        head_dim=geometry.head_dim,
+        element=geometry.element_size,
+        page_size=page,
+    )
+
+
+def profile_attention(
+    geometry: Any,
+    heads: int,
+    context_tokens: int,
+    query_tokens: int,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> int:
+    """`attention_estimate` on this device, or more where the device needs more: the prefill
+    attention run over one layer's K/V of a full context for chunks of up to `query_tokens`
+    (the peak bytes it allocates beyond its inputs; SDPA's flash kernel may add float32
+    accumulators when it splits the context, which the formula leaves out). CUDA only; the
+    temporary K/V are freed again."""
+    from kvtier.paged.reference import _flash_lower_right
+
+    page = page_size(device, dtype)
+    term = attention_estimate(geometry, heads, context_tokens, query_tokens, page)
+    pages = -(-context_tokens // page)
+    shape = (pages, page, geometry.num_kv_heads, geometry.head_dim)
+    table = torch.arange(pages, dtype=torch.int32, device=device)
+    measured = 0
+    with torch.inference_mode():
+        k_cache = torch.randn(shape, dtype=dtype, device=device)
+        v_cache = torch.randn(shape, dtype=dtype, device=device)
+        longest = min(query_tokens, context_tokens)  # a chunk's tokens are in its context
+        for n_q in sorted({min(longest, n) for n in (16, 128, 512, longest)}):
+            q = torch.randn((n_q, heads, geometry.head_dim), dtype=dtype, device=device)
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            base = torch.cuda.memory_allocated(device)
+            out = _flash_lower_right(q, k_cache, v_cache, table, context_tokens, 1.0)
+            torch.cuda.synchronize(device)
+            measured = max(measured, torch.cuda.max_memory_allocated(device) - base)
+            del out, q
+        del k_cache, v_cache
+    return max(term, int(measured))
 
 
 def graph_estimate(activations: int, logits_rows: int, vocab: int, element: int) -> int:
@@ -299,6 +369,15 @@ def build_plan(served: Any, config: Any) -> DeviceMemoryPlan | None:
     # its last token's logits alone
     step = int(config.prefill_step)
     activations = max(batch, profile_activations(model, step, 1, device))
+    # one prefilling row's attention over the whole context (the profiles' contexts are short)
+    attention = profile_attention(
+        geometry,
+        int(model.config.num_attention_heads),
+        int(served.context_tokens),
+        batch_tokens,
+        device,
+        dtype,
+    )
     graphs = 0
     if config.batching and config.cuda_graphs:
         # measured: the step captured once over a pool of two pages, then freed (the graphs'
@@ -306,6 +385,14 @@ def build_plan(served: Any, config: Any) -> DeviceMemoryPlan | None:
         # (the rows kernel's split buffers of every bucket)
         graphs, eager = profile_graphs(model, geometry, dtype, config, int(served.context_tokens))
         activations = max(activations, eager)
+    log.info(
+        "GPU memory plan: activations %s measured + %s for a prompt chunk's attention over a "
+        "%d-token context",
+        _fmt(activations),
+        _fmt(attention),
+        int(served.context_tokens),
+    )
+    activations += attention
     chunk = geometry.chunk_bytes(int(config.chunk_tokens))
     staging = staging_estimate(chunk, lossless=str(config.codec) == "native")
     total = int(torch.cuda.get_device_properties(device).total_memory)
@@ -468,16 +555,19 @@ def offline_plan(
     batch_tokens = max(batch_tokens, max_concurrency)
     batch = activation_estimate(hidden, intermediate, vocab, batch_tokens, max_concurrency, element)
     step = activation_estimate(hidden, intermediate, vocab, prefill_step, prefill_step, element)
+    context_tokens = context_tokens or _int(config, "max_position_embeddings", 4096)
+    heads = _int(config, "num_attention_heads", geometry.num_kv_heads)
+    attention = attention_estimate(geometry, heads, context_tokens, batch_tokens)
     return plan_memory(
         device="cuda",
         total_bytes=total_bytes,
         utilization=utilization,
         weights=weights_estimate(config, element),
-        activations=max(batch, step),
+        activations=max(batch, step) + attention,
         graphs=graph_estimate(batch, max_concurrency, vocab, element),
         staging=staging_estimate(geometry.chunk_bytes(chunk_tokens)),
         per_token=geometry.bytes_per_token,
-        context_tokens=context_tokens or _int(config, "max_position_embeddings", 4096),
+        context_tokens=context_tokens,
     )
 
 
