@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from kvtier.errors import InvalidRequest, KvtierError, L1BudgetExceeded
 from kvtier.server.auth import tenant_of
 from kvtier.server.clientgone import until_gone, watch
+from kvtier.server.config import ServerConfig
 from kvtier.server.devices_admin import DegradedTurn
 from kvtier.server.engine import Engine
 from kvtier.server.grammar import GrammarBook, spec_of
@@ -45,7 +46,9 @@ if TYPE_CHECKING:  # pragma: no cover
 SOURCE_HEADER = "X-Kvtier-Restore-Source"
 
 
-def grammar_book(served: Any, config: Any = None, metrics: Any = None) -> GrammarBook:
+def grammar_book(
+    served: Any, config: ServerConfig | None = None, metrics: Any = None
+) -> GrammarBook:
     """The served model's grammar compiler, made on first use (with `config`'s limits)."""
     if served.grammars is None:
         vocab = int(getattr(served.model.config, "vocab_size", 0) or len(served.tokenizer))

@@ -22,6 +22,7 @@ from kvtier.server.parking import Key, PageTables, key_of
 from kvtier.server.turntrace import TurnTrace
 
 if TYPE_CHECKING:  # pragma: no cover
+    from kvtier.server.config import ServerConfig
     from kvtier.server.turn import Turn
 
 # Restore threads, and as many commit threads, on a CUDA device. A restore from L2 spends most
@@ -31,11 +32,11 @@ if TYPE_CHECKING:  # pragma: no cover
 HELPER_THREADS_CUDA = 8
 
 
-def helper_threads(config: Any, device: Any) -> int:
+def helper_threads(config: ServerConfig, device: Any) -> int:
     """Restore (and commit) threads: `helper_threads` when set (a bench sweeps it), else 8 on a
     CUDA device and 2 on the CPU, where they compete with the scheduler for the cores."""
     default = HELPER_THREADS_CUDA if device.type == "cuda" else 2
-    return int(getattr(config, "helper_threads", 0) or default)
+    return config.helper_threads or default
 
 
 def in_l1(restored: Restored) -> bool:
