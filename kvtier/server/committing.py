@@ -26,9 +26,17 @@ from kvtier.server.kvpages import CommitPages
 from kvtier.server.pagecopy import append_kv
 
 if TYPE_CHECKING:  # pragma: no cover
+    from kvtier.cache.session import Session
     from kvtier.server.turn import Turn
 
 log = logging.getLogger("kvtier.server")
+
+
+def restored_session(s: Turn) -> Session | None:
+    """The cache's session the turn's restore returned (`Restored.session`): its commit or
+    abort acts on it rather than find it again by id. None before the restore or without a
+    cache."""
+    return s.restored.session if s.restored is not None else None
 
 
 def failure_reason(exc: BaseException) -> str:
@@ -100,7 +108,7 @@ class TurnCommits:
         try:
             if self.paged is not None:
                 if new is None:  # nothing to store (an int8 pool): the stored prefix stays
-                    backend.abort(job.session_id, job.tenant)
+                    backend.abort(job.session_id, job.tenant, session=restored_session(s))
                 else:
                     assert isinstance(new, CommitPages)
                     self._commit_pages(s, fed, new)
@@ -109,7 +117,9 @@ class TurnCommits:
                     assert isinstance(new, torch.Tensor)
                     append_kv(s.restored.kv, new)
                 # Commit what the KV now covers, also after a disconnect: a returning client finds it.
-                backend.commit(job.session_id, job.tenant, s.tokens[:fed])
+                backend.commit(
+                    job.session_id, job.tenant, s.tokens[:fed], session=restored_session(s)
+                )
             if job.ephemeral:
                 backend.forget(job.session_id, job.tenant)
             elif reason == "cancelled":
@@ -136,7 +146,14 @@ class TurnCommits:
             if job.ephemeral:  # forgotten next: its full chunks alone
                 upto = max(new.start, fed // self.chunk_tokens * self.chunk_tokens)
                 chunks = chunks[: (upto - new.start) // self.chunk_tokens]
-            self.paged.commit_pages(job.session_id, job.tenant, s.tokens[:upto], new.start, chunks)
+            self.paged.commit_pages(
+                job.session_id,
+                job.tenant,
+                s.tokens[:upto],
+                new.start,
+                chunks,
+                session=restored_session(s),
+            )
         finally:
             if new.pool.device.type == "cuda":
                 try:
@@ -162,7 +179,7 @@ class TurnCommits:
         )
         self.error(exc)  # a lost device still stops the server
         try:
-            self.backend.abort(job.session_id, job.tenant)
+            self.backend.abort(job.session_id, job.tenant, session=restored_session(s))
             if job.ephemeral:
                 self.backend.forget(job.session_id, job.tenant)
         except BaseException:
@@ -172,7 +189,8 @@ class TurnCommits:
         """Forget the turn's half-written step, then fail its request with `exc`."""
         job = s.job
         try:
-            self.backend.abort(job.session_id, job.tenant)  # forget the half-written step
+            # forget the half-written step
+            self.backend.abort(job.session_id, job.tenant, session=restored_session(s))
             if job.ephemeral:
                 self.backend.forget(job.session_id, job.tenant)
         except BaseException:
