@@ -31,13 +31,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import gc
 import json
 import statistics
 import tempfile
 import time
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import multi_gpu_replicas as replicas
@@ -189,12 +189,17 @@ class Steps:
             self.decode_s += seconds
 
 
-def config(root: Path, sessions: int, kv_bytes: int, **over: Any) -> SimpleNamespace:
-    base = ServerConfig(l3_root=root, isolate_cpus=False).as_dict()
-    base.update(max_concurrency=sessions, batch_tokens=4096, prefill_step=1024)
-    base.update(batch_kv_bytes=kv_bytes, queue_timeout=600.0)
-    base.update(over)
-    return SimpleNamespace(**base)
+def config(root: Path, sessions: int, kv_bytes: int, **over: Any) -> ServerConfig:
+    base = ServerConfig(
+        l3_root=root,
+        isolate_cpus=False,
+        max_concurrency=sessions,
+        batch_tokens=4096,
+        prefill_step=1024,
+        batch_kv_bytes=kv_bytes,
+        queue_timeout=600.0,
+    )
+    return dataclasses.replace(base, **over)
 
 
 def prompts(n: int, length: int, seed: int) -> list[list[int]]:

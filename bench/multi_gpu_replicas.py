@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -100,7 +99,7 @@ def replicas_of(served: ServedModel, devices: list[torch.device], cfg: Any) -> R
     first: the engines' warm-ups run it outside the batch, and the copy takes its setting)."""
     served.model.set_attn_implementation("sdpa")
     spec = ",".join(str(d.index) if d.type == "cuda" else d.type for d in devices)
-    return build_replicas(served, SimpleNamespace(**{**vars(cfg), "replicas": spec}))
+    return build_replicas(served, dataclasses.replace(cfg, replicas=spec))
 
 
 def throughput(

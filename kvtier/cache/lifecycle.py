@@ -74,8 +74,7 @@ class SessionLifecycle:
             s.tokens = ids[:kv_len]
             s.lengths[:] = [kv_len] * len(s.lengths)
             self.writer.write_completed(s)
-            s.state = SessionState.IDLE
-            s.last_active = time.time()
+            s.end_turn()
 
     def commit_pages(self, s: Session, ids: Ids, start: int, chunks: Sequence[ChunkSource]) -> None:
         """Commit a turn whose K/V lives in a batch's page pool, not in L1 (`paged_l1`): store
@@ -116,9 +115,7 @@ class SessionLifecycle:
 
                 self.writer.write_completed(s, chunk_at=at)
                 self.writer.write_tail(s, chunk_at=at)
-            s.state = SessionState.IDLE
-            s.in_pages = True
-            s.last_active = time.time()
+            s.end_turn(in_pages=True)
             self.records.save(s)
 
     def pages_dropped(self, s: Session) -> None:
@@ -126,8 +123,7 @@ class SessionLifecycle:
         hibernated now, in L2/L3 alone."""
         with self.guard:
             if s.in_pages and s.state is SessionState.IDLE:
-                s.in_pages = False
-                s.state = SessionState.HIBERNATED
+                s.hibernated()
                 self.to_l4(s)
 
     def abort(self, s: Session) -> None:
@@ -138,9 +134,8 @@ class SessionLifecycle:
                 s.drop_pages()  # what the pages held past the stored prefix is not committed
             if s.resident:
                 s.lengths[:] = [len(s.tokens)] * len(s.lengths)
-                s.state = SessionState.IDLE
-            elif s.state is SessionState.ACTIVE:
-                s.state = SessionState.HIBERNATED
+            if s.resident or s.state is SessionState.ACTIVE:
+                s.abort_turn()
 
     def unstage(self, s: Session) -> None:
         """Unpin a staged restore's prefix (`TieredCache.restore_staged`), if any is left
@@ -169,8 +164,7 @@ class SessionLifecycle:
                 self.writer.write_tail(s)
                 self.room.release(s)
             s.drop_pages()
-            s.in_pages = False  # stored already (`commit_pages`); the batch frees the pages
-            s.state = SessionState.HIBERNATED
+            s.hibernated()  # in pages: stored already (`commit_pages`); the batch frees them
             if not wait:  # an admission eviction: keep the SQLite commit off the request's path
                 self.records.save(s)
                 self.to_l4(s)
@@ -213,7 +207,7 @@ class SessionLifecycle:
                 raise SessionError("cannot close a session while a request is running on it")
             self.room.release(s)
             s.drop_pages()
-            s.state = SessionState.CLOSED
+            s.closed()
             self.table.pop((s.tenant, s.session_id), None)
             # through the record thread, so it lands after any save queued before it
             self.records.delete(s.session_id, s.tenant)
@@ -298,7 +292,7 @@ class SessionLifecycle:
                     self.hibernate(s, wait=False)
                 elif s.in_pages:  # stored already: only its L3 writes and record below
                     s.drop_pages()
-                    s.in_pages, s.state = False, SessionState.HIBERNATED
+                    s.hibernated()
             self.engine.flush()
             while self.directory.unwritten:  # shed writes (of forgotten sessions too)
                 self.directory.retry_unwritten()

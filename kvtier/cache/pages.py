@@ -101,8 +101,7 @@ class PoolSessions:
                 n = min(view.table.length, common_prefix(s.tokens, ids[:-1]))
                 if n > 0 and not self.catalog.tiers_extend(s, ids[:-1], n, whole=True):
                     s.truncate(n)
-                    s.state = SessionState.ACTIVE
-                    s.last_active = time.time()
+                    s.begin_turn()
                     self.counters.hits["l1"] += 1
                     self.counters.restored_tokens["l1"] += n
                     self.restorer.count(s, "l1", t0)
@@ -166,7 +165,7 @@ class PoolSessions:
                     )
                 victim = min(idle, key=lambda o: (o.pinned, o.last_active))
                 victim.drop_pages()
-                victim.state = SessionState.HIBERNATED  # committed with commit_pages: stored
+                victim.hibernated()  # committed with commit_pages: stored
                 self.counters.evictions["l1"] += 1
                 self.records.save(victim)
 

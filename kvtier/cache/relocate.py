@@ -92,7 +92,7 @@ class L1Relocator:
                 self.room.forget(s)  # the old pool is gone: no accounting to return
                 self._keep_stored_prefix(s)
                 if s.state is not SessionState.ACTIVE:
-                    s.state = SessionState.HIBERNATED
+                    s.hibernated()
                     self.records.save(s)
                     self.lifecycle.to_l4(s)
             log.warning(

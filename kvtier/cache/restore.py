@@ -107,13 +107,12 @@ class Restorer:
         with self.guard:
             self.check_restorable(s)
             self.lifecycle.reap(keep=s)
-            s.state = SessionState.ACTIVE
-            s.last_active = time.time()
+            s.begin_turn()
             try:
                 # leave the last token to compute
                 plan = self._plan(s, ids[:-1], staged=stage)
             except BaseException:
-                s.state = SessionState.IDLE if s.resident else SessionState.HIBERNATED
+                s.abort_turn()
                 raise
             if plan is None:
                 return self._restored(s, "l1", t0)
@@ -125,7 +124,7 @@ class Restorer:
                 self.guard.end_load()
                 plan.usable = 0
                 self._publish(s, plan)
-                s.state = SessionState.IDLE if s.resident else SessionState.HIBERNATED
+                s.abort_turn()
             raise
         with self.guard:
             self.guard.end_load()
@@ -164,8 +163,7 @@ class Restorer:
             self.room.release(s)  # the pages hold the same tokens' K/V
             s.truncate(n)
             s.in_pages = False
-            s.state = SessionState.ACTIVE
-            s.last_active = time.time()
+            s.begin_turn()
             self.counters.hits["l1"] += 1
             self.counters.restored_tokens["l1"] += n
             self.count(s, "l1", t0)
@@ -180,7 +178,7 @@ class Restorer:
                     f"session {s.session_id[:64]!r} still has its L1 (or no request running); "
                     "reload is only for a running request whose L1 device was lost"
                 )
-            s.state = SessionState.HIBERNATED
+            s.hibernated()
         return self.restore_session(s, ids)
 
     def count(self, s: Session, source: str, t0: float) -> None:

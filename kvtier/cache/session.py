@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, Protocol, overload
 import torch
 
 from kvtier.cache.keys import namespace
+from kvtier.errors import SessionError
 from kvtier.snapshot import SessionInfo
 from kvtier.tiers.l1 import SessionBuffers
 from kvtier.types import RestoreSource, SessionState
@@ -180,6 +181,49 @@ class Session:
     def close(self) -> None:
         """Forget the session: free its L1 and its record (shared chunks stay cached)."""
         self._cache.close_session(self)
+
+    # -- its state (kvtier.types.SessionState): changed only here, under the cache's guard -------
+
+    def begin_turn(self) -> None:
+        """A request starts on it (the first phase of its restore): ACTIVE until the turn is
+        committed (`end_turn`) or aborted (`abort_turn`). Never while a request runs on it or
+        once it is closed (`Restorer.check_restorable` refuses those first)."""
+        if self.state in (SessionState.ACTIVE, SessionState.CLOSED):
+            raise SessionError(
+                f"session {self.session_id[:64]!r} cannot start a turn: {self.state.value}"
+            )
+        self.state = SessionState.ACTIVE
+        self.last_active = time.time()
+
+    def end_turn(self, *, in_pages: bool = False) -> None:
+        """Its turn is committed: IDLE, its K/V in L1, or (`in_pages`) in a batch's page pool
+        and stored in L2/L3 as well (`SessionLifecycle.commit_pages`)."""
+        if self.state is not SessionState.ACTIVE:
+            raise SessionError(
+                f"session {self.session_id[:64]!r} has no turn to end: {self.state.value}"
+            )
+        self.state = SessionState.IDLE
+        self.in_pages = in_pages
+        self.last_active = time.time()
+
+    def abort_turn(self) -> None:
+        """Its turn ends with nothing committed (an abort, a failed restore): IDLE while L1
+        holds its K/V, else HIBERNATED (what is stored is all it has)."""
+        if self.state is SessionState.CLOSED:
+            raise SessionError(f"session {self.session_id[:64]!r} is closed")
+        self.state = SessionState.IDLE if self.resident else SessionState.HIBERNATED
+
+    def hibernated(self) -> None:
+        """Its K/V is in L2/L3 (and L4) alone: nothing in L1 nor in a batch's pages."""
+        self.state = SessionState.HIBERNATED
+        self.in_pages = False
+
+    def closed(self) -> None:
+        """Forgotten for good: a new turn needs `TieredCache.session` again. Never while a
+        request runs on it (closing and shredding refuse that first)."""
+        if self.state is SessionState.ACTIVE:
+            raise SessionError(f"session {self.session_id[:64]!r} has a request running")
+        self.state = SessionState.CLOSED
 
     # -- the cache's changes to the session (under the cache's guard) ----------------------------
 

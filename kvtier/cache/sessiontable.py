@@ -174,5 +174,5 @@ def from_record(s: Session, rec: SessionRecord, chunk_tokens: int) -> Session:
     s.pinned = rec.pinned
     s.ttl_s = rec.ttl_s
     s.last_active = rec.last_active
-    s.state = SessionState.HIBERNATED
+    s.hibernated()
     return s

@@ -51,7 +51,7 @@ class TenantShredder:
             sids |= {r.session_id for r in self.l3.index.list_sessions() if r.tenant == tenant}
             for s in mine:
                 self.room.release(s)
-                s.state = SessionState.CLOSED
+                s.closed()
                 self.table.pop((s.tenant, s.session_id), None)
         # Writes in flight (its own among them) land before its key goes; its records are
         # written in order on the record thread: drain it too.

@@ -19,9 +19,9 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from kvtier.cache.restore import StagedPrefix
-from kvtier.cache.session import as_ids
+from kvtier.cache.session import Session, as_ids
 from kvtier.cache.writes import ChunkSource
-from kvtier.server.config import DEFAULT_L1_BYTES
+from kvtier.server.config import DEFAULT_L1_BYTES, ServerConfig
 from kvtier.snapshot import CacheSnapshot
 from kvtier.types import RestoreSource
 
@@ -29,11 +29,13 @@ from kvtier.types import RestoreSource
 @dataclass
 class Restored:
     """A transformers Cache covering the first `covered` tokens (never the last one), and from
-    where they came."""
+    where they came. `session`: the cache's session the turn runs on (None where the backend
+    keeps none); the turn's later calls pass it on (`session=`) rather than find it again."""
 
     kv: Any
     covered: int
     source: str  # a RestoreSource value
+    session: Session | None = None
 
 
 @dataclass(frozen=True)
@@ -45,12 +47,20 @@ class PrefillEstimate:
 
 
 class Backend(Protocol):
-    # ids: `[1, T]`, `[T]` or a list (the cache keeps them as a list: no tensor needed)
+    # ids: `[1, T]`, `[T]` or a list (the cache keeps them as a list: no tensor needed).
+    # session: the `Restored.session` of the turn's restore, if any (else found by its id)
     def restore(
         self, session_id: str, tenant: str, ids: torch.Tensor | Sequence[int]
     ) -> Restored: ...
-    def commit(self, session_id: str, tenant: str, ids: torch.Tensor | Sequence[int]) -> None: ...
-    def abort(self, session_id: str, tenant: str) -> None: ...
+    def commit(
+        self,
+        session_id: str,
+        tenant: str,
+        ids: torch.Tensor | Sequence[int],
+        *,
+        session: Session | None = None,
+    ) -> None: ...
+    def abort(self, session_id: str, tenant: str, *, session: Session | None = None) -> None: ...
     # tenant None: the sessions of that id of every tenant (admin); else only that tenant's
     def hibernate(self, session_id: str, tenant: str | None = None) -> bool: ...
     def prefetch(self, session_id: str, tenant: str | None = None) -> bool: ...
@@ -81,8 +91,12 @@ class PagedBackend(Backend, Protocol):
         tenant: str,
         staged: Any,
         write: Callable[[int, torch.Tensor], None],
+        *,
+        session: Session | None = None,
     ) -> Any: ...
-    def release_staged(self, session_id: str, tenant: str, staged: Any) -> None: ...
+    def release_staged(
+        self, session_id: str, tenant: str, staged: Any, *, session: Session | None = None
+    ) -> None: ...
     def pages_dropped(self, session_id: str, tenant: str) -> None: ...
     def commit_pages(
         self,
@@ -91,6 +105,8 @@ class PagedBackend(Backend, Protocol):
         ids: Sequence[int],
         start: int,
         chunks: Sequence[ChunkSource],
+        *,
+        session: Session | None = None,
     ) -> None: ...
 
 
@@ -105,10 +121,17 @@ class RecomputeBackend:
 
         return Restored(DynamicCache(config=self._config), 0, RestoreSource.RECOMPUTE.value)
 
-    def commit(self, session_id: str, tenant: str, ids: torch.Tensor | Sequence[int]) -> None:
+    def commit(
+        self,
+        session_id: str,
+        tenant: str,
+        ids: torch.Tensor | Sequence[int],
+        *,
+        session: Session | None = None,
+    ) -> None:
         return None
 
-    def abort(self, session_id: str, tenant: str) -> None:
+    def abort(self, session_id: str, tenant: str, *, session: Session | None = None) -> None:
         return None
 
     def hibernate(self, session_id: str, tenant: str | None = None) -> bool:
@@ -182,10 +205,14 @@ class PoolBackend(RecomputeBackend):
         tenant: str,
         staged: Any,
         write: Callable[[int, torch.Tensor], None],
+        *,
+        session: Session | None = None,
     ) -> Any:
         raise RuntimeError("the pool-only cache stages nothing: restore_staged restores nothing")
 
-    def release_staged(self, session_id: str, tenant: str, staged: Any) -> None:
+    def release_staged(
+        self, session_id: str, tenant: str, staged: Any, *, session: Session | None = None
+    ) -> None:
         return None
 
     def commit_pages(
@@ -195,6 +222,8 @@ class PoolBackend(RecomputeBackend):
         ids: Sequence[int],
         start: int,
         chunks: Sequence[ChunkSource],
+        *,
+        session: Session | None = None,
     ) -> None:
         """Nothing is gathered nor stored: the pages themselves stay, parked."""
         with self._lock:
@@ -241,7 +270,7 @@ class PoolBackend(RecomputeBackend):
 class TieredBackend:
     """kvtier.TieredCache behind the Backend protocol."""
 
-    def __init__(self, model: Any, config: Any, model_id: str) -> None:
+    def __init__(self, model: Any, config: ServerConfig, model_id: str) -> None:
         from kvtier import CacheConfig, TieredCache
         from kvtier.tiers.l3.cap import default_max_bytes
 
@@ -285,16 +314,30 @@ class TieredBackend:
     def tenants_of(self, session_id: str) -> list[str]:
         return sorted({s.tenant for s in self._find(session_id)})
 
+    def _session(self, session_id: str, tenant: str, session: Session | None) -> Session:
+        """The turn's session: the one its restore returned (`Restored.session`), else the
+        cache's of that id. A session with a request running never leaves the cache's table
+        (forgetting, closing and shredding pass it by), so the two are the same object; each
+        call below checks the session's state under the cache's guard, as before."""
+        return session if session is not None else self.cache.session(session_id, tenant=tenant)
+
     def restore(self, session_id: str, tenant: str, ids: torch.Tensor | Sequence[int]) -> Restored:
         s = self.cache.session(session_id, tenant=tenant)
         kv = s.restore(ids)
-        return Restored(kv, int(kv.get_seq_length()), str(s.restore_source))
+        return Restored(kv, int(kv.get_seq_length()), str(s.restore_source), s)
 
-    def commit(self, session_id: str, tenant: str, ids: torch.Tensor | Sequence[int]) -> None:
-        self.cache.session(session_id, tenant=tenant).commit(ids)
+    def commit(
+        self,
+        session_id: str,
+        tenant: str,
+        ids: torch.Tensor | Sequence[int],
+        *,
+        session: Session | None = None,
+    ) -> None:
+        self._session(session_id, tenant, session).commit(ids)
 
-    def abort(self, session_id: str, tenant: str) -> None:
-        self.cache.session(session_id, tenant=tenant).abort()
+    def abort(self, session_id: str, tenant: str, *, session: Session | None = None) -> None:
+        self._session(session_id, tenant, session).abort()
 
     def resume_pages(
         self, session_id: str, tenant: str, ids: Sequence[int], held: int
@@ -303,7 +346,7 @@ class TieredBackend:
         (`TieredCache.resume_pages`); None when the cache does not vouch for any of them."""
         s = self.cache.session(session_id, tenant=tenant)
         n = self.cache.resume_pages(s, as_ids(ids), held)
-        return Restored(None, n, RestoreSource.L1.value) if n else None
+        return Restored(None, n, RestoreSource.L1.value, s) if n else None
 
     def restore_staged(self, session_id: str, tenant: str, ids: Sequence[int]) -> Restored:
         """A restore whose prefix stays in L2 for the batch to copy into its pages
@@ -315,7 +358,7 @@ class TieredBackend:
             covered = kv.tokens
         else:
             covered = 0 if kv is None else int(kv.get_seq_length())
-        return Restored(kv, covered, str(s.restore_source))
+        return Restored(kv, covered, str(s.restore_source), s)
 
     def load_staged(
         self,
@@ -323,14 +366,18 @@ class TieredBackend:
         tenant: str,
         staged: Any,
         write: Callable[[int, torch.Tensor], None],
+        *,
+        session: Session | None = None,
     ) -> Any:
         """Copy a staged prefix out of L2 for `write` (`TieredCache.load_staged`); the Handle."""
-        s = self.cache.session(session_id, tenant=tenant)
+        s = self._session(session_id, tenant, session)
         return self.cache.load_staged(s, staged, write)
 
-    def release_staged(self, session_id: str, tenant: str, staged: Any) -> None:
+    def release_staged(
+        self, session_id: str, tenant: str, staged: Any, *, session: Session | None = None
+    ) -> None:
         """Its copies are done: the staged prefix leaves L2's pins (`release_staged`)."""
-        self.cache.release_staged(self.cache.session(session_id, tenant=tenant), staged)
+        self.cache.release_staged(self._session(session_id, tenant, session), staged)
 
     def pages_dropped(self, session_id: str, tenant: str) -> None:
         """The batch freed the session's parked pages (`TieredCache.pages_dropped`); one
@@ -346,9 +393,11 @@ class TieredBackend:
         ids: Sequence[int],
         start: int,
         chunks: Sequence[ChunkSource],
+        *,
+        session: Session | None = None,
     ) -> None:
         """Commit a turn from chunks of its pages (`TieredCache.commit_pages`)."""
-        s = self.cache.session(session_id, tenant=tenant)
+        s = self._session(session_id, tenant, session)
         self.cache.commit_pages(s, as_ids(ids), start, chunks)
 
     def _each(self, session_id: str, tenant: str | None, op: str) -> bool:
@@ -408,7 +457,7 @@ class TieredBackend:
         self.cache.close()
 
 
-def make_backend(served: Any, config: Any) -> Backend:
+def make_backend(served: Any, config: ServerConfig) -> Backend:
     """The cache the config asks for; `served.name` identifies the model in chunk fingerprints."""
     if config.cache == "none":
         return RecomputeBackend(served.model)

@@ -47,6 +47,11 @@ DEFAULT_L1_BYTES = 256 * 2**20
 CACHES = ("tiered", "pool", "none")
 # `load_format`: vLLM's names (docs/configuration.md)
 LOAD_FORMATS = ("auto", "dummy")
+# The interpreter's GIL switch interval while a scheduler runs (Python's default: 5 ms). Every
+# torch call of the scheduler thread releases the GIL and takes it back, and the restore,
+# commit and event-loop threads run Python meanwhile: at 5 ms one step's dozen calls could wait
+# longer than the step (docs/architecture.md, "The GIL").
+SWITCH_INTERVAL_S = 0.0005
 
 
 @dataclass(frozen=True)
@@ -154,6 +159,12 @@ class ServerConfig:
     # turns admitted into the batch in one step (0: as many as the budget, slots and pages
     # allow); each one is host work (pages, the copy of its restored prefix) before a launch
     admissions_per_step: int = 0
+    # with batching: restore threads, and as many commit threads (0: 8 on a GPU, 2 on the CPU,
+    # where they compete with the scheduler for the cores; kvtier.server.restoring)
+    helper_threads: int = 0
+    # with batching: the interpreter's GIL switch interval while the scheduler runs (Python's
+    # own is 5 ms; kvtier.server.schedthread)
+    switch_interval_s: float = SWITCH_INTERVAL_S
     # with batching: a finished turn's KV pages stay in the pool for its session's next turn
     # (restored from L1, it starts from them, no copy of its prefix) while nothing else needs
     # them. On whenever paged_l1 is; this turns it on alone, beside L1 buffers
@@ -270,6 +281,12 @@ class ServerConfig:
                 f"admissions_per_step: must not be negative, got {self.admissions_per_step}"
                 " (0 means no limit)"
             )
+        if self.helper_threads < 0:
+            raise ConfigError(
+                f"helper_threads: must not be negative, got {self.helper_threads} (0: automatic)"
+            )
+        if not self.switch_interval_s > 0:
+            raise ConfigError("switch_interval_s: must be a positive number of seconds")
         if self.degraded_window < 0 or self.degraded_sinks < 0:
             raise ConfigError("degraded_window and degraded_sinks must not be negative")
         if self.degraded_kv not in ("native", "int8"):

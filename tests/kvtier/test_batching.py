@@ -9,11 +9,11 @@ max_tokens, cancellation and a full page pool behave as in the per-request worke
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from array import array
 from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -59,11 +59,17 @@ def _build(kind: str, seed: int = 0, layers: int = 2, kv_heads: int | None = Non
     return _wrap(model.eval().to(torch.float32), tok, name=name)
 
 
-def _config(tmp_path: Path, **over: Any) -> SimpleNamespace:
-    base = ServerConfig(l3_root=tmp_path / "l3", chunk_tokens=32, prefill_step=48).as_dict()
-    base.update(max_concurrency=8, batch_tokens=96, batch_kv_bytes=0, decoding_prompt_tokens=16)
-    base.update(over)
-    return SimpleNamespace(**base)
+def _config(tmp_path: Path, **over: Any) -> ServerConfig:
+    base = ServerConfig(
+        l3_root=tmp_path / "l3",
+        chunk_tokens=32,
+        prefill_step=48,
+        max_concurrency=8,
+        batch_tokens=96,
+        batch_kv_bytes=0,
+        decoding_prompt_tokens=16,
+    )
+    return dataclasses.replace(base, **over)
 
 
 def _greedy_alone(served: ServedModel, prompt: list[int], max_tokens: int) -> str:

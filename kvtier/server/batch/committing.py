@@ -26,6 +26,7 @@ from kvtier.server.batch.jobs import Failed, Finished
 from kvtier.server.pages import CommitPages, append_kv
 
 if TYPE_CHECKING:  # pragma: no cover
+    from kvtier.cache.session import Session
     from kvtier.server.batch.turn import Turn
 
 log = logging.getLogger("kvtier.server")
@@ -42,6 +43,13 @@ def failure_reason(exc: BaseException) -> str:
     if isinstance(exc, (StoreError, OSError)):
         return "l3_io"
     return "internal"
+
+
+def restored_session(s: Turn) -> Session | None:
+    """The cache's session the turn's restore returned (`Restored.session`): its commit or
+    abort acts on it rather than find it again by id. None before the restore or without a
+    cache."""
+    return s.restored.session if s.restored is not None else None
 
 
 class TurnCommits:
@@ -98,7 +106,7 @@ class TurnCommits:
         assert self.paged is not None
         try:
             if pages is None:
-                self.backend.abort(s.job.session_id, s.job.tenant)
+                self.backend.abort(s.job.session_id, s.job.tenant, session=restored_session(s))
             else:
                 self._store_chunks(s, fed, pages)
             self._session_after(s, reason)
@@ -116,7 +124,9 @@ class TurnCommits:
             if new is not None:
                 append_kv(s.restored.kv, new)
             # what the KV covers, also after a disconnect: a returning client finds it
-            self.backend.commit(job.session_id, job.tenant, s.tokens[:fed])
+            self.backend.commit(
+                job.session_id, job.tenant, s.tokens[:fed], session=restored_session(s)
+            )
             self._session_after(s, reason)
         except BaseException as exc:
             self._commit_failed(s, exc)
@@ -154,7 +164,14 @@ class TurnCommits:
             if job.ephemeral:  # forgotten next: its full chunks alone
                 upto = max(new.start, fed // self.chunk_tokens * self.chunk_tokens)
                 chunks = chunks[: (upto - new.start) // self.chunk_tokens]
-            self.paged.commit_pages(job.session_id, job.tenant, s.tokens[:upto], new.start, chunks)
+            self.paged.commit_pages(
+                job.session_id,
+                job.tenant,
+                s.tokens[:upto],
+                new.start,
+                chunks,
+                session=restored_session(s),
+            )
         finally:
             if new.pool.device.type == "cuda":
                 try:
@@ -180,7 +197,7 @@ class TurnCommits:
         )
         self.error(exc)  # a lost device still stops the server
         try:
-            self.backend.abort(job.session_id, job.tenant)
+            self.backend.abort(job.session_id, job.tenant, session=restored_session(s))
             if job.ephemeral:
                 self.backend.forget(job.session_id, job.tenant)
         except BaseException:
@@ -190,7 +207,8 @@ class TurnCommits:
         """Forget the turn's half-written step, then fail its request with `exc`."""
         job = s.job
         try:
-            self.backend.abort(job.session_id, job.tenant)  # forget the half-written step
+            # forget the half-written step
+            self.backend.abort(job.session_id, job.tenant, session=restored_session(s))
             if job.ephemeral:
                 self.backend.forget(job.session_id, job.tenant)
         except BaseException:

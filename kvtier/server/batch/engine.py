@@ -24,6 +24,8 @@ import torch
 
 from kvtier.errors import KvtierError
 from kvtier.server.backend import Backend
+from kvtier.server.config import ServerConfig
+from kvtier.server.devices.devicefault import DeviceFault, is_fatal_device_error
 from kvtier.server.batch.jobs import (
     Delta,
     Draining,
@@ -34,13 +36,12 @@ from kvtier.server.batch.jobs import (
     Started,
     Stream,
 )
-from kvtier.server.batch.warmup import WARM_UP_PREFILL_TOKENS, WARM_UP_TOKENS, WarmUp
 from kvtier.server.decoding.logitproc import Decoding, decoding_of, process, record
-from kvtier.server.decoding.sampling import ReplyText, make_generator, sample
-from kvtier.server.devices.devicefault import DeviceFault, is_fatal_device_error
 from kvtier.server.devices.model import ServedModel, cache_kwarg
-from kvtier.server.devices.streaming import degrade
 from kvtier.server.reqmetrics import TurnClock
+from kvtier.server.decoding.sampling import ReplyText, make_generator, sample
+from kvtier.server.devices.streaming import degrade
+from kvtier.server.batch.warmup import WARM_UP_PREFILL_TOKENS, WARM_UP_TOKENS, WarmUp
 from kvtier.tiers.l3 import io as l3_io
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -50,9 +51,9 @@ if TYPE_CHECKING:  # pragma: no cover
 log = logging.getLogger("kvtier.server")
 
 
-def _isolate(config: Any, served: ServedModel) -> bool:
+def _isolate(config: ServerConfig, served: ServedModel) -> bool:
     device = getattr(served.model, "device", None)
-    return bool(getattr(config, "isolate_cpus", False)) and getattr(device, "type", "") == "cuda"
+    return config.isolate_cpus and getattr(device, "type", "") == "cuda"
 
 
 class Engine:
@@ -62,15 +63,14 @@ class Engine:
         self,
         served: ServedModel,
         backend: Backend,
-        config: Any,
+        config: ServerConfig,
         metrics: Any = None,
         plan: DeviceMemoryPlan | None = None,
         on_fatal: Callable[[BaseException], None] | None = None,
     ):
         self.served = served
         self.backend = backend
-        if hasattr(config, "for_device"):  # automatic settings (0) resolved for the device
-            config = config.for_device(served.device.type)
+        config = config.for_device(served.device.type)  # automatic settings (0) resolved
         self.config = config
         self.metrics = metrics
         # the GPU memory plan (kvtier.server.devices.memplan), None on the CPU; the warm-up records
@@ -95,7 +95,7 @@ class Engine:
         )
         # The batch scheduler takes the model over (paged attention) at the first request, so
         # a warm-up before it still runs the model the plain way.
-        self.batching = bool(getattr(config, "batching", False))
+        self.batching = config.batching
         self._batch: BatchScheduler | None = None
         self._slots = asyncio.Semaphore(config.max_concurrency)
         # keyed by (tenant, session id): one tenant never waits on another's session
@@ -387,12 +387,13 @@ class Engine:
                     self._observe_ttft(restored.source, time.perf_counter() - admitted)
                 finished = self._decode(job, stream, kv, logits, fed, gen_ids)
         except BaseException:
-            backend.abort(job.session_id, job.tenant)  # forget the half-written step
+            # forget the half-written step
+            backend.abort(job.session_id, job.tenant, session=restored.session)
             if job.ephemeral:
                 backend.forget(job.session_id, job.tenant)
             raise
         # Commit what the KV now covers, also after a disconnect: a returning client finds it.
-        backend.commit(job.session_id, job.tenant, fed)
+        backend.commit(job.session_id, job.tenant, fed, session=restored.session)
         if job.ephemeral:
             backend.forget(job.session_id, job.tenant)
         elif finished == "cancelled":

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.errors import ContextExceeded, InvalidRequest, KvtierError
+from kvtier.server.config import ServerConfig
 from kvtier.server.reqmetrics import TurnClock
 
 # The warm-up's session: '#' is outside what clients may send as a session id or tenant
@@ -117,7 +118,9 @@ class Stream:
                 return
 
 
-def check_fits(served: Any, config: Any, prompt_tokens: int, max_tokens: int | None) -> int:
+def check_fits(
+    served: Any, config: ServerConfig, prompt_tokens: int, max_tokens: int | None
+) -> int:
     """The max_tokens to use, or InvalidRequest that says by how much the request is too long."""
     context = served.context_tokens
     if prompt_tokens < 1:

@@ -46,9 +46,10 @@ import torch
 from kvtier.errors import ConfigError, KvtierError
 from kvtier.placement import parse_devices
 from kvtier.server.backend import Backend, make_backend
+from kvtier.server.config import ServerConfig
+from kvtier.server.devices.devicefault import DeviceFault
 from kvtier.server.batch.engine import Engine
 from kvtier.server.batch.jobs import Draining, Job, Stream
-from kvtier.server.devices.devicefault import DeviceFault
 from kvtier.server.devices.memplan import build_plan, planned_config
 from kvtier.server.devices.model import ServedModel
 
@@ -57,14 +58,14 @@ log = logging.getLogger("kvtier.server")
 INJECTED = "CUDA error: device lost (fault injected)"  # what an injected fault raises
 
 
-def replica_devices(config: Any) -> list[torch.device]:
+def replica_devices(config: ServerConfig) -> list[torch.device]:
     """The devices of the `replicas` setting; [] where it names fewer than two (one engine)."""
-    spec = str(getattr(config, "replicas", "") or "")
+    spec = config.replicas
     try:
         devices = parse_devices(spec)
     except ConfigError as exc:  # parse_devices speaks of `devices`
         raise ConfigError(str(exc).replace("devices", "replicas", 1)) from None
-    if str(getattr(config, "devices", "") or "").strip() and devices:
+    if config.devices.strip() and devices:
         raise ConfigError("replicas and devices are two layouts of the model; give one")
     return devices if len(devices) > 1 else []
 
@@ -323,7 +324,7 @@ class ReplicaSet(Engine):
 
 def build_replicas(
     served: ServedModel,
-    config: Any,
+    config: ServerConfig,
     metrics: Any = None,
     on_fatal: Any = None,
     backend: Backend | None = None,
@@ -341,7 +342,7 @@ def build_replicas(
     serveds = [served] + [clone_served(served, d) for d in devices[1:]]
     setups = []
     for s in serveds:
-        run = config.for_device(s.device.type) if hasattr(config, "for_device") else config
+        run = config.for_device(s.device.type)
         plan = build_plan(s, run)
         setups.append((s, planned_config(run, plan), plan))
     if backend is None:

@@ -21,6 +21,7 @@ from kvtier.server.batch.turntrace import TurnTrace
 
 if TYPE_CHECKING:  # pragma: no cover
     from kvtier.server.batch.scheduler import RunQueues
+    from kvtier.server.config import ServerConfig
     from kvtier.server.batch.turn import Turn
     from kvtier.server.pages import Pages
 
@@ -31,11 +32,11 @@ if TYPE_CHECKING:  # pragma: no cover
 HELPER_THREADS_CUDA = 8
 
 
-def helper_threads(config: Any, device: Any) -> int:
+def helper_threads(config: ServerConfig, device: Any) -> int:
     """Restore (and commit) threads: `helper_threads` when set (a bench sweeps it), else 8 on a
     CUDA device and 2 on the CPU, where they compete with the scheduler for the cores."""
     default = HELPER_THREADS_CUDA if device.type == "cuda" else 2
-    return int(getattr(config, "helper_threads", 0) or default)
+    return config.helper_threads or default
 
 
 def in_l1(restored: Restored) -> bool:

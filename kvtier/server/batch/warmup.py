@@ -18,6 +18,7 @@ import torch
 
 from kvtier.errors import L1BudgetExceeded
 from kvtier.server.backend import Backend
+from kvtier.server.config import ServerConfig
 from kvtier.server.batch.jobs import WARM_UP_SESSION, WARM_UP_TENANT
 from kvtier.server.devices.memplan import DeviceMemoryPlan, take_peak
 from kvtier.server.devices.model import ServedModel
@@ -40,7 +41,7 @@ WARM_UP_SUFFIX = 32
 class WarmUp:
     served: ServedModel
     backend: Backend
-    config: Any
+    config: ServerConfig
     plan: DeviceMemoryPlan | None  # with_measured(graphs=...) once the graphs are captured
     peaks: dict[str, int]  # the start-up phases' device peaks (with a plan)
     forward: Callable[[torch.Tensor, Any], torch.Tensor]  # the engine's plain forward
@@ -232,9 +233,9 @@ class WarmUp:
                 token = torch.argmax(logits).reshape(1, 1).to(ids.device)
                 self.forward(token, restored.kv)
         except BaseException:
-            self.backend.abort(sid, tenant)
+            self.backend.abort(sid, tenant, session=restored.session)
             raise
         if commit is None:
-            self.backend.abort(sid, tenant)
+            self.backend.abort(sid, tenant, session=restored.session)
         else:
-            self.backend.commit(sid, tenant, commit)
+            self.backend.commit(sid, tenant, commit, session=restored.session)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtier.errors import InvalidRequest
+from kvtier.server.config import ServerConfig
 
 _COUNT = re.compile(r"\{(\d*)(?:,(\d*))?\}")
 
@@ -32,14 +33,15 @@ class GrammarLimits:
     cache_bytes: int = 128 * 2**20  # compiled grammars kept, by their size
 
     @classmethod
-    def from_config(cls, config: Any) -> GrammarLimits:
-        names = ("max_schema_bytes", "max_repeat", "max_enum", "timeout", "threads")
-        given = {
-            n: getattr(config, f"grammar_{n}") for n in names if hasattr(config, f"grammar_{n}")
-        }
-        if hasattr(config, "grammar_cache_bytes"):
-            given["cache_bytes"] = config.grammar_cache_bytes
-        return cls(**given)
+    def from_config(cls, config: ServerConfig) -> GrammarLimits:
+        return cls(
+            max_schema_bytes=config.grammar_max_schema_bytes,
+            max_repeat=config.grammar_max_repeat,
+            max_enum=config.grammar_max_enum,
+            timeout=config.grammar_timeout,
+            threads=config.grammar_threads,
+            cache_bytes=config.grammar_cache_bytes,
+        )
 
 
 def check_schema(text: str, limits: GrammarLimits) -> None:

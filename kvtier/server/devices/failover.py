@@ -64,6 +64,7 @@ from kvtier.placement import (
     parse_devices,
 )
 from kvtier.server.devices import rehome
+from kvtier.server.config import ServerConfig
 from kvtier.server.devices.streaming import pool_kv
 
 log = logging.getLogger("kvtier.server")
@@ -111,7 +112,7 @@ class SchedulerPort(Protocol):
     """What failover asks of the batch scheduler that owns the model
     (`kvtier.server.batch.batching.BatchScheduler`); nothing else of it is touched."""
 
-    config: Any
+    config: ServerConfig
     served: Any
     max_batch: int
     batch_tokens: int
@@ -508,13 +509,13 @@ def place(served: Any, devices: list[torch.device], metrics: Any = None) -> Any:
     return served
 
 
-def place_configured(served: Any, config: Any, metrics: Any = None) -> Any:
+def place_configured(served: Any, config: ServerConfig, metrics: Any = None) -> Any:
     """`place` over the configured devices (`devices`, or KVTIER_DEVICES); with GPUs, NVML
     is watched for a device that disappears."""
     devices = parse_devices(devices_setting(config))
     if len(devices) < 2:
         return served
-    if not bool(getattr(config, "batching", True)):
+    if not config.batching:
         raise ConfigError(
             "devices: a model across devices runs through the batch scheduler; turn batching "
             "on (--batching true) or name one device"

@@ -52,6 +52,7 @@ from kvtier.errors import ConfigError
 from kvtier.humanize import size as _fmt
 from kvtier.paged.attention import VARLEN_PAGE, varlen_block_table_supported
 from kvtier.paged.reference import prefill_attention_bytes
+from kvtier.server.config import ServerConfig
 
 log = logging.getLogger("kvtier.server")
 
@@ -346,7 +347,7 @@ def model_kv(model: Any) -> tuple[Any, torch.dtype, int]:
     )
 
 
-def build_plan(served: Any, config: Any) -> DeviceMemoryPlan | None:
+def build_plan(served: Any, config: ServerConfig) -> DeviceMemoryPlan | None:
     """The plan of the served model's device, built once its weights are resident, and the
     budget enforced: torch's allocator refuses to hold more than it on this device (an
     allocation past it raises out-of-memory in kvtier, not in another process on the GPU).
@@ -426,21 +427,21 @@ def context_bytes(device: torch.device) -> int:
     return max(0, int(total - free) - int(torch.cuda.memory_reserved(device)))
 
 
-def planned_config(config: Any, plan: DeviceMemoryPlan | None) -> Any:
+def planned_config(config: ServerConfig, plan: DeviceMemoryPlan | None) -> ServerConfig:
     """The settings the server runs with: the plan's L1 and page pool where none were given."""
     if plan is None:
         return config
     return dataclasses.replace(config, l1_bytes=plan.l1_bytes, batch_kv_bytes=plan.pool)
 
 
-def decode_graphs(config: Any) -> bool:
+def decode_graphs(config: ServerConfig) -> bool:
     """Whether the step records decode-only graphs too (`decode_graphs`, on by default): one
     answer for the scheduler's capture and this plan's measurement of it."""
-    return bool(config.decode_graphs)
+    return config.decode_graphs
 
 
 def profile_graphs(
-    model: Any, geometry: Any, dtype: torch.dtype, config: Any, max_seq_len: int
+    model: Any, geometry: Any, dtype: torch.dtype, config: ServerConfig, max_seq_len: int
 ) -> tuple[int, int]:
     """(graphs, eager): the bytes the batched step's CUDA graphs keep (every bucket captured
     into its one pool, with the runner's fixed buffers), and the peak of an eager step at the
@@ -574,7 +575,7 @@ def offline_plan(
 # ---- the page pool without a plan (the CPU; a model across devices) ----------------------
 
 
-def pool_bytes(served: Any, config: Any, per_token: int) -> int:
+def pool_bytes(served: Any, config: ServerConfig, per_token: int) -> int:
     """The page pool's byte budget: `batch_kv_bytes`, or room for `max_concurrency` full contexts
     (at most half the free GPU memory on CUDA, 1 GiB on the CPU)."""
     given = int(config.batch_kv_bytes or 0)

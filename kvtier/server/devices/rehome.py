@@ -89,7 +89,7 @@ def _reload(sched: Any, cache: Any) -> None:
                 s.restored = sched.backend.restore(s.job.session_id, s.job.tenant, s.tokens)
             else:
                 kv = cache.reload_session(owner, tuple(s.tokens))
-                s.restored = Restored(kv, int(kv.get_seq_length()), owner.restore_source)
+                s.restored = Restored(kv, int(kv.get_seq_length()), owner.restore_source, owner)
             s.cached = s.restored.covered
         except BaseException as exc:
             log.error("session %s: no restore after the failover: %s", s.job.session_id, exc)

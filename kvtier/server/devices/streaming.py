@@ -25,15 +25,17 @@ import dataclasses
 import uuid
 from typing import Any
 
+from kvtier.server.config import ServerConfig
+
 # '#' is outside what clients may send as a session id (kvtier.server.http.common), so no client's
 # session can be one of these.
 STREAMING_SESSION = "#streaming-"
 
 
-def pool_kv(config: Any, degraded: bool) -> str:
+def pool_kv(config: ServerConfig, degraded: bool) -> str:
     """How a page pool built now stores K/V: "int8" while a device is lost and `degraded_kv`
     is "int8", else "native"."""
-    return "int8" if degraded and getattr(config, "degraded_kv", "native") == "int8" else "native"
+    return "int8" if degraded and config.degraded_kv == "int8" else "native"
 
 
 def streaming_ids(ids: list[int], sinks: int, window: int) -> list[int] | None:
@@ -43,13 +45,13 @@ def streaming_ids(ids: list[int], sinks: int, window: int) -> list[int] | None:
     return ids[:sinks] + ids[-window:]
 
 
-def degrade(job: Any, devices: Any, config: Any) -> tuple[Any, tuple[int, int] | None]:
+def degrade(job: Any, devices: Any, config: ServerConfig) -> tuple[Any, tuple[int, int] | None]:
     """`job` as it runs now: unchanged, or (while degraded, with a window configured, for a
     prompt longer than sinks + window) over its sinks and window on a throwaway session."""
-    window = int(getattr(config, "degraded_window", 0) or 0)
+    window = config.degraded_window
     if devices is None or not devices.degraded or window <= 0:
         return job, None
-    sinks = int(getattr(config, "degraded_sinks", 4))
+    sinks = config.degraded_sinks
     ids = streaming_ids(list(job.prompt_ids), sinks, window)
     if ids is None:
         return job, None

@@ -18,15 +18,15 @@ from __future__ import annotations
 import logging
 import signal
 from pathlib import Path
-from typing import Any
 
 from fastapi import Request
 
 from kvtier import apikeys
 from kvtier.apikeys import KeyRing, Principal
 from kvtier.errors import KeysFileError
-from kvtier.server.batch.jobs import WARM_UP_TENANT
+from kvtier.server.config import ServerConfig
 from kvtier.server.http.common import MAX_TENANT, ApiError, check_id, local_only
+from kvtier.server.batch.jobs import WARM_UP_TENANT
 from kvtier.server.warm_request import is_warm_up
 
 log = logging.getLogger("kvtier.server")
@@ -46,8 +46,8 @@ class Auth:
         self.ring: KeyRing | None = apikeys.load(path) if path is not None else None
 
     @classmethod
-    def from_config(cls, config: Any) -> Auth:
-        return cls(getattr(config, "api_keys", None), getattr(config, "trust_tenant_header", False))
+    def from_config(cls, config: ServerConfig) -> Auth:
+        return cls(config.api_keys, config.trust_tenant_header)
 
     @property
     def enabled(self) -> bool:

@@ -19,7 +19,14 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvtier.errors import InvalidRequest, KvtierError, L1BudgetExceeded
+from kvtier.server.http.auth import tenant_of
+from kvtier.server.http.clientgone import until_gone, watch
+from kvtier.server.config import ServerConfig
+from kvtier.server.http.devices_admin import DegradedTurn
 from kvtier.server.batch.engine import Engine
+from kvtier.server.decoding.grammar import GrammarBook, spec_of
+from kvtier.server.decoding.grammarlimits import GrammarLimits
+from kvtier.server.http.common import MAX_SESSION_ID, ApiError, check_id
 from kvtier.server.batch.jobs import (
     ContextExceeded,
     Delta,
@@ -30,12 +37,6 @@ from kvtier.server.batch.jobs import (
     Stream,
     check_fits,
 )
-from kvtier.server.decoding.grammar import GrammarBook, spec_of
-from kvtier.server.decoding.grammarlimits import GrammarLimits
-from kvtier.server.http.auth import tenant_of
-from kvtier.server.http.clientgone import until_gone, watch
-from kvtier.server.http.common import MAX_SESSION_ID, ApiError, check_id
-from kvtier.server.http.devices_admin import DegradedTurn
 from kvtier.server.http.replies import Reply
 from kvtier.server.warm_request import is_warm_up
 
@@ -45,7 +46,9 @@ if TYPE_CHECKING:  # pragma: no cover
 SOURCE_HEADER = "X-Kvtier-Restore-Source"
 
 
-def grammar_book(served: Any, config: Any = None, metrics: Any = None) -> GrammarBook:
+def grammar_book(
+    served: Any, config: ServerConfig | None = None, metrics: Any = None
+) -> GrammarBook:
     """The served model's grammar compiler, made on first use (with `config`'s limits)."""
     if served.grammars is None:
         vocab = int(getattr(served.model.config, "vocab_size", 0) or len(served.tokenizer))

@@ -50,14 +50,16 @@ class StagedLoader:
         their Handle."""
         job, backend = s.job, self._backend
         assert backend is not None, "a staged prefix comes from a paged L1 backend"
+        # the cache's session its restore returned: no lookup by id
+        session = s.restored.session if s.restored is not None else None
 
         def write(first: int, chunks: torch.Tensor) -> None:
             pool.write_chunks(pages, first, chunks, start)
 
         try:
-            return backend.load_staged(job.session_id, job.tenant, staged, write)
+            return backend.load_staged(job.session_id, job.tenant, staged, write, session=session)
         finally:
-            backend.release_staged(job.session_id, job.tenant, staged)
+            backend.release_staged(job.session_id, job.tenant, staged, session=session)
 
     @staticmethod
     def done(s: Turn) -> bool:
