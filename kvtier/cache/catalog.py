@@ -45,7 +45,8 @@ class ColdTiers:
         at = len(self._tiers) if after is None else self.depth(self[after]) + 1
         if self._on_register is not None:
             self._on_register(tier)
-        self._tiers.insert(at, tier)
+        # a new list: a restore or a commit going through the old one meanwhile is not upset
+        self._tiers = [*self._tiers[:at], tier, *self._tiers[at:]]
 
     def __iter__(self) -> Iterator[ColdTier]:
         return iter(self._tiers)

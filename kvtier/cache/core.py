@@ -245,7 +245,8 @@ class TieredCache:
                 f"initial_bandwidth has no estimate for tier {tier.tier!r} (bytes/s), "
                 "which the cost model needs to plan loads from it"
             )
-        self.counters.add_tier(tier.tier)
+        with self.guard:  # stats() copies the counters under it
+            self.counters.add_tier(tier.tier)
 
     # -- what the parts know, read-only ---------------------------------------------------------
 
