@@ -7,7 +7,7 @@ from pathlib import Path
 
 from kvtier.errors import ConfigError
 from kvtier.policy import POLICIES
-from kvtier.types import CODECS, WRITE_POLICIES
+from kvtier.types import CODECS, WRITE_POLICIES, Tier
 
 L3_WRITERS = ("auto", "process", "threads")
 
@@ -62,7 +62,7 @@ class CacheConfig:
     load_margin: float = 1.0  # load a prefix only if load_time * margin < recompute_time
     # Initial guesses for the cost model, replaced by measurements as they come in.
     initial_bandwidth: dict[str, float] = field(
-        default_factory=lambda: {"l1": 200e9, "l2": 10e9, "l3": 1e9}
+        default_factory=lambda: {Tier.L1.value: 200e9, Tier.L2.value: 10e9, Tier.L3.value: 1e9}
     )
     initial_prefill_s_per_token: float = 1e-3
     # Encryption at rest (docs/security.md): seal L3 chunk payloads and session records with

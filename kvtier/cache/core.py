@@ -11,9 +11,9 @@ The class is a facade: it wires the parts below and each public method is one ca
 part. The parts own their state and call each other only downward (docs/architecture.md):
 `Restorer` (restore), `PoolSessions` (sessions in a caller's page pool), `L1Relocator`,
 `TenantShredder`, `SessionFinder` (opening and finding sessions) > `SessionLifecycle`
-(commit, hibernate, close) > `ChunkWriter` > `ChunkCatalog` (keys, where a chunk is) >
-`SharedTier` (L4) > `SessionTable`, `SessionRecords`, `L1Room` (L1 and its eviction) >
-`ChunkDirectory`, `CacheIdentity`, `CacheGuard`.
+(commit, hibernate, close) > `ChunkWriter` > `ChunkCatalog` (keys, where a chunk is: the cold
+tiers, `ColdTiers`) > `SharedTier` (L4) > `SessionTable`, `SessionRecords`, `L1Room` (L1 and
+its eviction), `L2Tier`, `L3Tier` > `ChunkDirectory`, `CacheIdentity`, `CacheGuard`.
 
 Threading: one re-entrant lock (`CacheGuard`) guards the metadata (sessions, directory,
 counters). It is held only for bookkeeping and for starting transfers, never across a wait for
@@ -41,7 +41,8 @@ from typing import Any
 
 import torch
 
-from kvtier.cache.catalog import ChunkCatalog
+from kvtier.cache.catalog import ChunkCatalog, ColdTiers
+from kvtier.cache.coldtier import ColdTier
 from kvtier.cache.config import CacheConfig
 from kvtier.cache.costmodel import CostModel
 from kvtier.cache.directory import ChunkDirectory
@@ -61,10 +62,11 @@ from kvtier.cache.session import Ids, Session, as_ids
 from kvtier.cache.sessiontable import SessionTable
 from kvtier.cache.shred import TenantShredder
 from kvtier.cache.stats import Counters, SnapshotInputs, build_snapshot
-from kvtier.cache.tierset import open_tiers
+from kvtier.cache.tierset import L2Tier, L3Tier, open_tiers
 from kvtier.cache.upkeep import Upkeep
 from kvtier.cache.writes import ChunkSource, ChunkWriter
 from kvtier.codecs import Codec
+from kvtier.errors import ConfigError
 from kvtier.geometry import KVGeometry
 from kvtier.integrations.hf import KvtierCache
 from kvtier.integrations.paged_cache import PagedCache
@@ -74,6 +76,7 @@ from kvtier.snapshot import CacheSnapshot
 from kvtier.tiers.l1 import L1Pool
 from kvtier.tiers.l3 import ShredReport
 from kvtier.transfer.staging import Handle
+from kvtier.types import Tier
 
 
 class TieredCache:
@@ -93,7 +96,7 @@ class TieredCache:
                 config, ident.geometry, ident.codec, device, counters, undo
             )
             self.cost = CostModel(
-                {"l4": 1e9, **config.initial_bandwidth},
+                {Tier.L4.value: 1e9, **config.initial_bandwidth},
                 config.initial_prefill_s_per_token,
                 margin=config.load_margin,
             )
@@ -135,13 +138,28 @@ class TieredCache:
                     table=self.table,
                     records=self.records,
                     cost=self.cost,
+                    counters=counters,
                     l2=self.l2,
                     l3=self.l3,
                     engine=self.engine,
                 )
                 undo.callback(self.l4.close)
+            # the cold tiers, nearest first: the order a restore asks them in
+            self.tiers = ColdTiers(
+                [
+                    L2Tier(self.directory, self.cost),
+                    L3Tier(self.directory, self.engine, ident, self.cost),
+                    *([self.l4] if self.l4 is not None else []),
+                ],
+                on_register=self._tier_registered,
+            )
             self.catalog = ChunkCatalog(
-                ident, self.directory, self.l4, counters, published=published
+                ident,
+                self.directory,
+                self.tiers,
+                counters,
+                published=published,
+                shared_keys=self.l4.known if self.l4 is not None else None,
             )
             writer = ChunkWriter(ident, self.directory, self.engine, counters, self.catalog)
             self.lifecycle = SessionLifecycle(
@@ -164,7 +182,6 @@ class TieredCache:
             self.restorer = Restorer(
                 guard=guard,
                 directory=self.directory,
-                l4=self.l4,
                 table=self.table,
                 identity=ident,
                 counters=counters,
@@ -219,6 +236,17 @@ class TieredCache:
             bound = config.l3_write_bound_s
             self.upkeep = Upkeep(min(1.0, max(0.05, (bound or 4.0) / 4)), self.lifecycle.housekeep)
             undo.pop_all()
+
+    def _tier_registered(self, tier: ColdTier) -> None:
+        """A cold tier added after start (`tiers.register`): counted like the built-in ones;
+        the cost model plans its loads from `CacheConfig.initial_bandwidth[tier]` on."""
+        if self.config.cost_model and tier.tier not in self.cost.bandwidth:
+            raise ConfigError(
+                f"initial_bandwidth has no estimate for tier {tier.tier!r} (bytes/s), "
+                "which the cost model needs to plan loads from it"
+            )
+        with self.guard:  # stats() copies the counters under it
+            self.counters.add_tier(tier.tier)
 
     # -- what the parts know, read-only ---------------------------------------------------------
 

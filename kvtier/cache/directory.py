@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvtier.errors import (
     ChunkNotFound,
@@ -34,6 +34,10 @@ from kvtier.errors import (
 from kvtier.policy import EvictionPolicy
 from kvtier.tiers.l2 import HostArena
 from kvtier.transfer import TransferEngine
+from kvtier.types import Tier
+
+if TYPE_CHECKING:  # pragma: no cover
+    from kvtier.cache.coldtier import ColdTier
 
 log = logging.getLogger("kvtier.cache")
 
@@ -48,7 +52,8 @@ class Chunk:
     tenant: str = ""  # the tenant its L3 header names (the shared tenant for published chunks)
     l2_slot: int | None = None
     l3_write: Future[Any] | None = None  # in-flight L2 -> L3 write
-    l3_read: Future[Any] | None = None  # in-flight L3 (or L4) -> L2 read (prefetch or restore)
+    l3_read: Future[Any] | None = None  # in-flight read into the L2 slot (prefetch or restore)
+    reader: ColdTier | None = None  # the tier that read comes from
     pins: int = 0  # restores copying from this chunk's L2 slot right now
     seen: int = 0
 
@@ -97,7 +102,7 @@ class ChunkDirectory:
         self.entries: dict[bytes, Chunk] = {}
         self.l3_tokens = l3_tokens  # key -> tokens of this model's chunks believed in L3
         self.writing: set[bytes] = set()  # keys with an L2 -> L3 write in flight
-        self.reading: set[bytes] = set()  # keys with an L3 -> L2 read in flight
+        self.reading: set[bytes] = set()  # keys with a read into their L2 slot in flight
         self._header = header
         self._n = counters
         self._evicted: collections.deque[list[bytes]] = collections.deque()
@@ -202,7 +207,7 @@ class ChunkDirectory:
                 if self.l3_tokens.pop(bytes(key), None) is not None:
                     n += 1
         if n:
-            self._n.evictions["l3"] += n
+            self._n.evictions[Tier.L3] += n
         return n
 
     # -- L3 writes -------------------------------------------------------------------------------
@@ -277,19 +282,12 @@ class ChunkDirectory:
 
     # -- L3 reads --------------------------------------------------------------------------------
 
-    def start_read(self, e: Chunk, fingerprint: bytes) -> Future[Any] | None:
-        """Reserve an L2 slot for `e` and start reading it from L3 (or join the read in
-        flight); None if L2 has no free slot. The file's header must describe `e` (its
-        tokens, the cache's geometry and codec, its tenant when known): anything else is
-        corrupt, never the slot's bytes."""
-        expect = self._header(e)
-        return self.start_fetch(
-            e, lambda slot: self.engine.read_l3(e.key, slot, fingerprint, expect)
-        )
-
-    def start_fetch(self, e: Chunk, fetch: Callable[[int], Future[Any]]) -> Future[Any] | None:
-        """`start_read` with another source: `fetch(slot)` starts filling the slot (L4 reads
-        come this way); the read is tracked and settled like an L3 read."""
+    def start_fetch(
+        self, e: Chunk, fetch: Callable[[int], Future[Any]], tier: ColdTier
+    ) -> Future[Any] | None:
+        """Reserve an L2 slot for `e` and have `tier` start filling it (`fetch(slot)`), or join
+        the read in flight; None if L2 has no free slot. The read is tracked (`e.l3_read`,
+        `e.reader`) until `settle_read`."""
         if e.l3_read is not None:
             return e.l3_read
         slot = self.alloc()
@@ -297,16 +295,17 @@ class ChunkDirectory:
             return None
         e.l2_slot = slot  # reserved: usable once the read succeeded
         e.l3_read = fetch(slot)
+        e.reader = tier
         self.reading.add(e.key)
         self.policy.touch(e.key)
         return e.l3_read
 
     def settle_read(self, e: Chunk, fut: Future[Any]) -> None:
-        """Publish a finished L3 -> L2 read (idempotent). A chunk that is gone or corrupt is
+        """Publish a finished read into an L2 slot (idempotent). A chunk that is gone or corrupt is
         forgotten, so no later restore tries it again."""
         if e.l3_read is not fut:
             return
-        e.l3_read = None
+        reader, e.l3_read, e.reader = e.reader, None, None
         self.reading.discard(e.key)
         exc = fut.exception()
         if exc is None:
@@ -318,7 +317,8 @@ class ChunkDirectory:
             exc, (ChunkNotFound, KvbinFormatError, FingerprintMismatch, TenantKeyShredded)
         ):
             self._n.checksum_failures += isinstance(exc, KvbinFormatError)
-            self.forget_l3(e.key)
+            if reader is not None and reader.tier == Tier.L3:  # another tier forgets its own
+                self.forget_l3(e.key)
         log.warning("read of %s into L2 failed (%s); recomputing from there", e.key.hex(), exc)
 
     # -- L2 slots ----------------------------------------------------------------------------------
@@ -364,7 +364,7 @@ class ChunkDirectory:
                     exclude.extra.add(e.key)
                     continue
                 self.free_slot(e)
-                self._n.evictions["l2"] += 1
+                self._n.evictions[Tier.L2] += 1
                 slot = self.arena.alloc()
             if slot is not None:
                 return slot
@@ -416,6 +416,6 @@ class ChunkDirectory:
         for e in list(self.entries.values()):
             if e.l2_slot is not None and e.key in self.l3_tokens and not e.busy:
                 self.free_slot(e)
-                self._n.evictions["l2"] += 1
+                self._n.evictions[Tier.L2] += 1
                 dropped += 1
         return dropped

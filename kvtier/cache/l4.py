@@ -1,8 +1,9 @@
 """SharedTier: a TieredCache's side of L4 (the shared Redis tier, kvtier.tiers.l4).
 
 - Which chunks L4 is believed to hold (`known`, key -> tokens): the keys of session records
-  read from L4 and of chunks this process wrote there. A restore plans L4 after L2 and L3
-  (`ChunkCatalog.locate`); a chunk that Redis evicted or let expire is a miss there.
+  read from L4 and of chunks this process wrote there. `SharedTier` is the cache's cold tier
+  L4 (kvtier.cache.coldtier), asked after L2 and L3; a chunk that Redis evicted or let expire
+  is a miss there.
 - Restores: the L4 chunks of a plan get L2 slots like L3 reads do, and one `get_chunks` call
   fetches them all (pipelined, several connections); each payload is verified and copied into
   its slot on the L4 read threads, then the restore copies L2 -> L1 as for any other chunk.
@@ -45,7 +46,7 @@ from kvtier.sealing import load_master_key
 from kvtier.tiers.l3 import SessionRecord
 from kvtier.tiers.l4 import Breaker, L4Store, ReadBatch
 from kvtier.tiers.l4.sealed import TenantKeys
-from kvtier.types import SessionState
+from kvtier.types import SessionState, Tier
 
 if TYPE_CHECKING:  # pragma: no cover
     from kvtier.cache.costmodel import CostModel
@@ -53,8 +54,10 @@ if TYPE_CHECKING:  # pragma: no cover
     from kvtier.cache.guard import CacheGuard
     from kvtier.cache.identity import CacheIdentity
     from kvtier.cache.records import SessionRecords
+    from kvtier.cache.restoreplan import TierReads
     from kvtier.cache.session import Session
     from kvtier.cache.sessiontable import SessionTable
+    from kvtier.cache.stats import Counters
     from kvtier.tiers.l2 import HostArena
     from kvtier.tiers.l3 import L3Store
     from kvtier.transfer import TransferEngine
@@ -83,6 +86,11 @@ class PendingReads:
 
 
 class SharedTier:
+    """L4 as the cache's cold tier (`kvtier.cache.coldtier.ColdTier`), and its write-behind,
+    lookups and health."""
+
+    tier = Tier.L4.value
+
     def __init__(
         self,
         *,
@@ -92,6 +100,7 @@ class SharedTier:
         table: SessionTable,
         records: SessionRecords,
         cost: CostModel,
+        counters: Counters,
         l2: HostArena,
         l3: L3Store,
         engine: TransferEngine,
@@ -104,6 +113,7 @@ class SharedTier:
         self.table = table
         self.records = records
         self.cost = cost
+        self.counters = counters
         self.l2 = l2
         self.l3 = l3
         self.engine = engine
@@ -180,13 +190,19 @@ class SharedTier:
             self._jobs.append(_Job(rec, [], time.monotonic(), delete=True))
             self._cv.notify_all()
 
-    # -- restores (under the cache's lock, except the read threads) -----------------------------
+    # -- the cold tier: restores (under the cache's lock, except the read threads) -------------
 
-    def pending(self) -> PendingReads:
-        return PendingReads([], [], [])
+    def holds(self, key: bytes) -> int | None:
+        """Believed in L4 (while Redis is reachable): a key read or written here."""
+        return self.known.get(key) if self.store.up else None
 
-    def fetcher(self, p: PendingReads, key: bytes) -> Any:
-        """For `ChunkDirectory.start_fetch`: register the slot, hand back the chunk's future."""
+    def start_read(self, e: Chunk, reads: TierReads) -> Future[Any] | None:
+        """Reserve `e`'s L2 slot and register its read in the restore's batch (`launch`
+        sends the batch)."""
+        p = reads.state
+        if p is None:
+            p = reads.state = PendingReads([], [], [])
+        key = e.key
 
         def fetch(slot: int) -> Future[Any]:
             fut: Future[Any] = Future()
@@ -196,7 +212,20 @@ class SharedTier:
             p.expect.append(self._expected(key))
             return fut
 
-        return fetch
+        return self.directory.start_fetch(e, fetch, self)
+
+    def write(self, e: Chunk) -> None:
+        """Nothing per chunk: L4 is written behind, a hibernated session at a time
+        (`enqueue`), chunks first and its record last."""
+
+    def observe(self, reads: TierReads, nbytes: int, t_read: float, t_copy: float) -> None:
+        """Count the failed reads as misses (evicted, expired, damaged or unreachable), and feed
+        the cost model with the usable bytes and the batch's time plus their copy's share."""
+        self.counters.misses[self.tier] += reads.failed
+        p = reads.state
+        if p is None or p.batch is None or nbytes <= 0 or not p.batch.finished:
+            return
+        self.cost.observe_load(self.tier, nbytes, p.batch.seconds + t_copy)
 
     def _expected(self, key: bytes, tokens: int | None = None) -> ChunkHeader:
         """The header a value of chunk `key` must have: as the cache writes its directory
@@ -209,9 +238,10 @@ class SharedTier:
             tokens = 0  # no value matches: a miss
         return ident.codec.header(key, tokens, fingerprint=ident.fingerprint, tenant="")
 
-    def launch(self, p: PendingReads, tenant: str) -> None:
-        """Start the plan's L4 reads (one pipelined, multi-stream `get_chunks`)."""
-        if not p.keys:
+    def launch(self, reads: TierReads, tenant: str) -> None:
+        """Start the restore's L4 reads (one pipelined, multi-stream `get_chunks`)."""
+        p = reads.state
+        if p is None or not p.keys:
             return
         arena = self.l2
         slots = p.slots
@@ -244,15 +274,9 @@ class SharedTier:
             self.known.pop(key, None)  # evicted, expired or damaged: not asked for again
         dst.set_exception(exc)
 
-    def observe(self, p: PendingReads | None, usable_bytes: int, t_copy: float) -> None:
-        """Feed the cost model with the plan's L4 bytes and time (under the cache's lock)."""
-        if p is None or p.batch is None or usable_bytes <= 0 or not p.batch.finished:
-            return
-        self.cost.observe_load("l4", usable_bytes, p.batch.seconds + t_copy)
-
     def _observe_latency(self, seconds: float) -> None:
         with self.guard:
-            self.cost.observe_latency("l4", seconds)
+            self.cost.observe_latency(self.tier, seconds)
 
     # -- write-behind ----------------------------------------------------------------------------
 
@@ -516,7 +540,7 @@ class SharedTier:
                 else:
                     if self._lock_cache():
                         try:
-                            self.cost.observe_latency("l4", rtt)
+                            self.cost.observe_latency(self.tier, rtt)
                         finally:
                             self.guard.release()
                     run = self.store.run_id

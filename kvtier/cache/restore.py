@@ -1,13 +1,15 @@
 """Restorer: a returning turn's prefix back from the tiers, in three phases so that the cache's
 guard is never held across I/O.
 
-1. plan (guard held): find the longest cached prefix (`ChunkCatalog`), let the cost model cut
-   it, pin every chunk of it (nobody frees or reuses a pinned chunk's L2 slot), make room in L1
-   (`L1Room`), reserve L2 slots for the L3 chunks and start their reads.
-2. load (no lock): wait for the L3 reads, sleep out the read throttle, copy the usable prefix
+1. plan (guard held): find the longest cached prefix and the cold tier each chunk of it is in
+   (`ChunkCatalog.segments`), let the cost model cut it, pin every chunk of it (nobody frees or
+   reuses a pinned chunk's L2 slot), make room in L1 (`L1Room`), and have each chunk's tier
+   start reading it into an L2 slot (`ColdTier.start_read`, `launch`) unless it is ready there.
+2. load (no lock): wait for the reads, sleep out L3's read throttle, copy the usable prefix
    L2 -> L1 and wait for that copy.
 3. publish (guard held): settle the reads (a chunk that failed to read is forgotten, its slot
-   freed), unpin, and set the session's tokens and keys.
+   freed), unpin, set the session's tokens and keys, and tell each tier what it loaded
+   (`ColdTier.observe`).
 
 A *staged* restore (`restore_staged`, for a batch whose page pool is the sessions' L1) stops
 short of L1: it takes no L1 room and copies nothing in phase 2, and phase 3 keeps the usable
@@ -28,22 +30,21 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvtier.cache.keys import SHARED_TENANT, ZERO_KEY, chunk_key
-from kvtier.cache.restoreplan import DEPTH, RestorePlan, StagedPrefix, common_prefix
+from kvtier.cache.restoreplan import RestorePlan, StagedPrefix, common_prefix
 from kvtier.errors import SessionError
 from kvtier.integrations.hf import KvtierCache
 from kvtier.snapshot import RESTORE_BUCKETS
-from kvtier.types import RestoreSource, SessionState
+from kvtier.types import RestoreSource, SessionState, Tier
 
 if TYPE_CHECKING:  # pragma: no cover
     from kvtier.cache.catalog import ChunkCatalog
+    from kvtier.cache.coldtier import ColdTier
     from kvtier.cache.config import CacheConfig
     from kvtier.cache.costmodel import CostModel
-    from kvtier.cache.directory import Chunk, ChunkDirectory
+    from kvtier.cache.directory import ChunkDirectory
     from kvtier.cache.guard import CacheGuard
     from kvtier.cache.identity import CacheIdentity
     from kvtier.cache.l1room import L1Room
-    from kvtier.cache.l4 import SharedTier
     from kvtier.cache.lifecycle import SessionLifecycle
     from kvtier.cache.session import Ids, Session
     from kvtier.cache.sessiontable import SessionTable
@@ -64,7 +65,6 @@ class Restorer:
     counters: Counters
     cost: CostModel
     engine: TransferEngine
-    l4: SharedTier | None
     table: SessionTable
     catalog: ChunkCatalog
     room: L1Room
@@ -214,53 +214,22 @@ class Restorer:
             common = common_prefix(s.tokens, want)
             if catalog.tiers_extend(s, want, common, whole=staged):
                 base = 0 if staged else common // C * C
-                n.hits["l1"] += base > 0
-                n.restored_tokens["l1"] += base
+                n.hits[Tier.L1] += base > 0
+                n.restored_tokens[Tier.L1] += base
             elif common > 0:
                 s.truncate(common)
-                n.hits["l1"] += 1
-                n.restored_tokens["l1"] += common
+                n.hits[Tier.L1] += 1
+                n.restored_tokens[Tier.L1] += common
                 return None
             s.truncate(base)
-        n.misses["l1"] += 1
-        segments: list[tuple[str, Chunk]] = []
-        parent = s.chunk_keys[-1] if base else ZERO_KEY
-        tail = len(s.tokens) % C if s.tail_key is not None else 0
-        for i in range(base // C, len(want) // C + 1):
-            toks = want[i * C : (i + 1) * C]
-            entry: Chunk | None = None
-            src = ""
-            if len(toks) == C:
-                key, shared = catalog.keyed(parent, toks, s)
-                entry, src = catalog.locate(key, parent)
-                if entry is not None and not entry.tenant:  # found in L3: whose is it (shred)?
-                    entry.tenant = SHARED_TENANT if shared else s.tenant
-            if (
-                entry is None
-                and tail
-                and len(toks) >= tail
-                and chunk_key(parent, toks[:tail], s.ns) == s.tail_key
-            ):
-                # the session's own hibernated partial tail, at the end of its stored prefix
-                entry, src = catalog.locate(s.tail_key, parent)
-                if entry is not None and not entry.tenant:
-                    entry.tenant = s.tenant
-            if entry is None:
-                n.misses["l3"] += 1
-                if self.l4 is not None:
-                    n.misses["l4"] += 1
-                break
-            segments.append((src, entry))
-            parent = entry.key
-            if entry.tokens < C:
-                break
+        n.misses[Tier.L1] += 1
+        segments = catalog.segments(s, want, base)
         if self.config.cost_model:
             payload = self.identity.codec.payload_bytes
-            keep = self.cost.plan([(src, payload(e.tokens), e.tokens) for src, e in segments])
+            keep = self.cost.plan([(t.tier, payload(e.tokens), e.tokens) for t, e in segments])
             segments = segments[:keep]
         p = RestorePlan(want, segments, base=base)
         self.directory.pin(e for _, e in segments)
-        l4 = self.l4
         try:
             loaded = sum(e.tokens for _, e in segments)
             if not staged:
@@ -268,29 +237,23 @@ class Restorer:
             s.tokens, s.tail_key = s.tokens[:base], None  # L1 keeps `base` (the session's chunks)
             del s.chunk_keys[base // C :]
             s.flushed = min(s.flushed, base // C)
-            p.l4 = l4.pending() if l4 is not None else None
-            for i, (src, e) in enumerate(segments):
-                if src not in ("l3", "l4") and e.l3_read is None:
+            for i, (tier, e) in enumerate(segments):
+                if e.l2_slot is not None and e.l3_read is None:  # ready in L2: copied, not read
+                    p.reads_of(tier).segments.append(i)
                     continue
-                if src == "l4" and e.l3_read is None:
-                    assert l4 is not None
-                    fut = self.directory.start_fetch(e, l4.fetcher(p.l4, e.key))
-                    p.l4_reads.add(i)
-                else:
-                    fut = catalog.start_read(e)
+                fut = tier.start_read(e, p.reads_of(tier))
                 if fut is None:  # L2 is all in flight: load the prefix before this chunk
-                    p.l4_reads.discard(i)
                     self.directory.unpin(rest for _, rest in segments[i:])
                     del segments[i:]
                     break
                 p.reads[i] = fut
+                p.reads_of(e.reader or tier).segments.append(i)
         except BaseException:
             self._unpin(p)
             raise
-        finally:
-            if p.l4 is not None:  # every registered L4 read starts (and settles), whatever happened
-                assert l4 is not None
-                l4.launch(p.l4, s.tenant)
+        finally:  # every registered read starts (and settles), whatever happened
+            for r in p.by_tier.values():
+                r.tier.launch(r, s.tenant)
         return p
 
     def _unpin(self, p: RestorePlan) -> None:
@@ -307,14 +270,15 @@ class Restorer:
             if fut.exception() is not None:
                 usable = min(usable, i)
                 break
-        p.l3_bytes = sum(
-            payload(p.segments[i][1].tokens) for i in p.reads if i < usable and i not in p.l4_reads
-        )
-        p.t_l3 = time.perf_counter() - t0
-        rate = self.config.l3_read_bytes_per_s
-        if p.l3_bytes and rate:
-            time.sleep(max(0.0, p.l3_bytes / rate - p.t_l3))
-            p.t_l3 = time.perf_counter() - t0
+        p.t_read = time.perf_counter() - t0
+        rate = self.config.l3_read_bytes_per_s  # L3's read throttle (shared disks, tests)
+        l3 = p.by_tier.get(Tier.L3)
+        l3_bytes = 0
+        if l3 is not None:
+            l3_bytes = sum(payload(p.segments[i][1].tokens) for i in l3.segments if i < usable)
+        if l3_bytes and rate:
+            time.sleep(max(0.0, l3_bytes / rate - p.t_read))
+            p.t_read = time.perf_counter() - t0
         p.usable = usable
         if not usable or s.bufs is None:
             return
@@ -326,7 +290,7 @@ class Restorer:
         # spin: the forward waits for these bytes, and waking from a blocking wait costs more
         handle = self.engine.restore_range(slots, tokens, layers, p.base, block=block)  # type: ignore[arg-type]
         handle.wait(spin=True)
-        p.t_l2 = time.perf_counter() - t1
+        p.t_copy = time.perf_counter() - t1
 
     def _publish(self, s: Session, p: RestorePlan, stage: bool = False) -> str:
         """Phase 3 (guard held): settle the reads, unpin, set the session; returns the deepest
@@ -335,8 +299,9 @@ class Restorer:
         d = self.directory
         for i, fut in p.reads.items():
             d.settle_read(p.segments[i][1], fut)
-            if i in p.l4_reads and fut.exception() is not None:
-                self.counters.misses["l4"] += 1  # evicted, expired, damaged or unreachable
+        chunks = [e for _, e in p.segments]
+        for r in p.by_tier.values():
+            r.failed = sum(p.reads[i].exception() is not None for i in r.segments if i in p.reads)
         usable = p.segments[: p.usable]
         if stage and usable:
             p.segments = p.segments[p.usable :]  # unpinned below; the usable ones stay pinned
@@ -346,31 +311,28 @@ class Restorer:
         n = self.counters
         pos = p.base
         whole = s.flushed == len(s.chunk_keys)  # the chunks L1 kept are stored (flushed)
-        deepest = RestoreSource.RECOMPUTE.value
-        for src, e in usable:
+        deepest: ColdTier | None = None
+        tiers = self.catalog.tiers
+        for tier, e in usable:
             if e.tokens == C:
                 s.chunk_keys.append(e.key)
             else:  # its stored partial tail, still its own (a turn that fails restores it again)
                 s.tail_key = e.key
             pos += e.tokens
-            n.hits[src] += 1
-            n.restored_tokens[src] += e.tokens
-            if DEPTH[src] > DEPTH[deepest]:
-                deepest = src
+            n.hits[tier.tier] += 1
+            n.restored_tokens[tier.tier] += e.tokens
+            if deepest is None or tiers.depth(tier) > tiers.depth(deepest):
+                deepest = tier
             d.policy.touch(e.key)
         s.flushed = len(s.chunk_keys) if whole else s.flushed
         s.tokens = p.want[:pos]
         s.lengths[:] = [pos] * len(s.lengths)
         n.restored_tokens[RestoreSource.RECOMPUTE.value] += len(p.want) + 1 - pos
-        if usable:
-            payload = self.identity.codec.payload_bytes
-            l2_bytes = sum(payload(e.tokens) for _, e in usable)
-            if p.l3_bytes:
-                self.cost.observe_load("l3", p.l3_bytes, p.t_l3 + p.t_l2 * p.l3_bytes / l2_bytes)
-            l4_bytes = sum(payload(e.tokens) for i, (_, e) in enumerate(usable) if i in p.l4_reads)
-            if l4_bytes and self.l4 is not None:
-                self.l4.observe(p.l4, l4_bytes, p.t_l2 * l4_bytes / l2_bytes)
-            if p.l3_bytes + l4_bytes < l2_bytes and p.t_l2 > 0:  # staged: not copied yet
-                l2_only = l2_bytes - p.l3_bytes - l4_bytes
-                self.cost.observe_load("l2", l2_only, p.t_l2 * l2_only / l2_bytes)
-        return deepest
+        # each tier's share of the usable prefix: its bytes, and as much of the copy's time
+        payload = self.identity.codec.payload_bytes
+        usable_bytes = sum(payload(e.tokens) for e in chunks[: p.usable])
+        for r in p.by_tier.values():
+            nbytes = sum(payload(chunks[i].tokens) for i in r.segments if i < p.usable)
+            t_copy = p.t_copy * nbytes / usable_bytes if usable_bytes else 0.0
+            r.tier.observe(r, nbytes, p.t_read, t_copy)
+        return RestoreSource.RECOMPUTE.value if deepest is None else deepest.tier

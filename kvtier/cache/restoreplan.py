@@ -7,25 +7,42 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kvtier.types import RestoreSource
-
 if TYPE_CHECKING:  # pragma: no cover
+    from kvtier.cache.coldtier import ColdTier
     from kvtier.cache.directory import Chunk
     from kvtier.cache.session import Ids
+
+
+@dataclass(eq=False)
+class TierReads:
+    """One restore's reads through one cold tier: the plan's segments the tier loaded (read, or
+    found ready in an L2 slot), how many of its reads failed, and the tier's own state of them."""
+
+    tier: ColdTier
+    segments: list[int] = field(default_factory=list)  # indices into the plan's segments
+    failed: int = 0  # reads that ended in an exception (set when they are settled)
+    state: Any = None  # the tier's own (L4: the pending batch of its reads)
 
 
 @dataclass
 class RestorePlan:
     want: Ids
-    segments: list[tuple[str, Chunk]]
-    reads: dict[int, Future[Any]] = field(default_factory=dict)  # segment index -> its L3 read
-    l4_reads: set[int] = field(default_factory=set)  # the reads above that come from L4
-    l4: Any = None  # kvtier.cache.l4.PendingReads of this plan
+    segments: list[tuple[ColdTier, Chunk]]  # each chunk of the prefix and the tier it was in
+    reads: dict[int, Future[Any]] = field(default_factory=dict)  # segment index -> its read
+    # the segments each tier loaded, by the tier's name: read through it (a read in flight
+    # that this plan joins is its reader's), or found ready in L2 (L2's)
+    by_tier: dict[str, TierReads] = field(default_factory=dict)
     usable: int = 0  # leading segments whose bytes reached L1
     base: int = 0  # tokens kept in L1 before the first segment (its chunks are the session's)
-    l3_bytes: int = 0
-    t_l3: float = 0.0
-    t_l2: float = 0.0
+    t_read: float = 0.0  # waiting for the reads, and the read throttle
+    t_copy: float = 0.0  # the L2 -> L1 copy
+
+    def reads_of(self, tier: ColdTier) -> TierReads:
+        """This plan's reads through `tier` (made on first use)."""
+        r = self.by_tier.get(tier.tier)
+        if r is None:
+            r = self.by_tier[tier.tier] = TierReads(tier)
+        return r
 
 
 @dataclass(eq=False)
@@ -60,7 +77,3 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
         else:
             hi = mid
     return lo
-
-
-# The deepest source of a restore names it (`restore_source`).
-DEPTH = {RestoreSource.RECOMPUTE.value: 0, "l1": 1, "l2": 2, "l3": 3, "l4": 4}

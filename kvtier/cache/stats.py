@@ -20,7 +20,7 @@ from kvtier.snapshot import (
     SessionInfo,
     TierStats,
 )
-from kvtier.types import RestoreSource, SessionState
+from kvtier.types import RestoreSource, SessionState, Tier
 
 
 @dataclass
@@ -28,9 +28,11 @@ class Counters:
     """Totals since the cache started; read through `build_snapshot`, or `copy()` (a bench
     that counts what a window stored)."""
 
-    hits: dict[str, int] = field(default_factory=lambda: {"l1": 0, "l2": 0, "l3": 0, "l4": 0})
-    misses: dict[str, int] = field(default_factory=lambda: {"l1": 0, "l2": 0, "l3": 0, "l4": 0})
-    evictions: dict[str, int] = field(default_factory=lambda: {"l1": 0, "l2": 0, "l3": 0})
+    hits: dict[str, int] = field(default_factory=lambda: {t.value: 0 for t in Tier})
+    misses: dict[str, int] = field(default_factory=lambda: {t.value: 0 for t in Tier})
+    evictions: dict[str, int] = field(
+        default_factory=lambda: {t.value: 0 for t in (Tier.L1, Tier.L2, Tier.L3)}
+    )
     decisions: dict[str, int] = field(default_factory=lambda: {s.value: 0 for s in RestoreSource})
     restored_tokens: dict[str, int] = field(
         default_factory=lambda: {s.value: 0 for s in RestoreSource}
@@ -64,6 +66,15 @@ class Counters:
     backpressure_wait_seconds: float = 0.0
     backpressure_drops: int = 0
     guard: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def add_tier(self, name: str) -> None:
+        """Count a cold tier registered after start (`ColdTiers.register`): its hits and
+        misses, and the restores it is the source of."""
+        for counts in (self.hits, self.misses, self.decisions, self.restored_tokens):
+            counts.setdefault(name, 0)
+        self.latency.setdefault(name, [0] * len(RESTORE_BUCKETS))
+        self.latency_sum.setdefault(name, 0.0)
+        self.latency_count.setdefault(name, 0)
 
     def count_wait(self, seconds: float) -> None:
         """One backpressure wait of `seconds` (any thread, with or without the cache's lock)."""
@@ -110,30 +121,30 @@ def build_snapshot(
     l2_used = inp.l2_slots - inp.l2_free
     tiers: tuple[TierStats, ...] = (
         TierStats(
-            "l1",
+            Tier.L1.value,
             inp.l1_budget,
             inp.l1_used,
             inp.l1_chunks,
-            n.hits["l1"],
-            n.misses["l1"],
-            n.evictions["l1"],
+            n.hits[Tier.L1],
+            n.misses[Tier.L1],
+            n.evictions[Tier.L1],
         ),
         TierStats(
-            "l2",
+            Tier.L2.value,
             inp.l2_slots * inp.l2_slot_bytes,
             l2_used * inp.l2_slot_bytes,
             l2_used,
-            n.hits["l2"],
-            n.misses["l2"],
-            n.evictions["l2"],
+            n.hits[Tier.L2],
+            n.misses[Tier.L2],
+            n.evictions[Tier.L2],
         ),
         TierStats(
-            "l3",
+            Tier.L3.value,
             l3.capacity_bytes,
             l3.used_bytes,
             l3.chunks,
-            n.hits["l3"],
-            n.misses["l3"],
+            n.hits[Tier.L3],
+            n.misses[Tier.L3],
             l3.evictions,  # the store counts what its size cap and gc delete
         ),
     )
@@ -141,12 +152,12 @@ def build_snapshot(
         mem = l4.get("memory") or {}
         tiers += (
             TierStats(
-                "l4",
+                Tier.L4.value,
                 int(mem.get("maxmemory") or 0),
                 int(mem.get("used_memory") or 0),
                 inp.l4_chunks,
-                n.hits["l4"],
-                n.misses["l4"],
+                n.hits[Tier.L4],
+                n.misses[Tier.L4],
                 0,
             ),
         )

@@ -1,13 +1,17 @@
 """The tiers a cache opens at start: L1 on the model's device, the L3 store, the L2 arena and
 the transfer engine between them (with the L3 writer process where it can run). Each is closed
-again through `undo` if a later step of the cache's start fails."""
+again through `undo` if a later step of the cache's start fails.
+
+`L2Tier` and `L3Tier` are L2 and L3 as the cache's cold tiers (`kvtier.cache.coldtier`): what
+the chunk directory knows of them, and their reads and writes through the transfer engine."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
 import os
-from typing import Any
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -20,6 +24,13 @@ from kvtier.tiers.l1 import L1Pool
 from kvtier.tiers.l2 import HostArena
 from kvtier.tiers.l3 import L3Store
 from kvtier.transfer import TransferEngine
+from kvtier.types import Tier
+
+if TYPE_CHECKING:  # pragma: no cover
+    from kvtier.cache.costmodel import CostModel
+    from kvtier.cache.directory import Chunk, ChunkDirectory
+    from kvtier.cache.identity import CacheIdentity
+    from kvtier.cache.restoreplan import TierReads
 
 log = logging.getLogger("kvtier")
 
@@ -127,3 +138,81 @@ def default_l1_bytes(device: torch.device) -> int:
         free, _total = torch.cuda.mem_get_info(device)
         return free // 2
     return 1 << 30
+
+
+class L2Tier:
+    """L2, the pinned host arena, as a cold tier: the chunk directory's slots. Every read from a
+    tier below lands in an L2 slot, so a chunk L2 holds is either ready in its slot (the restore
+    copies it as it is) or on its way there (the restore waits for that read)."""
+
+    tier = Tier.L2.value
+
+    def __init__(self, directory: ChunkDirectory, cost: CostModel) -> None:
+        self.directory = directory
+        self.cost = cost
+
+    def holds(self, key: bytes) -> int | None:
+        e = self.directory.get(key)
+        return e.tokens if e is not None and e.l2_slot is not None else None
+
+    def start_read(self, e: Chunk, reads: TierReads) -> Future[Any] | None:
+        """The read filling the chunk's slot (a prefetch's, or another restore's): L2 starts
+        none of its own. Only asked for a chunk whose slot is not ready."""
+        assert e.l3_read is not None, "a chunk ready in its L2 slot needs no read"
+        return e.l3_read
+
+    def launch(self, reads: TierReads, tenant: str) -> None:
+        """Nothing to start: `start_read` only joins reads in flight."""
+
+    def write(self, e: Chunk) -> None:
+        """The slot is L2's copy: the eviction policy sees the chunk as just used."""
+        self.directory.policy.touch(e.key)
+
+    def observe(self, reads: TierReads, nbytes: int, t_read: float, t_copy: float) -> None:
+        """Chunks found ready in L2 cost only their copy to L1 (a staged restore copies later:
+        no time, no sample)."""
+        self.cost.observe_load(self.tier, nbytes, t_copy)
+
+
+class L3Tier:
+    """L3, the SSD store, as a cold tier: the chunk directory's map of the keys L3 holds, reads
+    through the transfer engine's L3 readers and writes queued behind each stored chunk."""
+
+    tier = Tier.L3.value
+
+    def __init__(
+        self,
+        directory: ChunkDirectory,
+        engine: TransferEngine,
+        identity: CacheIdentity,
+        cost: CostModel,
+    ) -> None:
+        self.directory = directory
+        self.engine = engine
+        self.identity = identity
+        self.cost = cost
+
+    def holds(self, key: bytes) -> int | None:
+        return self.directory.l3_tokens.get(key)
+
+    def start_read(self, e: Chunk, reads: TierReads) -> Future[Any] | None:
+        """Reserve an L2 slot for `e` and read it from L3 (or join the read in flight). The
+        file's header must describe `e` (its tokens, the cache's geometry and codec, its
+        tenant when known): anything else is corrupt, never the slot's bytes."""
+        expect = self.identity.header(e)
+        fp = self.identity.fingerprint
+        return self.directory.start_fetch(
+            e, lambda slot: self.engine.read_l3(e.key, slot, fp, expect), self
+        )
+
+    def launch(self, reads: TierReads, tenant: str) -> None:
+        """Nothing to start: each read is queued as `start_read` asks for it."""
+
+    def write(self, e: Chunk) -> None:
+        """Queue the L2 -> L3 write (shed when the queue is full; the directory retries)."""
+        self.directory.queue_write(e)
+
+    def observe(self, reads: TierReads, nbytes: int, t_read: float, t_copy: float) -> None:
+        """L3's bandwidth as a restore sees it: the wait for the reads and the throttle, and
+        the bytes' share of the copy to L1. A failed read is forgotten (`settle_read`)."""
+        self.cost.observe_load(self.tier, nbytes, t_read + t_copy)

@@ -3,7 +3,8 @@
 Every full chunk gets its key when it completes, and the write policy decides whether it is
 stored now (write-through), once it was seen often enough (write-through-selective), or only
 when the session leaves L1 (write-back: hibernate, eviction). A stored chunk has an L2 slot
-(one copy down from the device) and an L3 write queued behind it. The session's partial tail
+(one copy down from the device) and is then handed to each cold tier in order
+(`ColdTier.write`): L3 queues its write behind it. The session's partial tail
 is stored only when it leaves L1, so the session resumes whole.
 
 Backpressure: a chunk that must be stored (L1 will not hold it after this) and finds every L2
@@ -123,8 +124,8 @@ class ChunkWriter:
         chunk: ChunkSource | None = None,
         wait: bool = False,
     ) -> bool:
-        """L1 -> L2 now (one D2H copy), then L2 -> L3 queued (shed if the queue is full).
-        `chunk`: the chunk's K/V already in the chunk layout on the device (a batch's pages,
+        """L1 -> L2 now (one D2H copy), then each cold tier takes it (`ColdTier.write`: L3
+        queues its write, shed if the queue is full). `chunk`: the chunk's K/V already in the chunk layout on the device (a batch's pages,
         `commit_pages`), or a function that gathers it, instead of the session's L1. `wait`:
         when every L2 slot is in flight, wait for L3 writes to free one (`_l2_slot`). False if
         L2 has no slot that is not in flight (the chunk is not stored)."""
@@ -141,8 +142,8 @@ class ChunkWriter:
             )
         e.l2_slot = slot
         e.tenant = tenant
-        self.directory.policy.touch(e.key)
-        self.directory.queue_write(e)
+        for tier in self.catalog.tiers:  # L2 keeps it, L3 queues its write, ...
+            tier.write(e)
         self.counters.stored["chunks"] += 1
         self.counters.stored["tokens"] += e.tokens
         return True
