@@ -196,23 +196,22 @@ class TurnCommits:
             exc,
         )
         self.error(exc)  # a lost device still stops the server
+        self._abort_session(s, "abort after a failed commit failed for session %s")
+
+    def _abort_session(self, s: Turn, failed: str) -> None:
+        """Forget the turn's half-written step in its session (and an ephemeral session
+        altogether); a failure to do so is logged with `failed` and goes no further."""
+        job = s.job
         try:
             self.backend.abort(job.session_id, job.tenant, session=restored_session(s))
             if job.ephemeral:
                 self.backend.forget(job.session_id, job.tenant)
         except BaseException:
-            log.exception("abort after a failed commit failed for session %s", job.session_id[:64])
+            log.exception(failed, job.session_id[:64])
 
     def abort(self, s: Turn, exc: BaseException) -> None:
         """Forget the turn's half-written step, then fail its request with `exc`."""
-        job = s.job
-        try:
-            # forget the half-written step
-            self.backend.abort(job.session_id, job.tenant, session=restored_session(s))
-            if job.ephemeral:
-                self.backend.forget(job.session_id, job.tenant)
-        except BaseException:
-            log.exception("abort failed for session %s", job.session_id[:64])
+        self._abort_session(s, "abort failed for session %s")
         if s.restored is not None:
             self._release_l1(s)
         self.report(s, exc)
