@@ -199,9 +199,9 @@ class SharedTier:
     def start_read(self, e: Chunk, reads: TierReads) -> Future[Any] | None:
         """Reserve `e`'s L2 slot and register its read in the restore's batch (`launch`
         sends the batch)."""
-        p = reads.state
+        p = reads.own
         if p is None:
-            p = reads.state = PendingReads([], [], [])
+            p = reads.own = PendingReads([], [], [])
         key = e.key
 
         def fetch(slot: int) -> Future[Any]:
@@ -222,7 +222,7 @@ class SharedTier:
         """Count the failed reads as misses (evicted, expired, damaged or unreachable), and feed
         the cost model with the usable bytes and the batch's time plus their copy's share."""
         self.counters.misses[self.tier] += reads.failed
-        p = reads.state
+        p = reads.own
         if p is None or p.batch is None or nbytes <= 0 or not p.batch.finished:
             return
         self.cost.observe_load(self.tier, nbytes, p.batch.seconds + t_copy)
@@ -240,7 +240,7 @@ class SharedTier:
 
     def launch(self, reads: TierReads, tenant: str) -> None:
         """Start the restore's L4 reads (one pipelined, multi-stream `get_chunks`)."""
-        p = reads.state
+        p = reads.own
         if p is None or not p.keys:
             return
         arena = self.l2

@@ -16,12 +16,12 @@ if TYPE_CHECKING:  # pragma: no cover
 @dataclass(eq=False)
 class TierReads:
     """One restore's reads through one cold tier: the plan's segments the tier loaded (read, or
-    found ready in an L2 slot), how many of its reads failed, and the tier's own state of them."""
+    found ready in an L2 slot), how many of its reads failed, and the tier's own record of them."""
 
     tier: ColdTier
     segments: list[int] = field(default_factory=list)  # indices into the plan's segments
     failed: int = 0  # reads that ended in an exception (set when they are settled)
-    state: Any = None  # the tier's own (L4: the pending batch of its reads)
+    own: Any = None  # the tier's own record of them (L4: the pending batch of its reads)
 
 
 @dataclass
