@@ -160,10 +160,10 @@ class ServerConfig:
     # allow); each one is host work (pages, the copy of its restored prefix) before a launch
     admissions_per_step: int = 0
     # with batching: restore threads, and as many commit threads (0: 8 on a GPU, 2 on the CPU,
-    # where they compete with the scheduler for the cores; kvtier.server.restoring)
+    # where they compete with the scheduler for the cores; kvtier.server.batch.restoring)
     helper_threads: int = 0
     # with batching: the interpreter's GIL switch interval while the scheduler runs (Python's
-    # own is 5 ms; kvtier.server.schedthread)
+    # own is 5 ms; kvtier.server.batch.schedthread)
     switch_interval_s: float = SWITCH_INTERVAL_S
     # with batching: a finished turn's KV pages stay in the pool for its session's next turn
     # (restored from L1, it starts from them, no copy of its prefix) while nothing else needs

@@ -24,8 +24,6 @@ import torch
 
 from kvtier.errors import KvtierError
 from kvtier.server.backend import Backend
-from kvtier.server.config import ServerConfig
-from kvtier.server.devices.devicefault import DeviceFault, is_fatal_device_error
 from kvtier.server.batch.jobs import (
     Delta,
     Draining,
@@ -36,12 +34,14 @@ from kvtier.server.batch.jobs import (
     Started,
     Stream,
 )
-from kvtier.server.decoding.logitproc import Decoding, decoding_of, process, record
-from kvtier.server.devices.model import ServedModel, cache_kwarg
-from kvtier.server.reqmetrics import TurnClock
-from kvtier.server.decoding.sampling import ReplyText, make_generator, sample
-from kvtier.server.devices.streaming import degrade
 from kvtier.server.batch.warmup import WARM_UP_PREFILL_TOKENS, WARM_UP_TOKENS, WarmUp
+from kvtier.server.config import ServerConfig
+from kvtier.server.decoding.logitproc import Decoding, decoding_of, process, record
+from kvtier.server.decoding.sampling import ReplyText, make_generator, sample
+from kvtier.server.devices.devicefault import DeviceFault, is_fatal_device_error
+from kvtier.server.devices.model import ServedModel, cache_kwarg
+from kvtier.server.devices.streaming import degrade
+from kvtier.server.reqmetrics import TurnClock
 from kvtier.tiers.l3 import io as l3_io
 
 if TYPE_CHECKING:  # pragma: no cover

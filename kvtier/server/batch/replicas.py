@@ -46,10 +46,10 @@ import torch
 from kvtier.errors import ConfigError, KvtierError
 from kvtier.placement import parse_devices
 from kvtier.server.backend import Backend, make_backend
-from kvtier.server.config import ServerConfig
-from kvtier.server.devices.devicefault import DeviceFault
 from kvtier.server.batch.engine import Engine
 from kvtier.server.batch.jobs import Draining, Job, Stream
+from kvtier.server.config import ServerConfig
+from kvtier.server.devices.devicefault import DeviceFault
 from kvtier.server.devices.memplan import build_plan, planned_config
 from kvtier.server.devices.model import ServedModel
 

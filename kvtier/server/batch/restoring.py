@@ -21,8 +21,8 @@ from kvtier.server.batch.turntrace import TurnTrace
 
 if TYPE_CHECKING:  # pragma: no cover
     from kvtier.server.batch.scheduler import RunQueues
-    from kvtier.server.config import ServerConfig
     from kvtier.server.batch.turn import Turn
+    from kvtier.server.config import ServerConfig
     from kvtier.server.pages import Pages
 
 # Restore threads, and as many commit threads, on a CUDA device. A restore from L2 spends most

@@ -18,8 +18,8 @@ import torch
 
 from kvtier.errors import L1BudgetExceeded
 from kvtier.server.backend import Backend
-from kvtier.server.config import ServerConfig
 from kvtier.server.batch.jobs import WARM_UP_SESSION, WARM_UP_TENANT
+from kvtier.server.config import ServerConfig
 from kvtier.server.devices.memplan import DeviceMemoryPlan, take_peak
 from kvtier.server.devices.model import ServedModel
 

@@ -63,8 +63,8 @@ from kvtier.placement import (
     devices_setting,
     parse_devices,
 )
-from kvtier.server.devices import rehome
 from kvtier.server.config import ServerConfig
+from kvtier.server.devices import rehome
 from kvtier.server.devices.streaming import pool_kv
 
 log = logging.getLogger("kvtier.server")

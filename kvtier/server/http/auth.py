@@ -24,9 +24,9 @@ from fastapi import Request
 from kvtier import apikeys
 from kvtier.apikeys import KeyRing, Principal
 from kvtier.errors import KeysFileError
+from kvtier.server.batch.jobs import WARM_UP_TENANT
 from kvtier.server.config import ServerConfig
 from kvtier.server.http.common import MAX_TENANT, ApiError, check_id, local_only
-from kvtier.server.batch.jobs import WARM_UP_TENANT
 from kvtier.server.warm_request import is_warm_up
 
 log = logging.getLogger("kvtier.server")

@@ -19,14 +19,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvtier.errors import InvalidRequest, KvtierError, L1BudgetExceeded
-from kvtier.server.http.auth import tenant_of
-from kvtier.server.http.clientgone import until_gone, watch
-from kvtier.server.config import ServerConfig
-from kvtier.server.http.devices_admin import DegradedTurn
 from kvtier.server.batch.engine import Engine
-from kvtier.server.decoding.grammar import GrammarBook, spec_of
-from kvtier.server.decoding.grammarlimits import GrammarLimits
-from kvtier.server.http.common import MAX_SESSION_ID, ApiError, check_id
 from kvtier.server.batch.jobs import (
     ContextExceeded,
     Delta,
@@ -37,6 +30,13 @@ from kvtier.server.batch.jobs import (
     Stream,
     check_fits,
 )
+from kvtier.server.config import ServerConfig
+from kvtier.server.decoding.grammar import GrammarBook, spec_of
+from kvtier.server.decoding.grammarlimits import GrammarLimits
+from kvtier.server.http.auth import tenant_of
+from kvtier.server.http.clientgone import until_gone, watch
+from kvtier.server.http.common import MAX_SESSION_ID, ApiError, check_id
+from kvtier.server.http.devices_admin import DegradedTurn
 from kvtier.server.http.replies import Reply
 from kvtier.server.warm_request import is_warm_up
 
@@ -182,7 +182,9 @@ async def _start(engine: Engine, job: Job) -> Stream:
 class _Shape:
     """What every response object of one turn carries: its id, times and usage."""
 
-    def __init__(self, chat: bool, model: str, sid: str, turn: Any, stream: Stream) -> None:
+    def __init__(
+        self, chat: bool, model: str, sid: str, turn: DegradedTurn, stream: Stream
+    ) -> None:
         self.chat, self.model, self.sid, self.turn, self.stream = chat, model, sid, turn, stream
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
