@@ -38,8 +38,9 @@ from kvtier.server.batch.batching import BatchScheduler
 
 # The re-entries this walk makes (printed by the test), as the threads' timing decides a few
 # moves (the cache's background writes, whether the prefix's copies are done when the scheduler
-# looks): MAX_REENTRIES_MODULES; a change that adds ways back into the parts fails here.
-MAX_REENTRIES_MODULES = 76
+# looks): 68 to 75 at the module grain and 12 to 17 at the part grain on 2 CPU cores; a change
+# that adds ways back into the parts fails here.
+MAX_REENTRIES_MODULES = 80
 MAX_REENTRIES_PARTS = 30
 
 # Packages whose modules are one part each (the server's folders, by the prefix before them)
