@@ -33,6 +33,7 @@ def state_assignments(source: str) -> list[int]:
         return []  # another object's `state` (a breaker's, a failover's)
     lines = []
     for node in ast.walk(ast.parse(source)):
+        line: int = getattr(node, "lineno", 0)
         targets: list[ast.expr] = []
         if isinstance(node, ast.Assign):
             targets = node.targets
@@ -46,13 +47,13 @@ def state_assignments(source: str) -> list[int]:
             and isinstance(node.args[1], ast.Constant)
             and node.args[1].value == "state"
         ):
-            lines.append(node.lineno)
+            lines.append(line)
         for target in targets:
             if any(
                 isinstance(n, ast.Attribute) and n.attr == "state" and isinstance(n.ctx, ast.Store)
                 for n in ast.walk(target)
             ):
-                lines.append(node.lineno)
+                lines.append(line)
     return sorted(lines)
 
 
