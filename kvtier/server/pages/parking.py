@@ -92,7 +92,10 @@ class PageTables:
         return self.parked
 
     def take_dropped(self) -> list[Key]:
-        """Paged L1: the sessions whose parked tables went since the last call."""
+        """Paged L1: the sessions whose parked tables went since the last call (every
+        scheduler iteration asks: no new list while none went)."""
+        if not self._dropped:
+            return []
         dropped, self._dropped = self._dropped, []
         return dropped
 
