@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -201,20 +202,22 @@ def one_step(args: argparse.Namespace, model: Any, geo: KVGeometry, dtype: torch
         f"plan: activations {mib(profiled + term)} MiB = profiled forward "
         f"{mib(profiled)} + prefill attention at {longest} tokens {mib(term)}"
     )
-    print(f"{'path':>6} {'step peak MiB':>14} {'step ms':>9}")
-    ok, times = True, {}
-    for name, fn in PATHS.items():
-        reference._flash_lower_right = fn  # the step's prefill rows take it
-        try:
-            _, peak, secs = measured(step, args.device, args.reps)
-        finally:
-            reference._flash_lower_right = NEW
-        times[name] = secs
-        print(f"{name:>6} {mib(peak):>14} {secs * 1e3:>9.2f}")
-        if name == "new" and peak is not None and peak > profiled + term:
-            print(f"FAIL: the step held {mib(peak)} MiB, past the plan's activations")
-            ok = False
-    print(f"step time new/old: {times['new'] / times['old']:.2f}")
+    print(f"{'round':>5} {'path':>6} {'step peak MiB':>14} {'step ms':>9}")
+    ok, times = True, {name: [] for name in PATHS}
+    for r in range(args.rounds):  # old, new, then new, old, ...: neither always runs first
+        for name in list(PATHS) if r % 2 == 0 else list(PATHS)[::-1]:
+            reference._flash_lower_right = PATHS[name]  # the step's prefill rows take it
+            try:
+                _, peak, secs = measured(step, args.device, args.reps)
+            finally:
+                reference._flash_lower_right = NEW
+            times[name].append(secs)
+            print(f"{r:>5} {name:>6} {mib(peak):>14} {secs * 1e3:>9.2f}")
+            if name == "new" and peak is not None and peak > profiled + term:
+                print(f"FAIL: the step held {mib(peak)} MiB, past the plan's activations")
+                ok = False
+    ratio = statistics.median(times["new"]) / statistics.median(times["old"])
+    print(f"step time new/old (medians of {args.rounds} rounds): {ratio:.2f}")
     return ok
 
 
@@ -227,6 +230,7 @@ def main() -> int:
     ap.add_argument("--decode", type=int, default=30, help="decode rows beside the prompts")
     ap.add_argument("--decode-context", type=int, default=2048)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=4, help="batched-step rounds, order alternated")
     ap.add_argument("--tolerance", type=float, default=1e-2)
     args = ap.parse_args()
     cuda = args.device.startswith("cuda")
