@@ -72,6 +72,8 @@ class Walk:
     def __init__(self) -> None:
         self.on = False
         self.moves: dict[tuple[str, str], int] = {}  # move -> its order of first occurrence
+        # moves into a module still on the thread's stack below the caller: calls back up
+        self.back_up: set[tuple[str, str]] = set()
         self._lock = threading.Lock()
 
     def profile(self, frame: FrameType, event: str, arg: Any) -> None:
@@ -88,6 +90,13 @@ class Walk:
             return
         with self._lock:
             self.moves.setdefault((caller, mod), len(self.moves))
+        below = up.f_back if up is not None else None
+        while below is not None:
+            if below.f_globals.get("__name__", "") == mod:
+                with self._lock:
+                    self.back_up.add((caller, mod))
+                return
+            below = below.f_back
 
     def figures(self, grain: Any = None) -> tuple[int, int, int]:
         """(moves, modules entered, re-entries); with `grain` (a module -> its part), of the
@@ -144,6 +153,9 @@ def test_a_returning_turns_walk_through_the_parts(tmp_path: Path) -> None:
     print(f"\nthe walk: {moves} moves into {modules} kvtier modules, {reentries} re-entries")
     pmoves, parts, preentries = walk.figures(part_of)
     print(f"the walk: {pmoves} moves into {parts} parts, {preentries} re-entries")
+    back_up = sorted(f"{a} -> {b}" for a, b in walk.back_up)
+    print(f"the walk: {len(back_up)} calls back up")
+    print("\n".join(f"  {m}" for m in back_up))
     print(walk.report())
     assert reentries <= MAX_REENTRIES_MODULES, walk.report()
     assert preentries <= MAX_REENTRIES_PARTS, walk.report()
