@@ -486,8 +486,8 @@ class BatchScheduler:
     # ---- leaving ------------------------------------------------------------------------------
 
     def _leave(self, s: Turn) -> None:
-        s.end()
-        self.pages.leave(s)
+        held = s.end()
+        self.pages.leave(s, held)
         self.queues.leave(s)
 
     def finish(self, s: Turn, reason: str, flush: bool = False) -> None:
@@ -507,7 +507,9 @@ class BatchScheduler:
         except BaseException as exc:
             self.fail(s, exc)
             return
-        if reason == "cancelled" or not self.pages.park(s):  # a client gone: its L1 is freed too
+        if reason != "cancelled" and self.pages.park(s):  # a client gone: its L1 is freed too
+            s.park()
+        else:
             self.pages.release(s)
         self._deliver()  # its deltas reach the client before Finished
         if self.paged_l1:

@@ -21,7 +21,7 @@ from kvtier.server.batch.promptorder import PromptOrder
 
 if TYPE_CHECKING:  # pragma: no cover
     from kvtier.server.batch.turn import Turn
-    from kvtier.server.pages import Pages
+    from kvtier.server.pages import Admission, Pages
 
 Item = tuple["Turn", Sequence[int]]  # a turn and its tokens to feed this step
 
@@ -183,7 +183,7 @@ class TurnScheduler:
                     continue  # commits handed pages back: try again
                 break
             q.waiting.popleft()
-            failed = pages.admit(s, plan)
+            failed = self.admit(s, plan)
             if failed is not None:
                 out.failed.append((s, failed))
                 continue
@@ -195,6 +195,18 @@ class TurnScheduler:
             room -= min(s.unfed, self.prefill_step)
         out.items += self.prompts.chunks(prefilling, budget)
         return out
+
+    def admit(self, s: Turn, plan: Admission) -> BaseException | None:
+        """Admit the waiting turn `s` as `plan` says (`Pages.admit`): it runs in the table the
+        page manager gives it. The error that failed it instead, or None."""
+        s.trace.admitting(self.pages.pool.device)  # its queue time ends here
+        table = self.pages.admit(s, plan)
+        if isinstance(table, BaseException):
+            return table
+        if s.cached > plan.start:
+            s.trace.copied_in()
+        s.run_in(table)
+        return None
 
     def decoding(self) -> list[Turn]:
         return [s for s in self.queues.running if s.unfed == 1 and s.loading is None]

@@ -313,7 +313,7 @@ class StepRunner:
                 self._unplace(s, placed)
                 out.finish(o, "length", flush=True)
                 continue
-            s.stream.clock.token(now)
+            s.trace.token(now)
             try:
                 delta = s.reply.add(token)  # detokenizing and the stop search: this row's own
             except Exception as exc:

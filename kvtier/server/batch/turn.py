@@ -54,7 +54,8 @@ class Turn:
     cached: int = 0  # leading tokens whose K/V the session's Cache holds
     paged: PagedSequence | None = None  # its pages while running, None while waiting
     first: bool = False  # the first token's logits arrived (TTFT observed)
-    trace: TurnTrace = field(default_factory=TurnTrace)  # where the time to its first token went
+    # its timing: its latencies on its stream's clock, where the time to its first token went
+    trace: TurnTrace = field(init=False)
     # content keys of the full pages of the cached prefix, for (cached, page size)
     keys: tuple[int, int, list[bytes]] | None = None
     # its last token is a placeholder whose value is on the device: (tensor, row)
@@ -75,6 +76,9 @@ class Turn:
     passed_over: int = 0
     # its logits processing (penalties, grammar, logprobs), None when it asks for none
     decoding: Decoding | None = None
+
+    def __post_init__(self) -> None:
+        self.trace = TurnTrace(self.stream.clock)
 
     @property
     def fed(self) -> int:
@@ -105,15 +109,15 @@ class Turn:
         return held
 
     def run_in(self, table: PagedSequence) -> None:
-        """Admitted: its K/V is in `table`'s pages from now on (none waits beside the pool)."""
+        """Admitted: its K/V is in `table`'s pages from now on (none waits beside the pool; the
+        parked pages it claimed, if it starts from them, are `table`)."""
         self.paged = table
         self.spilled = None
+        self.held = None
 
-    def park(self) -> PagedSequence:
+    def park(self) -> None:
         """Its pages stay as its session's after it ended; it holds none any more."""
-        assert self.paged is not None
-        table, self.paged = self.paged, None
-        return table
+        self.paged = None
 
     def preempt(self, spilled: torch.Tensor | None, kept: bool) -> None:
         """Moved out of the pool: its K/V waits in host memory (`spilled`) or was appended to its
@@ -140,6 +144,8 @@ class Turn:
         """Its parked pages went with a replaced pool: nothing of its prefix is held."""
         self.held, self.cached = None, 0
 
-    def end(self) -> None:
-        """It leaves the scheduler (finished or failed): nothing more is taken for it."""
+    def end(self) -> Parked | None:
+        """It leaves the scheduler (finished or failed): nothing more is taken for it. Returns
+        the parked pages it had claimed and never took, let go of."""
         self.gone = True
+        return self.unclaim()

@@ -1,7 +1,9 @@
-"""Where the time to a turn's first token went: one DEBUG line per turn on `kvtier.turns`.
+"""A turn's timing: its latencies for /metrics, and where the time to its first token went (one
+DEBUG line per turn on `kvtier.turns`).
 
-The batch scheduler keeps a `TurnTrace` on each request and logs it when the first token's
-logits arrive: queued (admission to the restore pool), restore, waiting (restored to admitted
+The batch scheduler keeps a `TurnTrace` on each request. It notes the turn's admission and
+each of its tokens on the turn's `TurnClock` (kvtier.server.reqmetrics: the latency histograms),
+and logs, when the first token's logits arrive, queued (admission to the restore pool), restore, waiting (restored to admitted
 into the batch), copy-in of the cached K/V, each step the turn was part of, the rest (sampling,
 waiting for the device), device allocations (cudaMalloc) meanwhile and the CPU each thread of
 the process used meanwhile. `bench/restart.py --diagnose` prints these lines; they found the
@@ -28,8 +30,10 @@ def tracing() -> bool:
 
 @dataclass
 class TurnTrace:
-    """perf_counter instants and sums of one turn up to its first token."""
+    """perf_counter instants and sums of one turn up to its first token; its admission and
+    tokens go on to its `clock` (the stream's)."""
 
+    clock: TurnClock
     restore: float = 0.0  # the restore pool began this turn's restore
     restored: float = 0.0  # ... and handed it to the scheduler
     room_wait_s: float = 0.0  # of which waiting for L1 room (turns running hold it)
@@ -41,15 +45,19 @@ class TurnTrace:
     mallocs: int = 0  # device allocations so far at admission, when tracing
     cpu: dict[int, float] | None = None  # CPU seconds of each thread at admission, when tracing
 
-    def admitting(self, device: torch.device, clock: TurnClock | None = None) -> None:
+    def admitting(self, device: torch.device) -> None:
+        """Its admission into the batch begins (pages, copy-in): its queue time ends."""
         self.admit = time.perf_counter()
-        if clock is not None:  # where the turn's queue time ends (kvtier.server.reqmetrics)
-            clock.admit(self.admit)
+        self.clock.admit(self.admit)
         if tracing():
             self.mallocs, self.cpu = device_allocs(device), thread_cpu()
 
     def copied_in(self) -> None:
         self.copy_in_s = time.perf_counter() - self.admit
+
+    def token(self, now: float) -> None:
+        """It produced a token at `now`."""
+        self.clock.token(now)
 
     def step(self, seconds: float) -> None:
         self.steps += 1

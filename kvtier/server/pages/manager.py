@@ -56,6 +56,7 @@ class Admission:
 
     own: Parked | None
     shared: list[int]
+    start: int  # the tokens of its cached prefix those pages hold; the rest is copied in
 
 
 class Pages:
@@ -121,20 +122,20 @@ class Pages:
             want, shared = self.tables.pages_wanted(s, own, sharing)  # a shared page freed?
             if want > pool.num_free - reserved:
                 return None
-        return Admission(own, shared)
+        start = own.table.length if own is not None else len(shared) * pool.page_size
+        return Admission(own, shared, start)
 
-    def admit(self, s: Turn, admission: Admission) -> BaseException | None:
+    def admit(self, s: Turn, admission: Admission) -> PagedSequence | BaseException:
         """Give a waiting turn pages for all its known tokens and its cached K/V in them (the
-        parked pages it starts from hold it already; shared prefix pages too). The error that
-        failed it, its pages freed again, or None."""
+        parked pages it starts from hold it already; shared prefix pages too). Returns the
+        table it runs in (the scheduler hands it over: `Turn.run_in`), or the error that
+        failed it, its pages freed again."""
         pool, own, shared = self.pool, admission.own, admission.shared
-        s.trace.admitting(pool.device, s.stream.clock)
         stale = self.tables.current().pop(key_of(s), None)
         if own is not None:
             assert stale is own
             seq, stale = own.table, None
             self.tables.trim(seq, s.cached)
-            s.unclaim()
             self.parked_turns += 1
             self._count("parked_turns", 1)
         else:
@@ -155,18 +156,16 @@ class Pages:
                     self.loader.start(s, seq, pool)
                 else:
                     copy_in(pool, s.restored.kv, seq, seq.length, s.cached)
-                s.trace.copied_in()
         except BaseException as exc:
             self.tables.free(seq)
             return exc
         seq.length = s.cached
-        s.run_in(seq)
         if shared:
             self.shared_pages += len(shared)
             self._count("shared_kv_pages", len(shared))
         if s.loading is None:  # else once it is loaded
             self.tables.register(s, seq)
-        return None
+        return seq
 
     def loaded(self, running: Iterable[Turn]) -> list[tuple[Turn, BaseException | None]]:
         """The running turns whose staged prefix is in their pages now, each with the error
@@ -230,18 +229,18 @@ class Pages:
             self.tables.free(s.paged)
             s.paged = None
 
-    def leave(self, s: Turn) -> None:
+    def leave(self, s: Turn, held: Parked | None) -> None:
         """`s` left the scheduler: if its prefix never reached its pages they go now, so that
-        nothing of them is committed; a claimed parked table it never took may go again."""
+        nothing of them is committed; the claimed parked table it never took (`held`) may go
+        again."""
         if s.loading is not None and self.loader.finish(s) is not None:
             self.release(s)
-        held = s.unclaim()
         if held is not None:
-            with self._cond:
-                held.claimed = False
+            self.unclaim(held)
 
     def park(self, s: Turn) -> bool:
-        """Keep a finished turn's pages as its session's (`PageTables.park`)."""
+        """Keep a finished turn's pages as its session's (`PageTables.park`); the scheduler
+        then lets go of them (`Turn.park`)."""
         return self.tables.park(s)
 
     def copy_out(self, s: Turn) -> torch.Tensor | None:
@@ -335,7 +334,8 @@ class Pages:
             return p
 
     def unclaim(self, p: Parked) -> None:
-        """(A restore thread) a claimed parked table is not taken after all."""
+        """(A restore thread, or the scheduler's as its turn leaves) a claimed parked table is
+        not taken after all."""
         with self._cond:
             p.claimed = False
 

@@ -107,13 +107,13 @@ class PageTables:
         """Keep a finished turn's pages as its session's; False where they may not stay: parking
         off, an ephemeral session, an int8 pool (its pages are approximate, and the session's
         Cache did not take them)."""
-        if not self.park_pages or s.paged is None or s.job.ephemeral or self.pool.quantized:
+        table = s.paged
+        if not self.park_pages or table is None or s.job.ephemeral or self.pool.quantized:
             return False
         parked = self.current()
         old = parked.pop(key_of(s), None)
         if old is not None:
             self.free(old.table)
-        table = s.park()
         parked[key_of(s)] = Parked(table, array("q", s.tokens[: table.length]))
         return True
 
