@@ -447,8 +447,8 @@ class BatchScheduler:
             s = o.turn
             if o.ttft is not None:
                 self.observe_ttft(s, o.ttft)
-            if o.delta is not None:
-                self.post(s, o.delta)
+            if o.text or o.logprobs is not None:
+                self.post(s, Delta(o.text, o.logprobs))
             if o.fault is not None:
                 self.fail(s, o.fault)
             elif o.reason is not None:

@@ -23,7 +23,6 @@ import torch
 
 from kvtier.paged import BatchRunner, Feed, PagePool, SeqInput
 from kvtier.server.backend import Backend
-from kvtier.server.batch.jobs import Delta
 from kvtier.server.batch.lookahead import Ticket, TokenReadback
 from kvtier.server.batch.turn import Turn
 from kvtier.server.decoding.logitproc import NoTokenAllowed, process, record
@@ -55,11 +54,14 @@ PREFILL_SAMPLE_TOKENS = 512
 
 @dataclass(eq=False)
 class TurnOutput:
-    """What one step gave one turn: the text its token added (with the token's logprobs when
-    asked), its first token's time, and whether its reply ended (`reason`) or it failed."""
+    """What one step gave one turn: the text its token added (with the logprobs of the tokens
+    that text completes, when asked: `kvtier.server.decoding.logitproc`), its first token's
+    time, and whether its reply ended (`reason`) or it failed. The scheduler streams the text
+    (a `Delta`) when there is any, or logprobs."""
 
     turn: Turn
-    delta: Delta | None = None
+    text: str = ""
+    logprobs: list[Any] | None = None
     reason: str | None = None  # finished: "stop", "length" or "cancelled"
     flush: bool = False  # the reply's held-back text goes out with its end
     fault: BaseException | None = None  # it failed (its row of the step, or its text)
@@ -335,9 +337,9 @@ class StepRunner:
         d = s.decoding
         ends = reply.stopped or reply.eos or len(reply.ids) >= s.job.max_tokens
         if d is not None and d.logprobs is not None and (delta or ends):
-            o.delta = Delta(delta, d.take_pending())
-        elif delta:
-            o.delta = Delta(delta)
+            o.text, o.logprobs = delta, d.take_pending()
+        else:
+            o.text = delta
         if reply.stopped:
             self._unplace(s, placed)
             out.finish(o, "stop")
