@@ -191,7 +191,8 @@ class StepRunner:
         for s, _ in items:
             s.feed = None  # fed now (its placeholder's value arrives with the step before)
         p = _Pending(items, start)
-        due = [(k, s) for k, (s, _) in enumerate(items) if s.fed == len(s.tokens)]
+        # a token is due where the step's table holds all the turn's tokens now
+        due = [(k, s) for k, (s, _) in enumerate(items) if batch[k].seq.length == len(s.tokens)]
         if not due:
             return p
         # Overlapped when every row is greedy but those with a Decoding (a grammar, penalties,
