@@ -19,7 +19,7 @@ from __future__ import annotations
 import collections
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -149,13 +149,13 @@ class ChunkDirectory:
         return e
 
     @staticmethod
-    def pin(chunks: Iterable[Chunk]) -> None:
+    def pin(chunks: Sequence[Chunk]) -> None:
         """Keep the chunks' L2 slots: a pinned chunk's slot is neither freed nor reused."""
         for e in chunks:
             e.pins += 1
 
     @staticmethod
-    def unpin(chunks: Iterable[Chunk]) -> None:
+    def unpin(chunks: Sequence[Chunk]) -> None:
         for e in chunks:
             e.pins -= 1
 

@@ -229,7 +229,7 @@ class Restorer:
             keep = self.cost.plan([(t.tier, payload(e.tokens), e.tokens) for t, e in segments])
             segments = segments[:keep]
         p = RestorePlan(want, segments, base=base)
-        self.directory.pin(e for _, e in segments)
+        self.directory.pin([e for _, e in segments])
         try:
             loaded = sum(e.tokens for _, e in segments)
             if not staged:
@@ -243,7 +243,7 @@ class Restorer:
                     continue
                 fut = tier.start_read(e, p.reads_of(tier))
                 if fut is None:  # L2 is all in flight: load the prefix before this chunk
-                    self.directory.unpin(rest for _, rest in segments[i:])
+                    self.directory.unpin([rest for _, rest in segments[i:]])
                     del segments[i:]
                     break
                 p.reads[i] = fut
@@ -257,7 +257,7 @@ class Restorer:
         return p
 
     def _unpin(self, p: RestorePlan) -> None:
-        self.directory.unpin(e for _, e in p.segments)
+        self.directory.unpin([e for _, e in p.segments])
         p.segments = []
 
     def _load(self, s: Session, p: RestorePlan) -> None:
