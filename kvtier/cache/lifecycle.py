@@ -109,12 +109,8 @@ class SessionLifecycle:
             if s.flushed * C < start:
                 s.cut(s.flushed * C)
             else:
-
-                def at(pos: int) -> ChunkSource:
-                    return chunks[(pos - start) // C]
-
-                self.writer.write_completed(s, chunk_at=at)
-                self.writer.write_tail(s, chunk_at=at)
+                self.writer.write_completed(s, pages=chunks, start=start)
+                self.writer.write_tail(s, pages=chunks, start=start)
             s.end_turn(in_pages=True)
             self.records.save(s)
 

@@ -16,7 +16,7 @@ caller holds the guard.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
@@ -61,16 +61,18 @@ class ChunkWriter:
         s: Session,
         *,
         evicting: bool = False,
-        chunk_at: Callable[[int], ChunkSource] | None = None,
+        pages: Sequence[ChunkSource] | None = None,
+        start: int = 0,
     ) -> None:
         """Key every newly completed full chunk and apply the write policy to it.
 
         When evicting, a chunk that finds no L2 slot (every slot in flight) waits for L3
         writes to free one (backpressure); where waiting cannot (nothing in flight to wait
         for) it ends the session's stored prefix there, counted as a drop: the session keeps
-        only what is stored somewhere. `chunk_at(pos)`: the K/V of the chunk at token `pos`
-        from a batch's pages (`commit_pages`; a tensor or a function gathering it), where L1
-        holds none: every new chunk is then stored, as when evicting, from `s.flushed` on."""
+        only what is stored somewhere. `pages`: the K/V of the chunks from token `start` on
+        from a batch's pages (`commit_pages`; `pages[j]` the chunk at `start + j*C`, a tensor or
+        a function gathering it), where L1 holds none: every new chunk is then stored, as when
+        evicting, from `s.flushed` on."""
         C = self.identity.chunk_tokens
         n_full = len(s.tokens) // C
         parent = s.chunk_keys[-1] if s.chunk_keys else ZERO_KEY
@@ -81,7 +83,8 @@ class ChunkWriter:
         policy = self.config.write_policy
         # Evicting, every chunk is checked again: L3 may have dropped one (size cap) after L2
         # let its copy go, and L1 holds the last copy now.
-        must = evicting or chunk_at is not None  # L1 will not hold the chunk after this
+        must = evicting or pages is not None  # L1 will not hold the chunk after this
+        first = start // C
         for i in range(0 if evicting else s.flushed, n_full):
             e = d.ensure(s.chunk_keys[i], s.chunk_keys[i - 1] if i else ZERO_KEY, C)
             e.seen += i >= s.flushed
@@ -95,7 +98,7 @@ class ChunkWriter:
                 )
             ):
                 continue
-            chunk = None if chunk_at is None else chunk_at(i * C)
+            chunk = None if pages is None else pages[i - first]
             if not self.write_down(s, i * C, e, tenant=s.tenant, chunk=chunk, wait=must) and must:
                 log.warning(
                     "L2 has no free slot for chunk %s leaving L1; session %r keeps %d tokens",
@@ -181,8 +184,11 @@ class ChunkWriter:
             raise
         self.engine.offload_chunk(data, slot, ticket=ticket)
 
-    def write_tail(self, s: Session, chunk_at: Callable[[int], ChunkSource] | None = None) -> None:
-        """Store the session's partial tail (it leaves L1): its own key, its own namespace."""
+    def write_tail(
+        self, s: Session, pages: Sequence[ChunkSource] | None = None, start: int = 0
+    ) -> None:
+        """Store the session's partial tail (it leaves L1): its own key, its own namespace.
+        `pages`, `start`: as for `write_completed`."""
         C = self.identity.chunk_tokens
         t = len(s.tokens) % C
         if t == 0:
@@ -192,7 +198,7 @@ class ChunkWriter:
         key = chunk_key(parent, s.tokens[-t:], s.ns)
         e = self.directory.ensure(key, parent, t)
         pos = len(s.tokens) - t
-        chunk = None if chunk_at is None else chunk_at(pos)
+        chunk = None if pages is None else pages[(pos - start) // C]
         if not self.directory.stored(e):
             if not self.write_down(s, pos, e, tenant=s.tenant, chunk=chunk, wait=True):
                 self.counters.count_drop()
