@@ -20,7 +20,8 @@ from kvtier.transfer.inflight import Inflight, Ticket
 
 class GatherBuffers:
     """Chunk-sized device buffers bound to tickets of `inflight` (at most one per chunk of its
-    bound), handed out by `take` and back once the ticket's copy is done."""
+    bound), handed out by `take`, each busy until its ticket's room is given back
+    (`Ticket.done`)."""
 
     def __init__(
         self, inflight: Inflight, device: torch.device, dtype: torch.dtype, chunk_numel: int
@@ -32,8 +33,13 @@ class GatherBuffers:
         self.chunk_bytes = self.chunk_numel * torch.empty((), dtype=dtype).element_size()
         self.limit = max(1, inflight.max_bytes // max(1, self.chunk_bytes))
         self._lock = threading.Lock()
-        self._free: list[torch.Tensor] = []
-        self.made = 0  # buffers allocated so far (at most `limit`)
+        self._bufs: list[torch.Tensor] = []
+        self._held: list[Ticket] = []  # the ticket each buffer of `_bufs` was last taken with
+
+    @property
+    def made(self) -> int:
+        """Buffers allocated so far (at most `limit`)."""
+        return len(self._bufs)
 
     @property
     def nbytes(self) -> int:
@@ -49,16 +55,17 @@ class GatherBuffers:
         if numel > self.chunk_numel:
             raise ValueError(f"a gather of {tuple(shape)} is larger than a chunk")
         with self._lock:
-            if self._free:
-                buf = self._free.pop()
-            elif self.made < self.limit:
+            held = self._held
+            for i, old in enumerate(held):
+                if old.done:  # its copy is done: the ledger gave its room back
+                    held[i] = ticket
+                    buf = self._bufs[i]
+                    break
+            else:
+                if len(self._bufs) >= self.limit:
+                    # every buffer holds a ticket of a bound this one fits under: not reachable
+                    raise RuntimeError("every gather buffer is busy although the ledger gave room")
                 buf = torch.empty(self.chunk_numel, dtype=self.dtype, device=self.device)
-                self.made += 1
-            else:  # every buffer holds a ticket of a bound this one fits under: not reachable
-                raise RuntimeError("every gather buffer is busy although the ledger gave room")
-        ticket.on_done = lambda: self._give_back(buf)
+                self._bufs.append(buf)
+                held.append(ticket)
         return buf[:numel].view(shape)
-
-    def _give_back(self, buf: torch.Tensor) -> None:
-        with self._lock:
-            self._free.append(buf)

@@ -34,20 +34,16 @@ _POLL_S = 0.001
 
 class Ticket:
     """Room taken in an `Inflight` ledger: `nbytes`, held until `handle` (its copy) is done.
-    `handle` is None between taking the room and issuing the copy; `on_done` (if set) is
-    called once the room is given back (a gather buffer goes back to its set)."""
+    `handle` is None between taking the room and issuing the copy; `done` is set (under the
+    ledger's lock) once the room is given back, so that what the room stood for may be used
+    again (a gather buffer, `GatherBuffers`)."""
 
-    __slots__ = ("handle", "nbytes", "on_done")
+    __slots__ = ("done", "handle", "nbytes")
 
     def __init__(self, nbytes: int) -> None:
         self.nbytes = nbytes
         self.handle: Any = None
-        self.on_done: Callable[[], None] | None = None
-
-    def settle(self) -> None:
-        done, self.on_done = self.on_done, None
-        if done is not None:
-            done()
+        self.done = False
 
 
 def _done(handle: Any) -> bool:
@@ -93,7 +89,7 @@ class Inflight:
         for t in self._tickets:
             if t.handle is not None and _done(t.handle):
                 self._bytes -= t.nbytes
-                t.settle()
+                t.done = True
             else:
                 keep.append(t)
         if len(keep) != len(self._tickets):
@@ -147,7 +143,7 @@ class Inflight:
             if ticket in self._tickets:
                 self._tickets.remove(ticket)
                 self._bytes -= ticket.nbytes
-                ticket.settle()
+                ticket.done = True
                 self._cond.notify_all()
 
     def retire(self, handle: Any, nbytes: int) -> None:
