@@ -166,21 +166,17 @@ class ChunkWriter:
         return slot
 
     def _offload_chunk(self, chunk: ChunkSource, slot: int, tokens: int) -> None:
-        """Copy a chunk of `tokens` tokens from pages into `slot`. A function gathers it, once
-        the bound of copies in flight has room for it (`Inflight.take`: a burst of commits
-        waits here), into one of the engine's gather buffers, reused once its copy is done:
-        no device memory is allocated for it."""
+        """Copy a chunk of `tokens` tokens from pages into `slot`. A function gathers it into
+        one of the engine's gather buffers (`TransferEngine.gather_buffer`: a burst of commits
+        waits there for room under the bound of copies in flight)."""
         if not callable(chunk):
             self.engine.offload_chunk(chunk, slot)
             return
-        inflight = self.engine.inflight
-        ticket = inflight.take(self.identity.geometry.chunk_bytes(self.identity.chunk_tokens))
-        if ticket is None:  # a chunk larger than the bound: refused at start (tierset)
-            raise RuntimeError("the bound of copies in flight is smaller than one chunk")
+        ticket, buf = self.engine.gather_buffer(tokens)
         try:
-            data = chunk(self.engine.gather_buffer(ticket, tokens))
+            data = chunk(buf)
         except BaseException:
-            inflight.give_back(ticket)
+            self.engine.give_back(ticket)
             raise
         self.engine.offload_chunk(data, slot, ticket=ticket)
 

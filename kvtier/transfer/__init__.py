@@ -207,19 +207,34 @@ class TransferEngine:
         (`DeviceMover.offload_range`)."""
         return self._device.offload_range(layers, start, ntokens, slots, block=block)
 
-    def gather_buffer(self, ticket: Ticket, ntokens: int) -> torch.Tensor:
-        """A device buffer, in the chunk layout of `ntokens` tokens, that a chunk gathered from a
-        batch's pages waits in for `offload_chunk` (`GatherBuffers`): busy until `ticket` (a
-        chunk's room in `inflight`, taken first) is given back with its copy."""
-        bufs = self._gather
-        if bufs is None or bufs.device != self.device:
-            bufs = self._gather = GatherBuffers(
-                self.inflight,
-                self.device,
-                self.geometry.torch_dtype(),
-                self.geometry.chunk_bytes(self.chunk_tokens) // self.geometry.element_size,
-            )
-        return bufs.take(ticket, self.geometry.chunk_shape(ntokens))
+    def gather_buffer(self, ntokens: int) -> tuple[Ticket, torch.Tensor]:
+        """Room for one chunk gathered from a batch's pages, and the device buffer, in the chunk
+        layout of `ntokens` tokens, that it is gathered into (`GatherBuffers`, reused once the
+        chunk's copy is done: no device memory is allocated for it). The room is a full chunk's
+        in `inflight`, taken first: at the bound a burst of commits waits here for older
+        copies. Both go to `offload_chunk` (`ticket=`), or the ticket to `give_back` where the
+        gather failed."""
+        per_chunk = self.geometry.chunk_bytes(self.chunk_tokens)
+        ticket = self.inflight.take(per_chunk)
+        if ticket is None:  # refused at start (kvtier.cache.tierset): never here
+            raise RuntimeError("the bound of copies in flight is smaller than one chunk")
+        try:
+            bufs = self._gather
+            if bufs is None or bufs.device != self.device:
+                bufs = self._gather = GatherBuffers(
+                    self.inflight,
+                    self.device,
+                    self.geometry.torch_dtype(),
+                    per_chunk // self.geometry.element_size,
+                )
+            return ticket, bufs.take(ticket, self.geometry.chunk_shape(ntokens))
+        except BaseException:
+            self.inflight.give_back(ticket)
+            raise
+
+    def give_back(self, ticket: Ticket) -> None:
+        """Return the room of a gather whose chunk is not copied (`gather_buffer`)."""
+        self.inflight.give_back(ticket)
 
     def gather_bytes(self) -> int:
         """Device bytes the gather buffers hold (at most `inflight.max_bytes`)."""
