@@ -10,13 +10,15 @@ See docs/architecture.md, "Movement and policy".
 - `kvtier.transfer.disk.DiskMover`: L2 <-> L3, the thread pools, the writer child process
   (kvtier.tiers.l3.writer), the bounded write queue and its shedding;
 - `kvtier.transfer.accounting`: bytes, seconds and copies per direction, `EngineStats`;
+- `kvtier.transfer.slots`: the per-slot order of the two movers' work (`SlotOrder`);
 - `kvtier.transfer.inflight`: the device bytes copies in flight hold outside the L1 pool's
   budget (released L1 blocks still going down, chunks gathered from pages), under one bound
   (`inflight`, `inflight_bytes_max`): past it, the caller waits for copies to finish.
 
 A device copy on a slot first settles the disk's I/O on it (a restore waits for the slot's
 L3 read just before that chunk's copy, and a failed read raises there); an L3 job first
-waits for the device copy still using its slot.
+waits for the device copy still using its slot. Each mover finds the other's work in the
+`SlotOrder` they share, and neither calls the other.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from kvtier.transfer.disk import DiskMover
 from kvtier.transfer.gatherbufs import GatherBuffers
 from kvtier.transfer.inflight import Inflight, Ticket
 from kvtier.transfer.layout import Layers
+from kvtier.transfer.slots import SlotOrder
 from kvtier.transfer.staging import Handle
 
 __all__ = [
@@ -80,6 +83,7 @@ class TransferEngine:
         inflight_bytes_max: int | None = None,
     ) -> None:
         self._accounts = Accounts()
+        self._slots = SlotOrder()
         self._closed = False
         self._device = DeviceMover(
             geometry,
@@ -88,7 +92,7 @@ class TransferEngine:
             arena,
             codec,
             self._accounts,
-            self._settle_io,
+            self._slots,
             group_chunks=group_chunks,
         )
         self.geometry = geometry
@@ -109,7 +113,7 @@ class TransferEngine:
             arena,
             l3_store,
             self._accounts,
-            self._device.last_copy,
+            self._slots,
             l3_write_queue=l3_write_queue,
             l3_threads=l3_threads,
             proc=proc,
@@ -130,9 +134,6 @@ class TransferEngine:
         """Device bytes that copies in flight hold now outside the L1 pool's budget (at most
         `inflight.max_bytes`; see kvtier.transfer.inflight)."""
         return self.inflight.bytes()
-
-    def _settle_io(self, slot: int, strict: bool = False) -> None:
-        self._disk.settle_io(slot, strict)
 
     def move_device(self, device: torch.device, *, lost: bool) -> tuple[int, set[int]]:
         """Move the device side (streams, staging buffers) to `device`, after the old device
@@ -155,14 +156,13 @@ class TransferEngine:
             old.arena,
             old.codec,
             self._accounts,
-            self._settle_io,
+            self._slots,
             group_chunks=old.group_chunks,
         )
-        old.abandon()
+        old.abandon()  # its copies leave the slots' order: L3 jobs wait for none of them
         self._device = mover
         self.device = mover.device
         self.cuda = mover.cuda
-        self._disk.follow(mover.last_copy)
         return staging, suspect
 
     @property
@@ -311,12 +311,11 @@ class TransferEngine:
 
     def busy(self, slot: int) -> bool:
         """Whether a copy or L3 I/O on `slot` may still be running (do not free it yet)."""
-        return self._device.copy_busy(slot) or self._disk.io_busy(slot)
+        return self._slots.busy(slot)
 
     def forget(self, slot: int) -> None:
         """Wait for everything on `slot`, then drop its tracking (call before freeing it)."""
-        self._device.forget(slot)
-        self._disk.settle_io(slot)
+        self._slots.forget(slot)
 
     def flush(self) -> None:
         """Wait until every queued L3 write has finished (successfully or not)."""

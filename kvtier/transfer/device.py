@@ -16,8 +16,9 @@ allocated once, at construction, and reported as `staging_bytes`.
 On a CPU device the same code runs synchronously; with the native codec it gathers straight
 into the slot and scatters straight from it (no staging copy).
 
-The disk mover's I/O on a slot is settled through the `settle_io` callable it is given: a
-restore waits there for the slot's L3 read, and a failed read raises there.
+A copy on a slot first settles the disk mover's I/O on it, in the `SlotOrder` the movers share
+(kvtier.transfer.slots): a restore waits there for the slot's L3 read, and a failed read raises
+there. The copies issued on each slot are recorded there for the disk mover in turn.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from kvtier.geometry import KVGeometry
 from kvtier.tiers.l2 import HostArena
 from kvtier.transfer.accounting import Accounts
 from kvtier.transfer.layout import Layers, check_range, l1_views
+from kvtier.transfer.slots import SlotOrder
 from kvtier.transfer.staging import Handle, _copy_all, _done_event, _planes, _Stage
 
 _DOWN, _UP = ("l1", "l2"), ("l2", "l1")
@@ -56,7 +58,7 @@ class DeviceMover:
         arena: HostArena,
         codec: Codec,
         accounts: Accounts,
-        settle_io: Callable[[int, bool], None],
+        order: SlotOrder,
         *,
         group_chunks: int | None = None,
     ) -> None:
@@ -87,9 +89,8 @@ class DeviceMover:
         self.group_chunks = int(group_chunks)
         self.cuda = self.device.type == "cuda"
         self._accounts = accounts
-        self._settle = settle_io  # (slot, strict): the disk mover's I/O on the slot is done
+        self._order = order  # each slot's last device copy, and the disk mover's I/O on it
         self._closed = False
-        self._slot_copy: dict[int, Handle] = {}  # slot -> last device copy touching it
         # Per direction: an issue lock (held only while launching), streams, staging buffers.
         self._issue = {_DOWN: threading.Lock(), _UP: threading.Lock()}
         self._streams: dict[tuple[str, str], tuple[Any, Any]] = {
@@ -172,7 +173,7 @@ class DeviceMover:
         """
         block = self._check_range(layers, start, ntokens, slots, block)
         for slot in slots:
-            self._settle_io(slot)  # an L3 write still reading the slot finishes first
+            self._order.settle_io(slot)  # an L3 write still reading the slot finishes first
         with self._issue[_DOWN]:
             if self.cuda:
                 handle = self._offload_cuda(layers, block, start, ntokens, slots)
@@ -182,7 +183,7 @@ class DeviceMover:
                 handle = Handle(direction=_DOWN)
                 self._accounts.account(_DOWN, moved, time.perf_counter() - t0, len(slots))
             for slot in slots:
-                self._slot_copy[slot] = handle
+                self._order.copied(slot, handle)
         return handle
 
     def _offload_cuda(
@@ -271,7 +272,7 @@ class DeviceMover:
             )
         if self._closed:
             raise ConfigError("the transfer engine is closed")
-        self._settle_io(slot)  # an L3 write still reading the slot finishes first
+        self._order.settle_io(slot)  # an L3 write still reading the slot finishes first
         dst = self._slot_chunk(slot, length)
         with self._issue[_DOWN]:
             if not self.cuda:
@@ -294,7 +295,7 @@ class DeviceMover:
                 chunk.record_stream(copy)  # not reused before the copy is done; no reference
                 handle = Handle(end, direction=_DOWN, device=self.device)
                 self._accounts.timing(_DOWN, begin, end, dst.numel() * dst.element_size(), 1)
-            self._slot_copy[slot] = handle
+            self._order.copied(slot, handle)
         return handle
 
     def restore(
@@ -375,7 +376,7 @@ class DeviceMover:
                 moved = self._restore_cpu(slots, ntokens, put)
             finally:
                 for slot in slots:
-                    self._slot_copy[slot] = handle
+                    self._order.copied(slot, handle)
             self._accounts.account(_UP, moved, time.perf_counter() - t0, len(slots))
             return handle
 
@@ -396,7 +397,7 @@ class DeviceMover:
                 with torch.cuda.stream(copy):
                     for c in range(count):
                         slot = slots[index + c]
-                        self._settle_io(slot, strict=True)
+                        self._order.settle_io(slot, strict=True)
                         self._after(slot, _DOWN, copy)  # an offload still filling the slot
                         src = self.arena.view(slot)[:size]
                         stage.payload(c, length, size).copy_(src, non_blocking=True)
@@ -418,7 +419,7 @@ class DeviceMover:
                 _record_use(l1[0], l1[1], scatter)
             handle = Handle(end, direction=_UP, device=self.device)
             for slot in slots:
-                self._slot_copy[slot] = handle
+                self._order.copied(slot, handle)
         self._accounts.timing(_UP, begin, end, moved, len(slots))
         return handle
 
@@ -429,7 +430,7 @@ class DeviceMover:
         for index, count, length in self._groups(ntokens, len(slots), group):
             size = self.codec.payload_bytes(length)
             if native:  # straight from the slot
-                self._settle_io(slots[index], strict=True)
+                self._order.settle_io(slots[index], strict=True)
                 put(index, count, length, self._slot_chunk(slots[index], length).unsqueeze(0), None)
                 moved += size
                 continue
@@ -437,7 +438,7 @@ class DeviceMover:
             staged = stage.staged(count, length)
             for c in range(count):
                 slot = slots[index + c]
-                self._settle_io(slot, strict=True)
+                self._order.settle_io(slot, strict=True)
                 payload = self.arena.view(slot)[:size]
                 self.codec.decode(payload, length, out=staged[c], scratch=stage.scratch)
                 moved += size
@@ -466,7 +467,7 @@ class DeviceMover:
 
     def _after(self, slot: int, direction: tuple[str, str], stream: torch.cuda.Stream) -> None:
         """Order `stream` after the last copy of the other direction on `slot` (GPU-side)."""
-        handle = self._slot_copy.get(slot)
+        handle = self._order.last_copy(slot)
         if handle is not None and handle.direction == direction:
             handle.wait_stream(stream)
 
@@ -498,24 +499,6 @@ class DeviceMover:
 
     # ---- slots, accounting, lifetime ---------------------------------------------------------
 
-    def _settle_io(self, slot: int, strict: bool = False) -> None:
-        self._settle(slot, strict)
-
-    def last_copy(self, slot: int) -> Handle | None:
-        """The last device copy issued on `slot`, if it is still tracked."""
-        return self._slot_copy.get(slot)
-
-    def copy_busy(self, slot: int) -> bool:
-        """Whether a device copy on `slot` may still be running."""
-        copy = self._slot_copy.get(slot)
-        return copy is not None and not copy.done()
-
-    def forget(self, slot: int) -> None:
-        """Wait for the last device copy on `slot`, then drop its tracking."""
-        copy = self._slot_copy.pop(slot, None)
-        if copy is not None:
-            copy.wait()
-
     def synchronize(self) -> None:
         """Wait for every device copy issued so far."""
         for streams in self._streams.values():
@@ -529,8 +512,8 @@ class DeviceMover:
         self.synchronize()
 
     def free(self) -> None:
-        """Drop the slots' tracking and the staging buffers (after `close`)."""
-        self._slot_copy.clear()
+        """Drop the slots' copies (`SlotOrder`) and the staging buffers (after `close`)."""
+        self._order.take_copies()
         self._stages = {_DOWN: [], _UP: []}
 
     def abandon(self) -> None:
@@ -543,14 +526,13 @@ class DeviceMover:
         it): their bytes may be partial. On a device that still works every copy completes
         here. Forgets every slot's copy."""
         out = set()
-        for slot, handle in list(self._slot_copy.items()):
+        for slot, handle in self._order.take_copies().items():
             if handle.direction != ("l1", "l2"):
                 continue
             try:
                 handle.wait()
             except Exception:  # a lost GPU raises from its events
                 out.add(slot)
-        self._slot_copy.clear()
         return out
 
 

@@ -6,16 +6,16 @@ Two thread pools (writes, reads) call the L3 store, whose O_DIRECT I/O goes stra
 the pinned slots and the .kvbin files. With a `WriterProcess` the writes' file work runs in a
 child process that maps the same (shared) L2 slabs (kvtier.tiers.l3.writer). The write queue
 is bounded: when it is full, `write_l3` sheds the write (returns None and counts it) instead
-of stalling decode. A job first waits for the device copy still using its slot (`last_copy`,
-from the device mover). A restore settles each slot's L3 read just before that chunk's copy
-(`settle_io`), so chunks already read move to the GPU while later ones are still coming off
-the disk; a failed read raises there and its bytes never reach L1.
+of stalling decode. A job first waits for the device copy still using its slot, and records
+itself for the device mover, in the `SlotOrder` the movers share (kvtier.transfer.slots). A
+restore settles each slot's L3 read there just before that chunk's copy, so chunks already
+read move to the GPU while later ones are still coming off the disk; a failed read raises
+there and its bytes never reach L1.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -25,6 +25,7 @@ from kvtier.tiers.l2 import HostArena
 from kvtier.tiers.l3 import io as l3_io
 from kvtier.tiers.l3.writer import WriterProcess
 from kvtier.transfer.accounting import Accounts
+from kvtier.transfer.slots import SlotOrder
 from kvtier.transfer.staging import Handle
 
 
@@ -36,7 +37,7 @@ class DiskMover:
         arena: HostArena,
         l3_store: Any | None,
         accounts: Accounts,
-        last_copy: Callable[[int], Handle | None],
+        order: SlotOrder,
         *,
         l3_write_queue: int = 64,
         l3_threads: int = 4,
@@ -46,8 +47,7 @@ class DiskMover:
         self.store = l3_store
         self._accounts = accounts
         self._lock = accounts.lock  # the queue and failure counts are read with the totals
-        self._last_copy = last_copy
-        self._slot_io: dict[int, tuple[Future[Any], bool]] = {}  # slot -> last L3 I/O, is read
+        self._order = order  # each slot's last L3 I/O, and the device mover's copy on it
         # L3 jobs queued or running, and failed, by kind ("write", "read")
         self._queued = {"write": 0, "read": 0}
         self._failed = {"write": 0, "read": 0}
@@ -66,10 +66,6 @@ class DiskMover:
         )
         self.l3_write_queue = int(l3_write_queue)
         self.proc = proc
-
-    def follow(self, last_copy: Callable[[int], Handle | None]) -> None:
-        """Order L3 writes after the copies of another device mover (`TransferEngine.move_device`)."""
-        self._last_copy = last_copy
 
     def counts(self) -> tuple[int, int, int, int, int]:
         """(writes queued, reads queued, writes shed, writes failed, reads failed); the
@@ -91,14 +87,14 @@ class DiskMover:
                 self._shed += 1
                 return None
             self._queued["write"] += 1
-        copy = self._last_copy(slot)
+        copy = self._order.last_copy(slot)
         try:
             future = self._writer.submit(self._write, slot, header, copy)
         except BaseException:
             with self._lock:
                 self._queued["write"] -= 1
             raise
-        self._slot_io[slot] = (future, False)
+        self._order.started_io(slot, future, False)
         with self._lock:
             self._writes.add(future)
         future.add_done_callback(self._write_done)
@@ -158,12 +154,12 @@ class DiskMover:
         of it reaches the GPU.
         """
         self._need_store()  # fail in the caller, not in the pool thread
-        self.settle_io(slot)
-        copy = self._last_copy(slot)
+        self._order.settle_io(slot)
+        copy = self._order.last_copy(slot)
         with self._lock:
             self._queued["read"] += 1
         future = self._reader.submit(self._read, key, slot, fingerprint, copy, expect)
-        self._slot_io[slot] = (future, True)
+        self._order.started_io(slot, future, True)
         return future
 
     def _read(
@@ -185,30 +181,6 @@ class DiskMover:
             raise ConfigError("this engine has no L3 store; pass l3_store to use the SSD tier")
         return self.store
 
-    def settle_io(self, slot: int, strict: bool = False) -> None:
-        """Wait for L3 I/O on `slot` before a device copy touches it.
-
-        A failed write stays with its future. A failed read leaves the slot's bytes unusable:
-        with `strict` (a copy about to read the slot) its error is raised here, and a write
-        still in flight is left running (it only reads the slot too, so a restore need not
-        wait for the disk).
-        """
-        entry = self._slot_io.get(slot)
-        if entry is None:
-            return
-        future, is_read = entry
-        if strict and not is_read and not future.done():
-            return
-        self._slot_io.pop(slot, None)
-        error = future.exception()
-        if strict and is_read and error is not None:
-            raise error
-
-    def io_busy(self, slot: int) -> bool:
-        """Whether L3 I/O on `slot` may still be running."""
-        io = self._slot_io.get(slot)
-        return io is not None and not io[0].done()
-
     def flush(self) -> None:
         """Wait until every queued L3 write has finished (successfully or not)."""
         with self._lock:
@@ -225,4 +197,4 @@ class DiskMover:
         self._reader.shutdown(wait=True)
         if self.proc is not None:
             self.proc.close()
-        self._slot_io.clear()
+        self._order.clear_io()
