@@ -323,9 +323,11 @@ class TieredCache:
     def load_staged(
         self, s: Session, staged: StagedPrefix, write: Callable[[int, torch.Tensor], None]
     ) -> Handle:
-        """Copy a staged prefix (`restore_staged`) from its L2 slots for `write`
-        (`TransferEngine.restore_chunks`: one copy per chunk over PCIe, on a side stream on a
-        GPU); order the reads after the returned handle, then `release_staged`."""
+        """Copy a staged prefix (`restore_staged`) from its L2 slots for `write`, which lands
+        them (`PagePool.write_chunks` with the sequence's pages bound, e.g. a
+        `functools.partial`) (`TransferEngine.restore_chunks`: one copy per chunk over PCIe, on
+        a side stream on a GPU); order the reads after the returned handle, then
+        `release_staged`."""
         return self.restorer.load_staged(s, staged, write)
 
     def release_staged(self, s: Session, staged: StagedPrefix | None = None) -> None:

@@ -9,10 +9,9 @@ issuing its dozen copies on the scheduler thread would delay the next step's lau
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
-
-import torch
 
 from kvtier.cache.restore import StagedPrefix
 from kvtier.paged import PagedSequence, PagePool
@@ -52,10 +51,8 @@ class StagedLoader:
         assert backend is not None, "a staged prefix comes from a paged L1 backend"
         # the cache's session its restore returned: no lookup by id
         session = s.restored.session if s.restored is not None else None
-
-        def write(first: int, chunks: torch.Tensor) -> None:
-            pool.write_chunks(pages, first, chunks, start)
-
+        # the copies land straight in the pool: `write(first, chunks)` is its `write_chunks`
+        write = functools.partial(pool.write_chunks, pages, start=start)
         try:
             return backend.load_staged(job.session_id, job.tenant, staged, write, session=session)
         finally:
