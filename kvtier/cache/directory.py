@@ -148,6 +148,10 @@ class ChunkDirectory:
             e.seen = self._seen.pop(key, 0)
         return e
 
+    def touch(self, key: bytes) -> None:
+        """The chunk was just used (restored, stored): the L2 eviction policy keeps it longer."""
+        self.policy.touch(key)
+
     @staticmethod
     def pin(chunks: Sequence[Chunk]) -> None:
         """Keep the chunks' L2 slots: a pinned chunk's slot is neither freed nor reused."""

@@ -323,7 +323,7 @@ class Restorer:
             n.restored_tokens[tier.tier] += e.tokens
             if deepest is None or tiers.depth(tier) > tiers.depth(deepest):
                 deepest = tier
-            d.policy.touch(e.key)
+            d.touch(e.key)
         s.flushed = len(s.chunk_keys) if whole else s.flushed
         s.tokens = p.want[:pos]
         s.lengths[:] = [pos] * len(s.lengths)

@@ -166,7 +166,7 @@ class L2Tier:
 
     def write(self, e: Chunk) -> None:
         """The slot is L2's copy: the eviction policy sees the chunk as just used."""
-        self.directory.policy.touch(e.key)
+        self.directory.touch(e.key)
 
     def observe(self, reads: TierReads, nbytes: int, t_read: float, t_copy: float) -> None:
         """Chunks found ready in L2 cost only their copy to L1 (a staged restore copies later:
