@@ -29,6 +29,7 @@ from test_cache_pages import _pool
 from kvtier import CacheConfig, TieredCache
 from kvtier.errors import ConfigError
 from kvtier.integrations.hf import cache_kwarg
+from kvtier.transfer.gatherbufs import GatherBuffers
 from kvtier.transfer.inflight import Inflight
 
 CHUNK = 16
@@ -392,6 +393,30 @@ def test_inflight_ledger_retire_and_give_back() -> None:
     assert big.done() and ledger.bytes() <= 5
     ledger.drain()
     assert ledger.bytes() == 0
+
+
+def test_a_gather_buffer_is_reused_once_its_copy_is_done() -> None:
+    """A gather buffer is busy while its ticket's copy runs, and handed out again once the
+    ledger gave that room back (its copy done, or the room returned unused): never more
+    buffers than chunks under the bound."""
+    ledger = Inflight(2 * 64)  # two chunks of 16 float32
+    bufs = GatherBuffers(ledger, torch.device("cpu"), torch.float32, 16)
+    t1, t2 = ledger.take(64), ledger.take(64)
+    assert t1 is not None and t2 is not None
+    a, b = bufs.take(t1, (16,)), bufs.take(t2, (4, 4))
+    assert bufs.made == bufs.limit == 2 and a.data_ptr() != b.data_ptr()
+    ledger.bind(t1, SlowCopy(None, 0.05))
+    ledger.bind(t2, SlowCopy(None, 1.0))
+    t3 = ledger.take(64)  # at the bound: waits for the first copy, whose buffer comes back
+    assert t3 is not None and t1.done and not t2.done
+    c = bufs.take(t3, (2, 8))
+    assert c.data_ptr() == a.data_ptr() and bufs.made == 2
+    ledger.give_back(t3)  # its chunk was never copied: the buffer is free again at once
+    t4 = ledger.take(64)
+    assert t4 is not None and bufs.take(t4, (16,)).data_ptr() == a.data_ptr()
+    with pytest.raises(ValueError, match="larger than a chunk"):
+        bufs.take(t4, (17,))
+    assert bufs.made == 2
 
 
 def test_inflight_bound_is_configured_and_reported(tmp_path: Path) -> None:
