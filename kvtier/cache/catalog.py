@@ -108,6 +108,11 @@ class ChunkCatalog:
                 return shared, True
         return chunk_key(parent, toks, s.ns), False
 
+    def tail_key(self, parent: bytes, toks: Sequence[int], s: Session) -> bytes:
+        """Key of the session's partial tail (the tokens after its last full chunk): always the
+        session's own namespace, as a tail is the session's alone (never published)."""
+        return chunk_key(parent, toks, s.ns)
+
     def locate(self, key: bytes, parent: bytes = ZERO_KEY) -> tuple[Chunk | None, ColdTier | None]:
         """The nearest tier that holds `key` and its entry (None, None: none does). L2 holds it
         in a ready slot, or in one a read in flight fills (the restore waits for it outside the
@@ -146,7 +151,7 @@ class ChunkCatalog:
                 entry is None
                 and tail
                 and len(toks) >= tail
-                and chunk_key(parent, toks[:tail], s.ns) == s.tail_key
+                and self.tail_key(parent, toks[:tail], s) == s.tail_key
             ):
                 # the session's own hibernated partial tail, at the end of its stored prefix
                 entry, tier = self.locate(s.tail_key, parent)

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvtier.cache.keys import ZERO_KEY, chunk_key
+from kvtier.cache.keys import ZERO_KEY
 
 if TYPE_CHECKING:  # pragma: no cover
     from kvtier.cache.catalog import ChunkCatalog
@@ -191,7 +191,7 @@ class ChunkWriter:
             s.tail_key = None
             return
         parent = s.chunk_keys[-1] if s.chunk_keys else ZERO_KEY
-        key = chunk_key(parent, s.tokens[-t:], s.ns)
+        key = self.catalog.tail_key(parent, s.tokens[-t:], s)
         e = self.directory.ensure(key, parent, t)
         pos = len(s.tokens) - t
         chunk = None if pages is None else pages[(pos - start) // C]
