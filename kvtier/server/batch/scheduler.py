@@ -206,6 +206,8 @@ class TurnScheduler:
         if s.cached > plan.start:
             s.trace.copied_in()
         s.run_in(table)
+        if self.pages.quantized:  # its steps read int8 pages: the response and metrics say so
+            s.stream.degraded_kv = "int8"
         return None
 
     def decoding(self) -> list[Turn]:

@@ -168,9 +168,6 @@ class StepRunner:
         the next step feeds from the device. None: the forward failed (`out.failed`)."""
         start = time.perf_counter()
         batch = [SeqInput(s.paged, toks) for s, toks in items]  # type: ignore[arg-type]
-        if self.pool.quantized:
-            for s, _ in items:
-                s.stream.degraded_kv = "int8"  # the response and metrics say so
         fed = [(k, s.feed) for k, (s, _) in enumerate(items) if s.feed is not None]
         feed = None
         if fed:

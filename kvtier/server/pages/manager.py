@@ -187,6 +187,11 @@ class Pages:
     def free(self) -> int:
         return self.pool.num_free
 
+    @property
+    def quantized(self) -> bool:
+        """The pool stores K/V as int8 (a degraded device's, `degraded_kv`)."""
+        return self.pool.quantized
+
     def growth(self, decoding: Iterable[Turn]) -> int:
         """New pages the decoding turns' next token takes (those whose last page is full)."""
         return sum(self.pool.pages_needed(s.paged, 1) for s in decoding if s.paged is not None)
