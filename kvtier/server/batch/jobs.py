@@ -96,7 +96,8 @@ class Stream:
     started: Started | None = None
     # (sinks, window) when the turn runs degraded over sinks + a window (kvtier.server.devices.streaming)
     streaming: tuple[int, int] | None = None
-    # "int8" once a step of the turn read K/V from an int8 page pool (degraded_kv)
+    # "int8" once the turn was admitted into an int8 page pool (degraded_kv): its steps read int8
+    # K/V from then on
     degraded_kv: str = "native"
     # its arrival, admission and tokens, for the latency histograms (kvtier.server.reqmetrics)
     clock: TurnClock = field(default_factory=TurnClock)

@@ -60,7 +60,7 @@ class DegradedTurn:
         self.devices = devices
         self.streaming = streaming
         self.metrics = metrics
-        self.stream = stream  # its `degraded_kv` turns "int8" once a step read int8 pages
+        self.stream = stream  # its `degraded_kv` turns "int8" once it runs in int8 pages
         self.at_start = devices is not None and devices.degraded
         pool = getattr(getattr(devices, "scheduler", None), "pool", None)
         self.int8_at_start = self.at_start and bool(getattr(pool, "quantized", False))
