@@ -177,13 +177,15 @@ def test_shards_reach_the_exporter_with_their_replicas_and_reads(cluster) -> Non
 
     store = L4Store(cluster.url, ttl_s=60)
     try:
-        chunks = put_many(store, 12)
+        # random keys over three shards: with 48 of them a shard gets none once in about 10^8
+        # runs (with 12, once in 40)
+        chunks = put_many(store, 48, size=4 << 10)
         read_all(store, chunks)
         store.ping()
         fams: dict[str, Metric] = {f.name: f for f in l4_families(store.stats())}
         replicas = {s.labels["shard"]: s.value for s in fams["kvtier_l4_shard_replicas"].samples}
         assert len(replicas) == 3 and set(replicas.values()) == {1.0}
         hits = [s.value for s in fams["kvtier_l4_shard_hits"].samples if s.name.endswith("_total")]
-        assert sum(hits) == 12 and all(h > 0 for h in hits)  # every shard answered some
+        assert sum(hits) == 48 and all(h > 0 for h in hits)  # every shard answered some
     finally:
         store.close()
