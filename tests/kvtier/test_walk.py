@@ -111,6 +111,15 @@ class Walk:
         entered = Counter(mod for _, mod in moves)
         return len(moves), len(entered), len(moves) - len(entered)
 
+    def leaf_reentries(self) -> tuple[int, int]:
+        """Module re-entries into (leaves, modules the walk goes on from): a leaf makes no move
+        out in the walk (a value or a table its callers read: `KVGeometry`, `Handle`, the
+        guard), the others call on into further modules."""
+        entered = Counter(mod for _, mod in self.moves)
+        goes_on = {a for a, _ in self.moves}
+        leaves = sum(n - 1 for mod, n in entered.items() if mod not in goes_on)
+        return leaves, sum(n - 1 for mod, n in entered.items() if mod in goes_on)
+
     def report(self) -> str:
         order = sorted(self.moves, key=self.moves.__getitem__)
         return "\n".join(f"  {a} -> {b}" for a, b in order)
@@ -153,7 +162,11 @@ def test_a_returning_turns_walk_through_the_parts(tmp_path: Path) -> None:
     assert back.started is not None and back.started.source == "l2"
     assert back.started.cached_tokens >= len(first)
     moves, modules, reentries = walk.figures()
+    leaves, going_on = walk.leaf_reentries()
     print(f"\nthe walk: {moves} moves into {modules} kvtier modules, {reentries} re-entries")
+    print(
+        f"the walk: {leaves} re-entries into leaf modules, {going_on} into modules it goes on from"
+    )
     pmoves, parts, preentries = walk.figures(part_of)
     print(f"the walk: {pmoves} moves into {parts} parts, {preentries} re-entries")
     back_up = sorted(f"{a} -> {b}" for a, b in walk.back_up)
