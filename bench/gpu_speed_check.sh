@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Behaviour and speed unchanged by a restructuring: the GPU fleet's step P50 and tok/s of this
 # tree against a base tree (an export of an earlier commit: `git archive REV kvtier bench`), on
-# the same card in the same call, alternating base and this tree (bench/agent_fleet.py
-# --concurrent, the fit scenario, the `kvtier` configuration).
+# the same card in the same call, alternating base and this tree, base first in odd pairs and this
+# tree first in even ones (bench/agent_fleet.py --concurrent, the fit scenario, the `kvtier`
+# configuration).
 #
 #   BASE=path/to/base bash bench/gpu_speed_check.sh [OUT]     # about 3 minutes per pair
 #   PAIRS=2 SECONDS_RUN=20 ...
@@ -20,9 +21,12 @@ run() {  # run TREE LABEL
     --out "$OUT/$2" >"$OUT/$2.txt" 2>&1)
   echo "exit $?" >>"$OUT/$2.txt"
 }
-for i in $(seq "${PAIRS:-1}"); do
-  run "$BASE" "base-$i"
-  run "$here" "new-$i"
+for i in $(seq "${PAIRS:-1}"); do  # the order alternates: a first run's place weighs on neither
+  if (( i % 2 )); then
+    run "$BASE" "base-$i"; run "$here" "new-$i"
+  else
+    run "$here" "new-$i"; run "$BASE" "base-$i"
+  fi
 done
 python3 - "$OUT" <<'PY'
 import pathlib, re, sys
