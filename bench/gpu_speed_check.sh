@@ -33,15 +33,17 @@ import pathlib, re, sys
 out = pathlib.Path(sys.argv[1])
 row = re.compile(r"^\s+kvtier\s+([\d,.]+)\s+\S+\s+\S+\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)")
 dec = re.compile(r"kvtier: (\d+) decode-only steps \(P50 ([\d.]+) ms\)")
-print(f"{'run':<8} {'tok/s':>8} {'TTFT P50':>9} {'step P50':>9} {'step P99':>9} {'decode-only P50':>16}  (ms)")
+phase = re.compile(r"server TTFT P50 by phase \(ms\): .*?restore ([\d.]+),")
+print(f"{'run':<8} {'tok/s':>8} {'TTFT P50':>9} {'restore P50':>12} {'step P50':>9} {'step P99':>9} {'decode-only P50':>16}  (ms)")
 for f in sorted(out.glob("*-[0-9]*.txt")):
     text = f.read_text()
     rows = [row.match(line) for line in text.splitlines()]
     rows = [r for r in rows if r]
     d = dec.search(text)
+    ph = phase.search(text)
     if not rows:
         print(f"{f.stem:<8} no kvtier row: {text[-300:]!r}")
         continue
     r = rows[-1]
-    print(f"{f.stem:<8} {r[1]:>8} {r[2]:>9} {r[4]:>9} {r[5]:>9} {d[2] if d else '-':>16}")
+    print(f"{f.stem:<8} {r[1]:>8} {r[2]:>9} {ph[1] if ph else '-':>12} {r[4]:>9} {r[5]:>9} {d[2] if d else '-':>16}")
 PY
