@@ -84,9 +84,9 @@ def parse_devices(spec: str | None, cuda_count: int | None = None) -> list[torch
     return out
 
 
-def devices_setting(config: Any, env: Mapping[str, str] | None = None) -> str:
+def devices_setting(devices: str, env: Mapping[str, str] | None = None) -> str:
     """The configured devices: the `devices` setting, else the KVTIER_DEVICES variable."""
-    value = str(getattr(config, "devices", "") or "")
+    value = devices
     if not value:
         value = (os.environ if env is None else env).get(ENV_DEVICES, "")
     return value

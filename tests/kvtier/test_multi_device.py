@@ -274,7 +274,8 @@ def test_devices_settings_from_flags_environment_and_toml(tmp_path: Path) -> Non
     cfg = ServerConfig.load(env={"KVTIER_DEVICES": "auto"}, file=toml)
     assert cfg.devices == "auto"
     cfg = ServerConfig.load(flags={"devices": "cpu,cpu"}, env={"KVTIER_DEVICES": "auto"})
-    assert devices_setting(cfg) == "cpu,cpu"
+    assert devices_setting(cfg.devices) == "cpu,cpu"
+    assert devices_setting("", env={"KVTIER_DEVICES": "0,1"}) == "0,1"
     with pytest.raises(ConfigError, match="negative"):
         ServerConfig.load(flags={"degraded_window": -1}, env={})
     with pytest.raises(ConfigError, match="batching"):

@@ -512,7 +512,7 @@ def place(served: Any, devices: list[torch.device], metrics: Any = None) -> Any:
 def place_configured(served: Any, config: ServerConfig, metrics: Any = None) -> Any:
     """`place` over the configured devices (`devices`, or KVTIER_DEVICES); with GPUs, NVML
     is watched for a device that disappears."""
-    devices = parse_devices(devices_setting(config))
+    devices = parse_devices(devices_setting(config.devices))
     if len(devices) < 2:
         return served
     if not config.batching:
