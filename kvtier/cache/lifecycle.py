@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from kvtier.cache.keys import SHARED_TENANT, ZERO_KEY, chunk_key
 from kvtier.cache.restoreplan import common_prefix
 from kvtier.errors import SessionError
-from kvtier.types import SessionState
+from kvtier.types import SessionState, Tier
 
 if TYPE_CHECKING:  # pragma: no cover
     from kvtier.cache.catalog import ChunkCatalog
@@ -189,7 +189,7 @@ class SessionLifecycle:
             return False
         victim = min(candidates, key=lambda s: (s.pinned, s.last_active))
         self.hibernate(victim, wait=False)
-        self.counters.evictions["l1"] += 1
+        self.counters.evictions[Tier.L1.value] += 1
         return True
 
     def to_l4(self, s: Session) -> None:

@@ -33,7 +33,7 @@ from kvtier.cache.restoreplan import StagedPrefix, common_prefix
 from kvtier.errors import ConfigError, SessionError
 from kvtier.integrations.paged_cache import PagedCache
 from kvtier.paged.pool import PagedSequence, PagePool, PoolExhausted
-from kvtier.types import SessionState
+from kvtier.types import RestoreSource, SessionState, Tier
 
 if TYPE_CHECKING:  # pragma: no cover
     from kvtier.cache.catalog import ChunkCatalog
@@ -102,9 +102,9 @@ class PoolSessions:
                 if n > 0 and not self.catalog.tiers_extend(s, ids[:-1], n, whole=True):
                     s.truncate(n)
                     s.begin_turn()
-                    self.counters.hits["l1"] += 1
-                    self.counters.restored_tokens["l1"] += n
-                    self.restorer.count(s, "l1", t0)
+                    self.counters.hits[Tier.L1.value] += 1
+                    self.counters.restored_tokens[Tier.L1.value] += n
+                    self.restorer.count(s, RestoreSource.L1.value, t0)
                     _trim(pool, view.table, n)
                     return self._view(s, pool, view.table)
             s.drop_pages()
@@ -166,7 +166,7 @@ class PoolSessions:
                 victim = min(idle, key=lambda o: (o.pinned, o.last_active))
                 victim.drop_pages()
                 victim.hibernated()  # committed with commit_pages: stored
-                self.counters.evictions["l1"] += 1
+                self.counters.evictions[Tier.L1.value] += 1
                 self.records.save(victim)
 
     def commit(self, s: Session, ids: Ids) -> None:

@@ -115,7 +115,7 @@ class Restorer:
                 s.abort_turn()
                 raise
             if plan is None:
-                return self._restored(s, "l1", t0)
+                return self._restored(s, RestoreSource.L1.value, t0)
             self.guard.begin_load()
         try:
             self._load(s, plan)  # reads, throttle and copies: outside the lock
@@ -164,9 +164,9 @@ class Restorer:
             s.truncate(n)
             s.in_pages = False
             s.begin_turn()
-            self.counters.hits["l1"] += 1
-            self.counters.restored_tokens["l1"] += n
-            self.count(s, "l1", t0)
+            self.counters.hits[Tier.L1.value] += 1
+            self.counters.restored_tokens[Tier.L1.value] += n
+            self.count(s, RestoreSource.L1.value, t0)
             return n
 
     def reload(self, s: Session, ids: Ids) -> KvtierCache:
@@ -182,7 +182,8 @@ class Restorer:
         return self.restore_session(s, ids)
 
     def count(self, s: Session, source: str, t0: float) -> None:
-        """(guard held) Count a restore from `source` that began at `t0`."""
+        """(guard held) Count a restore from `source` (a `RestoreSource` or a registered tier's
+        name) that began at `t0`."""
         s.restore_source = source
         self.counters.decisions[source] += 1
         seconds = time.perf_counter() - t0
