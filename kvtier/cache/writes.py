@@ -194,7 +194,7 @@ class ChunkWriter:
         key = self.catalog.tail_key(parent, s.tokens[-t:], s)
         e = self.directory.ensure(key, parent, t)
         pos = len(s.tokens) - t
-        chunk = None if pages is None else pages[(pos - start) // C]
+        chunk = None if pages is None else pages[pos // C - start // C]
         if not self.directory.stored(e):
             if not self.write_down(s, pos, e, tenant=s.tenant, chunk=chunk, wait=True):
                 self.counters.count_drop()
