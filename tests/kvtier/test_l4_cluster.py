@@ -144,6 +144,34 @@ def test_a_killed_master_costs_misses_until_its_replica_takes_over(tmp_path: Pat
             store.close()
 
 
+def test_the_whole_cluster_down_and_back_costs_misses_then_reads_again(tmp_path: Path) -> None:
+    """Every node stopped: each call is L4Unavailable (a miss for the caller), also the ones
+    that ask the slot map again and find no node, never another error; the breaker's probes
+    keep coming, so reads hit again once the nodes are back (their cluster config on disk)."""
+    pytest.importorskip("redis")
+    with redis_cluster.RedisCluster(tmp_path / "c") as cluster:
+        store = L4Store(cluster.url, ttl_s=60, breaker=Breaker(backoff_s=0.1, max_backoff_s=0.2))
+        try:
+            chunks = put_many(store, 6)
+            for p in cluster.masters():  # on disk before the nodes stop
+                redis_cluster.cli(p, "wait", "1", "2000")
+                redis_cluster.cli(p, "save")
+            for n in cluster.nodes:
+                n.stop()
+            for _ in range(4):  # the first fails on a socket, the later probes on the slot map
+                with pytest.raises(L4Unavailable):
+                    read_all(store, chunks)
+                time.sleep(0.25)
+            assert store.breaker.state != "half_open"  # every probe was settled
+            for n in cluster.nodes:
+                n.start()
+            cluster.wait_ok()
+            assert until_read(store, chunks, within=20) == list(chunks.values())
+            assert store.stats()["breaker"] == CLOSED
+        finally:
+            store.close()
+
+
 @pytest.mark.parametrize(
     "url,message",
     [
