@@ -86,10 +86,7 @@ def parse_devices(spec: str | None, cuda_count: int | None = None) -> list[torch
 
 def devices_setting(devices: str, env: Mapping[str, str] | None = None) -> str:
     """The configured devices: the `devices` setting, else the KVTIER_DEVICES variable."""
-    value = devices
-    if not value:
-        value = (os.environ if env is None else env).get(ENV_DEVICES, "")
-    return value
+    return devices or (os.environ if env is None else env).get(ENV_DEVICES, "")
 
 
 @dataclass(frozen=True)

@@ -247,7 +247,7 @@ class TransferEngine:
         (`DeviceMover.offload_chunk`: pages gathered by a batch, native codec).
 
         The chunk counts as in flight until its copy is done. `ticket`: the room the caller
-        took in `inflight` before gathering the chunk (`inflight.take`); without one it is
+        took in `inflight` before gathering the chunk (`gather_buffer`); without one it is
         taken now, which at the bound waits for older copies (the chunk exists already: gather
         after taking room to stay under the bound)."""
         nbytes = chunk.numel() * chunk.element_size()

@@ -94,6 +94,22 @@ def test_breaker_opens_backs_off_probes_and_closes() -> None:
     assert b.state == OPEN and b.opened == 3
 
 
+def test_a_probe_that_ends_in_another_error_still_settles_the_breaker() -> None:
+    """A call that raised something neither a timeout, a refusal nor a Redis reply: a closed
+    breaker counts nothing, a probe opens it again (it would refuse every call after it)."""
+    now = [0.0]
+    b = Breaker(threshold=2, backoff_s=1.0, max_backoff_s=4.0, clock=lambda: now[0])
+    b.probe_failed()
+    assert b.state == CLOSED and b.failures == 0
+    b.trip()
+    now[0] = 1.0
+    assert b.allow() and b.state == HALF_OPEN
+    b.probe_failed()
+    assert b.state == OPEN and not b.allow()
+    now[0] = 3.0  # the backoff doubled
+    assert b.allow() and b.state == HALF_OPEN
+
+
 # -- keys and values ----------------------------------------------------------------------------
 
 

@@ -507,9 +507,9 @@ class BatchScheduler:
         except BaseException as exc:
             self.fail(s, exc)
             return
-        if reason != "cancelled" and self.pages.park(s):  # a client gone: its L1 is freed too
+        if reason != "cancelled" and self.pages.park(s):
             s.park()
-        else:
+        else:  # a client gone: its L1 is freed too
             self.pages.release(s)
         self._deliver()  # its deltas reach the client before Finished
         if self.paged_l1:

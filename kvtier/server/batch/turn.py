@@ -132,12 +132,13 @@ class Turn:
         self.spilled = kv
 
     def unclaim(self) -> Parked | None:
-        """It lets go of its session's claimed parked pages (admitted, spilled or ended)."""
+        """It lets go of its session's claimed parked pages (spilled or ended)."""
         held, self.held = self.held, None
         return held
 
     def lose_pages(self) -> None:
-        """Its pages went with a pool a device failover replaced, unread."""
+        """Its pages went: released from the pool, or with a pool a device failover replaced,
+        unread."""
         self.paged = None
 
     def lose_prefix(self) -> None:

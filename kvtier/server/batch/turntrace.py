@@ -1,13 +1,14 @@
 """A turn's timing: its latencies for /metrics, and where the time to its first token went (one
 DEBUG line per turn on `kvtier.turns`).
 
-The batch scheduler keeps a `TurnTrace` on each request. It notes the turn's admission and
-each of its tokens on the turn's `TurnClock` (kvtier.server.reqmetrics: the latency histograms),
-and logs, when the first token's logits arrive, queued (admission to the restore pool), restore, waiting (restored to admitted
-into the batch), copy-in of the cached K/V, each step the turn was part of, the rest (sampling,
-waiting for the device), device allocations (cudaMalloc) meanwhile and the CPU each thread of
-the process used meanwhile. `bench/restart.py --diagnose` prints these lines; they found the
-13-20 ms the first request of a process used to pay (kvtier/server/warm_request.py).
+The batch scheduler keeps a `TurnTrace` on each request. It notes the turn's admission and each
+of its tokens on the turn's `TurnClock` (kvtier.server.reqmetrics: the latency histograms), and
+logs, when the first token's logits arrive, queued (admission to the restore pool), restore,
+waiting (restored to admitted into the batch), copy-in of the cached K/V, each step the turn was
+part of, the rest (sampling, waiting for the device), device allocations (cudaMalloc) meanwhile
+and the CPU each thread of the process used meanwhile. `bench/restart.py --diagnose` prints
+these lines; they found the 13-20 ms the first request of a process used to pay
+(kvtier/server/warm_request.py).
 """
 
 from __future__ import annotations

@@ -232,7 +232,7 @@ class Pages:
             self.loader.finish(s)
         if s.paged is not None:
             self.tables.free(s.paged)
-            s.paged = None
+            s.lose_pages()
 
     def leave(self, s: Turn, held: Parked | None) -> None:
         """`s` left the scheduler: if its prefix never reached its pages they go now, so that

@@ -67,6 +67,16 @@ class Breaker:
             elif self.state == OPEN:
                 self.retry_at = max(self.retry_at, self._clock() + self._backoff)
 
+    def probe_failed(self) -> None:
+        """A call ended without a verdict on Redis (an error of another kind): where it was the
+        probe, that is a failure, else nothing. A half-open breaker whose probe got no verdict
+        would refuse every later call."""
+        with self._lock:
+            if self.state == HALF_OPEN:
+                self.failures += 1
+                self._backoff = min(self.max_backoff_s, self._backoff * 2)
+                self._open()
+
     def trip(self) -> None:
         """Open now (the server is gone for sure: connection refused)."""
         with self._lock:

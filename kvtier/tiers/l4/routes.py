@@ -213,7 +213,12 @@ class Cluster:
         with self._refreshing:
             if seen is not None and seen != self.epoch:
                 return
-            self.client.nodes_manager.initialize(disconnect_startup_nodes_pools=False)
+            from redis.exceptions import RedisClusterException
+
+            try:
+                self.client.nodes_manager.initialize(disconnect_startup_nodes_pools=False)
+            except RedisClusterException as exc:  # no node answered (all down): as `client` says
+                raise self._errors().ConnectionError(f"{self.shown_url}: {exc}") from exc
             self.epoch += 1
 
     def shards(self) -> list[Shard]:

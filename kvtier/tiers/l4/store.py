@@ -137,9 +137,7 @@ class L4Store(ChunkReads):
             self.count("errors")
             self._stale = self.cluster
             raise L4Unavailable(f"L4 {what} timed out on {self.shown_url} ({exc})") from exc
-        except (r.ConnectionError, OSError, r.exceptions.RedisClusterException) as exc:
-            # RedisClusterException: no node of the cluster answered the slot map (all of them
-            # down, or its slots not covered yet): unreachable as well
+        except (r.ConnectionError, OSError) as exc:
             self.breaker.trip()
             self._stale = self.cluster
             self.count("errors")
@@ -151,9 +149,7 @@ class L4Store(ChunkReads):
             self.count("errors")
             raise L4Unavailable(f"L4 {what} refused by {self.shown_url}: {exc}") from exc
         except BaseException:
-            # anything else still settles the call: a half-open breaker whose probe ended
-            # without a verdict would refuse every later call
-            self.breaker.failure()
+            self.breaker.probe_failed()  # a probe ending in anything else still has its verdict
             raise
         self.breaker.success()
         return out
