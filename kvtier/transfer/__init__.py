@@ -159,7 +159,8 @@ class TransferEngine:
             self._slots,
             group_chunks=old.group_chunks,
         )
-        old.abandon()  # its copies leave the slots' order: L3 jobs wait for none of them
+        old.abandon()
+        self._slots.take_copies()  # the old device's copies: L3 jobs wait for none of them
         self._device = mover
         self.device = mover.device
         self.cuda = mover.cuda
@@ -349,6 +350,7 @@ class TransferEngine:
         self._device.close()
         self._disk.close()
         self._device.free()
+        self._slots.clear()
 
     def __enter__(self) -> TransferEngine:
         return self

@@ -512,12 +512,12 @@ class DeviceMover:
         self.synchronize()
 
     def free(self) -> None:
-        """Drop the slots' copies (`SlotOrder`) and the staging buffers (after `close`)."""
-        self._order.take_copies()
+        """Drop the staging buffers (after `close`)."""
         self._stages = {_DOWN: [], _UP: []}
 
     def abandon(self) -> None:
-        """A lost device: never wait for its streams again, and drop what it held."""
+        """A lost or replaced device: never wait for its streams again, and drop its buffers
+        (the engine forgets its copies in the slots' order)."""
         self._closed = True
         self.free()
 

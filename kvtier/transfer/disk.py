@@ -197,4 +197,3 @@ class DiskMover:
         self._reader.shutdown(wait=True)
         if self.proc is not None:
             self.proc.close()
-        self._order.clear_io()

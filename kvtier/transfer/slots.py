@@ -38,12 +38,12 @@ class SlotOrder:
         """The last device copy issued on `slot`, if it is still tracked."""
         return self._copies.get(slot)
 
-    def copy_busy(self, slot: int) -> bool:
+    def _copy_busy(self, slot: int) -> bool:
         """Whether a device copy on `slot` may still be running."""
         copy = self._copies.get(slot)
         return copy is not None and not copy.done()
 
-    def forget_copy(self, slot: int) -> None:
+    def _forget_copy(self, slot: int) -> None:
         """Wait for the last device copy on `slot`, then drop its tracking."""
         copy = self._copies.pop(slot, None)
         if copy is not None:
@@ -79,22 +79,23 @@ class SlotOrder:
         if strict and is_read and error is not None:
             raise error
 
-    def io_busy(self, slot: int) -> bool:
+    def _io_busy(self, slot: int) -> bool:
         """Whether L3 I/O on `slot` may still be running."""
         io = self._io.get(slot)
         return io is not None and not io[0].done()
-
-    def clear_io(self) -> None:
-        """Forget every slot's L3 I/O (the disk mover closed)."""
-        self._io.clear()
 
     # -- both ------------------------------------------------------------------------------------
 
     def busy(self, slot: int) -> bool:
         """Whether a device copy or L3 I/O on `slot` may still be running."""
-        return self.copy_busy(slot) or self.io_busy(slot)
+        return self._copy_busy(slot) or self._io_busy(slot)
 
     def forget(self, slot: int) -> None:
         """Wait for everything on `slot`, then drop its tracking (before the slot is freed)."""
-        self.forget_copy(slot)
+        self._forget_copy(slot)
         self.settle_io(slot)
+
+    def clear(self) -> None:
+        """Forget every slot's copy and I/O (the engine closed)."""
+        self._copies.clear()
+        self._io.clear()
