@@ -84,7 +84,6 @@ class ChunkWriter:
         # Evicting, every chunk is checked again: L3 may have dropped one (size cap) after L2
         # let its copy go, and L1 holds the last copy now.
         must = evicting or pages is not None  # L1 will not hold the chunk after this
-        first = start // C
         for i in range(0 if evicting else s.flushed, n_full):
             e = d.ensure(s.chunk_keys[i], s.chunk_keys[i - 1] if i else ZERO_KEY, C)
             e.seen += i >= s.flushed
@@ -98,7 +97,7 @@ class ChunkWriter:
                 )
             ):
                 continue
-            chunk = None if pages is None else pages[i - first]
+            chunk = None if pages is None else pages[i - start // C]
             if not self.write_down(s, i * C, e, tenant=s.tenant, chunk=chunk, wait=must) and must:
                 log.warning(
                     "L2 has no free slot for chunk %s leaving L1; session %r keeps %d tokens",
@@ -194,7 +193,7 @@ class ChunkWriter:
         key = self.catalog.tail_key(parent, s.tokens[-t:], s)
         e = self.directory.ensure(key, parent, t)
         pos = len(s.tokens) - t
-        chunk = None if pages is None else pages[pos // C - start // C]
+        chunk = None if pages is None else pages[pos // C - start // C]  # chunk number pos // C
         if not self.directory.stored(e):
             if not self.write_down(s, pos, e, tenant=s.tenant, chunk=chunk, wait=True):
                 self.counters.count_drop()

@@ -93,6 +93,8 @@ class Walk:
             return
         with self._lock:
             self.moves.setdefault((caller, mod), len(self.moves))
+        if (caller, mod) in self.back_up:
+            return  # known already
         below = up.f_back if up is not None else None
         while below is not None:
             if below.f_globals.get("__name__", "") == mod:

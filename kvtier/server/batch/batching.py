@@ -447,7 +447,7 @@ class BatchScheduler:
             s = o.turn
             if o.ttft is not None:
                 self.observe_ttft(s, o.ttft)
-            if o.text or o.logprobs is not None:
+            if o.streams:
                 self.post(s, Delta(o.text, o.logprobs))
             if o.fault is not None:
                 self.fail(s, o.fault)

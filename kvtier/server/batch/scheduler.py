@@ -199,7 +199,7 @@ class TurnScheduler:
     def admit(self, s: Turn, plan: Admission) -> BaseException | None:
         """Admit the waiting turn `s` as `plan` says (`Pages.admit`): it runs in the table the
         page manager gives it. The error that failed it instead, or None."""
-        s.trace.admitting(self.pages.pool.device)  # its queue time ends here
+        s.trace.admitting(self.pages.device)  # its queue time ends here
         table = self.pages.admit(s, plan)
         if isinstance(table, BaseException):
             return table

@@ -67,6 +67,11 @@ class TurnOutput:
     fault: BaseException | None = None  # it failed (its row of the step, or its text)
     ttft: float | None = None  # its first token, this many s after it was admitted
 
+    @property
+    def streams(self) -> bool:
+        """Whether it has something for the client: text, or logprobs (of text held back)."""
+        return bool(self.text) or self.logprobs is not None
+
 
 @dataclass(eq=False)
 class StepFault:

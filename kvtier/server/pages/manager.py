@@ -192,6 +192,11 @@ class Pages:
         """The pool stores K/V as int8 (a degraded device's, `degraded_kv`)."""
         return self.pool.quantized
 
+    @property
+    def device(self) -> torch.device:
+        """The device the pool's pages are on."""
+        return self.pool.device
+
     def growth(self, decoding: Iterable[Turn]) -> int:
         """New pages the decoding turns' next token takes (those whose last page is full)."""
         return sum(self.pool.pages_needed(s.paged, 1) for s in decoding if s.paged is not None)
